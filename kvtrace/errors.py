@@ -1,0 +1,84 @@
+"""Every error kvtrace raises, in one hierarchy.
+
+    KvtraceError                 base: the CLI prints its message on one line, exit 2
+    ├── UsageError               the caller asked for something malformed
+    │   ├── InvalidNameError     a run name breaks the ref-name rules
+    │   └── InvalidSpecError     a step address (RUN, RUN@N, RUN~K, id prefix) is malformed
+    ├── NotFoundError            a run, step, blob, model or bundle does not exist
+    │   ├── RunNotFoundError
+    │   ├── StepNotFoundError    (also: an id prefix matches more than one step)
+    │   └── ModelNotFoundError   a model file or folder is missing; says how to install it
+    ├── ConflictError            a compare-and-swap on a ref lost: someone moved it first
+    ├── IntegrityError           stored or imported bytes do not hash to their address
+    ├── StoreError               the database failed (translated from SQLAlchemy)
+    ├── CacheError               the KV cache cannot serve a request
+    └── ReplayError              replay or continue cannot proceed
+        ├── MissingToolError     a continued run asked for a tool nobody registered
+        └── BackendError         a remote OpenAI-compatible backend failed (from httpx)
+
+Lower-level exceptions (SQLAlchemy, httpx, torch) are translated at the boundary
+with ``raise ... from exc``, so callers catch only these. Messages say what to do
+next, not just what went wrong.
+"""
+
+from __future__ import annotations
+
+
+class KvtraceError(Exception):
+    """Base of every error kvtrace raises on purpose."""
+
+
+class UsageError(KvtraceError):
+    """The caller asked for something malformed; nothing was changed."""
+
+
+class InvalidNameError(UsageError):
+    """A run name breaks the Git ref-name rules."""
+
+
+class InvalidSpecError(UsageError):
+    """A step address is malformed."""
+
+
+class NotFoundError(KvtraceError):
+    """Something the caller named does not exist."""
+
+
+class RunNotFoundError(NotFoundError):
+    """No run (branch) has that name."""
+
+
+class StepNotFoundError(NotFoundError):
+    """No single step matches the address (none, or an ambiguous id prefix)."""
+
+
+class ModelNotFoundError(NotFoundError):
+    """A model file or folder is missing."""
+
+
+class ConflictError(KvtraceError):
+    """A ref moved under us: the compare-and-swap lost and nothing was written."""
+
+
+class IntegrityError(KvtraceError):
+    """Bytes do not hash to their address (tampered store or bundle)."""
+
+
+class StoreError(KvtraceError):
+    """The database failed; the message carries the backend's reason."""
+
+
+class CacheError(KvtraceError):
+    """The KV cache cannot serve a request."""
+
+
+class ReplayError(KvtraceError):
+    """Replay or continue cannot proceed."""
+
+
+class MissingToolError(ReplayError):
+    """A continued run asked for a tool that the caller did not register."""
+
+
+class BackendError(ReplayError):
+    """A remote OpenAI-compatible backend failed or answered malformed data."""

@@ -1,0 +1,1 @@
+"""Replay recorded runs through a model, reusing the KV cache."""

@@ -1,0 +1,46 @@
+"""The Git-like, append-only trace store (see store.py for the design)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvtrace.store.backend import create_db_engine, migrate
+from kvtrace.store.names import validate_run_name
+from kvtrace.store.records import FsckReport, Note, ReflogEntry, RunInfo, Step
+from kvtrace.store.run import Run
+from kvtrace.store.store import Store
+
+__all__ = [
+    "FsckReport",
+    "Note",
+    "ReflogEntry",
+    "Run",
+    "RunInfo",
+    "Step",
+    "Store",
+    "default_url",
+    "open_store",
+    "validate_run_name",
+]
+
+
+def default_url() -> str:
+    """The embedded SQLite store: `$KVTRACE_HOME/store.db` or `./.kvtrace/store.db`."""
+    from kvtrace.paths import default_home
+
+    return f"sqlite:///{default_home() / 'store.db'}"
+
+
+def open_store(url: str | None = None) -> Store:
+    """Open (creating and migrating as needed) the store at a SQLAlchemy URL.
+
+    `None` means the embedded default. Plain ``postgresql://`` URLs use psycopg 3.
+    """
+    url = url or default_url()
+    if url.startswith("postgresql://"):
+        url = "postgresql+psycopg://" + url[len("postgresql://") :]
+    if url.startswith("sqlite:///") and url != "sqlite:///:memory:":
+        Path(url[len("sqlite:///") :]).parent.mkdir(parents=True, exist_ok=True)
+    engine = create_db_engine(url)
+    migrate(engine)
+    return Store(engine, url)

@@ -1,0 +1,134 @@
+"""Database connection for the store: one SQLAlchemy engine, two dialects.
+
+SQLite (embedded default) runs in WAL mode with a busy timeout, and write
+transactions start with ``BEGIN IMMEDIATE`` so two writers queue instead of
+failing when a read lock would have to be upgraded. PostgreSQL (psycopg 3)
+needs nothing special: a ref's compare-and-swap is one conditional UPDATE,
+which READ COMMITTED re-evaluates after a concurrent writer commits.
+
+The schema is brought up to date by alembic migrations when a store opens,
+in one transaction; a store already at the expected revision skips alembic.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy import event
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import Connection, Engine
+
+from kvtrace.errors import StoreError
+from kvtrace.store.schema import SCHEMA_REVISION
+
+MIGRATIONS_DIR = Path(__file__).parent / "migrations"
+_WRITE = "kvtrace_write"
+
+
+def create_db_engine(url: str) -> Engine:
+    """An engine for `url` with the per-dialect settings the store relies on."""
+    try:
+        engine = sa.create_engine(url)
+    except (sa.exc.ArgumentError, sa.exc.NoSuchModuleError, ImportError) as exc:
+        raise StoreError(f"cannot use store URL {url!r}: {exc}") from exc
+    if engine.dialect.name == "sqlite":
+        _configure_sqlite(engine)
+    elif engine.dialect.name != "postgresql":
+        raise StoreError(
+            f"unsupported database {engine.dialect.name!r}: use sqlite:/// or postgresql+psycopg://"
+        )
+    return engine
+
+
+def _configure_sqlite(engine: Engine) -> None:
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        # Take transaction control from pysqlite so that BEGIN is ours to emit.
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.execute("PRAGMA busy_timeout=30000")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn: Connection) -> None:
+        immediate = conn.get_execution_options().get(_WRITE, False)
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
+
+
+def writer(engine: Engine) -> Engine:
+    """A view of `engine` whose transactions intend to write (BEGIN IMMEDIATE on SQLite)."""
+    return engine.execution_options(**{_WRITE: True})
+
+
+@contextmanager
+def write_transaction(engine: Engine) -> Iterator[Connection]:
+    """A transaction on a `writer` engine: all of it lands or none of it."""
+    try:
+        with engine.begin() as conn:
+            yield conn
+    except sa.exc.SQLAlchemyError as exc:
+        raise StoreError(f"database write failed: {_reason(exc)}") from exc
+
+
+@contextmanager
+def read_transaction(engine: Engine) -> Iterator[Connection]:
+    """A read-only transaction (a consistent snapshot on both backends)."""
+    try:
+        with engine.begin() as conn:
+            yield conn
+    except sa.exc.SQLAlchemyError as exc:
+        raise StoreError(f"database read failed: {_reason(exc)}") from exc
+
+
+def _reason(exc: sa.exc.SQLAlchemyError) -> str:
+    orig = getattr(exc, "orig", None)
+    return str(orig if orig is not None else exc).strip().splitlines()[0]
+
+
+def insert_ignore(
+    conn: Connection, table: sa.Table, rows: Sequence[Mapping[str, Any]], key: str
+) -> None:
+    """Insert rows, skipping those whose `key` already exists (content-addressed dedup)."""
+    if not rows:
+        return
+    conn.execute(_insert_ignore_statement(conn.dialect.name, table, key), list(rows))
+
+
+@functools.cache
+def _insert_ignore_statement(dialect_name: str, table: sa.Table, key: str) -> sa.Insert:
+    dialect = postgresql if dialect_name == "postgresql" else sqlite
+    return dialect.insert(table).on_conflict_do_nothing(index_elements=[key])
+
+
+def migrate(engine: Engine) -> None:
+    """Apply pending migrations in one transaction (a no-op at the current revision)."""
+    from alembic.runtime.migration import MigrationContext
+
+    try:
+        with write_transaction(writer(engine)) as conn:
+            current = MigrationContext.configure(conn).get_current_revision()
+            if current == SCHEMA_REVISION:
+                return
+            _upgrade(conn, "head")
+    except StoreError:
+        raise
+    except Exception as exc:  # alembic raises its own types
+        raise StoreError(f"cannot migrate the store schema: {exc}") from exc
+
+
+def _upgrade(conn: Connection, target: str) -> None:
+    from alembic import command
+    from alembic.config import Config
+
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    config.attributes["connection"] = conn
+    command.upgrade(config, target)

@@ -1,0 +1,101 @@
+"""The canonical encoding: the written contract behind every id in the store.
+
+A blob's address is the SHA-256 of its bytes. A step's id is the SHA-256 of its
+*body*: the canonical JSON of ``{"v": ENCODING_VERSION, "kind", "parent",
+"payload", "raw", "meta"}``. Canonical means UTF-8, keys sorted, no insignificant
+whitespace, no NaN or infinity, and only JSON types (dict with str keys, list,
+str, int, float, bool, None). Because the parent id is inside the body, a step
+id pins its whole history, like a Git commit id; identical content under the
+same parent is the same step.
+
+The version tag ``"v"`` is part of every body, so a future encoding can never
+produce an id that collides with a version-1 id. Changing anything here changes
+ids: tests/store/test_encoding.py pins known ids.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from kvtrace.errors import IntegrityError, UsageError
+
+ENCODING_VERSION = 1
+
+
+def _check(value: Any, path: str) -> None:
+    """Reject anything that has no single canonical JSON spelling."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise UsageError(f"{path} is {value}: NaN and infinity have no canonical encoding")
+        return
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise UsageError(f"{path} has a non-string key {key!r}: use string keys")
+            _check(item, f"{path}.{key}")
+        return
+    if isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            _check(item, f"{path}[{index}]")
+        return
+    raise UsageError(
+        f"{path} is a {type(value).__name__}: only JSON values (dict, list, str, "
+        "int, float, bool, None) can be recorded"
+    )
+
+
+def canonical_json(value: Any) -> bytes:
+    """Encode a JSON value canonically (sorted keys, compact, UTF-8)."""
+    _check(value, "value")
+    return json.dumps(
+        value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+    ).encode("utf-8")
+
+
+def sha256_hex(data: bytes) -> str:
+    """Hex SHA-256: the address of a blob."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def step_body(
+    *,
+    kind: str,
+    parent: str | None,
+    payload: Mapping[str, str],
+    raw: list[str],
+    meta: Mapping[str, Any],
+) -> bytes:
+    """The canonical body of a step; its SHA-256 is the step id.
+
+    `payload` maps field names to blob addresses; `raw` names the fields whose
+    blob is raw bytes rather than canonical JSON.
+    """
+    return canonical_json(
+        {
+            "v": ENCODING_VERSION,
+            "kind": kind,
+            "parent": parent,
+            "payload": dict(payload),
+            "raw": sorted(raw),
+            "meta": dict(meta),
+        }
+    )
+
+
+def decode_body(body: bytes) -> dict[str, Any]:
+    """Parse a stored body and check it is canonical and of a known version."""
+    try:
+        value = json.loads(body.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise IntegrityError(f"step body is not valid JSON: {exc}") from exc
+    if not isinstance(value, dict) or value.get("v") != ENCODING_VERSION:
+        raise IntegrityError("step body has an unknown encoding version")
+    if canonical_json(value) != body:
+        raise IntegrityError("step body is not in canonical form")
+    return value

@@ -1,0 +1,89 @@
+"""Run names and step addresses.
+
+Run names follow Git's ref-name rules, so any name valid here is valid as a
+branch name in Git and vice versa (for the rules that matter to us): not empty,
+at most 200 characters, no ``..``, no whitespace or control characters, none of
+``~ ^ : @ ? * [ \\``, not starting with ``-`` or ``/``, not ending with ``/``,
+``.`` or ``.lock``, no ``//`` and no component starting with ``.``.
+
+A step address (a *spec*) is one of:
+``RUN`` (its head), ``RUN@N`` (the N-th step from the root, 1-based),
+``RUN~K`` (K steps back from the head), or a unique step-id prefix of at least
+7 hex characters. A name is tried as a run before it is tried as an id prefix,
+as Git does.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from kvtrace.errors import InvalidNameError, InvalidSpecError
+
+MAX_NAME_LENGTH = 200
+MIN_PREFIX_LENGTH = 7
+_FORBIDDEN = re.compile(r"[\x00-\x20\x7f~^:@?*\[\\]")
+_HEX = re.compile(r"^[0-9a-f]+$")
+
+
+def validate_run_name(name: str) -> str:
+    """Return `name` if it is a valid run name, else raise InvalidNameError."""
+    problem = _name_problem(name)
+    if problem:
+        raise InvalidNameError(f"invalid run name {name!r}: {problem}")
+    return name
+
+
+def _name_problem(name: str) -> str | None:
+    if not name:
+        return "it is empty"
+    if len(name) > MAX_NAME_LENGTH:
+        return f"it is longer than {MAX_NAME_LENGTH} characters"
+    match = _FORBIDDEN.search(name)
+    if match:
+        return f"it contains {match.group()!r} (no spaces, control characters or ~ ^ : @ ? * [ \\)"
+    if ".." in name:
+        return "it contains '..'"
+    if "//" in name:
+        return "it contains '//'"
+    if name.startswith(("-", "/")) or name.endswith(("/", ".", ".lock")):
+        return "it starts with '-' or '/', or ends with '/', '.' or '.lock'"
+    if any(part.startswith(".") for part in name.split("/")):
+        return "a component starts with '.'"
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Spec:
+    """A parsed step address: a run with a position, or an id prefix."""
+
+    run: str | None = None
+    number: int | None = None  # RUN@N: 1-based from the root
+    back: int = 0  # RUN~K: steps back from the head
+    prefix: str | None = None  # hex id prefix (only when no run by that name exists)
+
+
+def parse_spec(text: str) -> Spec:
+    """Parse a step address; whether a bare word is a run is decided by the store."""
+    if not isinstance(text, str) or not text:
+        raise InvalidSpecError("empty step address: use RUN, RUN@N, RUN~K or a step-id prefix")
+    if "@" in text:
+        run, _, number = text.rpartition("@")
+        if not number.isdigit() or int(number) < 1:
+            raise InvalidSpecError(f"bad step address {text!r}: in RUN@N, N is a number >= 1")
+        return Spec(run=validate_run_name(run), number=int(number))
+    if "~" in text:
+        run, _, back = text.partition("~")
+        back = back or "1"
+        if not back.isdigit():
+            raise InvalidSpecError(f"bad step address {text!r}: in RUN~K, K is a number >= 0")
+        return Spec(run=validate_run_name(run), back=int(back))
+    if _name_problem(text) is None:
+        prefix = text if _HEX.match(text) and len(text) >= MIN_PREFIX_LENGTH else None
+        return Spec(run=text, prefix=prefix)
+    if _HEX.match(text) and len(text) >= MIN_PREFIX_LENGTH:
+        return Spec(prefix=text)
+    raise InvalidSpecError(
+        f"bad step address {text!r}: use RUN, RUN@N, RUN~K or a step-id prefix "
+        f"of at least {MIN_PREFIX_LENGTH} hex characters"
+    )

@@ -1,0 +1,138 @@
+"""Typed, immutable records the store hands out.
+
+Records are snapshots: a `Step` never changes once recorded, and a `RunInfo`
+describes a ref at the moment it was read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One recorded step (like a Git commit).
+
+    `payload` maps each content field to the address of its blob; `content`
+    holds the decoded values of those blobs (JSON values, or bytes for raw
+    payloads such as HTTP bodies). `depth` is the 1-based distance from the root.
+    """
+
+    id: str
+    parent_id: str | None
+    kind: str
+    depth: int
+    payload: dict[str, str]
+    meta: dict[str, Any]
+    content: dict[str, Any]
+    recorded_at: float
+
+    @property
+    def short_id(self) -> str:
+        """The first 12 hex characters, as printed by the CLI."""
+        return self.id[:12]
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready view (raw bytes are shown as their length)."""
+        content = {
+            key: (f"<{len(value)} bytes>" if isinstance(value, bytes) else value)
+            for key, value in self.content.items()
+        }
+        return {
+            "id": self.id,
+            "parent_id": self.parent_id,
+            "kind": self.kind,
+            "depth": self.depth,
+            "payload": self.payload,
+            "meta": self.meta,
+            "content": content,
+            "recorded_at": self.recorded_at,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Note:
+    """An annotation attached to a step afterwards; the step itself never changes."""
+
+    id: int
+    step_id: str
+    text: str
+    author: str | None
+    created_at: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "step_id": self.step_id,
+            "text": self.text,
+            "author": self.author,
+            "created_at": self.created_at,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class ReflogEntry:
+    """One move of a ref: nothing is ever lost, because every move is logged."""
+
+    id: int
+    ref: str
+    old_head: str | None
+    new_head: str | None
+    reason: str
+    message: str
+    created_at: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "ref": self.ref,
+            "old_head": self.old_head,
+            "new_head": self.new_head,
+            "reason": self.reason,
+            "message": self.message,
+            "created_at": self.created_at,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class RunInfo:
+    """A run (branch) as listed by `Store.runs()`."""
+
+    name: str
+    head_id: str | None
+    depth: int
+    created_at: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "head_id": self.head_id,
+            "depth": self.depth,
+            "created_at": self.created_at,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class FsckReport:
+    """What `Store.fsck()` checked; a sound store has no `problems`."""
+
+    num_blobs: int
+    num_steps: int
+    num_refs: int
+    num_notes: int
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def is_ok(self) -> bool:
+        return not self.problems
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ok": self.is_ok,
+            "num_blobs": self.num_blobs,
+            "num_steps": self.num_steps,
+            "num_refs": self.num_refs,
+            "num_notes": self.num_notes,
+            "problems": list(self.problems),
+        }

@@ -1,0 +1,83 @@
+"""Refs and the reflog: the only things that move, and only together.
+
+Every change of a ref goes through `move_ref` (or `create_ref` for a new one):
+a compare-and-swap on the head (old head -> new head) and, in the same
+transaction, one reflog row recording old head, new head, reason and time.
+A lost swap raises ConflictError and writes nothing, so two writers can never
+silently lose a step. The reflog is append-only (database triggers), which is
+what makes every revert and reset undoable.
+"""
+
+from __future__ import annotations
+
+import time
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from kvtrace.errors import ConflictError
+from kvtrace.store.schema import refs, reflog
+
+REASONS = ("create", "append", "fork", "revert", "reset", "import")
+
+# Built once: appending a step runs these on every call, and building
+# statements costs more than executing them on SQLite.
+_SWAP = (
+    sa.update(refs)
+    .where(
+        refs.c.name == sa.bindparam("ref_name", type_=sa.String),
+        refs.c.head.is_not_distinct_from(sa.bindparam("old_head", type_=sa.String)),
+    )
+    .values(head=sa.bindparam("new_head", type_=sa.String))
+)
+_LOG = sa.insert(reflog)
+
+
+def create_ref(
+    conn: Connection, name: str, head: str | None, *, reason: str, message: str
+) -> None:
+    """Create ref `name` at `head`; ConflictError if it already exists."""
+    now = time.time()
+    exists = conn.execute(sa.select(refs.c.name).where(refs.c.name == name)).first()
+    if exists:
+        raise ConflictError(f"run {name!r} already exists: pick another name")
+    conn.execute(sa.insert(refs).values(name=name, head=head, created_at=now))
+    _log(conn, name, None, head, reason, message, now)
+
+
+def move_ref(
+    conn: Connection,
+    name: str,
+    old: str | None,
+    new: str | None,
+    *,
+    reason: str,
+    message: str,
+) -> None:
+    """Swap ref `name` from `old` to `new`, or raise ConflictError if it is not at `old`."""
+    result = conn.execute(_SWAP, {"ref_name": name, "old_head": old, "new_head": new})
+    if result.rowcount != 1:
+        current = conn.execute(sa.select(refs.c.head).where(refs.c.name == name)).scalar()
+        raise ConflictError(
+            f"run {name!r} moved to {str(current)[:12]} while this writer expected "
+            f"{str(old)[:12]}: reload the run (Store.run) and try again"
+        )
+    _log(conn, name, old, new, reason, message, time.time())
+
+
+def _log(
+    conn: Connection,
+    name: str,
+    old: str | None,
+    new: str | None,
+    reason: str,
+    message: str,
+    now: float,
+) -> None:
+    if reason not in REASONS:
+        raise ValueError(f"unknown reflog reason {reason!r}")
+    conn.execute(
+        _LOG,
+        {"ref": name, "old_head": old, "new_head": new, "reason": reason, "message": message,
+         "created_at": now},
+    )

@@ -1,0 +1,79 @@
+"""Tables of the trace store (SQLAlchemy Core).
+
+Only `refs` is mutable, and only its `head` column, through compare-and-swap.
+Everything else is append-only, enforced by database triggers created in the
+migrations (see migrations/versions). Times are UNIX seconds (float).
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    Column,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    String,
+    Table,
+    Text,
+)
+
+# The revision the code expects; a test checks it is the migrations' head.
+SCHEMA_REVISION = "0001_initial"
+APPEND_ONLY_TABLES = ("blobs", "steps", "reflog", "notes")
+
+metadata = MetaData()
+
+blobs = Table(
+    "blobs",
+    metadata,
+    Column("hash", String(64), primary_key=True),
+    Column("size", Integer, nullable=False),
+    Column("data", LargeBinary, nullable=False),
+)
+
+steps = Table(
+    "steps",
+    metadata,
+    Column("id", String(64), primary_key=True),
+    Column("parent_id", String(64), nullable=True),
+    Column("kind", String(64), nullable=False),
+    Column("depth", Integer, nullable=False),
+    Column("body", LargeBinary, nullable=False),
+    Column("recorded_at", Float, nullable=False),
+    Index("ix_steps_parent_id", "parent_id"),
+)
+
+refs = Table(
+    "refs",
+    metadata,
+    Column("name", String(200), primary_key=True),
+    Column("head", String(64), nullable=True),
+    Column("created_at", Float, nullable=False),
+)
+
+reflog = Table(
+    "reflog",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("ref", String(200), nullable=False),
+    Column("old_head", String(64), nullable=True),
+    Column("new_head", String(64), nullable=True),
+    Column("reason", String(32), nullable=False),
+    Column("message", Text, nullable=False),
+    Column("created_at", Float, nullable=False),
+    Index("ix_reflog_ref", "ref", "id"),
+)
+
+notes = Table(
+    "notes",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("step_id", String(64), ForeignKey("steps.id"), nullable=False),
+    Column("author", String(200), nullable=True),
+    Column("text", Text, nullable=False),
+    Column("created_at", Float, nullable=False),
+    Index("ix_notes_step_id", "step_id"),
+)
