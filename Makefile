@@ -27,7 +27,7 @@ test: $(STAMP)
 	$(BIN)/pytest -q
 
 demo: $(STAMP)
-	$(BIN)/python examples/demo.py
+	$(BIN)/python examples/store_tour.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check kvtrace tests bench examples

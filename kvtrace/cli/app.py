@@ -14,7 +14,9 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
 )
-cache_app = typer.Typer(help="Inspect and manage the two-tier KV prefix cache.", no_args_is_help=True)
+cache_app = typer.Typer(
+    help="Inspect and manage the two-tier KV prefix cache.", no_args_is_help=True
+)
 bench_app = typer.Typer(
     help="Benchmarks (not timed tests): each prints one JSON object.", no_args_is_help=True
 )

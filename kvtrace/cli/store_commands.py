@@ -141,7 +141,9 @@ def revert(
     """Move a run back to an earlier step; the reverted steps stay in the reflog."""
     with _store() as store:
         step = store.revert(run, to=to)
-    typer.echo(f"{run} reverted to {step.short_id} (depth {step.depth}); undo with `kvtrace undo {run}`")
+    typer.echo(
+        f"{run} reverted to {step.short_id} (depth {step.depth}); undo with `kvtrace undo {run}`"
+    )
 
 
 @app.command()

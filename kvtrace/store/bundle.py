@@ -53,11 +53,17 @@ def write_bundle(
             _line(file, {"blob": address, "data": base64.b64encode(bytes(data)).decode()})
             written.add(address)
         _line(file, {"step": step_id, "body": body.decode("utf-8"), "recorded_at": row.recorded_at})
-    for note in conn.execute(sa.select(notes).where(notes.c.step_id.in_(chain)).order_by(notes.c.id)):
+    for note in conn.execute(
+        sa.select(notes).where(notes.c.step_id.in_(chain)).order_by(notes.c.id)
+    ):
         _line(
             file,
-            {"note": note.step_id, "author": note.author, "text": note.text,
-             "created_at": note.created_at},
+            {
+                "note": note.step_id,
+                "author": note.author,
+                "text": note.text,
+                "created_at": note.created_at,
+            },
         )
     return len(chain)
 
@@ -92,7 +98,8 @@ def read_bundle(conn: Connection, file: IO[bytes], name: str | None) -> RunInfo:
             raise IntegrityError("bundle note is attached to a step outside the bundle")
         duplicate = conn.execute(
             sa.select(notes.c.id).where(
-                notes.c.step_id == note["step_id"], notes.c.text == note["text"],
+                notes.c.step_id == note["step_id"],
+                notes.c.text == note["text"],
                 notes.c.created_at == note["created_at"],
             )
         ).first()
@@ -117,7 +124,9 @@ class _StepRow(dict[str, Any]):
         return int(self["depth"])
 
 
-def _parse(file: IO[bytes]) -> tuple[dict[str, Any], list[dict[str, Any]], list[_StepRow], list[dict[str, Any]]]:
+def _parse(
+    file: IO[bytes],
+) -> tuple[dict[str, Any], list[dict[str, Any]], list[_StepRow], list[dict[str, Any]]]:
     try:
         lines = [json.loads(line) for line in file.read().decode("utf-8").splitlines() if line]
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -142,12 +151,24 @@ def _parse(file: IO[bytes]) -> tuple[dict[str, Any], list[dict[str, Any]], list[
             if missing:
                 raise IntegrityError(f"bundle step {item['step'][:12]} refers to a missing blob")
             step_rows.append(
-                _StepRow(id=item["step"], parent_id=value["parent"], kind=value["kind"],
-                         depth=0, body=body, recorded_at=float(item["recorded_at"]))
+                _StepRow(
+                    id=item["step"],
+                    parent_id=value["parent"],
+                    kind=value["kind"],
+                    depth=0,
+                    body=body,
+                    recorded_at=float(item["recorded_at"]),
+                )
             )
         elif "note" in item:
-            note_rows.append({"step_id": item["note"], "author": item.get("author"),
-                              "text": item["text"], "created_at": float(item["created_at"])})
+            note_rows.append(
+                {
+                    "step_id": item["note"],
+                    "author": item.get("author"),
+                    "text": item["text"],
+                    "created_at": float(item["created_at"]),
+                }
+            )
         else:
             raise UsageError("not a kvtrace bundle: unknown line")
     return header, blob_rows, step_rows, note_rows

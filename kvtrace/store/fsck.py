@@ -16,7 +16,7 @@ from sqlalchemy.engine import Connection
 from kvtrace.errors import IntegrityError
 from kvtrace.store.encoding import decode_body
 from kvtrace.store.records import FsckReport
-from kvtrace.store.schema import blobs, notes, refs, reflog, steps
+from kvtrace.store.schema import blobs, notes, reflog, refs, steps
 
 
 def check(conn: Connection) -> FsckReport:

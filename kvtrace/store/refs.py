@@ -16,7 +16,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from kvtrace.errors import ConflictError
-from kvtrace.store.schema import refs, reflog
+from kvtrace.store.schema import reflog, refs
 
 REASONS = ("create", "append", "fork", "revert", "reset", "import")
 
@@ -33,9 +33,7 @@ _SWAP = (
 _LOG = sa.insert(reflog)
 
 
-def create_ref(
-    conn: Connection, name: str, head: str | None, *, reason: str, message: str
-) -> None:
+def create_ref(conn: Connection, name: str, head: str | None, *, reason: str, message: str) -> None:
     """Create ref `name` at `head`; ConflictError if it already exists."""
     now = time.time()
     exists = conn.execute(sa.select(refs.c.name).where(refs.c.name == name)).first()
@@ -78,6 +76,12 @@ def _log(
         raise ValueError(f"unknown reflog reason {reason!r}")
     conn.execute(
         _LOG,
-        {"ref": name, "old_head": old, "new_head": new, "reason": reason, "message": message,
-         "created_at": now},
+        {
+            "ref": name,
+            "old_head": old,
+            "new_head": new,
+            "reason": reason,
+            "message": message,
+            "created_at": now,
+        },
     )

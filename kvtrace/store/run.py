@@ -87,7 +87,9 @@ class Run:
         if not name:
             raise UsageError("a tool call needs the tool's name")
         return self.record(
-            "tool_call", {"arguments": arguments, "result": result}, meta={"tool": name, "error": error}
+            "tool_call",
+            {"arguments": arguments, "result": result},
+            meta={"tool": name, "error": error},
         )
 
     def record_note(self, text: str, *, author: str | None = None) -> Step:

@@ -31,7 +31,7 @@ from kvtrace.store.backend import insert_ignore, read_transaction, write_transac
 from kvtrace.store.names import Spec, parse_spec, validate_run_name
 from kvtrace.store.records import FsckReport, Note, ReflogEntry, RunInfo, Step
 from kvtrace.store.refs import create_ref, move_ref
-from kvtrace.store.schema import blobs, notes, refs, reflog, steps
+from kvtrace.store.schema import blobs, notes, reflog, refs, steps
 
 if TYPE_CHECKING:
     from kvtrace.store.run import Run
@@ -158,9 +158,7 @@ class Store:
         with write_transaction(self._writer) as conn:
             head_id = self._head_id(conn, name)
             target = self._resolve(conn, to)
-            if head_id is None or target == head_id or not self._is_ancestor(
-                conn, target, head_id
-            ):
+            if head_id is None or target == head_id or not self._is_ancestor(conn, target, head_id):
                 raise UsageError(
                     f"cannot revert {name!r} to {to!r}: it is not an earlier step of that run "
                     "(use reset to move a run to any step)"
@@ -344,13 +342,19 @@ class Store:
         depth = conn.execute(sa.select(steps.c.depth).where(steps.c.id == head_id)).scalar_one()
         back = spec.back if spec.number is None else depth - spec.number
         if back < 0 or back >= depth:
-            raise StepNotFoundError(f"{text!r} is outside run {spec.run!r}, which has {depth} steps")
+            raise StepNotFoundError(
+                f"{text!r} is outside run {spec.run!r}, which has {depth} steps"
+            )
         return head_id if back == 0 else self._chain(conn, head_id, back + 1)[-1]
 
     def _by_prefix(self, conn: Connection, prefix: str) -> str:
-        ids = conn.execute(
-            sa.select(steps.c.id).where(steps.c.id.startswith(prefix, autoescape=True)).limit(2)
-        ).scalars().all()
+        ids = (
+            conn.execute(
+                sa.select(steps.c.id).where(steps.c.id.startswith(prefix, autoescape=True)).limit(2)
+            )
+            .scalars()
+            .all()
+        )
         if not ids:
             raise StepNotFoundError(f"no step or run matches {prefix!r}")
         if len(ids) > 1:
@@ -411,8 +415,16 @@ class Store:
                 blob = data[address]
                 content[key] = blob if key in body["raw"] else json.loads(blob)
             result.append(
-                Step(i, row.parent_id, row.kind, row.depth, body["payload"], body["meta"],
-                     content, row.recorded_at)
+                Step(
+                    i,
+                    row.parent_id,
+                    row.kind,
+                    row.depth,
+                    body["payload"],
+                    body["meta"],
+                    content,
+                    row.recorded_at,
+                )
             )
         return result
 

@@ -1,0 +1,1 @@
+"""Benchmarks behind `kvtrace bench`: each returns one JSON-ready dict of measurements."""

@@ -1,0 +1,85 @@
+"""Store benchmark: append latency, and fork/revert cost at 10 and 10,000 steps.
+
+Fork and revert must not depend on the length of the run: fork adds one ref
+row, revert moves one ref back a fixed distance. Both are timed on a 10-step
+and a 10,000-step run in the same process, alternating, so machine noise hits
+both sides alike; the medians and their ratio are reported.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from kvtrace.store import Store, open_store
+
+
+def _grow(store: Store, name: str, num_steps: int) -> None:
+    run = store.run(name)
+    for i in range(num_steps):
+        run.record_tool_call("bench", {"i": i}, {"value": i * 7})
+
+
+def _time_ms(action: Any) -> float:
+    start = time.perf_counter()
+    action()
+    return (time.perf_counter() - start) * 1000
+
+
+def run_store_bench(
+    url: str | None = None, *, num_appends: int = 2000, num_trials: int = 200
+) -> dict[str, Any]:
+    """Measure the store at `url` (default: a fresh SQLite file in a temp folder)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        store = open_store(url or f"sqlite:///{Path(tmp) / 'bench.db'}")
+        try:
+            return _measure(store, num_appends, num_trials)
+        finally:
+            store.close()
+
+
+def _measure(store: Store, num_appends: int, num_trials: int) -> dict[str, Any]:
+    suffix = f"{time.time_ns()}"  # runs of earlier benchmarks on a shared database stay apart
+    run = store.run(f"bench-append-{suffix}")
+    for i in range(50):  # warm up connections and statement caches
+        run.record_tool_call("warm", {"i": i}, i)
+    append_ms = []
+    for i in range(num_appends):
+        append_ms.append(_time_ms(lambda i=i: run.record_tool_call("bench", {"i": i}, i)))
+
+    sizes = {10: f"bench-10-{suffix}", 10_000: f"bench-10000-{suffix}"}
+    for size, name in sizes.items():
+        _grow(store, name, size)
+
+    fork_ms: dict[int, list[float]] = {size: [] for size in sizes}
+    revert_ms: dict[int, list[float]] = {size: [] for size in sizes}
+    for trial in range(num_trials):
+        for size, name in sizes.items():
+            fork_ms[size].append(_time_ms(lambda n=name, t=trial: store.fork(n, f"{n}-f{t}")))
+            head = store.resolve(name)
+            revert_ms[size].append(_time_ms(lambda n=name: store.revert(n, to=f"{n}~1")))
+            store.reset(name, to=head)
+
+    p50 = statistics.median
+    result: dict[str, Any] = {
+        "backend": store.engine.dialect.name,
+        "num_appends": num_appends,
+        "append_ms_p50": round(p50(append_ms), 4),
+        "append_ms_p95": round(sorted(append_ms)[int(0.95 * len(append_ms))], 4),
+        "append_per_s": round(1000 / statistics.mean(append_ms), 1),
+        "fork_ms_at_10": round(p50(fork_ms[10]), 4),
+        "fork_ms_at_10000": round(p50(fork_ms[10_000]), 4),
+        "revert_ms_at_10": round(p50(revert_ms[10]), 4),
+        "revert_ms_at_10000": round(p50(revert_ms[10_000]), 4),
+    }
+    result["fork_ratio"] = round(result["fork_ms_at_10000"] / result["fork_ms_at_10"], 3)
+    result["revert_ratio"] = round(result["revert_ms_at_10000"] / result["revert_ms_at_10"], 3)
+    result["targets_met"] = (
+        result["append_ms_p50"] < 1.0
+        and result["fork_ratio"] <= 1.2
+        and result["revert_ratio"] <= 1.2
+    )
+    return result

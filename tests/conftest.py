@@ -1,0 +1,82 @@
+"""Shared fixtures: stores on real backends (a SQLite file, a PostgreSQL schema)."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import sqlalchemy as sa
+
+PG_URL = os.environ.get("KVTRACE_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def _pg_available() -> bool:
+    try:
+        engine = sa.create_engine(PG_URL)
+        with engine.connect() as conn:
+            conn.execute(sa.text("select 1"))
+        engine.dispose()
+        return True
+    except Exception:
+        return False
+
+
+@pytest.fixture(scope="session")
+def pg_available() -> bool:
+    ok = _pg_available()
+    if not ok and os.environ.get("CI"):
+        pytest.fail(f"PostgreSQL is required under CI but {PG_URL} is unreachable")
+    return ok
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store_url(request: pytest.FixtureRequest, tmp_path) -> Iterator[str]:
+    """A URL for an empty store on each backend (PostgreSQL: a fresh schema)."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'store.db'}"
+        return
+    if not request.getfixturevalue("pg_available"):
+        pytest.skip(f"PostgreSQL not reachable at {PG_URL}")
+    schema = f"kvt_{uuid.uuid4().hex[:12]}"
+    admin = sa.create_engine(PG_URL)
+    with admin.begin() as conn:
+        conn.execute(sa.text(f"CREATE SCHEMA {schema}"))
+    sep = "&" if "?" in PG_URL else "?"
+    yield f"{PG_URL}{sep}options=-csearch_path%3D{schema}"
+    with admin.begin() as conn:
+        conn.execute(sa.text(f"DROP SCHEMA {schema} CASCADE"))
+    admin.dispose()
+
+
+@pytest.fixture
+def store(store_url: str):
+    from kvtrace import open_store
+
+    s = open_store(store_url)
+    yield s
+    s.close()
+
+
+def tamper(store, sql: str, **params) -> None:
+    """Run SQL that bypasses the append-only triggers, on purpose (tests of fsck)."""
+    engine = store.engine
+    with engine.begin() as conn:
+        if engine.dialect.name == "postgresql":
+            conn.execute(sa.text("SET LOCAL session_replication_role = replica"))
+            conn.execute(sa.text(sql), params)
+            return
+        table = sql.split()[1] if sql.upper().startswith("UPDATE") else sql.split()[2]
+        triggers = conn.execute(
+            sa.text("SELECT name, sql FROM sqlite_master WHERE type='trigger' AND tbl_name=:t"),
+            {"t": table},
+        ).all()
+        for name, _ in triggers:
+            conn.execute(sa.text(f"DROP TRIGGER {name}"))
+        conn.execute(sa.text(sql), params)
+        for _, ddl in triggers:
+            conn.execute(sa.text(ddl))

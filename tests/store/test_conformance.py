@@ -1,0 +1,360 @@
+"""One conformance suite for every store backend (SQLite file and PostgreSQL).
+
+Each test runs once per backend through the `store` fixture (tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import threading
+
+import pytest
+import sqlalchemy as sa
+
+from kvtrace import ConflictError, IntegrityError, open_store
+from kvtrace.errors import (
+    InvalidNameError,
+    RunNotFoundError,
+    StepNotFoundError,
+    StoreError,
+    UsageError,
+)
+from tests.conftest import tamper
+
+MSGS = [{"role": "user", "content": "What is 2+2?"}]
+REPLY = {"role": "assistant", "content": "4"}
+
+
+def _linear(store, name="main", n=5):
+    run = store.run(name)
+    return run, [run.record_tool_call("t", {"i": i}, i * i) for i in range(n)]
+
+
+def _count(store, table):
+    with store.engine.connect() as conn:
+        return conn.execute(sa.text(f"SELECT count(*) FROM {table}")).scalar()
+
+
+# -- ids --------------------------------------------------------------------------
+
+
+def test_identical_content_under_same_parent_is_the_same_step(store):
+    a = store.run("a").record_model_call(MSGS, REPLY, model="m")
+    b = store.run("b").record_model_call(MSGS, REPLY, model="m")
+    assert a.id == b.id
+    assert _count(store, "steps") == 1
+
+
+def test_changed_content_or_parent_changes_the_id(store):
+    run = store.run("main")
+    first = run.record_model_call(MSGS, REPLY, model="m")
+    again = run.record_model_call(MSGS, REPLY, model="m")  # same content, new parent
+    other = store.run("other").record_model_call(
+        MSGS, {"role": "assistant", "content": "5"}, model="m"
+    )
+    assert len({first.id, again.id, other.id}) == 3
+    assert again.parent_id == first.id and again.depth == 2
+
+
+def test_blobs_are_stored_once_however_often_referenced(store):
+    run = store.run("main")
+    for _ in range(3):
+        run.record_tool_call("t", {"same": True}, "same result")
+    assert _count(store, "steps") == 3
+    assert _count(store, "blobs") == 2
+
+
+def test_step_content_round_trips(store):
+    run = store.run("main")
+    step = run.record_model_call(
+        MSGS,
+        REPLY,
+        model="m",
+        params={"temperature": 0},
+        usage={"prompt_tokens": 7},
+        timings={"total_s": 0.5},
+    )
+    shown = store.show(step.id)
+    assert shown.content == {"messages": MSGS, "response": REPLY}
+    assert shown.meta == {
+        "model": "m",
+        "params": {"temperature": 0},
+        "usage": {"prompt_tokens": 7},
+        "timings": {"total_s": 0.5},
+    }
+    raw = run.record("http", {"url": "http://x/"}, raw={"body": b"\x00\xff"})
+    assert store.show(raw.id).content == {"url": "http://x/", "body": b"\x00\xff"}
+
+
+# -- addressing -------------------------------------------------------------------
+
+
+def test_step_addresses_resolve(store):
+    _, steps = _linear(store, n=5)
+    assert store.resolve("main") == steps[-1].id
+    assert store.resolve("main@1") == steps[0].id
+    assert store.resolve("main@5") == steps[4].id
+    assert store.resolve("main~2") == steps[2].id
+    assert store.resolve(steps[1].id[:9]) == steps[1].id
+
+
+@pytest.mark.parametrize("spec", ["main@6", "main~5", "nosuchrun", "deadbeef00"])
+def test_addresses_outside_the_store_are_clear_errors(store, spec):
+    _linear(store, n=5)
+    with pytest.raises((StepNotFoundError, RunNotFoundError)):
+        store.resolve(spec)
+
+
+def test_bad_run_name_is_refused_and_changes_nothing(store):
+    with pytest.raises(InvalidNameError):
+        store.run("no spaces please")
+    assert store.runs() == []
+
+
+def test_log_yields_head_first(store):
+    _, steps = _linear(store, n=4)
+    assert [s.id for s in store.log("main")] == [s.id for s in reversed(steps)]
+    assert [s.depth for s in store.log("main", limit=2)] == [4, 3]
+    assert [s.id for s in store.path("main")] == [s.id for s in steps]
+
+
+# -- fork, revert, reset ----------------------------------------------------------
+
+
+def test_fork_adds_one_ref_and_copies_nothing(store):
+    _, steps = _linear(store, n=5)
+    before = _count(store, "steps"), _count(store, "blobs")
+    fork = store.fork("main@3", "exp")
+    assert fork.head.id == steps[2].id
+    assert (_count(store, "steps"), _count(store, "blobs")) == before
+    assert _count(store, "refs") == 2
+    child = fork.record_tool_call("t", {"edited": True}, "x")
+    assert child.parent_id == steps[2].id
+    assert store.resolve("main") == steps[-1].id
+
+
+def test_fork_to_an_existing_name_conflicts(store):
+    _linear(store, n=2)
+    with pytest.raises(ConflictError):
+        store.fork("main@1", "main")
+
+
+def test_revert_keeps_reverted_steps_in_reflog(store):
+    _, steps = _linear(store, n=5)
+    store.revert("main", to="main@2")
+    assert store.resolve("main") == steps[1].id
+    last = store.reflog("main")[0]
+    assert (last.reason, last.old_head, last.new_head) == ("revert", steps[-1].id, steps[1].id)
+    assert store.show(steps[-1].id).id == steps[-1].id  # still reachable
+
+
+def test_reset_to_reverted_head_undoes_the_revert(store):
+    _, steps = _linear(store, n=5)
+    store.revert("main", to="main@2")
+    store.reset("main", to=steps[-1].id)
+    assert [s.id for s in store.log("main")] == [s.id for s in reversed(steps)]
+
+
+def test_undo_reverses_the_last_move(store):
+    _, steps = _linear(store, n=3)
+    store.revert("main", to="main@1")
+    store.undo("main")
+    assert store.resolve("main") == steps[-1].id
+    assert [e.reason for e in store.reflog("main")][:2] == ["reset", "revert"]
+
+
+def test_revert_to_a_step_outside_the_run_is_refused(store):
+    _linear(store, n=3)
+    other = store.run("other").record_tool_call("t", {}, "other")
+    with pytest.raises(UsageError):
+        store.revert("main", to=other.id)
+    with pytest.raises(UsageError):
+        store.revert("main", to="main")  # not an earlier step
+    assert store.show("main").depth == 3
+
+
+# -- writers ----------------------------------------------------------------------
+
+
+def test_stale_writer_gets_a_conflict_and_writes_nothing(store):
+    first = store.run("main")
+    second = store.run("main")
+    first.record_tool_call("t", {}, 1)
+    steps_before = _count(store, "steps")
+    with pytest.raises(ConflictError):
+        second.record_tool_call("t", {}, 2)
+    assert _count(store, "steps") == steps_before
+    second.refresh()
+    assert second.record_tool_call("t", {}, 2).depth == 2
+
+
+def test_concurrent_appends_never_lose_a_step(store_url):
+    landed: list[str] = []
+    conflicts = [0]
+    lock = threading.Lock()
+
+    def writer(worker: int) -> None:
+        store = open_store(store_url)
+        run = store.run("shared")
+        for i in range(15):
+            while True:
+                try:
+                    step = run.record_tool_call("t", {"w": worker, "i": i}, None)
+                except ConflictError:
+                    with lock:
+                        conflicts[0] += 1
+                    run.refresh()
+                    continue
+                with lock:
+                    landed.append(step.id)
+                break
+        store.close()
+
+    open_store(store_url).run("shared")
+    threads = [threading.Thread(target=writer, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    store = open_store(store_url)
+    chain = [s.id for s in store.log("shared")]
+    assert sorted(chain) == sorted(landed)
+    assert len(chain) == 60
+    appends = [e for e in store.reflog("shared") if e.reason == "append"]
+    assert len(appends) == 60
+    store.close()
+
+
+# -- notes ------------------------------------------------------------------------
+
+
+def test_notes_annotate_without_changing_the_step(store):
+    _, steps = _linear(store, n=2)
+    store.note("main@1", "suspicious result", author="supervisor")
+    (note,) = store.notes(steps[0].id)
+    assert (note.text, note.author) == ("suspicious result", "supervisor")
+    assert store.resolve("main") == steps[-1].id
+    assert store.fsck().is_ok
+
+
+# -- fsck -------------------------------------------------------------------------
+
+
+def test_fsck_is_clean_on_a_sound_store(store):
+    _linear(store, n=3)
+    report = store.fsck()
+    assert report.problems == [] and report.num_steps == 3
+
+
+def test_fsck_detects_a_tampered_blob(store):
+    _, steps = _linear(store, n=2)
+    address = steps[0].payload["result"]
+    tamper(store, "UPDATE blobs SET data = :d WHERE hash = :h", d=b"99", h=address)
+    assert any("does not hash" in p for p in store.fsck().problems)
+
+
+def test_fsck_detects_a_tampered_step(store):
+    _, steps = _linear(store, n=2)
+    body = bytes(steps[1].id, "ascii")  # any other bytes
+    tamper(store, "UPDATE steps SET body = :b WHERE id = :i", b=body, i=steps[1].id)
+    assert any(steps[1].id[:12] in p and "tampered" in p for p in store.fsck().problems)
+
+
+def test_fsck_detects_a_missing_parent(store):
+    _, steps = _linear(store, n=3)
+    tamper(store, "DELETE FROM steps WHERE id = :i", i=steps[0].id)
+    assert any("parent" in p and "missing" in p for p in store.fsck().problems)
+
+
+# -- append-only ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "sql",
+    [
+        "UPDATE steps SET kind = 'x'",
+        "DELETE FROM steps",
+        "UPDATE blobs SET size = 0",
+        "DELETE FROM blobs",
+        "UPDATE reflog SET reason = 'x'",
+        "DELETE FROM reflog",
+        "UPDATE notes SET text = 'x'",
+        "DELETE FROM notes",
+    ],
+)
+def test_plain_sql_cannot_update_or_delete_history(store, sql):
+    _linear(store, n=2)
+    store.note("main", "n")
+    with pytest.raises(sa.exc.DBAPIError, match="append-only"), store.engine.begin() as conn:
+        conn.execute(sa.text(sql))
+    assert store.fsck().is_ok and _count(store, "notes") == 1
+
+
+# -- bundles ----------------------------------------------------------------------
+
+
+def _bundle(store, name="main") -> bytes:
+    buf = io.BytesIO()
+    store.export_run(name, buf)
+    return buf.getvalue()
+
+
+def test_export_import_round_trip_keeps_ids(store, tmp_path):
+    run, _ = _linear(store, n=4)
+    run.record_model_call(MSGS, REPLY, model="m")
+    run.record("http", {"url": "u"}, raw={"body": b"\x01\x02"})
+    store.note("main@2", "keep me")
+    data = _bundle(store)
+    other = open_store(f"sqlite:///{tmp_path / 'other.db'}")
+    info = other.import_bundle(io.BytesIO(data))
+    assert info.head_id == store.resolve("main")
+    assert [s.id for s in other.log("main")] == [s.id for s in store.log("main")]
+    assert [n.text for n in other.notes("main@2")] == ["keep me"]
+    assert other.fsck().is_ok
+    other.close()
+
+
+def test_import_into_the_same_store_under_a_new_name(store):
+    _linear(store, n=3)
+    info = store.import_bundle(io.BytesIO(_bundle(store)), name="copy")
+    assert info.head_id == store.resolve("main")
+    assert _count(store, "steps") == 3
+
+
+def test_modified_bundle_is_refused_and_changes_nothing(store, tmp_path):
+    _linear(store, n=3)
+    lines = _bundle(store).decode().splitlines()
+    for index, line in enumerate(lines):
+        item = json.loads(line)
+        if "step" in item:
+            item["body"] = item["body"].replace('"tool":"t"', '"tool":"T"')
+            lines[index] = json.dumps(item)
+            break
+    other = open_store(f"sqlite:///{tmp_path / 'other.db'}")
+    with pytest.raises(IntegrityError):
+        other.import_bundle(io.BytesIO("\n".join(lines).encode()))
+    assert other.runs() == [] and _count(other, "steps") == 0
+    other.close()
+
+
+def test_garbage_is_not_a_bundle(store):
+    with pytest.raises(UsageError):
+        store.import_bundle(io.BytesIO(b"hello"))
+
+
+# -- schema -----------------------------------------------------------------------
+
+
+def test_reopening_keeps_everything(store_url):
+    first = open_store(store_url)
+    _, steps = _linear(first, n=2)
+    first.close()
+    again = open_store(store_url)
+    assert again.resolve("main") == steps[-1].id
+    again.close()
+
+
+def test_bad_url_is_a_clear_error():
+    with pytest.raises(StoreError):
+        open_store("mysql+nosuchdriver://x/y")

@@ -1,0 +1,51 @@
+"""Schema migrations: applied when a store opens, from the oldest schema up."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import sqlalchemy as sa
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+
+from kvtrace import open_store
+from kvtrace.store.backend import MIGRATIONS_DIR, _upgrade, create_db_engine
+from kvtrace.store.schema import SCHEMA_REVISION, metadata
+
+
+def _script() -> ScriptDirectory:
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    return ScriptDirectory.from_config(config)
+
+
+def test_code_expects_the_head_revision():
+    assert _script().get_current_head() == SCHEMA_REVISION
+
+
+def test_opening_an_empty_database_migrates_it_to_head(store_url):
+    store = open_store(store_url)
+    with store.engine.connect() as conn:
+        assert MigrationContext.configure(conn).get_current_revision() == SCHEMA_REVISION
+        tables = set(sa.inspect(conn).get_table_names())
+    assert set(metadata.tables) <= tables
+    store.close()
+
+
+def test_every_revision_applies_in_order_from_the_oldest(store_url):
+    engine = create_db_engine(store_url)
+    revisions = list(reversed(list(_script().walk_revisions())))
+    for revision in revisions:
+        with engine.begin() as conn:
+            _upgrade(conn, revision.revision)
+            assert MigrationContext.configure(conn).get_current_revision() == revision.revision
+    engine.dispose()
+    store = open_store(store_url)  # a store at head opens without migrating again
+    assert store.run("main").record_tool_call("t", {}, 1).depth == 1
+    store.close()
+
+
+def test_migration_files_are_named_after_their_revision():
+    for revision in _script().walk_revisions():
+        assert Path(revision.path).stem == revision.revision

@@ -1,0 +1,96 @@
+"""The CLI over the store: a tour as a user types it, and one-line errors with exit 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvtrace import open_store
+from kvtrace.cli import main
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVTRACE_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("KVTRACE_STORE", raising=False)
+    store = open_store()
+    run = store.run("main")
+    for i in range(4):
+        run.record_tool_call("calc", {"x": i}, i + 1)
+    store.close()
+    return tmp_path
+
+
+def kv(capsys, *argv: str) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exit_info:
+        main(list(argv))
+    out, err = capsys.readouterr()
+    return int(exit_info.value.code or 0), out, err
+
+
+def test_runs_and_log_json(home, capsys):
+    code, out, _ = kv(capsys, "runs", "--json")
+    assert code == 0 and json.loads(out)[0]["depth"] == 4
+    code, out, _ = kv(capsys, "log", "main", "--json")
+    assert [s["depth"] for s in json.loads(out)] == [4, 3, 2, 1]
+
+
+def test_fork_revert_reset_tour(home, capsys):
+    head = json.loads(kv(capsys, "show", "main", "--json")[1])["id"]
+    assert kv(capsys, "fork", "main@2", "exp")[0] == 0
+    assert kv(capsys, "revert", "main", "--to", "main~2")[0] == 0
+    assert json.loads(kv(capsys, "show", "main", "--json")[1])["depth"] == 2
+    assert kv(capsys, "reset", "main", "--to", head[:10])[0] == 0
+    assert json.loads(kv(capsys, "show", "main", "--json")[1])["id"] == head
+    reasons = [e["reason"] for e in json.loads(kv(capsys, "reflog", "main", "--json")[1])]
+    assert reasons[:2] == ["reset", "revert"]
+    code, out, _ = kv(capsys, "log", "main", "--graph")
+    assert code == 0 and "(main)" in out and "other branch" not in out
+
+
+def test_note_shows_up_in_show(home, capsys):
+    assert kv(capsys, "note", "main@1", "check this", "--author", "me")[0] == 0
+    shown = json.loads(kv(capsys, "show", "main@1", "--json")[1])
+    assert shown["notes"][0]["text"] == "check this"
+
+
+def test_export_import_and_fsck(home, capsys, tmp_path):
+    bundle = tmp_path / "main.kvtrace"
+    assert kv(capsys, "export", "main", "-o", str(bundle))[0] == 0
+    assert kv(capsys, "import", str(bundle), "--as", "copy")[0] == 0
+    code, out, _ = kv(capsys, "fsck", "--json")
+    assert code == 0 and json.loads(out)["ok"] is True
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["log", "nosuchrun"],
+        ["show", "main@99"],
+        ["fork", "main", "bad name"],
+        ["revert", "main", "--to", "nosuchrun"],
+        ["import", "/nonexistent/bundle"],
+        ["log"],
+        ["frobnicate"],
+    ],
+)
+def test_bad_input_is_one_line_exit_2_and_changes_nothing(home, capsys, argv):
+    before = kv(capsys, "reflog", "main", "--json")[1]
+    code, _, err = kv(capsys, *argv)
+    assert code == 2
+    assert err.startswith("error: ") and err.count("\n") == 1
+    assert kv(capsys, "reflog", "main", "--json")[1] == before
+
+
+def test_console_script_runs_in_a_real_process(home):
+    result = subprocess.run(
+        [sys.executable, "-m", "kvtrace", "log", "main@1", "--json"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)[0]["depth"] == 1

@@ -1,0 +1,42 @@
+"""Layers import in one direction: store -> engine -> replay -> cli (dulwich keeps such a test)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "kvtrace"
+
+# A layer may import itself, the shared modules, and the layers listed for it.
+SHARED = {"kvtrace.errors", "kvtrace.paths"}
+ALLOWED = {
+    "store": {"store"},
+    "engine": {"engine"},
+    "replay": {"replay", "store", "engine"},
+    "bench": {"bench", "store", "engine", "replay"},
+    "cli": {"cli", "store", "engine", "replay", "bench"},
+}
+
+
+def _imports(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return {n for n in names if n == "kvtrace" or n.startswith("kvtrace.")}
+
+
+@pytest.mark.parametrize("layer", sorted(ALLOWED))
+def test_lower_layers_never_import_higher_ones(layer):
+    folder = PACKAGE / layer
+    for path in folder.rglob("*.py"):
+        for name in _imports(path):
+            if name in SHARED:
+                continue
+            parts = name.split(".")
+            target = parts[1] if len(parts) > 1 else "kvtrace"
+            assert target in ALLOWED[layer], f"{path.relative_to(PACKAGE)} imports {name}"
