@@ -94,3 +94,10 @@ def test_console_script_runs_in_a_real_process(home):
     )
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)[0]["depth"] == 1
+
+
+def test_diff_names_the_common_step(home, capsys):
+    kv(capsys, "fork", "main@2", "exp")
+    code, out, _ = kv(capsys, "diff", "main", "exp", "--json")
+    result = json.loads(out)
+    assert code == 0 and result["common"]["depth"] == 2 and result["num_only_a"] == 2

@@ -99,6 +99,34 @@ def log(
 
 
 @app.command()
+def diff(
+    a: str = typer.Argument(..., help="A run or step address."),
+    b: str = typer.Argument(..., help="Another run or step address."),
+    as_json: bool = JSON,
+) -> None:
+    """Where two runs part: their last common step and the first step of each after it."""
+    with _store() as store:
+        result = store.diverge(a, b)
+    if as_json:
+        print_json(result.to_dict())
+        return
+    common = result.common
+    typer.echo(
+        f"common: {common.depth} {common.short_id} {common.kind}" if common else "common: (none)"
+    )
+    for label, step, count in (
+        (a, result.first_a, result.num_only_a),
+        (b, result.first_b, result.num_only_b),
+    ):
+        if step is None:
+            typer.echo(f"{label}: no steps after the common one")
+        else:
+            typer.echo(
+                f"{label}: {count} more step(s), first {step.short_id} {step.kind} {summary(step)}"
+            )
+
+
+@app.command()
 def show(
     spec: str = typer.Argument(..., help="Step address: RUN, RUN@N, RUN~K or id prefix."),
     as_json: bool = JSON,

@@ -6,11 +6,12 @@ from pathlib import Path
 
 from kvtrace.store.backend import create_db_engine, migrate
 from kvtrace.store.names import validate_run_name
-from kvtrace.store.records import FsckReport, Note, ReflogEntry, RunInfo, Step
+from kvtrace.store.records import Divergence, FsckReport, Note, ReflogEntry, RunInfo, Step
 from kvtrace.store.run import Run
 from kvtrace.store.store import Store
 
 __all__ = [
+    "Divergence",
     "FsckReport",
     "Note",
     "ReflogEntry",

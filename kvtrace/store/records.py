@@ -136,3 +136,26 @@ class FsckReport:
             "num_notes": self.num_notes,
             "problems": list(self.problems),
         }
+
+
+@dataclass(frozen=True, slots=True)
+class Divergence:
+    """Where two runs part: their last common step and the first step of each after it."""
+
+    common: Step | None
+    first_a: Step | None
+    first_b: Step | None
+    num_only_a: int
+    num_only_b: int
+
+    def to_dict(self) -> dict[str, Any]:
+        def view(step: Step | None) -> dict[str, Any] | None:
+            return step.to_dict() if step else None
+
+        return {
+            "common": view(self.common),
+            "first_a": view(self.first_a),
+            "first_b": view(self.first_b),
+            "num_only_a": self.num_only_a,
+            "num_only_b": self.num_only_b,
+        }

@@ -29,7 +29,7 @@ from kvtrace.errors import (
 from kvtrace.store import encoding
 from kvtrace.store.backend import insert_ignore, read_transaction, write_transaction, writer
 from kvtrace.store.names import Spec, parse_spec, validate_run_name
-from kvtrace.store.records import FsckReport, Note, ReflogEntry, RunInfo, Step
+from kvtrace.store.records import Divergence, FsckReport, Note, ReflogEntry, RunInfo, Step
 from kvtrace.store.refs import create_ref, move_ref
 from kvtrace.store.schema import blobs, notes, reflog, refs, steps
 
@@ -120,6 +120,28 @@ class Store:
     def path(self, spec: str) -> list[Step]:
         """Steps from the root to `spec`, in order (what replay walks)."""
         return list(reversed(list(self.log(spec))))
+
+    def diverge(self, a: str, b: str) -> Divergence:
+        """Where the histories of `a` and `b` part (like `git merge-base`)."""
+        with read_transaction(self._engine) as conn:
+            chains = []
+            for spec in (a, b):
+                start = self._resolve_or_empty(conn, spec)
+                chains.append(list(reversed(self._chain(conn, start, None))) if start else [])
+            chain_a, chain_b = chains
+            shared = 0
+            while shared < min(len(chain_a), len(chain_b)) and chain_a[shared] == chain_b[shared]:
+                shared += 1
+            wanted = [chain_a[shared - 1]] if shared else []
+            wanted += chain_a[shared : shared + 1] + chain_b[shared : shared + 1]
+            loaded = {step.id: step for step in self._load_steps(conn, wanted)}
+        return Divergence(
+            common=loaded[chain_a[shared - 1]] if shared else None,
+            first_a=loaded.get(chain_a[shared]) if shared < len(chain_a) else None,
+            first_b=loaded.get(chain_b[shared]) if shared < len(chain_b) else None,
+            num_only_a=len(chain_a) - shared,
+            num_only_b=len(chain_b) - shared,
+        )
 
     def read_blob(self, address: str) -> bytes:
         """The bytes stored at `address`."""

@@ -358,3 +358,24 @@ def test_reopening_keeps_everything(store_url):
 def test_bad_url_is_a_clear_error():
     with pytest.raises(StoreError):
         open_store("mysql+nosuchdriver://x/y")
+
+
+# -- divergence -------------------------------------------------------------------
+
+
+def test_diverge_finds_where_two_runs_part(store):
+    _, steps = _linear(store, n=4)
+    fork = store.fork("main@2", "exp")
+    edited = fork.record_tool_call("t", {"edited": True}, "x")
+    result = store.diverge("main", "exp")
+    assert result.common is not None and result.common.id == steps[1].id
+    assert result.first_a is not None and result.first_a.id == steps[2].id
+    assert result.first_b is not None and result.first_b.id == edited.id
+    assert (result.num_only_a, result.num_only_b) == (2, 1)
+
+
+def test_diverge_of_unrelated_runs_has_no_common_step(store):
+    _linear(store, n=2)
+    store.run("other").record_tool_call("t", {}, "other")
+    result = store.diverge("main", "other")
+    assert result.common is None and (result.num_only_a, result.num_only_b) == (2, 1)
