@@ -1,0 +1,149 @@
+"""The backend interface replay talks to, and the records that cross it.
+
+A backend answers one model call at a time, given the chat messages (and,
+when the driver has a tokenizer, their token ids). It can either generate a
+response (verify, continue) or rebuild: feed the recorded output instead of
+generating, so that its cache ends up holding the call's prompt and output.
+Two implementations: `LocalBackend` (local.py: the engine and its two-tier
+KV cache) and `RemoteBackend` (remote.py: any OpenAI-compatible server).
+
+A backend reports what it reused from its cache for the prompt only (the
+prompt's last token always counts as computed): `reused_tokens`, split into
+`memory_tokens` and `disk_tokens` where the backend knows the tier (a remote
+server reports only the sum), or None when it cannot know at all (a server
+that does not report cached tokens).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from kvtrace.errors import UsageError
+
+Message = dict[str, Any]
+
+
+class Tokenizer(Protocol):
+    """What replay needs from a tokenizer: chat templating, decoding, stop tokens.
+
+    The engine satisfies it, so every caller tokenises messages identically.
+    """
+
+    @property
+    def eos_token_ids(self) -> Sequence[int]: ...
+
+    def chat_tokens(
+        self, messages: list[Message], add_generation_prompt: bool = True
+    ) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to generate: greedy (temperature 0) unless a recording says otherwise."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    max_new_tokens: int = 256
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.max_new_tokens < 1:
+            raise UsageError(
+                "sampling needs temperature >= 0, 0 < top_p <= 1 and max_new_tokens >= 1"
+            )
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+    @classmethod
+    def from_recorded(
+        cls, params: Mapping[str, Any] | None, *, default_max_new_tokens: int = 256
+    ) -> SamplingParams:
+        """The parameters a step was recorded with (OpenAI or transformers names)."""
+        params = params or {}
+        max_new = params.get("max_new_tokens", params.get("max_tokens"))
+        temperature = params.get("temperature")
+        top_p = params.get("top_p")
+        seed = params.get("seed")
+        return cls(
+            temperature=float(temperature) if temperature is not None else 0.0,
+            top_p=float(top_p) if top_p is not None else 1.0,
+            seed=int(seed) if seed is not None else None,
+            max_new_tokens=int(max_new) if max_new else default_max_new_tokens,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "seed": self.seed,
+            "max_new_tokens": self.max_new_tokens,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class CallRequest:
+    """One model call to send: messages, their token ids if known, and what to feed."""
+
+    messages: list[Message]
+    prompt_ids: list[int] | None
+    params: SamplingParams
+    output_ids: list[int] | None = None  # rebuild: the recorded output's tokens
+    output_text: str | None = None  # rebuild: the recorded output's text
+    model: str | None = None  # the model the recording names (a remote default)
+
+
+@dataclass(frozen=True, slots=True)
+class CallResult:
+    """What a backend did for one call, with its cache accounting for the prompt."""
+
+    prompt_tokens: int
+    reused_tokens: int | None  # None: the backend cannot tell
+    memory_tokens: int | None  # None: reused, but the tier is not reported (remote)
+    disk_tokens: int | None
+    text: str
+    output_ids: list[int] | None  # None when the backend does not expose token ids
+    finish_reason: str
+    prefill_s: float
+    decode_s: float
+
+    @property
+    def computed_tokens(self) -> int | None:
+        reused = self.reused_tokens
+        return None if reused is None else self.prompt_tokens - reused
+
+
+class Backend(Protocol):
+    """Something that answers model calls and may reuse a prefix cache."""
+
+    @property
+    def name(self) -> str:
+        """"local" or the server's URL, for reports."""
+        ...
+
+    @property
+    def model(self) -> str:
+        """The model that answers, for reports and for recording continued steps."""
+        ...
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        """The tokenizer of the model that answers, when known (always for local)."""
+        ...
+
+    def generate(self, request: CallRequest) -> CallResult:
+        """Generate a response to the prompt with `request.params`."""
+        ...
+
+    def rebuild(self, request: CallRequest) -> CallResult:
+        """Process the prompt and the recorded output without generating."""
+        ...
+
+    def without_cache(self) -> Backend:
+        """The same backend with caching off (for --compare-uncached)."""
+        ...

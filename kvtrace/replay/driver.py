@@ -1,0 +1,197 @@
+"""Replay: walk a run's steps from the root to a target and send model calls to a backend.
+
+Tool calls are never executed: their recorded results are already in the
+messages of the model calls that follow, so serving the trace is enough
+(like a VCR cassette). Other step kinds (notes, http) are skipped.
+
+Modes:
+- ``verify`` regenerates every response with its recorded sampling
+  parameters (greedy when none were recorded) and reports, per step, a match
+  or the first differing token;
+- ``rebuild`` feeds each recorded output instead of generating, which is how
+  ``checkout`` warms a cache with a run's KV up to any step.
+
+The oracle bound is computed alongside, from token ids: before each call,
+the longest prefix the prompt shares with any sequence this replay has sent
+so far (prompt + output: the generated output in verify, the recorded one in
+rebuild), capped at len - 1. On an empty cache whose budget holds the working
+set, a correct exact-prefix cache reuses exactly that much.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvtrace.errors import ReplayError, UsageError
+from kvtrace.replay.backend import Backend, CallRequest, SamplingParams, Tokenizer
+from kvtrace.replay.oracle import PrefixOracle, common_prefix_length
+from kvtrace.replay.recording import (
+    expected_output_ids,
+    response_text,
+    step_messages,
+    templated_output_ids,
+)
+from kvtrace.replay.report import MODES, Mismatch, ReplayReport, StepReport
+from kvtrace.store import Step, Store
+
+ProgressCallback = Callable[[int, int, StepReport], None]  # (done, total, step report)
+_SNIPPET_TOKENS = 12
+
+
+@dataclass(frozen=True, slots=True)
+class _Expected:
+    """A recorded model call, prepared for a backend."""
+
+    step: Step
+    request: CallRequest
+    expected_ids: list[int] | None
+    expected_text: str
+
+
+def replay(
+    store: Store,
+    spec: str,
+    backend: Backend,
+    *,
+    mode: str = "rebuild",
+    compare_uncached: bool = False,
+    on_step: ProgressCallback | None = None,
+) -> ReplayReport:
+    """Replay the run (or step) `spec` from its root through `backend`.
+
+    With `compare_uncached`, the same replay is then run again with caching
+    off, and the report carries it (`report.uncached`, `report.speedup`).
+    """
+    if mode not in MODES:
+        raise UsageError(f"unknown replay mode {mode!r}: use one of {', '.join(MODES)}")
+    path = store.path(spec)
+    if not path:
+        raise ReplayError(f"{spec!r} has no steps to replay")
+    report = _replay_path(spec, path, backend, mode, on_step)
+    if compare_uncached:
+        uncached = _replay_path(spec, path, backend.without_cache(), mode, on_step)
+        report = ReplayReport(
+            report.run, report.target_id, report.mode, report.backend, report.model,
+            report.steps, report.tool_steps, report.wall_s, uncached=uncached,
+            notes=report.notes,
+        )
+    return report
+
+
+def checkout(
+    store: Store, spec: str, backend: Backend, *, on_step: ProgressCallback | None = None
+) -> ReplayReport:
+    """Rebuild the KV state of `spec` in the backend's cache, so a continue starts warm.
+
+    With the local backend the memory tier holds it for this process and the
+    disk tier for later ones.
+    """
+    return replay(store, spec, backend, mode="rebuild", on_step=on_step)
+
+
+def _replay_path(
+    spec: str, path: list[Step], backend: Backend, mode: str, on_step: ProgressCallback | None
+) -> ReplayReport:
+    tokenizer = backend.tokenizer
+    model_steps = [s for s in path if s.kind == "model_call"]
+    tool_steps = sum(1 for s in path if s.kind == "tool_call")
+    notes: list[str] = []
+    if tokenizer is None:
+        notes.append("no tokenizer for this backend: oracle bound and token positions unknown "
+                     "(pass --model with the server's model folder)")
+    oracle = PrefixOracle()
+    reports: list[StepReport] = []
+    started = time.perf_counter()
+    for index, step in enumerate(model_steps, start=1):
+        expected = _prepare(step, tokenizer, mode)
+        request = expected.request
+        oracle_tokens = oracle.bound(request.prompt_ids) if request.prompt_ids else None
+        if mode == "verify":
+            result = backend.generate(request)
+            fed = result.output_ids
+            if fed is None and tokenizer is not None and request.prompt_ids is not None:
+                fed = templated_output_ids(tokenizer, request.messages, result.text,
+                                           request.prompt_ids)
+        else:
+            result = backend.rebuild(request)
+            fed = request.output_ids
+        if request.prompt_ids is not None:
+            oracle.add([*request.prompt_ids, *(fed or [])], label=step.id)
+        if request.prompt_ids is not None and result.prompt_tokens != len(request.prompt_ids):
+            notes.append(f"step {index}: the backend counted {result.prompt_tokens} prompt tokens, "
+                         f"the tokenizer {len(request.prompt_ids)}; the oracle is in the latter")
+        is_match, mismatch = (None, None)
+        if mode == "verify":
+            is_match, mismatch = _compare(expected, result.text, fed, tokenizer)
+        step_report = StepReport(
+            index=index,
+            step_id=step.id,
+            depth=step.depth,
+            prompt_tokens=result.prompt_tokens,
+            reused_tokens=result.reused_tokens,
+            memory_tokens=result.memory_tokens,
+            disk_tokens=result.disk_tokens,
+            computed_tokens=result.computed_tokens,
+            oracle_tokens=oracle_tokens,
+            output_tokens=len(fed) if fed is not None else 0,
+            prefill_s=result.prefill_s,
+            decode_s=result.decode_s,
+            is_match=is_match,
+            mismatch=mismatch,
+        )
+        reports.append(step_report)
+        if on_step is not None:
+            on_step(index, len(model_steps), step_report)
+    wall = time.perf_counter() - started
+    return ReplayReport(spec, path[-1].id, mode, backend.name, backend.model, reports,
+                        tool_steps, wall, notes=notes)
+
+
+def _prepare(step: Step, tokenizer: Tokenizer | None, mode: str) -> _Expected:
+    messages = step_messages(step)
+    text = response_text(step)
+    prompt_ids = tokenizer.chat_tokens(messages) if tokenizer is not None else None
+    expected_ids = (
+        expected_output_ids(step, tokenizer, prompt_ids)
+        if tokenizer is not None and prompt_ids is not None
+        else None
+    )
+    # Regenerate as long as the recording, so a run-on is caught at the stop token.
+    recorded = SamplingParams.from_recorded(
+        step.meta.get("params"),
+        default_max_new_tokens=max(len(expected_ids), 1) if expected_ids else 256,
+    )
+    if expected_ids and mode == "verify" and recorded.max_new_tokens < len(expected_ids):
+        raise ReplayError(
+            f"step {step.short_id} records max_new_tokens={recorded.max_new_tokens} "
+            f"but its response has {len(expected_ids)} tokens: the recording is inconsistent"
+        )
+    request = CallRequest(messages, prompt_ids, recorded,
+                          output_ids=expected_ids if mode == "rebuild" else None,
+                          output_text=text, model=step.meta.get("model"))
+    return _Expected(step, request, expected_ids, text)
+
+
+def _compare(
+    expected: _Expected, got_text: str, got_ids: list[int] | None, tokenizer: Tokenizer | None
+) -> tuple[bool, Mismatch | None]:
+    """Match, or the first differing token (characters when no token ids are known)."""
+    want = expected.expected_ids
+    if want is not None and got_ids is not None and tokenizer is not None:
+        if got_ids == want:
+            return True, None
+        at = common_prefix_length(want, got_ids)
+        return False, Mismatch(
+            position=at,
+            expected_id=want[at] if at < len(want) else None,
+            got_id=got_ids[at] if at < len(got_ids) else None,
+            expected_text=tokenizer.decode(want[at : at + _SNIPPET_TOKENS]),
+            got_text=tokenizer.decode(got_ids[at : at + _SNIPPET_TOKENS]),
+        )
+    if got_text == expected.expected_text:
+        return True, None
+    at = common_prefix_length(expected.expected_text, got_text)
+    return False, Mismatch(at, None, None, expected.expected_text[at : at + 40],
+                           got_text[at : at + 40], unit="char")

@@ -1,0 +1,140 @@
+"""Replay through any OpenAI-compatible server (vLLM, SGLang, kvtrace serve).
+
+The server keeps its own prefix cache; what it reused is read from
+`usage.prompt_tokens_details.cached_tokens`. A server that does not report it
+gets None (printed "unknown"), never a guess. Rebuild cannot feed an output
+without generating over this API, so it sends each recorded prompt with
+`max_tokens=1`: the server caches the prompt, and the recorded output, which
+the next prompt contains, is cached when that prompt is sent. Timing covers
+the whole request (the API does not separate prefill from decode), so it is
+reported as `prefill_s`.
+
+Every httpx error becomes a BackendError (`raise ... from exc`) whose message
+names the URL and what to check.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import httpx
+
+from kvtrace.errors import BackendError, UsageError
+from kvtrace.replay.backend import Backend, CallRequest, CallResult, Tokenizer
+
+
+class RemoteBackend:
+    """An OpenAI-compatible chat-completions endpoint at `base_url` (e.g. http://host:8000/v1).
+
+    `model` is the name sent with each request; without one, each call sends
+    the model its recording names.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        model: str | None = None,
+        api_key: str | None = None,
+        tokenizer: Tokenizer | None = None,
+        timeout_s: float = 600.0,
+    ) -> None:
+        if not base_url.startswith(("http://", "https://")):
+            raise UsageError(f"backend URL {base_url!r} must start with http:// or https://")
+        self._base_url = base_url.rstrip("/")
+        self._model = model
+        self._tokenizer = tokenizer
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._client = httpx.Client(base_url=self._base_url, headers=headers, timeout=timeout_s)
+
+    @property
+    def name(self) -> str:
+        return self._base_url
+
+    @property
+    def model(self) -> str:
+        return self._model or "as recorded"
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self._tokenizer
+
+    def close(self) -> None:
+        self._client.close()
+
+    def generate(self, request: CallRequest) -> CallResult:
+        params = request.params
+        body: dict[str, Any] = {
+            "messages": request.messages,
+            "max_tokens": params.max_new_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+        }
+        if params.seed is not None:
+            body["seed"] = params.seed
+        return self._complete(request, body)
+
+    def rebuild(self, request: CallRequest) -> CallResult:
+        body = {"messages": request.messages, "max_tokens": 1, "temperature": 0.0}
+        return self._complete(request, body)
+
+    def without_cache(self) -> Backend:
+        raise UsageError(
+            "a remote server's prefix cache cannot be switched off from here: "
+            "--no-cache and --compare-uncached work with the local backend only"
+        )
+
+    def _complete(self, request: CallRequest, body: dict[str, Any]) -> CallResult:
+        model = self._model or request.model or "default"
+        body = {"model": model, "stream": False, **body}
+        started = time.perf_counter()
+        try:
+            response = self._client.post("/chat/completions", json=body)
+        except httpx.HTTPError as exc:
+            raise BackendError(
+                f"cannot reach {self._base_url}/chat/completions ({exc}): is the server "
+                "running, and does the URL end with its API prefix (often /v1)?"
+            ) from exc
+        elapsed = time.perf_counter() - started
+        if response.status_code >= 400:
+            raise BackendError(
+                f"{self._base_url} answered HTTP {response.status_code}: "
+                f"{response.text[:300].strip()}"
+            )
+        try:
+            data = response.json()
+            choice = data["choices"][0]
+            text = choice["message"].get("content") or ""
+            finish = str(choice.get("finish_reason") or "unknown")
+            usage = data.get("usage") or {}
+            prompt_tokens = int(usage["prompt_tokens"])
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
+            raise BackendError(
+                f"{self._base_url} answered something that is not an OpenAI chat completion "
+                f"with usage ({type(exc).__name__}: {exc}): {response.text[:200]}"
+            ) from exc
+        return CallResult(
+            prompt_tokens=prompt_tokens,
+            reused_tokens=_cached_tokens(usage, prompt_tokens),
+            memory_tokens=None,
+            disk_tokens=None,
+            text=text,
+            output_ids=None,
+            finish_reason=finish,
+            prefill_s=elapsed,
+            decode_s=0.0,
+        )
+
+
+def _cached_tokens(usage: dict[str, Any], prompt_tokens: int) -> int | None:
+    """`usage.prompt_tokens_details.cached_tokens`, or None when not reported."""
+    details = usage.get("prompt_tokens_details")
+    if not isinstance(details, dict) or details.get("cached_tokens") is None:
+        return None
+    try:
+        cached = int(details["cached_tokens"])
+    except (TypeError, ValueError) as exc:
+        raise BackendError(f"cached_tokens is not a number: {details['cached_tokens']!r}") from exc
+    # Some servers count a fully cached prompt; the last token is still computed.
+    return max(0, min(cached, prompt_tokens - 1))

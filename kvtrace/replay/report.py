@@ -1,0 +1,294 @@
+"""What a replay reports, per model call and in total, and how it is printed.
+
+Every count is in prompt tokens of the model that replayed.
+`reused_tokens` = `memory_tokens` + `disk_tokens` (when the tiers are known);
+`computed_tokens` = `prompt_tokens` - `reused_tokens` (the prompt's last token
+always counts as computed: its logits give the next token). A remote server
+that does not report cached tokens leaves `reused_tokens` (and the tiers, and the hit rate) as None,
+printed "unknown": a guess would be worse than no number. The oracle bound is
+computed by the driver from token ids (see oracle.py), so it is None only
+when no tokenizer was available (a remote backend without `--model`).
+
+`to_dict()` is the `--json` contract: one object with `steps` (a list) and
+`total`, each carrying at least prompt_tokens, reused_tokens,
+computed_tokens, hit_rate, oracle_tokens, oracle_hit_rate, prefill_s,
+decode_s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+MODES = ("verify", "rebuild")
+
+
+@dataclass(frozen=True, slots=True)
+class Mismatch:
+    """Where a regenerated response first parts from the recorded one."""
+
+    position: int  # 0-based index in the response's tokens (or characters, see unit)
+    expected_id: int | None
+    got_id: int | None  # None: the response ended there (or no token ids are known)
+    expected_text: str  # the recorded continuation from that token, decoded
+    got_text: str  # the regenerated continuation from that token, decoded
+    unit: str = "token"  # "char" when the backend gave text only and no tokenizer was known
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "position": self.position,
+            "unit": self.unit,
+            "expected_id": self.expected_id,
+            "got_id": self.got_id,
+            "expected_text": self.expected_text,
+            "got_text": self.got_text,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class StepReport:
+    """One replayed model call."""
+
+    index: int  # 1-based among the replayed model calls
+    step_id: str
+    depth: int
+    prompt_tokens: int
+    reused_tokens: int | None
+    memory_tokens: int | None
+    disk_tokens: int | None
+    computed_tokens: int | None
+    oracle_tokens: int | None
+    output_tokens: int
+    prefill_s: float
+    decode_s: float
+    is_match: bool | None = None  # verify only
+    mismatch: Mismatch | None = None
+
+    @property
+    def hit_rate(self) -> float | None:
+        return _rate(self.reused_tokens, self.prompt_tokens)
+
+    @property
+    def oracle_hit_rate(self) -> float | None:
+        return _rate(self.oracle_tokens, self.prompt_tokens)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "step_id": self.step_id,
+            "depth": self.depth,
+            "prompt_tokens": self.prompt_tokens,
+            "reused_tokens": self.reused_tokens,
+            "memory_tokens": self.memory_tokens,
+            "disk_tokens": self.disk_tokens,
+            "computed_tokens": self.computed_tokens,
+            "hit_rate": _round(self.hit_rate),
+            "oracle_tokens": self.oracle_tokens,
+            "oracle_hit_rate": _round(self.oracle_hit_rate),
+            "output_tokens": self.output_tokens,
+            "prefill_s": round(self.prefill_s, 4),
+            "decode_s": round(self.decode_s, 4),
+            "match": self.is_match,
+            "mismatch": self.mismatch.to_dict() if self.mismatch else None,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Totals:
+    """Sums over the replayed model calls; a count is None if any step's is unknown."""
+
+    steps: int
+    prompt_tokens: int
+    reused_tokens: int | None
+    memory_tokens: int | None
+    disk_tokens: int | None
+    computed_tokens: int | None
+    oracle_tokens: int | None
+    output_tokens: int
+    prefill_s: float
+    decode_s: float
+    matching_steps: int | None
+    first_mismatch: int | None  # index of the first step that differs (verify)
+
+    @classmethod
+    def of(cls, steps: Sequence[StepReport]) -> Totals:
+        verified = [s for s in steps if s.is_match is not None]
+        first = next((s.index for s in steps if s.is_match is False), None)
+        return cls(
+            steps=len(steps),
+            prompt_tokens=sum(s.prompt_tokens for s in steps),
+            reused_tokens=_sum(s.reused_tokens for s in steps),
+            memory_tokens=_sum(s.memory_tokens for s in steps),
+            disk_tokens=_sum(s.disk_tokens for s in steps),
+            computed_tokens=_sum(s.computed_tokens for s in steps),
+            oracle_tokens=_sum(s.oracle_tokens for s in steps),
+            output_tokens=sum(s.output_tokens for s in steps),
+            prefill_s=sum(s.prefill_s for s in steps),
+            decode_s=sum(s.decode_s for s in steps),
+            matching_steps=sum(1 for s in verified if s.is_match) if verified else None,
+            first_mismatch=first,
+        )
+
+    @property
+    def hit_rate(self) -> float | None:
+        return _rate(self.reused_tokens, self.prompt_tokens)
+
+    @property
+    def oracle_hit_rate(self) -> float | None:
+        return _rate(self.oracle_tokens, self.prompt_tokens)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "steps": self.steps,
+            "prompt_tokens": self.prompt_tokens,
+            "reused_tokens": self.reused_tokens,
+            "memory_tokens": self.memory_tokens,
+            "disk_tokens": self.disk_tokens,
+            "computed_tokens": self.computed_tokens,
+            "hit_rate": _round(self.hit_rate),
+            "oracle_tokens": self.oracle_tokens,
+            "oracle_hit_rate": _round(self.oracle_hit_rate),
+            "output_tokens": self.output_tokens,
+            "prefill_s": round(self.prefill_s, 4),
+            "decode_s": round(self.decode_s, 4),
+            "matching_steps": self.matching_steps,
+            "first_mismatch": self.first_mismatch,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayReport:
+    """The outcome of one replay of a run up to a target step."""
+
+    run: str
+    target_id: str
+    mode: str
+    backend: str
+    model: str
+    steps: list[StepReport]
+    tool_steps: int  # recorded tool calls served from the trace, never executed
+    wall_s: float
+    uncached: ReplayReport | None = None  # --compare-uncached: the same replay, no cache
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total(self) -> Totals:
+        return Totals.of(self.steps)
+
+    @property
+    def speedup(self) -> float | None:
+        """Uncached wall time over cached wall time (None without a comparison)."""
+        if self.uncached is None or self.wall_s <= 0:
+            return None
+        return self.uncached.wall_s / self.wall_s
+
+    @property
+    def is_match(self) -> bool | None:
+        """Verify: did every step reproduce its recording? (None in rebuild mode.)"""
+        total = self.total
+        if total.matching_steps is None:
+            return None
+        return total.first_mismatch is None
+
+    def to_dict(self) -> dict[str, Any]:
+        total = self.total.to_dict()
+        total["tool_steps"] = self.tool_steps
+        total["wall_s"] = round(self.wall_s, 4)
+        if self.uncached is not None:
+            total["uncached_wall_s"] = round(self.uncached.wall_s, 4)
+            total["speedup"] = _round(self.speedup)
+        return {
+            "run": self.run,
+            "target": self.target_id,
+            "mode": self.mode,
+            "backend": self.backend,
+            "model": self.model,
+            "steps": [s.to_dict() for s in self.steps],
+            "total": total,
+            "notes": list(self.notes),
+        }
+
+
+def render(report: ReplayReport, console: Console | None = None) -> None:
+    """Print a report as a plain Rich table, then a one-line summary."""
+    console = console or Console()
+    verify = report.mode == "verify"
+    table = Table(
+        title=f"{report.mode} {report.run} → {report.target_id[:12]} "
+        f"({report.backend}, {report.model})",
+        title_justify="left",
+    )
+    for name in ("#", "step", "prompt", "reused", "mem", "disk", "computed", "hit",
+                 "oracle", "prefill s", "decode s"):
+        table.add_column(name, justify="left" if name == "step" else "right")
+    if verify:
+        table.add_column("verify", justify="left")
+    for s in report.steps:
+        row = [str(s.index), s.step_id[:12], str(s.prompt_tokens), _n(s.reused_tokens),
+               _n(s.memory_tokens), _n(s.disk_tokens), _n(s.computed_tokens),
+               _pct(s.hit_rate), _pct(s.oracle_hit_rate), f"{s.prefill_s:.3f}",
+               f"{s.decode_s:.3f}"]
+        if verify:
+            row.append(_verdict(s))
+        table.add_row(*row)
+    t = report.total
+    row = ["", "total", str(t.prompt_tokens), _n(t.reused_tokens), _n(t.memory_tokens),
+           _n(t.disk_tokens), _n(t.computed_tokens), _pct(t.hit_rate),
+           _pct(t.oracle_hit_rate), f"{t.prefill_s:.3f}", f"{t.decode_s:.3f}"]
+    if verify:
+        row.append(f"{t.matching_steps}/{t.steps} match")
+    table.add_row(*row, style="bold")
+    console.print(table)
+    summary = f"{t.steps} model calls, {report.tool_steps} tool calls served from the trace, " \
+              f"{report.wall_s:.2f} s"
+    if report.uncached is not None:
+        summary += f"; uncached {report.uncached.wall_s:.2f} s, speed-up {report.speedup:.1f}x"
+    console.print(summary)
+    for s in report.steps:
+        if s.mismatch is not None:
+            m = s.mismatch
+            console.print(
+                f"step {s.index} ({s.step_id[:12]}) differs at {m.unit} {m.position}: "
+                f"expected {m.expected_text!r}, got {m.got_text!r}"
+            )
+    for note in report.notes:
+        console.print(f"note: {note}")
+
+
+def _verdict(s: StepReport) -> str:
+    if s.is_match is None:
+        return ""
+    if s.is_match:
+        return "match"
+    return f"differs @{s.mismatch.position}" if s.mismatch else "differs"
+
+
+def _rate(part: int | None, whole: int) -> float | None:
+    if part is None:
+        return None
+    return part / whole if whole else 0.0
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 6)
+
+
+def _sum(values: Iterable[int | None]) -> int | None:
+    total = 0
+    for value in values:
+        if value is None:
+            return None
+        total += value
+    return total
+
+
+def _n(value: int | None) -> str:
+    return "unknown" if value is None else str(value)
+
+
+def _pct(value: float | None) -> str:
+    return "unknown" if value is None else f"{100 * value:.1f}%"

@@ -1,0 +1,166 @@
+"""Fixtures for replay tests: stores, a byte-level tokenizer, a stand-in OpenAI server.
+
+`ByteTokenizer` is a real (if simple) tokenizer with a ChatML-like template:
+one token per UTF-8 byte plus two special tokens. It lets the oracle, analyze
+and the remote backend be tested without loading a model. The stand-in
+server speaks the OpenAI chat-completions API over a real loopback socket and
+simulates an exact-prefix cache by brute force (every earlier sequence
+compared), independently of kvtrace's own oracle.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+
+BOS, EOS = 256, 257
+
+
+class ByteTokenizer:
+    """<s>role\\ncontent</s>\\n per message; the generation prompt is <s>assistant\\n."""
+
+    eos_token_ids = (EOS,)
+
+    def chat_tokens(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True):
+        ids: list[int] = []
+        for message in messages:
+            ids += [BOS, *f"{message['role']}\n{message['content']}".encode(), EOS, *b"\n"]
+        if add_generation_prompt:
+            ids += [BOS, *b"assistant\n"]
+        return ids
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode())
+
+    def decode(self, ids: Sequence[int]) -> str:
+        out, chunk = [], bytearray()
+        for token in ids:
+            if token in (BOS, EOS):
+                out.append(chunk.decode(errors="replace"))
+                chunk = bytearray()
+                out.append("<s>" if token == BOS else "</s>")
+            else:
+                chunk.append(token)
+        out.append(chunk.decode(errors="replace"))
+        return "".join(out)
+
+
+def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class StandInServer:
+    """An OpenAI-compatible chat-completions server on 127.0.0.1 with a simulated prefix cache."""
+
+    def __init__(self, answer: Callable[[list[dict[str, Any]]], str], *,
+                 reports_cached: bool = True, fail_status: int | None = None) -> None:
+        self.tokenizer = ByteTokenizer()
+        self.answer = answer
+        self.reports_cached = reports_cached
+        self.fail_status = fail_status
+        self.seen: list[list[int]] = []
+        self.requests: list[dict[str, Any]] = []
+        self.cached_answers: list[int] = []
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                status, payload = server.handle(self.path, body)
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        host, port = self._httpd.server_address[:2]
+        return f"http://{host}:{port}/v1"
+
+    def handle(self, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        if path != "/v1/chat/completions":
+            return 404, {"error": {"message": f"no route {path}"}}
+        if self.fail_status is not None:
+            return self.fail_status, {"error": {"message": "stand-in failure"}}
+        self.requests.append(body)
+        prompt = self.tokenizer.chat_tokens(body["messages"])
+        cached = max((_lcp(prompt, s) for s in self.seen), default=0)
+        cached = min(cached, len(prompt) - 1)
+        text = self.answer(body["messages"])[: max(1, int(body.get("max_tokens", 256)))]
+        if body.get("max_tokens") == 1:
+            text = text[:1]
+        full = self.tokenizer.chat_tokens(
+            [*body["messages"], {"role": "assistant", "content": text}], False
+        )
+        self.seen.append(full[: len(prompt) + len(text.encode()) + 1])
+        self.cached_answers.append(cached)
+        usage: dict[str, Any] = {"prompt_tokens": len(prompt),
+                                 "completion_tokens": len(text.encode()) + 1,
+                                 "total_tokens": len(prompt) + len(text.encode()) + 1}
+        if self.reports_cached:
+            usage["prompt_tokens_details"] = {"cached_tokens": cached}
+        return 200, {
+            "id": f"chatcmpl-{len(self.requests)}",
+            "object": "chat.completion",
+            "model": body.get("model"),
+            "choices": [{"index": 0, "finish_reason": "stop",
+                         "message": {"role": "assistant", "content": text}}],
+            "usage": usage,
+        }
+
+    def __enter__(self) -> StandInServer:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(timeout=5)
+
+
+@pytest.fixture
+def byte_tokenizer() -> ByteTokenizer:
+    return ByteTokenizer()
+
+
+@pytest.fixture
+def stand_in_server() -> Iterator[Callable[..., StandInServer]]:
+    """A factory: `stand_in_server(answer, reports_cached=..., fail_status=...)`, started."""
+    started: list[StandInServer] = []
+
+    def make(answer: Callable[[list[dict[str, Any]]], str], **options: Any) -> StandInServer:
+        server = StandInServer(answer, **options).__enter__()
+        started.append(server)
+        return server
+
+    yield make
+    for server in started:
+        server.__exit__(None, None, None)
+
+
+@pytest.fixture
+def replay_store(tmp_path) -> Iterator[Any]:
+    """An empty SQLite store in a temporary folder."""
+    from kvtrace import open_store
+
+    store = open_store(f"sqlite:///{tmp_path / 'store.db'}")
+    yield store
+    store.close()
