@@ -55,11 +55,12 @@ def replay(
     spec: str,
     backend: Backend,
     *,
+    to: str | None = None,
     mode: str = "rebuild",
     compare_uncached: bool = False,
     on_step: ProgressCallback | None = None,
 ) -> ReplayReport:
-    """Replay the run (or step) `spec` from its root through `backend`.
+    """Replay the run (or step) `spec` from its root through `backend`, up to step `to`.
 
     With `compare_uncached`, the same replay is then run again with caching
     off, and the report carries it (`report.uncached`, `report.speedup`).
@@ -69,6 +70,12 @@ def replay(
     path = store.path(spec)
     if not path:
         raise ReplayError(f"{spec!r} has no steps to replay")
+    if to is not None:
+        target = store.resolve(to)
+        ids = [step.id for step in path]
+        if target not in ids:
+            raise UsageError(f"step {to!r} is not on the path of {spec!r}: name its own run")
+        path = path[: ids.index(target) + 1]
     report = _replay_path(spec, path, backend, mode, on_step)
     if compare_uncached:
         uncached = _replay_path(spec, path, backend.without_cache(), mode, on_step)

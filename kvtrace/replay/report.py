@@ -17,11 +17,13 @@ decode_s.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 MODES = ("verify", "rebuild")
@@ -257,6 +259,25 @@ def render(report: ReplayReport, console: Console | None = None) -> None:
             )
     for note in report.notes:
         console.print(f"note: {note}")
+
+
+@contextmanager
+def progress_bar(
+    description: str, console: Console | None = None
+) -> Iterator[Callable[[int, int, StepReport], None]]:
+    """A transient progress bar; yields the `on_step` callback replay and continue take."""
+    progress = Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+        TextColumn("hit {task.fields[hit]}"), TimeElapsedColumn(),
+        console=console or Console(stderr=True), transient=True,
+    )
+    task = progress.add_task(description, total=None, hit="-")
+
+    def on_step(done: int, total: int, step: StepReport) -> None:
+        progress.update(task, completed=done, total=total, hit=_pct(step.hit_rate))
+
+    with progress:
+        yield on_step
 
 
 def _verdict(s: StepReport) -> str:
