@@ -188,14 +188,14 @@ def _breaker(
         index=index,
         step_id=step.id,
         token_position=at,
-        char_position=len(tokenizer.decode(prompt[:at])),
+        char_position=len(_text_of(tokenizer, prompt[:at])),
         lost_tokens=len(context) - at,
         cause=cause,
         explanation=explanation,
         message_index=message_index,
-        before=tokenizer.decode(prompt[max(0, at - _SNIPPET) : at]),
-        previous=tokenizer.decode(context[at : at + _SNIPPET]),
-        current=tokenizer.decode(prompt[at : at + _SNIPPET]),
+        before=_text_of(tokenizer, prompt[max(0, at - _SNIPPET) : at]),
+        previous=_text_of(tokenizer, context[at : at + _SNIPPET]),
+        current=_text_of(tokenizer, prompt[at : at + _SNIPPET]),
     )
 
 
@@ -255,6 +255,11 @@ def _cause(
         return ("changing_number", f"a number in {where} changes between calls "
                 "(a counter or id?); keep the prefix stable", k)
     return ("changed_message", f"{where} differs from the previous call's", k)
+
+
+def _text_of(tokenizer: Tokenizer, ids: list[int]) -> str:
+    """Decoded with special tokens kept: positions then count the rendered prompt."""
+    return tokenizer.decode(ids, skip_special_tokens=False)
 
 
 def _text(message: Message) -> str:

@@ -73,14 +73,16 @@ def continue_run(
     steps: int,
     tools: Mapping[str, Tool] | None = None,
     messages: list[Message] | None = None,
+    user_message: str | None = None,
     params: SamplingParams | None = None,
     on_step: ProgressCallback | None = None,
 ) -> ContinueResult:
     """Generate up to `steps` new model calls on `run_name`, running registered tools.
 
     `messages` starts an empty (or new) run from scratch; a run with steps is
-    continued from its own trace. Stops early when the model gives a final
-    answer.
+    continued from its own trace. `user_message` is appended to that
+    conversation first: the next task of a session, which also lets a run
+    that ended with a final answer go on. Stops early at a final answer.
     """
     if steps < 1:
         raise UsageError("continue needs --steps of at least 1")
@@ -91,11 +93,13 @@ def continue_run(
     if messages is not None and path:
         raise UsageError(f"run {run_name!r} already has steps: continue it without messages")
     if messages is None:
-        conversation, final = conversation_at(path)
+        conversation, final = conversation_at(path, user_message)
         if final is not None:
             return ContinueResult(run_name, [], [], final)
     else:
         conversation = [dict(m) for m in messages]
+        if user_message is not None:
+            conversation.append({"role": "user", "content": user_message})
     tokenizer = backend.tokenizer
     oracle = _seeded_oracle(path, backend)
     new_steps: list[Step] = []
@@ -144,11 +148,14 @@ def continue_run(
     return ContinueResult(run_name, new_steps, reports, final_answer)
 
 
-def conversation_at(path: list[Step]) -> tuple[list[Message], str | None]:
+def conversation_at(
+    path: list[Step], user_message: str | None = None
+) -> tuple[list[Message], str | None]:
     """The messages a next model call would send after `path`, or the final answer.
 
     Returns (messages, None) to go on, or ([], answer) when the last model call
-    gave a final answer and no tool call followed it.
+    gave a final answer, no tool call followed it and no `user_message` asks
+    for more.
     """
     last = next((i for i in range(len(path) - 1, -1, -1) if path[i].kind == "model_call"), None)
     if last is None:
@@ -160,7 +167,9 @@ def conversation_at(path: list[Step]) -> tuple[list[Message], str | None]:
     for step in tool_steps:
         error = step.meta.get("error")
         conversation.append(observation_message(step.content.get("result"), error))
-    if not tool_steps:
+    if user_message is not None:
+        conversation.append({"role": "user", "content": user_message})
+    elif not tool_steps:
         parsed = parse_response(text)
         if parsed.is_final:
             return [], parsed.final_answer

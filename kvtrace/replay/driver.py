@@ -194,8 +194,10 @@ def _compare(
             position=at,
             expected_id=want[at] if at < len(want) else None,
             got_id=got_ids[at] if at < len(got_ids) else None,
-            expected_text=tokenizer.decode(want[at : at + _SNIPPET_TOKENS]),
-            got_text=tokenizer.decode(got_ids[at : at + _SNIPPET_TOKENS]),
+            expected_text=tokenizer.decode(want[at : at + _SNIPPET_TOKENS],
+                                           skip_special_tokens=False),
+            got_text=tokenizer.decode(got_ids[at : at + _SNIPPET_TOKENS],
+                                      skip_special_tokens=False),
         )
     if got_text == expected.expected_text:
         return True, None

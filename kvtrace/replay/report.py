@@ -4,10 +4,11 @@ Every count is in prompt tokens of the model that replayed.
 `reused_tokens` = `memory_tokens` + `disk_tokens` (when the tiers are known);
 `computed_tokens` = `prompt_tokens` - `reused_tokens` (the prompt's last token
 always counts as computed: its logits give the next token). A remote server
-that does not report cached tokens leaves `reused_tokens` (and the tiers, and the hit rate) as None,
-printed "unknown": a guess would be worse than no number. The oracle bound is
-computed by the driver from token ids (see oracle.py), so it is None only
-when no tokenizer was available (a remote backend without `--model`).
+that does not report cached tokens leaves `reused_tokens` (and the tiers, and
+the hit rate) as None, printed "?" and explained under the table: a guess
+would be worse than no number. The oracle bound is computed by the driver
+from token ids (see oracle.py), so it is None only when no tokenizer was
+available (a remote backend without `--tokenizer`).
 
 `to_dict()` is the `--json` contract: one object with `steps` (a list) and
 `total`, each carrying at least prompt_tokens, reused_tokens,
@@ -22,6 +23,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -223,26 +225,30 @@ def render(report: ReplayReport, console: Console | None = None) -> None:
         title=f"{report.mode} {report.run} → {report.target_id[:12]} "
         f"({report.backend}, {report.model})",
         title_justify="left",
+        box=box.SIMPLE_HEAD,
+        padding=(0, 1),
+        pad_edge=False,
+        collapse_padding=True,
     )
-    for name in ("#", "step", "prompt", "reused", "mem", "disk", "computed", "hit",
-                 "oracle", "prefill s", "decode s"):
-        table.add_column(name, justify="left" if name == "step" else "right")
+    for name in ("#", "step", "prompt", "reused", "mem/disk", "comp", "hit",
+                 "oracle", "pre s", "dec s"):
+        table.add_column(name, justify="left" if name == "step" else "right", no_wrap=True)
     if verify:
-        table.add_column("verify", justify="left")
+        table.add_column("ver", justify="left", no_wrap=True)
     for s in report.steps:
-        row = [str(s.index), s.step_id[:12], str(s.prompt_tokens), _n(s.reused_tokens),
-               _n(s.memory_tokens), _n(s.disk_tokens), _n(s.computed_tokens),
-               _pct(s.hit_rate), _pct(s.oracle_hit_rate), f"{s.prefill_s:.3f}",
-               f"{s.decode_s:.3f}"]
+        row = [str(s.index), s.step_id[:7], str(s.prompt_tokens), _n(s.reused_tokens),
+               _tiers(s.memory_tokens, s.disk_tokens), _n(s.computed_tokens),
+               _pct(s.hit_rate), _pct(s.oracle_hit_rate), f"{s.prefill_s:.2f}",
+               f"{s.decode_s:.2f}"]
         if verify:
             row.append(_verdict(s))
         table.add_row(*row)
     t = report.total
-    row = ["", "total", str(t.prompt_tokens), _n(t.reused_tokens), _n(t.memory_tokens),
-           _n(t.disk_tokens), _n(t.computed_tokens), _pct(t.hit_rate),
-           _pct(t.oracle_hit_rate), f"{t.prefill_s:.3f}", f"{t.decode_s:.3f}"]
+    row = ["", "total", str(t.prompt_tokens), _n(t.reused_tokens),
+           _tiers(t.memory_tokens, t.disk_tokens), _n(t.computed_tokens), _pct(t.hit_rate),
+           _pct(t.oracle_hit_rate), f"{t.prefill_s:.2f}", f"{t.decode_s:.2f}"]
     if verify:
-        row.append(f"{t.matching_steps}/{t.steps} match")
+        row.append(f"{t.matching_steps}/{t.steps}")
     table.add_row(*row, style="bold")
     console.print(table)
     summary = f"{t.steps} model calls, {report.tool_steps} tool calls served from the trace, " \
@@ -257,6 +263,8 @@ def render(report: ReplayReport, console: Console | None = None) -> None:
                 f"step {s.index} ({s.step_id[:12]}) differs at {m.unit} {m.position}: "
                 f"expected {m.expected_text!r}, got {m.got_text!r}"
             )
+    if any(s.reused_tokens is None for s in report.steps):
+        console.print("?: unknown (the backend does not report cached tokens)")
     for note in report.notes:
         console.print(f"note: {note}")
 
@@ -284,8 +292,8 @@ def _verdict(s: StepReport) -> str:
     if s.is_match is None:
         return ""
     if s.is_match:
-        return "match"
-    return f"differs @{s.mismatch.position}" if s.mismatch else "differs"
+        return "ok"
+    return f"≠@{s.mismatch.position}" if s.mismatch else "≠"
 
 
 def _rate(part: int | None, whole: int) -> float | None:
@@ -307,9 +315,13 @@ def _sum(values: Iterable[int | None]) -> int | None:
     return total
 
 
+def _tiers(memory: int | None, disk: int | None) -> str:
+    return "?" if memory is None or disk is None else f"{memory}/{disk}"
+
+
 def _n(value: int | None) -> str:
-    return "unknown" if value is None else str(value)
+    return "?" if value is None else str(value)
 
 
 def _pct(value: float | None) -> str:
-    return "unknown" if value is None else f"{100 * value:.1f}%"
+    return "?" if value is None else f"{100 * value:.1f}%"

@@ -37,13 +37,14 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode())
 
-    def decode(self, ids: Sequence[int]) -> str:
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         out, chunk = [], bytearray()
         for token in ids:
             if token in (BOS, EOS):
                 out.append(chunk.decode(errors="replace"))
                 chunk = bytearray()
-                out.append("<s>" if token == BOS else "</s>")
+                if not skip_special_tokens:
+                    out.append("<s>" if token == BOS else "</s>")
             else:
                 chunk.append(token)
         out.append(chunk.decode(errors="replace"))
@@ -164,3 +165,45 @@ def replay_store(tmp_path) -> Iterator[Any]:
     store = open_store(f"sqlite:///{tmp_path / 'store.db'}")
     yield store
     store.close()
+
+
+# -- engine-backed fixtures ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def default_model_folder():
+    """The converted default model (converted once into the kvtrace cache, then reused)."""
+    from kvtrace.engine import default_model_dir
+    from kvtrace.paths import default_cache_dir
+
+    return default_model_dir(default_cache_dir())
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tmp_path_factory, default_model_folder):
+    """A tiny random Llama with the default model's tokenizer: fast, deterministic."""
+    from kvtrace.engine import build_tiny_model, load_engine
+
+    root = tmp_path_factory.mktemp("tiny-model")
+    folder = build_tiny_model(root / "model", tokenizer_dir=default_model_folder, seed=3)
+    return load_engine(folder, cache_dir=root / "cache")
+
+
+@pytest.fixture(scope="session")
+def default_engine(default_model_folder):
+    from kvtrace.engine import load_engine
+    from kvtrace.paths import default_cache_dir
+
+    return load_engine(None, cache_dir=default_cache_dir())
+
+
+@pytest.fixture
+def local_backend_factory(tmp_path):
+    """`make(engine, kv_dir=None, memory_bytes=...)`: a LocalBackend on a fresh KV cache."""
+    from kvtrace.engine import KVCache
+    from kvtrace.replay.local import LocalBackend
+
+    def make(engine, kv_dir=None, **options):
+        return LocalBackend(engine, KVCache(engine, disk_dir=kv_dir or tmp_path / "kv", **options))
+
+    return make

@@ -89,3 +89,16 @@ def test_messages_cannot_restart_a_run_that_has_steps(replay_store, stand_in_ser
     continue_run(replay_store, "agent", backend, steps=1, messages=START)
     with pytest.raises(UsageError):
         continue_run(replay_store, "agent", backend, steps=1, messages=START)
+
+
+def test_a_user_message_starts_the_next_task_of_a_finished_run(replay_store, stand_in_server):
+    server = stand_in_server(_scripted("Final Answer: 42", "Final Answer: 43"))
+    backend = RemoteBackend(server.url, model="m")
+    continue_run(replay_store, "agent", backend, steps=1, messages=START)
+    assert continue_run(replay_store, "agent", backend, steps=1).new_steps == []  # finished
+    result = continue_run(replay_store, "agent", backend, steps=1,
+                          user_message="Question: and plus one?")
+    assert result.final_answer == "43"
+    sent = server.requests[-1]["messages"]
+    assert sent[-2:] == [{"role": "assistant", "content": "Final Answer: 42"},
+                         {"role": "user", "content": "Question: and plus one?"}]
