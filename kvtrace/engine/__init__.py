@@ -1,0 +1,29 @@
+"""Engine and two-tier KV prefix cache: load a model, prefill with reuse, generate.
+
+    engine = load_engine()                        # embedded SmolLM2-135M-Instruct
+    cache = KVCache(engine, disk_dir=default_cache_dir() / "kv")
+    ids = engine.chat_tokens([{"role": "user", "content": "hi"}])
+    out = generate(engine, cache, ids, max_new_tokens=32)
+
+Layering: depends on torch/transformers and kvtrace.errors/paths only; never
+on kvtrace.store, kvtrace.replay or kvtrace.cli.
+"""
+
+from kvtrace.engine.cache import DEFAULT_BLOCK_SIZE, KVCache, PrefixHit, TierStats
+from kvtrace.engine.model import Engine, build_tiny_model, default_model_dir, load_engine
+from kvtrace.engine.prefill import GenerateResult, PrefillResult, generate, prefill
+
+__all__ = [
+    "DEFAULT_BLOCK_SIZE",
+    "Engine",
+    "GenerateResult",
+    "KVCache",
+    "PrefillResult",
+    "PrefixHit",
+    "TierStats",
+    "build_tiny_model",
+    "default_model_dir",
+    "generate",
+    "load_engine",
+    "prefill",
+]

@@ -1,0 +1,103 @@
+"""Shape-invariant causal attention: the numeric half of the fidelity scheme.
+
+Why this exists: a cached prefix is only worth reusing if continuing from it
+gives *bit-identical* KV and logits to computing the whole prompt cold. On
+torch CPU (MKL, fp32) that is not automatic. Measured on this project's
+machines (torch 2.13, transformers 5.24, SmolLM2-135M):
+
+- `F.linear` gives a row a different result depending on how many rows are
+  multiplied with it when that count is small (1-3, 5-7, 9-11 rows), and is
+  row-invariant from 12 rows up. `kvtrace.engine.prefill` therefore always
+  runs chunks of exactly `block_size` rows (padding the tail), so every
+  linear layer sees the same shape on the cached and the uncached path.
+- `sdpa` (and `eager`) attention reduce over the key axis in steps whose
+  boundaries depend on the total key length, so a query row attending to the
+  same keys gives a slightly different result (~1e-5) when the chunk starts
+  elsewhere. Even with padded chunks, `sdpa` broke parity for every split
+  point after 128 tokens.
+
+This module registers an attention function (`ATTN_IMPLEMENTATION`) whose
+every floating-point reduction has a fixed shape or a fixed order: keys are
+cut into tiles of `TILE` tokens at absolute positions 0, TILE, 2·TILE …;
+scores and values are multiplied tile by tile (batched matmuls of fixed
+shape); the softmax uses a global row max (exact in any order); tile partial
+sums are accumulated strictly left to right (`cumsum`). Masked keys contribute
+exact zeros, so a query row gets the same bits whether its chunk holds 1 or 64
+real rows, and whether the kv length ends just after it or a tile later.
+The parity tests in tests/engine hold this line.
+
+Cost: the same FLOPs as plain attention, plus a few temporary tensors of
+`kv_heads * tiles * rows * TILE` floats. Decode steps (one query row) use the
+same function; their KV is not canonical and is never stored (see prefill.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+ATTN_IMPLEMENTATION = "kvtrace_canonical"
+TILE = 64
+
+_registered = False
+
+
+def canonical_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Causal attention for one sequence whose queries are the last `q` keys.
+
+    `query` is `[1, heads, q, dim]`, `key`/`value` are `[1, kv_heads, kv, dim]`
+    with the queries at absolute positions `kv - q … kv - 1`. The attention
+    mask transformers passes is ignored on purpose (it is `None` for custom
+    implementations): causality is rebuilt from positions, which holds because
+    kvtrace never left-pads or batches sequences.
+    """
+    batch, num_heads, q_len, head_dim = query.shape
+    num_kv_heads, kv_len = key.shape[1], key.shape[2]
+    groups = num_heads // num_kv_heads
+    scale = scaling if scaling is not None else head_dim**-0.5
+    num_tiles = -(-kv_len // TILE)
+    pad = num_tiles * TILE - kv_len
+    if pad:
+        key = F.pad(key, (0, 0, 0, pad))
+        value = F.pad(value, (0, 0, 0, pad))
+    # Query heads h = kv_head * groups + g share kv_head (as repeat_kv does);
+    # folding the group into rows avoids copying K and V per query head.
+    rows = query.reshape(batch, num_kv_heads, 1, groups * q_len, head_dim)
+    key_tiles = key.reshape(batch, num_kv_heads, num_tiles, TILE, head_dim)
+    value_tiles = value.reshape(batch, num_kv_heads, num_tiles, TILE, head_dim)
+
+    scores = torch.matmul(rows, key_tiles.transpose(-1, -2)) * scale
+    query_pos = (torch.arange(q_len, device=query.device) + (kv_len - q_len)).repeat(groups)
+    key_pos = torch.arange(num_tiles * TILE, device=query.device).view(num_tiles, TILE)
+    scores = scores.masked_fill(key_pos[:, None, :] > query_pos[None, :, None], float("-inf"))
+
+    row_max = scores.amax(dim=-1).amax(dim=2)
+    probs = torch.exp(scores - row_max[:, :, None, :, None])
+    # cumsum runs strictly left to right over tiles: trailing masked tiles add
+    # exact zeros, so extra tiles never change a row's sum.
+    denom = torch.cumsum(probs.sum(dim=-1), dim=2)[:, :, -1]
+    numer = torch.cumsum(torch.matmul(probs, value_tiles), dim=2)[:, :, -1]
+    out = (numer / denom[..., None]).reshape(batch, num_heads, q_len, head_dim)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register_canonical_attention() -> str:
+    """Register the function with transformers (idempotent); return its name."""
+    global _registered
+    if not _registered:
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(ATTN_IMPLEMENTATION, canonical_attention)
+        _registered = True
+    return ATTN_IMPLEMENTATION

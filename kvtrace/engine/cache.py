@@ -1,0 +1,242 @@
+"""The two-tier KV prefix cache of one engine: radix tree in memory, blocks on disk.
+
+`lookup` finds the longest token-exact cached prefix of a sequence: first in
+the memory tree (any offset), then by walking disk blocks from the root
+(whole blocks only, verified on read). Disk rows beyond what memory held are
+promoted into the tree. `insert` stores a freshly computed sequence: the new
+tail into the tree, and every full block not yet on disk. Both tiers are
+keyed by the engine fingerprint (the tree belongs to one engine; the disk
+chain is seeded with the fingerprint), so KV never crosses models.
+
+The cache never computes anything: `kvtrace.engine.prefill` calls it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvtrace.engine.disk import BlockStore
+from kvtrace.engine.model import Engine
+from kvtrace.engine.radix import KVSource, RadixNode, RadixTree
+from kvtrace.errors import UsageError
+
+DEFAULT_BLOCK_SIZE = 64
+DEFAULT_MEMORY_BYTES = 2 * 1024**3
+MIN_BLOCK_SIZE = 16
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixHit:
+    """The reusable prefix of a sequence; release it with `KVCache.release`.
+
+    `pieces` are KV tensors `[layers, kv_heads, n, head_dim]` covering tokens
+    `0 … num_tokens` in order. `num_disk_blocks` counts the leading blocks
+    known to be on disk (so `insert` skips rewriting them).
+    """
+
+    num_tokens: int
+    num_memory_tokens: int
+    num_disk_tokens: int
+    num_disk_blocks: int
+    pieces: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+    pinned: RadixNode | None
+
+
+@dataclass(frozen=True, slots=True)
+class TierStats:
+    """Size of one tier."""
+
+    num_entries: int
+    num_tokens: int
+    num_bytes: int
+    max_bytes: int | None
+
+
+class KVCache:
+    """Memory and disk KV tiers for one engine.
+
+    `disk_dir=None` keeps the cache in memory only. `memory_bytes` bounds the
+    tree (LRU leaves are evicted past it); `disk_bytes`, when set, runs a disk
+    `gc` after writes that push the folder past it. `block_size` is both the
+    disk block and the prefill chunk length (see prefill.py); it must be a
+    multiple of 16 (smaller matmuls are not row-invariant on CPU).
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        disk_dir: str | os.PathLike[str] | None = None,
+        memory_bytes: int = DEFAULT_MEMORY_BYTES,
+        disk_bytes: int | None = None,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+    ) -> None:
+        check_block_size(block_size)
+        if memory_bytes < 0 or (disk_bytes is not None and disk_bytes < 0):
+            raise UsageError("cache budgets must be >= 0 bytes")
+        self.engine = engine
+        self.fingerprint = engine.fingerprint
+        self.block_size = block_size
+        self.memory = RadixTree(max_bytes=memory_bytes)
+        self.disk = BlockStore(disk_dir, block_size=block_size) if disk_dir is not None else None
+        self.disk_bytes = disk_bytes
+        self._disk_total: int | None = None
+        self._lock = threading.RLock()
+
+    # -- lookup ---------------------------------------------------------------
+
+    def lookup(self, tokens: Sequence[int], *, max_tokens: int | None = None) -> PrefixHit:
+        """Longest cached prefix of `tokens`, reusing at most `max_tokens` of them.
+
+        The hit is pinned in memory; pass it to `release` when done.
+        """
+        limit = len(tokens) if max_tokens is None else max(0, min(max_tokens, len(tokens)))
+        with self._lock:
+            match = self.memory.match(tokens, max_tokens=limit)
+            num_memory = match.num_tokens
+            pieces = list(match.pieces)
+            num_disk_blocks, disk_pieces = self._walk_disk(tokens, num_memory, limit)
+            disk_end = min(num_disk_blocks * self.block_size, limit)
+            num_disk = 0
+            node = match.node
+            if disk_end > num_memory and disk_pieces:
+                keys = torch.cat([k for k, _ in disk_pieces], dim=2)
+                values = torch.cat([v for _, v in disk_pieces], dim=2)
+                base = (num_memory // self.block_size) * self.block_size
+                lo, hi = num_memory - base, disk_end - base
+                keys, values = keys[:, :, lo:hi], values[:, :, lo:hi]
+                pieces.append((keys, values))
+                num_disk = disk_end - num_memory
+
+                def source(start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+                    return keys[:, :, start - num_memory : end - num_memory].clone(), values[
+                        :, :, start - num_memory : end - num_memory
+                    ].clone()
+
+                self.memory.insert(tokens[:disk_end], source)  # promote
+                node = self.memory.match(tokens, max_tokens=disk_end).node
+            pinned = node if node is not self.memory.root else None
+            if pinned is not None:
+                self.memory.pin(pinned)
+            return PrefixHit(
+                num_tokens=num_memory + num_disk,
+                num_memory_tokens=num_memory,
+                num_disk_tokens=num_disk,
+                num_disk_blocks=num_disk_blocks,
+                pieces=tuple(pieces),
+                pinned=pinned,
+            )
+
+    def release(self, hit: PrefixHit) -> None:
+        """Unpin what `lookup` pinned."""
+        if hit.pinned is not None:
+            with self._lock:
+                self.memory.unpin(hit.pinned)
+
+    def _walk_disk(
+        self, tokens: Sequence[int], num_memory: int, limit: int
+    ) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Count leading blocks on disk; load (and verify) those past `num_memory`.
+
+        Blocks wholly inside the memory hit are only checked for existence:
+        their KV is not needed, only whether `insert` must write them.
+        """
+        if self.disk is None:
+            return 0, []
+        b = self.block_size
+        keys = self.disk.chain_keys(self.fingerprint, tokens)
+        loaded: list[tuple[torch.Tensor, torch.Tensor]] = []
+        count = 0
+        for j, key in enumerate(keys):
+            end = (j + 1) * b
+            if end <= num_memory or j * b >= limit:
+                if not self.disk.contains(key):
+                    break
+            else:
+                block = self.disk.read(key, tokens[j * b : end])
+                if block is None:
+                    break
+                device = self.engine.device
+                loaded.append((block.keys.to(device), block.values.to(device)))
+            count += 1
+        return count, loaded
+
+    # -- insert ---------------------------------------------------------------
+
+    def insert(self, tokens: Sequence[int], source: KVSource, *, num_disk_blocks: int = 0) -> None:
+        """Store `tokens` (whose KV `source` yields) in memory and on disk.
+
+        `num_disk_blocks` leading blocks are known to be on disk already.
+        """
+        with self._lock:
+            self.memory.insert(tokens, source)
+            if self.disk is None:
+                return
+            b = self.block_size
+            keys = self.disk.chain_keys(self.fingerprint, tokens)
+            parent = keys[num_disk_blocks - 1] if num_disk_blocks else self.disk.root_key(
+                self.fingerprint
+            )
+            written = 0
+            for j in range(num_disk_blocks, len(keys)):
+                k, v = source(j * b, (j + 1) * b)
+                block_tokens = tokens[j * b : (j + 1) * b]
+                if self.disk.write(keys[j], parent, self.fingerprint, block_tokens, k, v):
+                    written += k.numel() * k.element_size() * 2
+                parent = keys[j]
+            self._enforce_disk_budget(written)
+
+    def _enforce_disk_budget(self, written: int) -> None:
+        if self.disk is None or self.disk_bytes is None or written == 0:
+            return
+        if self._disk_total is None:
+            self._disk_total = sum(info.num_bytes for info in self.disk.scan())
+        else:
+            self._disk_total += written
+        if self._disk_total > self.disk_bytes:
+            self._disk_total = self.disk.gc(self.disk_bytes).num_bytes_left
+
+    # -- inventory --------------------------------------------------------------
+
+    def clear_memory(self) -> None:
+        """Drop the memory tier (the disk tier is untouched)."""
+        with self._lock:
+            self.memory.clear()
+
+    def memory_stats(self) -> TierStats:
+        return TierStats(
+            num_entries=self.memory.num_nodes,
+            num_tokens=self.memory.num_tokens,
+            num_bytes=self.memory.num_bytes,
+            max_bytes=self.memory.max_bytes,
+        )
+
+    def disk_stats(self) -> TierStats:
+        """Blocks of this engine's fingerprint (reads every block header)."""
+        if self.disk is None:
+            return TierStats(0, 0, 0, self.disk_bytes)
+        mine = [info for info in self.disk.scan() if info.fingerprint == self.fingerprint]
+        return TierStats(
+            num_entries=len(mine),
+            num_tokens=len(mine) * self.block_size,
+            num_bytes=sum(info.num_bytes for info in mine),
+            max_bytes=self.disk_bytes,
+        )
+
+    @property
+    def disk_root(self) -> Path | None:
+        return self.disk.root if self.disk is not None else None
+
+
+def check_block_size(block_size: int) -> None:
+    """Block sizes that keep canonical prefill row-invariant (see attention.py)."""
+    if block_size < MIN_BLOCK_SIZE or block_size % MIN_BLOCK_SIZE:
+        raise UsageError(
+            f"block size must be a positive multiple of {MIN_BLOCK_SIZE}, got {block_size}"
+        )

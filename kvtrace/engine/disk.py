@@ -1,0 +1,305 @@
+"""Disk tier: fixed-size KV blocks, content-addressed by a chain hash.
+
+A sequence is cut into blocks of `block_size` tokens at absolute offsets.
+Block j's key is `SHA-256(key(j-1) || token ids of block j)`, and key(-1) is
+`SHA-256(format tag, model fingerprint, block size)` — as in vLLM's prefix
+caching, a key pins the whole prefix and the model, and a block can only be
+reached through all of its ancestors. Never Python's salted `hash()`.
+
+Each block is one safetensors file at `<root>/<key[:2]>/<key[2:]>.safetensors`
+holding `keys` and `values` (`[layers, kv_heads, block_size, head_dim]`), the
+block's `token_ids`, and metadata: its key, its parent's key, the fingerprint
+and a SHA-256 checksum of the three tensors. Invariants:
+
+- files appear atomically (temporary file in the same folder, `os.replace`),
+  so a reader sees a whole block or none; a restart needs no index;
+- a read compares the stored token ids with the requested ones (a hash
+  collision can never give a wrong hit) and re-checks the checksum; a block
+  that fails to parse or check is deleted and reported as a miss, so the
+  caller recomputes and rewrites it — corrupt KV is never used;
+- eviction (`gc`) removes only tails — blocks that no other block names as
+  parent — least recently used first (reads refresh the file's mtime), so a
+  surviving block's ancestors always survive with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import heapq
+import json
+import os
+import struct
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+BLOCK_FORMAT = "kvtrace-kv-block-v1"
+SUFFIX = ".safetensors"
+_STALE_TMP_SECONDS = 3600.0
+
+
+@dataclass(frozen=True, slots=True)
+class DiskBlock:
+    """A verified block read back from disk."""
+
+    key: str
+    keys: torch.Tensor
+    values: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class BlockInfo:
+    """What `scan` learns from a block file's header, without reading its KV."""
+
+    key: str
+    parent: str
+    fingerprint: str
+    path: Path
+    num_bytes: int
+    mtime: float
+    is_readable: bool
+
+
+@dataclass(frozen=True, slots=True)
+class GcResult:
+    """Outcome of `BlockStore.gc`."""
+
+    num_blocks_removed: int
+    num_bytes_removed: int
+    num_blocks_left: int
+    num_bytes_left: int
+
+
+class BlockStore:
+    """The on-disk KV blocks of every model under one folder."""
+
+    def __init__(self, root: str | os.PathLike[str], *, block_size: int = 64) -> None:
+        if block_size <= 0:
+            raise ValueError("block_size must be positive")
+        self.root = Path(root)
+        self.block_size = block_size
+        self.num_corrupt = 0
+
+    # -- keys ---------------------------------------------------------------
+
+    def root_key(self, fingerprint: str) -> str:
+        """The chain seed for one model fingerprint and block size."""
+        seed = f"{BLOCK_FORMAT}\0{fingerprint}\0{self.block_size}".encode()
+        return hashlib.sha256(seed).hexdigest()
+
+    def chain_keys(self, fingerprint: str, tokens: Sequence[int]) -> list[str]:
+        """Keys of every full block of `tokens`, in order."""
+        keys: list[str] = []
+        parent = self.root_key(fingerprint)
+        b = self.block_size
+        for start in range(0, len(tokens) - b + 1, b):
+            digest = hashlib.sha256(bytes.fromhex(parent))
+            digest.update(_token_bytes(tokens[start : start + b]))
+            parent = digest.hexdigest()
+            keys.append(parent)
+        return keys
+
+    def path(self, key: str) -> Path:
+        return self.root / key[:2] / f"{key[2:]}{SUFFIX}"
+
+    def contains(self, key: str) -> bool:
+        return self.path(key).is_file()
+
+    # -- read / write -------------------------------------------------------
+
+    def read(self, key: str, tokens: Sequence[int]) -> DiskBlock | None:
+        """The block at `key` if it holds exactly `tokens` and checks out, else None.
+
+        A file that exists but fails any check is deleted (and counted in
+        `num_corrupt`) so that the recomputed block can replace it.
+        """
+        path = self.path(key)
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError:
+            self._discard(path)
+            return None
+        block = _parse_block(raw, key, tokens)
+        if block is None:
+            self._discard(path)
+            return None
+        with contextlib.suppress(OSError):
+            os.utime(path)  # LRU clock for gc
+        return block
+
+    def write(
+        self,
+        key: str,
+        parent: str,
+        fingerprint: str,
+        tokens: Sequence[int],
+        keys: torch.Tensor,
+        values: torch.Tensor,
+    ) -> bool:
+        """Store one block atomically; False when it already exists."""
+        from safetensors.torch import save
+
+        path = self.path(key)
+        if path.is_file():
+            return False
+        token_ids = torch.tensor(list(tokens), dtype=torch.int64)
+        keys = keys.detach().to("cpu").contiguous()
+        values = values.detach().to("cpu").contiguous()
+        metadata = {
+            "format": BLOCK_FORMAT,
+            "key": key,
+            "parent": parent,
+            "fingerprint": fingerprint,
+            "block_size": str(self.block_size),
+            "checksum": _checksum(token_ids, keys, values),
+        }
+        data = save({"keys": keys, "values": values, "token_ids": token_ids}, metadata=metadata)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=SUFFIX, dir=path.parent)
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(data)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return True
+
+    # -- inventory, gc ------------------------------------------------------
+
+    def scan(self) -> Iterator[BlockInfo]:
+        """Every block file's header (no KV is read); unreadable ones flagged."""
+        if not self.root.is_dir():
+            return
+        for sub in sorted(self.root.iterdir()):
+            if not sub.is_dir() or len(sub.name) != 2:
+                continue
+            for entry in os.scandir(sub):
+                if not entry.name.endswith(SUFFIX) or entry.name.startswith(".tmp-"):
+                    continue
+                try:
+                    stat = entry.stat()
+                except FileNotFoundError:
+                    continue
+                key = sub.name + entry.name[: -len(SUFFIX)]
+                meta = _read_metadata(Path(entry.path))
+                is_readable = meta is not None and meta.get("key") == key
+                yield BlockInfo(
+                    key=key,
+                    parent=(meta or {}).get("parent", ""),
+                    fingerprint=(meta or {}).get("fingerprint", ""),
+                    path=Path(entry.path),
+                    num_bytes=stat.st_size,
+                    mtime=stat.st_mtime,
+                    is_readable=is_readable,
+                )
+
+    def gc(self, max_bytes: int) -> GcResult:
+        """Evict tail blocks, least recently used first, until ≤ `max_bytes` remain.
+
+        Unreadable block files go first; stale temporary files are removed.
+        """
+        if max_bytes < 0:
+            raise ValueError("max_bytes must be >= 0")
+        self._remove_stale_tmp()
+        blocks = {info.key: info for info in self.scan()}
+        total = sum(info.num_bytes for info in blocks.values())
+        num_children: dict[str, int] = {}
+        for info in blocks.values():
+            if info.parent in blocks:
+                num_children[info.parent] = num_children.get(info.parent, 0) + 1
+        heap = [
+            (info.is_readable, info.mtime, key)
+            for key, info in blocks.items()
+            if num_children.get(key, 0) == 0 or not info.is_readable
+        ]
+        heapq.heapify(heap)
+        removed = removed_bytes = 0
+        while total > max_bytes and heap:
+            _, _, key = heapq.heappop(heap)
+            if key not in blocks:
+                continue
+            info = blocks.pop(key)
+            info.path.unlink(missing_ok=True)
+            total -= info.num_bytes
+            removed += 1
+            removed_bytes += info.num_bytes
+            parent = blocks.get(info.parent)
+            if parent is not None:
+                num_children[parent.key] -= 1
+                if num_children[parent.key] == 0:
+                    heapq.heappush(heap, (parent.is_readable, parent.mtime, parent.key))
+        return GcResult(removed, removed_bytes, len(blocks), total)
+
+    def _discard(self, path: Path) -> None:
+        self.num_corrupt += 1
+        path.unlink(missing_ok=True)
+
+    def _remove_stale_tmp(self) -> None:
+        if not self.root.is_dir():
+            return
+        cutoff = time.time() - _STALE_TMP_SECONDS
+        for tmp in self.root.glob("*/.tmp-*"):
+            try:
+                if tmp.stat().st_mtime < cutoff:
+                    tmp.unlink()
+            except OSError:
+                continue
+
+
+def _token_bytes(tokens: Sequence[int]) -> bytes:
+    return struct.pack(f"<{len(tokens)}q", *tokens)
+
+
+def _checksum(token_ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> str:
+    digest = hashlib.sha256()
+    for tensor in (token_ids, keys, values):
+        digest.update(tensor.contiguous().view(torch.uint8).numpy().data)
+    return digest.hexdigest()
+
+
+def _parse_block(raw: bytes, key: str, tokens: Sequence[int]) -> DiskBlock | None:
+    """Decode and check a block file's bytes; None on any mismatch or damage."""
+    from safetensors.torch import load
+
+    try:
+        header_len = struct.unpack("<Q", raw[:8])[0]
+        meta = json.loads(raw[8 : 8 + header_len]).get("__metadata__", {})
+        tensors = load(raw)
+    except Exception:  # safetensors raises its own error types on damage
+        return None
+    token_ids, keys, values = tensors.get("token_ids"), tensors.get("keys"), tensors.get("values")
+    if token_ids is None or keys is None or values is None:
+        return None
+    if meta.get("format") != BLOCK_FORMAT or meta.get("key") != key:
+        return None
+    if token_ids.tolist() != list(tokens):
+        return None
+    if keys.shape != values.shape or keys.dim() != 4 or keys.shape[2] != len(tokens):
+        return None
+    if meta.get("checksum") != _checksum(token_ids, keys, values):
+        return None
+    return DiskBlock(key=key, keys=keys, values=values)
+
+
+def _read_metadata(path: Path) -> dict[str, str] | None:
+    try:
+        with path.open("rb") as fh:
+            head = fh.read(8)
+            if len(head) != 8:
+                return None
+            (header_len,) = struct.unpack("<Q", head)
+            if header_len > 1 << 20:
+                return None
+            header = json.loads(fh.read(header_len))
+        meta = header.get("__metadata__")
+        return meta if isinstance(meta, dict) else None
+    except (OSError, ValueError):
+        return None

@@ -1,0 +1,253 @@
+"""Memory tier: a radix tree over token ids whose nodes hold KV (RadixAttention).
+
+Each node owns a segment of tokens and the K and V of exactly those tokens
+for every layer, as two tensors `[layers, kv_heads, segment, head_dim]`. The
+path from the root to a node spells a token prefix; the KV of that prefix is
+the concatenation of the segments along the path. Invariants:
+
+- children of a node start with distinct tokens (keyed by first token id);
+- lookups are token-exact and may end inside a segment (a partial node);
+- insertion splits a node where a new sequence diverges, and the two halves
+  get their own copies of the tensors so each half can be freed alone;
+- eviction removes least-recently-used leaves only (an inner node's KV is
+  the prefix of its children's) and never a pinned node; pins count
+  upward so a pinned node keeps its whole path;
+- `num_bytes` is the exact sum of the KV tensor sizes held.
+
+The tree is not thread-safe; `KVCache` serialises access.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+# (start, end) -> (keys, values) for absolute token positions of the sequence
+# being inserted, each `[layers, kv_heads, end - start, head_dim]`.
+KVSource = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
+
+
+class RadixNode:
+    """One segment of a cached token sequence (internal to the tree)."""
+
+    __slots__ = ("children", "keys", "last_access", "num_pins", "parent", "tokens", "values")
+
+    def __init__(
+        self,
+        parent: RadixNode | None,
+        tokens: tuple[int, ...],
+        keys: torch.Tensor | None,
+        values: torch.Tensor | None,
+    ) -> None:
+        self.parent = parent
+        self.tokens = tokens
+        self.keys = keys
+        self.values = values
+        self.children: dict[int, RadixNode] = {}
+        self.num_pins = 0
+        self.last_access = 0
+
+    @property
+    def num_bytes(self) -> int:
+        if self.keys is None or self.values is None:
+            return 0
+        return _tensor_bytes(self.keys) + _tensor_bytes(self.values)
+
+
+@dataclass(frozen=True, slots=True)
+class RadixMatch:
+    """The longest cached prefix of a sequence, as KV pieces in order.
+
+    `node` is the deepest node touched (pin it to keep the pieces' nodes
+    alive in the tree); `pieces` hold views of node tensors, the last one
+    possibly cut inside its segment.
+    """
+
+    num_tokens: int
+    node: RadixNode
+    pieces: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+
+
+class RadixTree:
+    """Token-exact prefix tree of KV segments under a byte budget."""
+
+    def __init__(self, *, max_bytes: int) -> None:
+        if max_bytes < 0:
+            raise ValueError("max_bytes must be >= 0")
+        self.max_bytes = max_bytes
+        self.root = RadixNode(None, (), None, None)
+        self.num_bytes = 0
+        self.num_nodes = 0
+        self.num_tokens = 0
+        self.num_evicted_tokens = 0
+        self._clock = itertools.count(1)
+
+    def match(self, tokens: Sequence[int], *, max_tokens: int | None = None) -> RadixMatch:
+        """Longest cached prefix of `tokens[:max_tokens]`; refreshes its LRU time."""
+        limit = len(tokens) if max_tokens is None else min(max_tokens, len(tokens))
+        node, pos = self.root, 0
+        pieces: list[tuple[torch.Tensor, torch.Tensor]] = []
+        now = next(self._clock)
+        while pos < limit:
+            child = node.children.get(tokens[pos])
+            if child is None:
+                break
+            seg = child.tokens
+            common = _common_length(seg, tokens, pos, limit)
+            child.last_access = now
+            keys, values = child.keys, child.values
+            if keys is None or values is None:  # only the root has no tensors
+                raise RuntimeError("radix node without KV")
+            if common < len(seg):
+                pieces.append((keys[:, :, :common], values[:, :, :common]))
+                pos += common
+                node = child
+                break
+            pieces.append((keys, values))
+            pos += common
+            node = child
+        self._touch_path(node, now)
+        return RadixMatch(num_tokens=pos, node=node, pieces=tuple(pieces))
+
+    def insert(self, tokens: Sequence[int], source: KVSource) -> int:
+        """Make all of `tokens` cached, asking `source` only for the missing rows.
+
+        Returns the number of tokens newly stored. May evict other leaves to
+        stay under the budget (never pinned nodes, never the new leaf's path
+        while it is referenced by a pin).
+        """
+        node, pos = self.root, 0
+        now = next(self._clock)
+        n = len(tokens)
+        while pos < n:
+            child = node.children.get(tokens[pos])
+            if child is None:
+                break
+            common = _common_length(child.tokens, tokens, pos, n)
+            if common < len(child.tokens):
+                child = self._split(child, common)
+            child.last_access = now
+            pos += common
+            node = child
+        added = 0
+        if pos < n:
+            keys, values = source(pos, n)
+            if keys.shape[2] != n - pos or values.shape[2] != n - pos:
+                raise ValueError("KV source returned the wrong number of rows")
+            leaf = RadixNode(node, tuple(tokens[pos:]), keys.contiguous(), values.contiguous())
+            leaf.last_access = now
+            node.children[tokens[pos]] = leaf
+            self.num_bytes += leaf.num_bytes
+            self.num_nodes += 1
+            self.num_tokens += n - pos
+            added = n - pos
+            node = leaf
+        self._touch_path(node, now)
+        self.evict(self.max_bytes)
+        return added
+
+    def pin(self, node: RadixNode) -> None:
+        """Protect `node` and its ancestors from eviction until `unpin`."""
+        walk: RadixNode | None = node
+        while walk is not None:
+            walk.num_pins += 1
+            walk = walk.parent
+
+    def unpin(self, node: RadixNode) -> None:
+        """Release one `pin` of `node` (and its ancestors)."""
+        walk: RadixNode | None = node
+        while walk is not None:
+            if walk.num_pins <= 0:
+                raise RuntimeError("unpin without a matching pin")
+            walk.num_pins -= 1
+            walk = walk.parent
+
+    def evict(self, max_bytes: int) -> int:
+        """Drop LRU unpinned leaves until at most `max_bytes` remain; return bytes freed."""
+        if self.num_bytes <= max_bytes:
+            return 0
+        heap = [(leaf.last_access, id(leaf), leaf) for leaf in self._leaves() if leaf.num_pins == 0]
+        heapq.heapify(heap)
+        freed = 0
+        while self.num_bytes > max_bytes and heap:
+            _, _, leaf = heapq.heappop(heap)
+            parent = leaf.parent
+            if parent is None:
+                continue
+            del parent.children[leaf.tokens[0]]
+            size = leaf.num_bytes
+            self.num_bytes -= size
+            self.num_nodes -= 1
+            self.num_tokens -= len(leaf.tokens)
+            self.num_evicted_tokens += len(leaf.tokens)
+            freed += size
+            leaf.keys = leaf.values = None
+            leaf.parent = None
+            if parent is not self.root and not parent.children and parent.num_pins == 0:
+                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        return freed
+
+    def clear(self) -> None:
+        """Forget everything, pinned or not (the caller must hold no pins)."""
+        self.root = RadixNode(None, (), None, None)
+        self.num_bytes = self.num_nodes = self.num_tokens = 0
+
+    def _split(self, child: RadixNode, at: int) -> RadixNode:
+        """Cut `child` after `at` tokens; return the new upper node.
+
+        The lower half keeps its identity (so pins held on it stay valid); the
+        upper half inherits the pin count, since every path through the lower
+        half runs through it.
+        """
+        parent = child.parent
+        if parent is None or child.keys is None or child.values is None:
+            raise RuntimeError("cannot split the root")
+        upper = RadixNode(
+            parent,
+            child.tokens[:at],
+            child.keys[:, :, :at].clone(),
+            child.values[:, :, :at].clone(),
+        )
+        upper.num_pins = child.num_pins
+        upper.last_access = child.last_access
+        parent.children[child.tokens[0]] = upper
+        child.tokens = child.tokens[at:]
+        child.keys = child.keys[:, :, at:].clone()
+        child.values = child.values[:, :, at:].clone()
+        child.parent = upper
+        upper.children[child.tokens[0]] = child
+        self.num_nodes += 1
+        return upper
+
+    def _touch_path(self, node: RadixNode, now: int) -> None:
+        walk: RadixNode | None = node
+        while walk is not None and walk is not self.root:
+            walk.last_access = now
+            walk = walk.parent
+
+    def _leaves(self) -> list[RadixNode]:
+        leaves: list[RadixNode] = []
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            if node.children:
+                stack.extend(node.children.values())
+            else:
+                leaves.append(node)
+        return leaves
+
+
+def _common_length(segment: Sequence[int], tokens: Sequence[int], start: int, limit: int) -> int:
+    n = min(len(segment), limit - start)
+    i = 0
+    while i < n and segment[i] == tokens[start + i]:
+        i += 1
+    return i
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
