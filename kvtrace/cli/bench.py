@@ -26,3 +26,22 @@ def bench_store(
     from kvtrace.bench.store import run_store_bench
 
     print_json(run_store_bench(url, num_appends=num_appends))
+
+
+@bench_app.command("replay")
+def bench_replay(
+    model: str = typer.Option(
+        None, "--model", help="Model folder (default: the embedded SmolLM2-135M-Instruct)."
+    ),
+    fresh: bool = typer.Option(
+        False, "--fresh", help="Record the benchmark run again instead of reusing it."
+    ),
+    as_json: bool = typer.Option(
+        False, "--json", help="Print JSON (the default output is JSON too)."
+    ),
+) -> None:
+    """Replay a recorded 2,000+-token agent run: hit rate vs oracle, speed-up, lower bound."""
+    from kvtrace.bench.replay import run_replay_bench
+    from kvtrace.paths import default_cache_dir
+
+    print_json(run_replay_bench(cache_dir=default_cache_dir(), model=model, fresh=fresh))

@@ -1,0 +1,146 @@
+"""Replay through the local engine and its two-tier cache (tiny random model: fast)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvtrace.replay import SamplingParams, continue_run, replay
+from kvtrace.replay.oracle import common_prefix_length
+from kvtrace.replay.recording import record_generation
+
+SYSTEM = ("You are a careful agent. " * 30).strip()
+START = [{"role": "system", "content": SYSTEM},
+         {"role": "user", "content": "Question: list three prime numbers."}]
+GREEDY = SamplingParams(max_new_tokens=12)
+
+
+def _record_linear_run(store, engine, factory, name="linear", calls=9):
+    """A linear run of `calls` greedy model calls, recorded live by the local engine."""
+    backend = factory(engine)
+    result = continue_run(store, name, backend, steps=calls, messages=START, params=GREEDY)
+    assert len(result.reports) == calls
+    return backend
+
+
+def test_rebuild_hit_rate_equals_the_oracle_bound_on_an_empty_cache(
+    replay_store, tiny_engine, local_backend_factory, tmp_path
+):
+    _record_linear_run(replay_store, tiny_engine, local_backend_factory)
+    fresh = local_backend_factory(tiny_engine, kv_dir=tmp_path / "empty")
+    report = replay(replay_store, "linear", fresh, mode="rebuild")
+    assert len(report.steps) == 9
+    assert [s.reused_tokens for s in report.steps] == [s.oracle_tokens for s in report.steps]
+    assert report.total.hit_rate == report.total.oracle_hit_rate
+    assert report.steps[0].reused_tokens == 0
+    assert all(s.reused_tokens > s.prompt_tokens // 2 for s in report.steps[1:])
+    assert all(s.computed_tokens == s.prompt_tokens - s.reused_tokens for s in report.steps)
+
+
+def test_verify_hit_rate_equals_the_oracle_bound_and_every_step_matches(
+    replay_store, tiny_engine, local_backend_factory, tmp_path
+):
+    _record_linear_run(replay_store, tiny_engine, local_backend_factory)
+    fresh = local_backend_factory(tiny_engine, kv_dir=tmp_path / "empty")
+    report = replay(replay_store, "linear", fresh, mode="verify")
+    assert report.is_match is True and report.total.matching_steps == 9
+    assert [s.reused_tokens for s in report.steps] == [s.oracle_tokens for s in report.steps]
+
+
+def test_a_replay_in_a_fresh_process_hits_the_disk_tier(
+    replay_store, tiny_engine, local_backend_factory, tmp_path
+):
+    _record_linear_run(replay_store, tiny_engine, local_backend_factory, calls=8)
+    kv_dir = tmp_path / "shared-kv"
+    replay(replay_store, "linear", local_backend_factory(tiny_engine, kv_dir=kv_dir))
+    script = f"""
+import json
+from kvtrace import open_store
+from kvtrace.engine import KVCache, load_engine
+from kvtrace.replay import replay
+from kvtrace.replay.local import LocalBackend
+engine = load_engine({str(tiny_engine.path)!r}, cache_dir={str(tmp_path / 'sub-cache')!r})
+backend = LocalBackend(engine, KVCache(engine, disk_dir={str(kv_dir)!r}))
+report = replay(open_store({replay_store.url!r}), "linear", backend)
+print(json.dumps(report.to_dict()["total"]))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         check=True, timeout=300)
+    total = json.loads(out.stdout.strip().splitlines()[-1])
+    assert total["disk_tokens"] > 0
+    # Every prompt was seen before, so only the tail past the last whole block is computed.
+    assert total["hit_rate"] > 0.8
+
+
+def test_replaying_a_fork_computes_only_the_tokens_after_the_edit(
+    replay_store, tiny_engine, local_backend_factory, tmp_path
+):
+    run = replay_store.run("parent")
+    messages = list(START)
+    for i in range(4):  # a scripted ReAct agent: call, tool, observation, ...
+        response = f"Action: calculator\nAction Input: {i}*7"
+        run.record_model_call(list(messages), response, model="scripted")
+        run.record_tool_call("calculator", f"{i}*7", i * 7)
+        messages += [{"role": "assistant", "content": response},
+                     {"role": "user", "content": f"Observation: {i * 7}"}]
+    # Fork before the second tool call, record an edited result, then model calls after it.
+    fork = replay_store.fork("parent@3", "fork")
+    fork.record_tool_call("calculator", "1*7", 1000)
+    forked = [*messages[:4], {"role": "user", "content": "Observation: 1000"}]
+    fork.record_model_call(forked, "Final Answer: 1000", model="scripted")
+
+    backend = local_backend_factory(tiny_engine, kv_dir=tmp_path / "kv")
+    replay(replay_store, "parent", backend, mode="rebuild")
+    report = replay(replay_store, "fork", backend, mode="rebuild")
+    shared, after_edit = report.steps[:-1], report.steps[-1]
+    assert [s.computed_tokens for s in shared] == [1, 1]  # only each prompt's last token
+    parent_prompt = tiny_engine.chat_tokens(messages[:6])  # the parent's call after the tool
+    fork_prompt = tiny_engine.chat_tokens(forked)
+    edit_at = common_prefix_length(fork_prompt, parent_prompt)
+    assert 0 < edit_at < len(fork_prompt) - 1
+    assert after_edit.reused_tokens == edit_at
+    assert after_edit.computed_tokens == len(fork_prompt) - edit_at
+
+
+def test_verify_reports_the_step_and_token_of_an_altered_output(
+    replay_store, tiny_engine, local_backend_factory, tmp_path
+):
+    _record_linear_run(replay_store, tiny_engine, local_backend_factory, calls=4)
+    path = replay_store.path("linear")
+    original = path[2]  # the third model call (no tool calls in this run)
+    ids = list(original.meta["usage"]["completion_token_ids"])
+    position = 3
+    altered_ids = [*ids[:position], (ids[position] + 1) % 49000, *ids[position + 1 :]]
+    # The store is append-only: record an altered copy of step 3 on a fork.
+    fork = replay_store.fork(path[1].id, "altered")
+    from kvtrace.replay.backend import CallResult
+
+    stops = set(tiny_engine.eos_token_ids)
+    body = altered_ids[:-1] if altered_ids[-1] in stops else altered_ids
+    altered = CallResult(len(ids), None, None, None, tiny_engine.decode(body), altered_ids,
+                         "stop", 0.0, 0.0)
+    record_generation(fork, original.content["messages"], altered, model="tiny",
+                      params=GREEDY)
+    report = replay(replay_store, "altered", local_backend_factory(
+        tiny_engine, kv_dir=tmp_path / "verify"), mode="verify")
+    assert [s.is_match for s in report.steps] == [True, True, False]
+    assert report.total.first_mismatch == 3
+    mismatch = report.steps[2].mismatch
+    assert mismatch is not None and mismatch.position == position
+    assert (mismatch.expected_id, mismatch.got_id) == (altered_ids[position], ids[position])
+    assert mismatch.expected_text != mismatch.got_text
+
+
+def test_compare_uncached_replays_again_without_a_cache(
+    replay_store, tiny_engine, local_backend_factory, tmp_path
+):
+    _record_linear_run(replay_store, tiny_engine, local_backend_factory, calls=3)
+    report = replay(replay_store, "linear", local_backend_factory(
+        tiny_engine, kv_dir=tmp_path / "kv"), compare_uncached=True)
+    assert report.uncached is not None and report.speedup is not None
+    assert report.uncached.total.reused_tokens == 0
+    assert report.uncached.total.computed_tokens == report.total.prompt_tokens
+    assert report.to_dict()["total"]["speedup"] == pytest.approx(report.speedup, rel=1e-3)
