@@ -45,3 +45,30 @@ def bench_replay(
     from kvtrace.paths import default_cache_dir
 
     print_json(run_replay_bench(cache_dir=default_cache_dir(), model=model, fresh=fresh))
+
+
+@bench_app.command("cache")
+def bench_cache(
+    model: str = typer.Option(
+        None, "--model", help="Model folder (default: the embedded SmolLM2-135M-Instruct)."
+    ),
+    num_tokens: int = typer.Option(2048, "--tokens", help="Prompt length of the cold prefill."),
+    num_new: int = typer.Option(32, "--new", help="New tokens after the cached prefix."),
+    repeats: int = typer.Option(3, "--repeats", help="Runs per case (the median is reported)."),
+    as_json: bool = typer.Option(
+        False, "--json", help="Print JSON (the default output is JSON too)."
+    ),
+) -> None:
+    """Prefill: cold vs prefix from memory vs from disk, KV bytes per token (one JSON object)."""
+    from kvtrace.bench.cache import run_cache_bench
+    from kvtrace.paths import default_cache_dir
+
+    print_json(
+        run_cache_bench(
+            cache_dir=default_cache_dir(),
+            model=model,
+            num_tokens=num_tokens,
+            num_new=num_new,
+            repeats=repeats,
+        )
+    )

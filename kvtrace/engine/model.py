@@ -191,6 +191,7 @@ def build_tiny_model(
     num_heads: int = 4,
     num_kv_heads: int = 2,
     intermediate_size: int = 128,
+    head_dim: int | None = None,
 ) -> Path:
     """Write a small randomly initialised Llama model folder (for tests, benchmarks).
 
@@ -210,6 +211,7 @@ def build_tiny_model(
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
+        head_dim=head_dim if head_dim is not None else hidden_size // num_heads,
         max_position_embeddings=8192,
         tie_word_embeddings=True,
         bos_token_id=tokenizer.bos_token_id,

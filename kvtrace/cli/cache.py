@@ -1,0 +1,145 @@
+"""`kvtrace cache ...`: inspect and manage the two-tier KV prefix cache.
+
+Thin: each command parses, makes one call of `kvtrace.engine`, prints. The
+cache folder is `--cache-dir` or `$KVTRACE_CACHE` (default `~/.cache/kvtrace`);
+disk KV blocks live in its `kv/` folder. Heavy imports (torch) happen inside
+the commands so that `kvtrace --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import typer
+
+from kvtrace.cli.app import cache_app, print_json
+from kvtrace.errors import UsageError
+
+if TYPE_CHECKING:
+    from kvtrace.engine import Engine
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+
+_MODEL_HELP = "Model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)."
+_CACHE_DIR_HELP = "kvtrace cache folder (default: $KVTRACE_CACHE or ~/.cache/kvtrace)."
+_BLOCK_HELP = "Disk block size in tokens (must match the one the blocks were written with)."
+
+
+def parse_size(text: str) -> int:
+    """Bytes from '1500', '2G', '512MiB', '1.5GB' (k/M/G/T, decimal; Ki/Mi/Gi binary)."""
+    match = _SIZE.match(text)
+    if match is None:
+        raise UsageError(f"not a byte size: {text!r} (examples: 500000000, 500M, 2GiB)")
+    number, unit = float(match.group(1)), (match.group(2) or "").lower()
+    base = 1024 if unit.endswith("ib") or unit.endswith("i") else 1000
+    prefix = unit[:1] if unit[:1] in "kmgt" else ""
+    exponent = "kmgt".index(prefix) + 1 if prefix else 0
+    return int(number * base**exponent)
+
+
+def _load(model: str | None, root: Path) -> Engine:
+    """The engine, without transformers' progress bars on a command line."""
+    from transformers.utils import logging as hf_logging
+
+    from kvtrace.engine import load_engine
+
+    hf_logging.disable_progress_bar()
+    return load_engine(model, cache_dir=root)
+
+
+def _cache_dir(value: Path | None) -> Path:
+    from kvtrace.paths import default_cache_dir
+
+    return value if value is not None else default_cache_dir()
+
+
+@cache_app.command("stats")
+def stats(
+    model: str = typer.Option(None, "--model", help=_MODEL_HELP),
+    cache_dir: Path = typer.Option(None, "--cache-dir", help=_CACHE_DIR_HELP),
+    block_size: int = typer.Option(64, "--block-size", help=_BLOCK_HELP),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Entries and bytes per tier, and the model's KV bytes per token (formula)."""
+    from kvtrace.engine.maintenance import cache_stats, default_kv_dir
+
+    root = _cache_dir(cache_dir)
+    engine = _load(model, root)
+    result = cache_stats(engine, default_kv_dir(root), block_size=block_size)
+    if as_json:
+        print_json(dataclasses.asdict(result))
+        return
+    per_token = result.disk_bytes_per_token
+    typer.echo(f"model            {result.model}  (fingerprint {result.fingerprint[:16]})")
+    typer.echo(
+        f"KV per token     {result.kv_bytes_per_token:,} B  "
+        f"(2 x {engine.num_layers} layers x {engine.num_kv_heads} kv heads x "
+        f"{engine.head_dim} dims x {engine.dtype.itemsize} B)"
+    )
+    typer.echo(
+        f"disk tier        {result.disk_blocks:,} blocks, {result.disk_bytes:,} B for this model"
+        + (f" ({per_token:,.0f} B/token)" if per_token else "")
+        + f"; {result.disk_blocks_all_models:,} blocks, {result.disk_bytes_all_models:,} B in all"
+    )
+    typer.echo(f"disk folder      {result.disk_dir}")
+    typer.echo(
+        f"memory tier      {result.memory_entries} entries, {result.memory_bytes:,} B "
+        f"(budget {result.memory_max_bytes:,} B; empty in a new process)"
+    )
+
+
+@cache_app.command("gc")
+def gc(
+    max_bytes: str = typer.Option(
+        ..., "--max-bytes", help="Keep at most this many bytes of disk blocks (e.g. 2G, 500MiB)."
+    ),
+    cache_dir: Path = typer.Option(None, "--cache-dir", help=_CACHE_DIR_HELP),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Evict disk blocks, least recently used tails first, down to --max-bytes."""
+    limit = parse_size(max_bytes)  # before importing torch: a typo fails fast
+    from kvtrace.engine.maintenance import collect_garbage, default_kv_dir
+
+    result = collect_garbage(default_kv_dir(_cache_dir(cache_dir)), limit)
+    if as_json:
+        print_json(dataclasses.asdict(result))
+        return
+    typer.echo(
+        f"removed {result.num_blocks_removed} blocks ({result.num_bytes_removed:,} B); "
+        f"{result.num_blocks_left} blocks ({result.num_bytes_left:,} B) left"
+    )
+
+
+@cache_app.command("verify")
+def verify(
+    sample: int = typer.Option(8, "--sample", help="Recompute this many random blocks (0: all)."),
+    model: str = typer.Option(None, "--model", help=_MODEL_HELP),
+    cache_dir: Path = typer.Option(None, "--cache-dir", help=_CACHE_DIR_HELP),
+    block_size: int = typer.Option(64, "--block-size", help=_BLOCK_HELP),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Recompute a sample of stored blocks and report any that differ (exit 1 if so)."""
+    from kvtrace.engine.maintenance import default_kv_dir, verify_blocks
+
+    if sample < 0:
+        raise UsageError(f"--sample must be >= 0, got {sample}")
+    root = _cache_dir(cache_dir)
+    engine = _load(model, root)
+    report = verify_blocks(
+        engine, default_kv_dir(root), sample=sample or None, block_size=block_size
+    )
+    if as_json:
+        print_json({**dataclasses.asdict(report), "is_ok": report.is_ok})
+    else:
+        typer.echo(
+            f"checked {report.num_checked} of {report.num_blocks} blocks: "
+            f"{len(report.mismatched)} mismatched, {len(report.unreadable)} unreadable (removed), "
+            f"{len(report.orphaned)} orphaned"
+        )
+        for key in report.mismatched:
+            typer.echo(f"mismatch {key}")
+    if not report.is_ok:
+        raise typer.Exit(1)

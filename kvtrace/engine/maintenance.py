@@ -1,0 +1,195 @@
+"""Cache upkeep for the CLI and programs: stats, garbage collection, verification.
+
+`verify_blocks` is the cache's `fsck`: it recomputes a sample of stored disk
+blocks from scratch (cold, canonical prefill of the block's whole prefix,
+rebuilt by following parent keys back to the chain root) and compares the
+KV bit for bit. A mismatch means the fidelity scheme broke (or the numeric
+setup changed without changing the fingerprint) — never expected.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvtrace.engine.cache import DEFAULT_BLOCK_SIZE, DEFAULT_MEMORY_BYTES
+from kvtrace.engine.disk import BlockInfo, BlockStore, GcResult
+from kvtrace.engine.model import Engine
+from kvtrace.engine.prefill import prefill
+from kvtrace.errors import UsageError
+
+KV_DIRNAME = "kv"
+
+
+def default_kv_dir(cache_dir: str | os.PathLike[str]) -> Path:
+    """Where disk KV blocks live under a kvtrace cache folder."""
+    return Path(cache_dir) / KV_DIRNAME
+
+
+@dataclass(frozen=True, slots=True)
+class CacheStats:
+    """Sizes of both tiers, and the KV size per token of the engine."""
+
+    model: str
+    fingerprint: str
+    block_size: int
+    kv_bytes_per_token: int
+    disk_dir: str
+    disk_blocks: int
+    disk_bytes: int
+    disk_blocks_all_models: int
+    disk_bytes_all_models: int
+    disk_bytes_per_token: float | None
+    memory_entries: int
+    memory_bytes: int
+    memory_max_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyReport:
+    """Outcome of `verify_blocks`: keys that failed, by reason.
+
+    `unreadable` blocks (or an unreadable ancestor) failed their checksum or
+    token check and were deleted, as any read of a damaged block does;
+    `orphaned` ones lost an ancestor (e.g. to a crash mid-gc) and are
+    unreachable, so they cannot be recomputed.
+    """
+
+    num_blocks: int
+    num_checked: int
+    mismatched: tuple[str, ...]
+    unreadable: tuple[str, ...]
+    orphaned: tuple[str, ...]
+
+    @property
+    def is_ok(self) -> bool:
+        return not (self.mismatched or self.unreadable)
+
+
+def cache_stats(
+    engine: Engine,
+    disk_dir: str | os.PathLike[str],
+    *,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    memory_entries: int = 0,
+    memory_bytes: int = 0,
+    memory_max_bytes: int = DEFAULT_MEMORY_BYTES,
+) -> CacheStats:
+    """Stats of the disk tier under `disk_dir` (memory figures are passed in:
+    a fresh process has an empty memory tier)."""
+    store = BlockStore(disk_dir, block_size=block_size)
+    every = list(store.scan())
+    mine = [info for info in every if info.fingerprint == engine.fingerprint]
+    mine_bytes = sum(info.num_bytes for info in mine)
+    return CacheStats(
+        model=engine.name,
+        fingerprint=engine.fingerprint,
+        block_size=block_size,
+        kv_bytes_per_token=engine.kv_bytes_per_token,
+        disk_dir=str(disk_dir),
+        disk_blocks=len(mine),
+        disk_bytes=mine_bytes,
+        disk_blocks_all_models=len(every),
+        disk_bytes_all_models=sum(info.num_bytes for info in every),
+        disk_bytes_per_token=mine_bytes / (len(mine) * block_size) if mine else None,
+        memory_entries=memory_entries,
+        memory_bytes=memory_bytes,
+        memory_max_bytes=memory_max_bytes,
+    )
+
+
+def collect_garbage(disk_dir: str | os.PathLike[str], max_bytes: int) -> GcResult:
+    """Evict disk blocks (tails first, least recently used) down to `max_bytes`."""
+    if max_bytes < 0:
+        raise UsageError(f"--max-bytes must be >= 0, got {max_bytes}")
+    return BlockStore(disk_dir).gc(max_bytes)
+
+
+def verify_blocks(
+    engine: Engine,
+    disk_dir: str | os.PathLike[str],
+    *,
+    sample: int | None = 8,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    seed: int = 0,
+) -> VerifyReport:
+    """Recompute up to `sample` of this engine's blocks (all when None) and compare."""
+    if sample is not None and sample < 0:
+        raise UsageError(f"--sample must be >= 0, got {sample}")
+    store = BlockStore(disk_dir, block_size=block_size)
+    mine = {info.key: info for info in store.scan() if info.fingerprint == engine.fingerprint}
+    keys = sorted(mine)
+    if sample is not None and sample < len(keys):
+        keys = sorted(random.Random(seed).sample(keys, sample))
+    root = store.root_key(engine.fingerprint)
+    mismatched: list[str] = []
+    unreadable: list[str] = []
+    orphaned: list[str] = []
+    checked = 0
+    for key in keys:
+        chain = _chain_to_root(mine, key, root)
+        if chain is None:
+            orphaned.append(key)
+            continue
+        tokens: list[int] = []
+        blocks = []
+        for info in chain:
+            block_tokens = _stored_tokens(info)
+            block = store.read(info.key, block_tokens) if block_tokens is not None else None
+            if block is None or block_tokens is None:
+                break
+            tokens.extend(block_tokens)
+            blocks.append(block)
+        if len(blocks) != len(chain):
+            unreadable.append(key)
+            continue
+        # cache=None: a cold, canonical computation of the whole prefix.
+        result = prefill(engine, None, tokens, block_size=block_size)
+        start = (len(chain) - 1) * block_size
+        stop = start + block_size
+        kv_layers = result.kv.layers  # type: ignore[attr-defined]
+        recomputed_k = torch.stack([layer.keys[0, :, start:stop] for layer in kv_layers])
+        recomputed_v = torch.stack([layer.values[0, :, start:stop] for layer in kv_layers])
+        target = blocks[-1]
+        checked += 1
+        if not (
+            torch.equal(recomputed_k.cpu(), target.keys)
+            and torch.equal(recomputed_v.cpu(), target.values)
+        ):
+            mismatched.append(key)
+    return VerifyReport(
+        num_blocks=len(mine),
+        num_checked=checked,
+        mismatched=tuple(mismatched),
+        unreadable=tuple(unreadable),
+        orphaned=tuple(orphaned),
+    )
+
+
+def _chain_to_root(blocks: dict[str, BlockInfo], key: str, root: str) -> list[BlockInfo] | None:
+    """Blocks from the chain root down to `key`, or None if an ancestor is gone."""
+    chain: list[BlockInfo] = []
+    walk = key
+    while walk != root:
+        info = blocks.get(walk)
+        if info is None or len(chain) > 1_000_000:
+            return None
+        chain.append(info)
+        walk = info.parent
+    chain.reverse()
+    return chain
+
+
+def _stored_tokens(info: BlockInfo) -> list[int] | None:
+    """The token ids a block file claims to hold (verified again by `read`)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(info.path), framework="pt") as fh:
+            return [int(t) for t in fh.get_tensor("token_ids").tolist()]
+    except Exception:  # damaged file: safetensors raises assorted error types
+        return None

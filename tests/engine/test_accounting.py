@@ -1,0 +1,75 @@
+"""What a prefill reuses and computes: exact token counts per tier."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtrace.engine import KVCache, prefill
+from kvtrace.errors import UsageError
+
+
+def test_shared_prefix_from_memory_computes_exactly_the_rest(tiny_engine, tokens):
+    shared = tokens(150, seed=20)
+    cache = KVCache(tiny_engine)
+    first = prefill(tiny_engine, cache, shared + tokens(60, seed=21))
+    second = prefill(tiny_engine, cache, shared + tokens(110, seed=22))
+
+    assert (first.num_cached_tokens, first.num_computed_tokens) == (0, 210)
+    assert second.num_memory_tokens == 150
+    assert second.num_disk_tokens == 0
+    assert second.num_computed_tokens == 260 - 150
+
+
+def test_shared_prefix_from_disk_only_rounds_down_to_the_block(tiny_engine, tokens, make_cache):
+    shared = tokens(150, seed=23)
+    prefill(tiny_engine, make_cache(tiny_engine), shared + tokens(60, seed=24))
+    second = prefill(tiny_engine, make_cache(tiny_engine), shared + tokens(110, seed=25))
+
+    assert second.num_memory_tokens == 0
+    assert second.num_disk_tokens == 128  # 150 rounded down to a multiple of 64
+    assert second.num_computed_tokens == 260 - 128
+
+
+def test_the_whole_prompt_is_never_reused_from_memory(tiny_engine, tokens):
+    prompt = tokens(90, seed=26)
+    cache = KVCache(tiny_engine)
+    prefill(tiny_engine, cache, prompt)
+    again = prefill(tiny_engine, cache, prompt)
+
+    assert again.num_memory_tokens == 89
+    assert again.num_computed_tokens == 1
+
+
+def test_the_whole_prompt_is_never_reused_from_disk(tiny_engine, tokens, make_cache):
+    prompt = tokens(128, seed=27)  # exactly two blocks, both on disk
+    prefill(tiny_engine, make_cache(tiny_engine), prompt)
+    again = prefill(tiny_engine, make_cache(tiny_engine), prompt)
+
+    assert again.num_disk_tokens == 127
+    assert again.num_computed_tokens == 1
+
+
+def test_a_fed_sequence_is_stored_in_full(tiny_engine, tokens, make_cache):
+    prompt, output = tokens(100, seed=28), tokens(28, seed=29)
+    cache = make_cache(tiny_engine)
+    prefill(tiny_engine, cache, prompt + output)  # replay's rebuild: feed, no generation
+    follow = prefill(tiny_engine, cache, prompt + output + [5, 6])
+
+    assert follow.num_memory_tokens == 128
+    assert len(list(cache.disk_root.rglob("*.safetensors"))) == 2
+
+
+def test_a_one_token_prompt_computes_one_token(tiny_engine):
+    result = prefill(tiny_engine, KVCache(tiny_engine), [42])
+    assert (result.num_tokens, result.num_computed_tokens) == (1, 1)
+    assert result.logits.shape == (len(tiny_engine.tokenizer),)
+
+
+def test_an_empty_prompt_is_a_usage_error(tiny_engine):
+    with pytest.raises(UsageError):
+        prefill(tiny_engine, None, [])
+
+
+def test_block_size_must_keep_matmuls_row_invariant(tiny_engine):
+    with pytest.raises(UsageError, match="multiple of 16"):
+        KVCache(tiny_engine, block_size=24)
