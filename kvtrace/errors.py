@@ -7,6 +7,7 @@
     ├── NotFoundError            a run, step, blob, model or bundle does not exist
     │   ├── RunNotFoundError
     │   ├── StepNotFoundError    (also: an id prefix matches more than one step)
+    │   ├── StoreNotFoundError   no store at that path or URL (and the caller did not create one)
     │   └── ModelNotFoundError   a model file or folder is missing; says how to install it
     ├── ConflictError            a compare-and-swap on a ref lost: someone moved it first
     ├── IntegrityError           stored or imported bytes do not hash to their address
@@ -50,6 +51,10 @@ class RunNotFoundError(NotFoundError):
 
 class StepNotFoundError(NotFoundError):
     """No single step matches the address (none, or an ambiguous id prefix)."""
+
+
+class StoreNotFoundError(NotFoundError):
+    """No kvtrace store exists where the caller looked."""
 
 
 class ModelNotFoundError(NotFoundError):

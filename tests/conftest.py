@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import sqlalchemy as sa
@@ -35,22 +35,36 @@ def pg_available() -> bool:
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
-def store_url(request: pytest.FixtureRequest, tmp_path) -> Iterator[str]:
-    """A URL for an empty store on each backend (PostgreSQL: a fresh schema)."""
+def store_urls(request: pytest.FixtureRequest, tmp_path) -> Iterator[Callable[[], str]]:
+    """A factory of URLs for new, empty stores on one backend (PostgreSQL: fresh schemas)."""
     if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'store.db'}"
+        counter = iter(range(1_000_000))
+        yield lambda: f"sqlite:///{tmp_path / f'store{next(counter)}.db'}"
         return
     if not request.getfixturevalue("pg_available"):
         pytest.skip(f"PostgreSQL not reachable at {PG_URL}")
-    schema = f"kvt_{uuid.uuid4().hex[:12]}"
     admin = sa.create_engine(PG_URL)
+    schemas: list[str] = []
+
+    def make() -> str:
+        schema = f"kvt_{uuid.uuid4().hex[:12]}"
+        with admin.begin() as conn:
+            conn.execute(sa.text(f"CREATE SCHEMA {schema}"))
+        schemas.append(schema)
+        sep = "&" if "?" in PG_URL else "?"
+        return f"{PG_URL}{sep}options=-csearch_path%3D{schema}"
+
+    yield make
     with admin.begin() as conn:
-        conn.execute(sa.text(f"CREATE SCHEMA {schema}"))
-    sep = "&" if "?" in PG_URL else "?"
-    yield f"{PG_URL}{sep}options=-csearch_path%3D{schema}"
-    with admin.begin() as conn:
-        conn.execute(sa.text(f"DROP SCHEMA {schema} CASCADE"))
+        for schema in schemas:
+            conn.execute(sa.text(f"DROP SCHEMA {schema} CASCADE"))
     admin.dispose()
+
+
+@pytest.fixture
+def store_url(store_urls: Callable[[], str]) -> str:
+    """The URL of one empty store on each backend."""
+    return store_urls()
 
 
 @pytest.fixture

@@ -101,3 +101,26 @@ def test_diff_names_the_common_step(home, capsys):
     code, out, _ = kv(capsys, "diff", "main", "exp", "--json")
     result = json.loads(out)
     assert code == 0 and result["common"]["depth"] == 2 and result["num_only_a"] == 2
+
+
+def test_reading_in_a_folder_without_a_store_creates_nothing(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("KVTRACE_HOME", str(tmp_path / "nothing-here"))
+    code, _, err = kv(capsys, "log", "main")
+    assert code == 2 and "kvtrace init" in err
+    assert not (tmp_path / "nothing-here").exists()
+
+
+def test_export_to_a_missing_folder_is_exit_2_and_leaves_no_file(home, capsys, tmp_path):
+    code, _, err = kv(capsys, "export", "main", "-o", str(tmp_path / "no" / "x.kvtrace"))
+    assert code == 2 and err.startswith("error: ")
+    code, _, _ = kv(capsys, "export", "nosuchrun", "-o", str(tmp_path / "y.kvtrace"))
+    assert code == 2 and list(tmp_path.glob("y.kvtrace*")) == []
+
+
+def test_log_graph_marks_forks(home, capsys):
+    kv(capsys, "fork", "main@2", "exp")
+    code, out, _ = kv(capsys, "log", "main", "--graph")
+    assert code == 0 and "(exp)" in out and "(main)" in out
+    open_store().run("exp").record_tool_call("calc", {"x": 99}, 100)
+    _, out, _ = kv(capsys, "log", "main", "--graph", "--json")
+    assert [row["num_branches"] for row in json.loads(out)] == [0, 0, 1, 0]

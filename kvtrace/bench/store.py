@@ -1,7 +1,8 @@
 """Store benchmark: append latency, and fork/revert cost at 10 and 10,000 steps.
 
 Fork and revert must not depend on the length of the run: fork adds one ref
-row, revert moves one ref back a fixed distance. Both are timed on a 10-step
+row, and finding `RUN@2` from the head of a 10,000-step run (or checking that
+revert's target is an ancestor) follows skip pointers inside one query. Both are timed on a 10-step
 and a 10,000-step run in the same process, alternating, so machine noise hits
 both sides alike; the medians and their ratio are reported.
 """
@@ -54,13 +55,19 @@ def _measure(store: Store, num_appends: int, num_trials: int) -> dict[str, Any]:
     for size, name in sizes.items():
         _grow(store, name, size)
 
+    # Forks and reverts target step 2 (`RUN@2`): the farthest walk from the head,
+    # so the worst case for run length; the `_head` figures fork at the head.
     fork_ms: dict[int, list[float]] = {size: [] for size in sizes}
+    fork_head_ms: dict[int, list[float]] = {size: [] for size in sizes}
     revert_ms: dict[int, list[float]] = {size: [] for size in sizes}
     for trial in range(num_trials):
         for size, name in sizes.items():
-            fork_ms[size].append(_time_ms(lambda n=name, t=trial: store.fork(n, f"{n}-f{t}")))
+            fork_ms[size].append(
+                _time_ms(lambda n=name, t=trial: store.fork(f"{n}@2", f"{n}-f{t}"))
+            )
+            fork_head_ms[size].append(_time_ms(lambda n=name, t=trial: store.fork(n, f"{n}-h{t}")))
             head = store.resolve(name)
-            revert_ms[size].append(_time_ms(lambda n=name: store.revert(n, to=f"{n}~1")))
+            revert_ms[size].append(_time_ms(lambda n=name: store.revert(n, to=f"{n}@2")))
             store.reset(name, to=head)
 
     p50 = statistics.median
@@ -72,6 +79,8 @@ def _measure(store: Store, num_appends: int, num_trials: int) -> dict[str, Any]:
         "append_per_s": round(1000 / statistics.mean(append_ms), 1),
         "fork_ms_at_10": round(p50(fork_ms[10]), 4),
         "fork_ms_at_10000": round(p50(fork_ms[10_000]), 4),
+        "fork_head_ms_at_10": round(p50(fork_head_ms[10]), 4),
+        "fork_head_ms_at_10000": round(p50(fork_head_ms[10_000]), 4),
         "revert_ms_at_10": round(p50(revert_ms[10]), 4),
         "revert_ms_at_10000": round(p50(revert_ms[10_000]), 4),
     }

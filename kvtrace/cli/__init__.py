@@ -31,6 +31,9 @@ def main(argv: list[str] | None = None) -> None:
         message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
         print(f"error: {' '.join(message.split())}", file=sys.stderr)
         sys.exit(getattr(exc, "exit_code", 2))
+    except OSError as exc:  # a file the user named cannot be read or written
+        print(f"error: {exc.strerror or exc}: {exc.filename or ''}".rstrip(": "), file=sys.stderr)
+        sys.exit(2)
     except typer.Abort:
         print("aborted", file=sys.stderr)
         sys.exit(1)

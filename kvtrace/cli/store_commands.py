@@ -17,8 +17,9 @@ from kvtrace.store import Step, Store, open_store
 JSON = typer.Option(False, "--json", help="Print JSON for programs instead of text.")
 
 
-def _store() -> Store:
-    return open_store(store_url())
+def _store(*, create: bool = False) -> Store:
+    """The store; only `init` and `import` create one where none exists."""
+    return open_store(store_url(), create=create)
 
 
 def _when(timestamp: float) -> str:
@@ -49,8 +50,8 @@ def summary(step: Step) -> str:
 @app.command()
 def init() -> None:
     """Create the store (if missing) and print where it is."""
-    with _store() as store:
-        typer.echo(f"kvtrace store ready at {store.url}")
+    with _store(create=True) as store:
+        typer.echo(f"kvtrace store ready at {store.display_url}")
 
 
 @app.command()
@@ -75,27 +76,23 @@ def log(
 ) -> None:
     """Show steps from the head back to the root, like `git log`."""
     with _store() as store:
-        steps = list(store.log(run, limit=limit))
-        heads: dict[str, list[str]] = {}
-        branches: dict[str, int] = {}
-        if graph:
-            for info in store.runs():
-                if info.head_id:
-                    heads.setdefault(info.head_id, []).append(info.name)
-            on_chain = {s.id for s in steps}
+        if not graph:
+            steps = list(store.log(run, limit=limit))
+            if as_json:
+                print_json([s.to_dict() for s in steps])
+                return
             for s in steps:
-                others = [c for c in store.children(s.id) if c.id not in on_chain]
-                if others:
-                    branches[s.id] = len(others)
+                typer.echo(f"{s.depth:4} {s.short_id} {s.kind:10} {summary(s)}")
+            return
+        rows = store.graph(run, limit=limit)
     if as_json:
-        print_json([s.to_dict() for s in steps])
+        print_json([{**s.to_dict(), "heads": heads, "num_branches": n} for s, heads, n in rows])
         return
-    for s in steps:
-        refs = f" ({', '.join(heads[s.id])})" if s.id in heads else ""
-        prefix = "* " if graph else ""
-        typer.echo(f"{prefix}{s.depth:4} {s.short_id}{refs} {s.kind:10} {summary(s)}")
-        if s.id in branches:
-            typer.echo(f"|\\   {branches[s.id]} other branch(es) continue from here")
+    for s, heads, num_branches in rows:
+        refs = f" ({', '.join(heads)})" if heads else ""
+        typer.echo(f"* {s.depth:4} {s.short_id}{refs} {s.kind:10} {summary(s)}")
+        if num_branches:
+            typer.echo(f"|\\  {num_branches} other branch(es) continue from here")
 
 
 @app.command()
@@ -246,10 +243,15 @@ def export_run(
     """Write a run (steps, blobs, notes) to a bundle file."""
     if output.exists():
         raise UsageError(f"{output} exists: choose a new file name")
+    if not output.parent.is_dir():
+        raise UsageError(f"folder {output.parent} does not exist")
     tmp = output.with_name(output.name + ".tmp")
-    with _store() as store, tmp.open("wb") as file:
-        count = store.export_run(run, file)
-    tmp.replace(output)
+    try:
+        with _store() as store, tmp.open("wb") as file:
+            count = store.export_run(run, file)
+        tmp.replace(output)
+    finally:
+        tmp.unlink(missing_ok=True)
     typer.echo(f"exported {count} steps of {run} to {output}")
 
 
@@ -261,6 +263,6 @@ def import_bundle(
     """Import a bundle, verifying every hash; a modified bundle is refused whole."""
     if not file.is_file():
         raise UsageError(f"no such file: {file}")
-    with _store() as store, file.open("rb") as handle:
+    with _store(create=True) as store, file.open("rb") as handle:
         info = store.import_bundle(handle, name=name)
     typer.echo(f"imported {info.name} ({info.depth} steps)")

@@ -30,12 +30,20 @@ MIGRATIONS_DIR = Path(__file__).parent / "migrations"
 _WRITE = "kvtrace_write"
 
 
+def safe_url(url: str) -> str:
+    """`url` with any password masked, for messages and output."""
+    try:
+        return sa.engine.make_url(url).render_as_string(hide_password=True)
+    except sa.exc.ArgumentError:
+        return "<unparseable URL>"
+
+
 def create_db_engine(url: str) -> Engine:
     """An engine for `url` with the per-dialect settings the store relies on."""
     try:
         engine = sa.create_engine(url)
     except (sa.exc.ArgumentError, sa.exc.NoSuchModuleError, ImportError) as exc:
-        raise StoreError(f"cannot use store URL {url!r}: {exc}") from exc
+        raise StoreError(f"cannot use store URL {safe_url(url)!r}: {exc}") from exc
     if engine.dialect.name == "sqlite":
         _configure_sqlite(engine)
     elif engine.dialect.name != "postgresql":
@@ -51,9 +59,9 @@ def _configure_sqlite(engine: Engine) -> None:
         # Take transaction control from pysqlite so that BEGIN is ours to emit.
         dbapi_connection.isolation_level = None
         cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA busy_timeout=30000")  # first: switching to WAL may wait too
         cursor.execute("PRAGMA journal_mode=WAL")
         cursor.execute("PRAGMA synchronous=NORMAL")
-        cursor.execute("PRAGMA busy_timeout=30000")
         cursor.execute("PRAGMA foreign_keys=ON")
         cursor.close()
 
@@ -61,6 +69,18 @@ def _configure_sqlite(engine: Engine) -> None:
     def _on_begin(conn: Connection) -> None:
         immediate = conn.get_execution_options().get(_WRITE, False)
         conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
+
+
+def reader(engine: Engine) -> Engine:
+    """A view of `engine` whose transactions see one snapshot throughout.
+
+    SQLite in WAL mode already reads from one snapshot per transaction; on
+    PostgreSQL READ COMMITTED would give each statement its own, so a reader
+    (fsck, log) could see a step written after the blobs it read.
+    """
+    if engine.dialect.name == "postgresql":
+        return engine.execution_options(isolation_level="REPEATABLE READ")
+    return engine
 
 
 def writer(engine: Engine) -> Engine:
@@ -114,6 +134,9 @@ def migrate(engine: Engine) -> None:
 
     try:
         with write_transaction(writer(engine)) as conn:
+            if conn.dialect.name == "postgresql":
+                # Openers of a new schema queue here instead of racing to create it.
+                conn.execute(sa.text("SELECT pg_advisory_xact_lock(hashtext('kvtrace-migrate'))"))
             current = MigrationContext.configure(conn).get_current_revision()
             if current == SCHEMA_REVISION:
                 return
@@ -122,6 +145,14 @@ def migrate(engine: Engine) -> None:
         raise
     except Exception as exc:  # alembic raises its own types
         raise StoreError(f"cannot migrate the store schema: {exc}") from exc
+
+
+def current_revision(engine: Engine) -> str | None:
+    """The schema revision of the database (None: not a kvtrace store yet)."""
+    from alembic.runtime.migration import MigrationContext
+
+    with read_transaction(engine) as conn:
+        return MigrationContext.configure(conn).get_current_revision()
 
 
 def _upgrade(conn: Connection, target: str) -> None:

@@ -3,16 +3,22 @@
 Format (JSON Lines, UTF-8): a header line
 ``{"format": "kvtrace-bundle", "version": 1, "run": NAME, "head": ID}``, then
 one line per blob ``{"blob": ADDRESS, "data": BASE64}``, per step
-``{"step": ID, "body": BODY, "recorded_at": T}`` (root first) and per note.
-Import recomputes every address and id before writing anything, so a modified
-bundle is refused whole; identical content lands under identical ids.
+``{"step": ID, "body": BODY, "recorded_at": T}`` (root first) and per note
+``{"note": STEP_ID, "author", "text", "created_at"}``.
+
+Import checks the shape of every line and recomputes every address and id
+before writing anything, so a modified or malformed bundle is refused whole;
+identical content lands under identical ids. Steps may come in any order:
+depths and skip pointers are derived, never trusted from the file.
 """
 
 from __future__ import annotations
 
 import base64
+import binascii
 import hashlib
 import json
+import time
 from typing import IO, Any
 
 import sqlalchemy as sa
@@ -20,7 +26,8 @@ from sqlalchemy.engine import Connection
 
 from kvtrace.errors import ConflictError, IntegrityError, UsageError
 from kvtrace.store.backend import insert_ignore
-from kvtrace.store.encoding import decode_body
+from kvtrace.store.encoding import decode_body, decode_json_blob, is_address
+from kvtrace.store.history import chunks, skip_in_memory
 from kvtrace.store.names import validate_run_name
 from kvtrace.store.records import RunInfo
 from kvtrace.store.refs import create_ref
@@ -39,32 +46,37 @@ def write_bundle(
 ) -> int:
     """Write the steps `chain` (root first) of run `name`; return the number of steps."""
     _line(file, {"format": FORMAT, "version": VERSION, "run": name, "head": head})
-    rows = {r.id: r for r in conn.execute(sa.select(steps).where(steps.c.id.in_(chain)))}
     written: set[str] = set()
-    for step_id in chain:
-        row = rows[step_id]
-        body = bytes(row.body)
-        for address in json.loads(body)["payload"].values():
-            if address in written:
-                continue
-            data = conn.execute(sa.select(blobs.c.data).where(blobs.c.hash == address)).scalar()
-            if data is None:
-                raise IntegrityError(f"blob {address[:12]} is missing: run `kvtrace fsck`")
-            _line(file, {"blob": address, "data": base64.b64encode(bytes(data)).decode()})
-            written.add(address)
-        _line(file, {"step": step_id, "body": body.decode("utf-8"), "recorded_at": row.recorded_at})
-    for note in conn.execute(
-        sa.select(notes).where(notes.c.step_id.in_(chain)).order_by(notes.c.id)
-    ):
-        _line(
-            file,
-            {
-                "note": note.step_id,
-                "author": note.author,
-                "text": note.text,
-                "created_at": note.created_at,
-            },
-        )
+    for part in chunks(chain):
+        rows = {r.id: r for r in conn.execute(sa.select(steps).where(steps.c.id.in_(part)))}
+        for step_id in part:
+            row = rows[step_id]
+            body = bytes(row.body)
+            for address in json.loads(body)["payload"].values():
+                if address in written:
+                    continue
+                data = conn.execute(sa.select(blobs.c.data).where(blobs.c.hash == address)).scalar()
+                if data is None:
+                    raise IntegrityError(f"blob {address[:12]} is missing: run `kvtrace fsck`")
+                _line(file, {"blob": address, "data": base64.b64encode(bytes(data)).decode()})
+                written.add(address)
+            _line(
+                file,
+                {"step": step_id, "body": body.decode("utf-8"), "recorded_at": row.recorded_at},
+            )
+    for part in chunks(chain):
+        for note in conn.execute(
+            sa.select(notes).where(notes.c.step_id.in_(part)).order_by(notes.c.id)
+        ):
+            _line(
+                file,
+                {
+                    "note": note.step_id,
+                    "author": note.author,
+                    "text": note.text,
+                    "created_at": note.created_at,
+                },
+            )
     return len(chain)
 
 
@@ -73,29 +85,50 @@ def read_bundle(conn: Connection, file: IO[bytes], name: str | None) -> RunInfo:
     header, blob_rows, step_rows, note_rows = _parse(file)
     run = validate_run_name(name or header["run"])
     head = header["head"]
-    known = {r.id: r.depth for r in step_rows}
-    for row in step_rows:  # root first: parents come before children
-        parent = row["parent_id"]
-        if parent is None:
-            row["depth"] = 1
-        else:
-            parent_depth = known.get(parent)
-            if parent_depth is None:
-                parent_depth = conn.execute(
-                    sa.select(steps.c.depth).where(steps.c.id == parent)
-                ).scalar()
-            if parent_depth is None:
-                raise IntegrityError(f"bundle step {row['id'][:12]} has a parent that is nowhere")
-            row["depth"] = parent_depth + 1
-        known[row["id"]] = row["depth"]
-    if head is not None and head not in known:
+    by_id = {row["id"]: row for row in step_rows}
+    derived: dict[str, tuple[str | None, int, str | None]] = {}
+
+    def lookup(step_id: str) -> tuple[str | None, int, str | None]:
+        if step_id not in derived:
+            row = conn.execute(
+                sa.select(steps.c.parent_id, steps.c.depth, steps.c.skip_id).where(
+                    steps.c.id == step_id
+                )
+            ).first()
+            if row is None:
+                raise IntegrityError(f"bundle refers to step {step_id[:12]}, which is nowhere")
+            derived[step_id] = (row.parent_id, row.depth, row.skip_id)
+        return derived[step_id]
+
+    for row in step_rows:
+        pending: list[str] = []
+        current: str | None = row["id"]
+        while current is not None and current in by_id and current not in derived:
+            if current in pending:
+                raise IntegrityError("bundle steps form a cycle")
+            pending.append(current)
+            current = by_id[current]["parent_id"]
+        for step_id in reversed(pending):  # root-most first
+            item = by_id[step_id]
+            parent = item["parent_id"]
+            depth = 1 if parent is None else lookup(parent)[1] + 1
+            skip_id, skip_depth = skip_in_memory(parent, depth, lookup)
+            item.update(depth=depth, skip_id=skip_id, skip_depth=skip_depth)
+            derived[step_id] = (parent, depth, skip_id)
+    if head is not None and head not in by_id:
         raise IntegrityError("bundle head is not among its steps")
+    for note in note_rows:
+        if note["step_id"] not in by_id:
+            raise IntegrityError("bundle note is attached to a step outside the bundle")
+
     existing = conn.execute(sa.select(refs.c.head).where(refs.c.name == run)).first()
+    if existing is not None and existing.head != head:
+        raise ConflictError(
+            f"run {run!r} exists with another head: import under a new name (--as NAME)"
+        )
     insert_ignore(conn, blobs, blob_rows, "hash")
     insert_ignore(conn, steps, step_rows, "id")
     for note in note_rows:
-        if note["step_id"] not in known:
-            raise IntegrityError("bundle note is attached to a step outside the bundle")
         duplicate = conn.execute(
             sa.select(notes.c.id).where(
                 notes.c.step_id == note["step_id"],
@@ -107,68 +140,87 @@ def read_bundle(conn: Connection, file: IO[bytes], name: str | None) -> RunInfo:
             conn.execute(sa.insert(notes).values(**note))
     if existing is None:
         create_ref(conn, run, head, reason="import", message="import bundle")
-    elif existing.head != head:
-        raise ConflictError(
-            f"run {run!r} exists with another head: import under a new name (--as NAME)"
-        )
-    return RunInfo(run, head, known.get(head, 0) if head else 0, 0.0)
+    depth = derived[head][1] if head else 0
+    return RunInfo(run, head, depth, time.time())
 
 
-class _StepRow(dict[str, Any]):
-    @property
-    def id(self) -> str:
-        return str(self["id"])
-
-    @property
-    def depth(self) -> int:
-        return int(self["depth"])
+Parsed = tuple[dict[str, Any], list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]
 
 
-def _parse(
-    file: IO[bytes],
-) -> tuple[dict[str, Any], list[dict[str, Any]], list[_StepRow], list[dict[str, Any]]]:
+def _parse(file: IO[bytes]) -> Parsed:
+    """Read and check every line; nothing is written until all of them pass."""
     try:
         lines = [json.loads(line) for line in file.read().decode("utf-8").splitlines() if line]
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise UsageError(f"not a kvtrace bundle: {exc}") from exc
-    if not lines or lines[0].get("format") != FORMAT or lines[0].get("version") != VERSION:
+    if not lines or not isinstance(lines[0], dict) or lines[0].get("format") != FORMAT:
         raise UsageError("not a kvtrace bundle (bad or missing header line)")
-    header, blob_rows, step_rows, note_rows = lines[0], [], [], []
-    addresses: set[str] = set()
-    for item in lines[1:]:
-        if "blob" in item:
-            data = base64.b64decode(item["data"])
-            if hashlib.sha256(data).hexdigest() != item["blob"]:
-                raise IntegrityError(f"bundle blob {item['blob'][:12]} does not match its hash")
-            addresses.add(item["blob"])
-            blob_rows.append({"hash": item["blob"], "size": len(data), "data": data})
-        elif "step" in item:
-            body = item["body"].encode("utf-8")
-            if hashlib.sha256(body).hexdigest() != item["step"]:
-                raise IntegrityError(f"bundle step {item['step'][:12]} does not match its id")
-            value = decode_body(body)
-            missing = set(value["payload"].values()) - addresses
-            if missing:
-                raise IntegrityError(f"bundle step {item['step'][:12]} refers to a missing blob")
-            step_rows.append(
-                _StepRow(
-                    id=item["step"],
-                    parent_id=value["parent"],
-                    kind=value["kind"],
-                    depth=0,
-                    body=body,
-                    recorded_at=float(item["recorded_at"]),
-                )
-            )
-        elif "note" in item:
-            note_rows.append(
-                {
-                    "step_id": item["note"],
-                    "author": item.get("author"),
-                    "text": item["text"],
-                    "created_at": float(item["created_at"]),
-                }
-            )
-        else:
-            raise UsageError("not a kvtrace bundle: unknown line")
-    return header, blob_rows, step_rows, note_rows
+    header = lines[0]
+    if header.get("version") != VERSION:
+        raise UsageError(f"unsupported bundle version {header.get('version')!r}")
+    if not isinstance(header.get("run"), str) or not (
+        "head" in header and (header["head"] is None or is_address(header["head"]))
+    ):
+        raise UsageError("malformed bundle header: needs a run name and a head step id")
+    blob_rows: dict[str, dict[str, Any]] = {}
+    step_rows: dict[str, dict[str, Any]] = {}
+    note_rows: list[dict[str, Any]] = []
+    json_fields: set[str] = set()
+    for number, item in enumerate(lines[1:], start=2):
+        try:
+            _parse_line(item, blob_rows, step_rows, note_rows, json_fields)
+        except (KeyError, TypeError, ValueError, AttributeError, binascii.Error) as exc:
+            raise UsageError(f"malformed bundle line {number}: {exc!r}") from exc
+    for row in step_rows.values():
+        missing = {a for a in json.loads(row["body"])["payload"].values() if a not in blob_rows}
+        if missing:
+            raise IntegrityError(f"bundle step {row['id'][:12]} refers to a missing blob")
+    for address in json_fields:
+        decode_json_blob(blob_rows[address]["data"])
+    return header, list(blob_rows.values()), list(step_rows.values()), note_rows
+
+
+def _parse_line(
+    item: Any,
+    blob_rows: dict[str, dict[str, Any]],
+    step_rows: dict[str, dict[str, Any]],
+    note_rows: list[dict[str, Any]],
+    json_fields: set[str],
+) -> None:
+    if not isinstance(item, dict):
+        raise TypeError("a bundle line must be a JSON object")
+    if "blob" in item:
+        data = base64.b64decode(item["data"], validate=True)
+        if hashlib.sha256(data).hexdigest() != item["blob"]:
+            raise IntegrityError(f"bundle blob {str(item['blob'])[:12]} does not match its hash")
+        blob_rows[item["blob"]] = {"hash": item["blob"], "size": len(data), "data": data}
+    elif "step" in item:
+        body = item["body"].encode("utf-8")
+        if hashlib.sha256(body).hexdigest() != item["step"]:
+            raise IntegrityError(f"bundle step {str(item['step'])[:12]} does not match its id")
+        value = decode_body(body)
+        json_fields.update(a for k, a in value["payload"].items() if k not in value["raw"])
+        step_rows[item["step"]] = {
+            "id": item["step"],
+            "parent_id": value["parent"],
+            "kind": value["kind"],
+            "depth": 0,
+            "body": body,
+            "recorded_at": float(item["recorded_at"]),
+            "skip_id": None,
+            "skip_depth": None,
+        }
+    elif "note" in item:
+        text, author = item["text"], item.get("author")
+        if not isinstance(text, str) or not (author is None or isinstance(author, str)):
+            raise TypeError("a note's text and author must be strings")
+        note_rows.append(
+            {
+                "step_id": str(item["note"]),
+                "author": author,
+                "text": text,
+                "created_at": float(item["created_at"]),
+            }
+        )
+    else:
+        raise ValueError("unknown line type")

@@ -18,12 +18,15 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from collections.abc import Mapping
 from typing import Any
 
 from kvtrace.errors import IntegrityError, UsageError
 
 ENCODING_VERSION = 1
+MAX_KIND_LENGTH = 64
+_HEX = re.compile(r"[0-9a-f]+")
 
 
 def _check(value: Any, path: str) -> None:
@@ -53,9 +56,13 @@ def _check(value: Any, path: str) -> None:
 def canonical_json(value: Any) -> bytes:
     """Encode a JSON value canonically (sorted keys, compact, UTF-8)."""
     _check(value, "value")
-    return json.dumps(
+    text = json.dumps(
         value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
-    ).encode("utf-8")
+    )
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise UsageError(f"text is not valid Unicode (a lone surrogate?): {exc.reason}") from exc
 
 
 def sha256_hex(data: bytes) -> str:
@@ -96,6 +103,42 @@ def decode_body(body: bytes) -> dict[str, Any]:
         raise IntegrityError(f"step body is not valid JSON: {exc}") from exc
     if not isinstance(value, dict) or value.get("v") != ENCODING_VERSION:
         raise IntegrityError("step body has an unknown encoding version")
+    problem = _shape_problem(value)
+    if problem:
+        raise IntegrityError(f"step body is malformed: {problem}")
     if canonical_json(value) != body:
         raise IntegrityError("step body is not in canonical form")
     return value
+
+
+def decode_json_blob(data: bytes) -> Any:
+    """Parse a JSON payload blob, which must be in canonical form."""
+    try:
+        value = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise IntegrityError(f"a JSON payload blob is not valid JSON: {exc}") from exc
+    if canonical_json(value) != data:
+        raise IntegrityError("a JSON payload blob is not in canonical form")
+    return value
+
+
+def is_address(value: Any) -> bool:
+    """Whether `value` is a lowercase hex SHA-256."""
+    return isinstance(value, str) and len(value) == 64 and _HEX.fullmatch(value) is not None
+
+
+def _shape_problem(value: dict[str, Any]) -> str | None:
+    if set(value) != {"v", "kind", "parent", "payload", "raw", "meta"}:
+        return "unexpected or missing fields"
+    kind, payload, raw = value["kind"], value["payload"], value["raw"]
+    if not isinstance(kind, str) or not 0 < len(kind) <= MAX_KIND_LENGTH:
+        return "kind must be a string of 1 to 64 characters"
+    if value["parent"] is not None and not is_address(value["parent"]):
+        return "parent must be a step id or null"
+    if not isinstance(payload, dict) or not all(is_address(a) for a in payload.values()):
+        return "payload must map field names to blob addresses"
+    if not isinstance(raw, list) or not set(raw) <= set(payload):
+        return "raw must list payload fields"
+    if not isinstance(value["meta"], dict):
+        return "meta must be an object"
+    return None

@@ -1,83 +1,125 @@
 """fsck: re-hash everything and check every reference.
 
-Checks: each blob hashes to its address and has its recorded size; each step's
-body is canonical, hashes to its id, agrees with its columns (parent, kind,
-depth) and names blobs that exist; each parent exists; each ref, reflog entry
-and note points at an existing step. It reads in batches and never writes.
+Checks: each step's body is canonical, well formed, hashes to its id and
+agrees with its columns (parent, kind, depth, skip pointer); each parent and
+payload blob exists; each blob hashes to its address and has its recorded size,
+and a blob read as JSON is canonical JSON; each ref, reflog entry and note
+points at an existing step. It streams rows and never writes.
 """
 
 from __future__ import annotations
 
 import hashlib
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from kvtrace.errors import IntegrityError
-from kvtrace.store.encoding import decode_body
+from kvtrace.store.encoding import decode_body, decode_json_blob
+from kvtrace.store.history import skip_in_memory
 from kvtrace.store.records import FsckReport
 from kvtrace.store.schema import blobs, notes, reflog, refs, steps
+
+_BATCH = 1000
 
 
 def check(conn: Connection) -> FsckReport:
     """Return a report whose `problems` list is empty on a sound store."""
     problems: list[str] = []
-    num_blobs = 0
-    blob_ids: set[str] = set()
-    for address, size, data in conn.execute(sa.select(blobs.c.hash, blobs.c.size, blobs.c.data)):
-        num_blobs += 1
-        blob_ids.add(address)
-        data = bytes(data)
-        if hashlib.sha256(data).hexdigest() != address:
-            problems.append(f"blob {address[:12]}: content does not hash to its address")
-        elif len(data) != size:
-            problems.append(f"blob {address[:12]}: size {len(data)} != recorded {size}")
+    stream = conn.execution_options(yield_per=_BATCH)
+    rows: dict[str, tuple[str | None, int, str | None, int | None]] = {}
+    wanted: dict[str, str] = {}  # blob address -> "json" or "raw"
+    payloads: dict[str, dict[str, str]] = {}
+    for row in stream.execute(sa.select(steps)):
+        rows[row.id] = (row.parent_id, row.depth, row.skip_id, row.skip_depth)
+        value = _check_body(row, problems)
+        if value is not None:
+            payloads[row.id] = value["payload"]
+            for key, address in value["payload"].items():
+                wanted.setdefault(address, "raw" if key in value["raw"] else "json")
+    problems.extend(_check_history(rows))
 
-    depths = dict(conn.execute(sa.select(steps.c.id, steps.c.depth)).all())
-    num_steps = 0
-    for row in conn.execute(sa.select(steps)):
-        num_steps += 1
-        problems.extend(_check_step(row, depths, blob_ids))
+    blob_ids: set[str] = set()
+    for address, size, data in stream.execute(sa.select(blobs.c.hash, blobs.c.size, blobs.c.data)):
+        blob_ids.add(address)
+        problems.extend(_check_blob(address, size, bytes(data), wanted.get(address)))
+    for step_id, payload in payloads.items():
+        for key, address in payload.items():
+            if address not in blob_ids:
+                problems.append(f"step {step_id[:12]}: blob {address[:12]} ({key}) is missing")
 
     num_refs = 0
     for name, head in conn.execute(sa.select(refs.c.name, refs.c.head)):
         num_refs += 1
-        if head is not None and head not in depths:
+        if head is not None and head not in rows:
             problems.append(f"run {name!r}: head {head[:12]} is missing")
-    for entry_id, old, new in conn.execute(
+    for entry_id, old, new in stream.execute(
         sa.select(reflog.c.id, reflog.c.old_head, reflog.c.new_head)
     ):
         for head in (old, new):
-            if head is not None and head not in depths:
+            if head is not None and head not in rows:
                 problems.append(f"reflog entry {entry_id}: step {head[:12]} is missing")
     num_notes = 0
-    for note_id, step_id in conn.execute(sa.select(notes.c.id, notes.c.step_id)):
+    for note_id, step_id in stream.execute(sa.select(notes.c.id, notes.c.step_id)):
         num_notes += 1
-        if step_id not in depths:
+        if step_id not in rows:
             problems.append(f"note {note_id}: step {step_id[:12]} is missing")
-    return FsckReport(num_blobs, num_steps, num_refs, num_notes, problems)
+    return FsckReport(len(blob_ids), len(rows), num_refs, num_notes, problems)
 
 
-def _check_step(row: sa.Row, depths: dict[str, int], blob_ids: set[str]) -> list[str]:
+def _check_body(row: Any, problems: list[str]) -> dict[str, Any] | None:
     label = f"step {row.id[:12]}"
     body = bytes(row.body)
     if hashlib.sha256(body).hexdigest() != row.id:
-        return [f"{label}: body does not hash to its id (tampered)"]
+        problems.append(f"{label}: body does not hash to its id (tampered)")
+        return None
     try:
         value = decode_body(body)
     except IntegrityError as exc:
-        return [f"{label}: {exc}"]
-    problems = []
+        problems.append(f"{label}: {exc}")
+        return None
     if value["parent"] != row.parent_id or value["kind"] != row.kind:
         problems.append(f"{label}: parent or kind column disagrees with the hashed body")
-    if row.parent_id is None:
-        if row.depth != 1:
-            problems.append(f"{label}: root step has depth {row.depth}, not 1")
-    elif row.parent_id not in depths:
-        problems.append(f"{label}: parent {row.parent_id[:12]} is missing")
-    elif row.depth != depths[row.parent_id] + 1:
-        problems.append(f"{label}: depth {row.depth} is not its parent's depth + 1")
-    for key, address in value["payload"].items():
-        if address not in blob_ids:
-            problems.append(f"{label}: blob {address[:12]} ({key}) is missing")
+    return value
+
+
+def _check_history(rows: dict[str, tuple[str | None, int, str | None, int | None]]) -> list[str]:
+    """Parents exist, depths count from the root, skip pointers point where they must."""
+    problems = []
+    expected: dict[str, tuple[str | None, int, str | None]] = {}
+    for step_id, (parent, depth, skip_id, skip_depth) in sorted(
+        rows.items(), key=lambda item: item[1][1]
+    ):
+        label = f"step {step_id[:12]}"
+        if parent is None:
+            if depth != 1:
+                problems.append(f"{label}: root step has depth {depth}, not 1")
+        elif parent not in rows:
+            problems.append(f"{label}: parent {parent[:12]} is missing")
+            continue
+        elif depth != rows[parent][1] + 1:
+            problems.append(f"{label}: depth {depth} is not its parent's depth + 1")
+            continue
+        try:
+            want = skip_in_memory(parent, depth, expected.__getitem__)
+        except (KeyError, IntegrityError):
+            continue  # an ancestor is already reported
+        if want != (skip_id, skip_depth):
+            problems.append(f"{label}: skip pointer is wrong")
+        expected[step_id] = (parent, depth, want[0])
     return problems
+
+
+def _check_blob(address: str, size: int, data: bytes, use: str | None) -> list[str]:
+    label = f"blob {address[:12]}"
+    if hashlib.sha256(data).hexdigest() != address:
+        return [f"{label}: content does not hash to its address"]
+    if len(data) != size:
+        return [f"{label}: size {len(data)} != recorded {size}"]
+    if use == "json":
+        try:
+            decode_json_blob(data)
+        except IntegrityError as exc:
+            return [f"{label}: {exc}"]
+    return []

@@ -24,6 +24,7 @@ MAX_NAME_LENGTH = 200
 MIN_PREFIX_LENGTH = 7
 _FORBIDDEN = re.compile(r"[\x00-\x20\x7f~^:@?*\[\\]")
 _HEX = re.compile(r"^[0-9a-f]+$")
+_DIGITS = re.compile(r"^[0-9]+$")
 
 
 def validate_run_name(name: str) -> str:
@@ -39,7 +40,7 @@ def _name_problem(name: str) -> str | None:
         return "it is empty"
     if len(name) > MAX_NAME_LENGTH:
         return f"it is longer than {MAX_NAME_LENGTH} characters"
-    match = _FORBIDDEN.search(name)
+    match = _FORBIDDEN.search(name) or re.search(r"\s", name)
     if match:
         return f"it contains {match.group()!r} (no spaces, control characters or ~ ^ : @ ? * [ \\)"
     if ".." in name:
@@ -69,13 +70,13 @@ def parse_spec(text: str) -> Spec:
         raise InvalidSpecError("empty step address: use RUN, RUN@N, RUN~K or a step-id prefix")
     if "@" in text:
         run, _, number = text.rpartition("@")
-        if not number.isdigit() or int(number) < 1:
+        if not _DIGITS.match(number) or int(number) < 1:
             raise InvalidSpecError(f"bad step address {text!r}: in RUN@N, N is a number >= 1")
         return Spec(run=validate_run_name(run), number=int(number))
     if "~" in text:
         run, _, back = text.partition("~")
         back = back or "1"
-        if not back.isdigit():
+        if not _DIGITS.match(back):
             raise InvalidSpecError(f"bad step address {text!r}: in RUN~K, K is a number >= 0")
         return Spec(run=validate_run_name(run), back=int(back))
     if _name_problem(text) is None:

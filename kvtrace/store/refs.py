@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 
 import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
 from kvtrace.errors import ConflictError
@@ -34,12 +35,21 @@ _LOG = sa.insert(reflog)
 
 
 def create_ref(conn: Connection, name: str, head: str | None, *, reason: str, message: str) -> None:
-    """Create ref `name` at `head`; ConflictError if it already exists."""
+    """Create ref `name` at `head`; ConflictError if it already exists.
+
+    The insert itself decides (ON CONFLICT DO NOTHING), so two creators racing
+    on PostgreSQL get one success and one ConflictError, never a raw error.
+    """
     now = time.time()
-    exists = conn.execute(sa.select(refs.c.name).where(refs.c.name == name)).first()
-    if exists:
+    dialect = postgresql if conn.dialect.name == "postgresql" else sqlite
+    inserted = conn.execute(
+        dialect.insert(refs)
+        .values(name=name, head=head, created_at=now)
+        .on_conflict_do_nothing(index_elements=["name"])
+        .returning(refs.c.name)
+    ).first()
+    if inserted is None:
         raise ConflictError(f"run {name!r} already exists: pick another name")
-    conn.execute(sa.insert(refs).values(name=name, head=head, created_at=now))
     _log(conn, name, None, head, reason, message, now)
 
 

@@ -21,7 +21,7 @@ from sqlalchemy import (
 )
 
 # The revision the code expects; a test checks it is the migrations' head.
-SCHEMA_REVISION = "0001_initial"
+SCHEMA_REVISION = "0002_skip_pointers"
 APPEND_ONLY_TABLES = ("blobs", "steps", "reflog", "notes")
 
 metadata = MetaData()
@@ -43,6 +43,8 @@ steps = Table(
     Column("depth", Integer, nullable=False),
     Column("body", LargeBinary, nullable=False),
     Column("recorded_at", Float, nullable=False),
+    Column("skip_id", String(64), nullable=True),  # see history.py
+    Column("skip_depth", Integer, nullable=True),
     Index("ix_steps_parent_id", "parent_id"),
 )
 

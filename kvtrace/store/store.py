@@ -12,22 +12,29 @@ bounded by the distance walked, never by the size of the store.
 
 from __future__ import annotations
 
-import json
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import IO, TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
 
 from kvtrace.errors import (
+    ConflictError,
     IntegrityError,
     RunNotFoundError,
     StepNotFoundError,
     UsageError,
 )
-from kvtrace.store import encoding
-from kvtrace.store.backend import insert_ignore, read_transaction, write_transaction, writer
+from kvtrace.store import encoding, history
+from kvtrace.store.backend import (
+    insert_ignore,
+    read_transaction,
+    reader,
+    safe_url,
+    write_transaction,
+    writer,
+)
 from kvtrace.store.names import Spec, parse_spec, validate_run_name
 from kvtrace.store.records import Divergence, FsckReport, Note, ReflogEntry, RunInfo, Step
 from kvtrace.store.refs import create_ref, move_ref
@@ -36,17 +43,27 @@ from kvtrace.store.schema import blobs, notes, reflog, refs, steps
 if TYPE_CHECKING:
     from kvtrace.store.run import Run
 
-_MAX_KIND = 64
-_IN_CHUNK = 500
+_MAX_AUTHOR = 200
+_MAX_KNOWN = 200_000
 
 
 class Store:
     """A trace store on one database (SQLite file or PostgreSQL)."""
 
     def __init__(self, engine: Engine, url: str) -> None:
+        """Use `open_store`, which also migrates the schema."""
         self._engine = engine
         self._writer = writer(engine)
+        self._reader = reader(engine)
+        # (parent, depth, skip) of steps appended here: steps never change, so
+        # this cache is always right; it saves the skip-pointer query on append.
+        self._known: dict[str, tuple[str | None, int, str | None]] = {}
         self.url = url
+
+    @property
+    def display_url(self) -> str:
+        """The URL with any password masked, for output."""
+        return safe_url(self.url)
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -72,18 +89,19 @@ class Store:
         from kvtrace.store.run import Run
 
         validate_run_name(name)
-        with write_transaction(self._writer) as conn:
-            row = conn.execute(sa.select(refs.c.head).where(refs.c.name == name)).first()
-            if row is None:
-                create_ref(conn, name, None, reason="create", message="new run")
-                head = None
-            else:
-                head = self._load_steps(conn, [row.head])[0] if row.head else None
-        return Run(self, name, head)
+        try:
+            with write_transaction(self._writer) as conn:
+                row = conn.execute(sa.select(refs.c.head).where(refs.c.name == name)).first()
+                if row is None:
+                    create_ref(conn, name, None, reason="create", message="new run")
+                    return Run(self, name, None)
+        except ConflictError:
+            pass  # another writer created it between our read and our insert: continue it
+        return Run(self, name, self.head(name))
 
     def runs(self) -> list[RunInfo]:
         """Every run, by name."""
-        with read_transaction(self._engine) as conn:
+        with read_transaction(self._reader) as conn:
             rows = conn.execute(
                 sa.select(refs.c.name, refs.c.head, refs.c.created_at, steps.c.depth)
                 .select_from(refs.outerjoin(steps, steps.c.id == refs.c.head))
@@ -93,29 +111,52 @@ class Store:
 
     def head(self, name: str) -> Step | None:
         """The head step of run `name` (None for an empty run)."""
-        with read_transaction(self._engine) as conn:
+        with read_transaction(self._reader) as conn:
             head_id = self._head_id(conn, name)
-            return self._load_steps(conn, [head_id])[0] if head_id else None
+            return history.load_steps(conn, [head_id])[0] if head_id else None
 
     # -- reading ---------------------------------------------------------------
 
     def resolve(self, spec: str) -> str:
         """The full id of the step that `spec` addresses."""
-        with read_transaction(self._engine) as conn:
+        with read_transaction(self._reader) as conn:
             return self._resolve(conn, spec)
 
     def show(self, spec: str) -> Step:
         """The step that `spec` addresses, with its content."""
-        with read_transaction(self._engine) as conn:
-            return self._load_steps(conn, [self._resolve(conn, spec)])[0]
+        with read_transaction(self._reader) as conn:
+            return history.load_steps(conn, [self._resolve(conn, spec)])[0]
 
     def log(self, spec: str, *, limit: int | None = None) -> Iterator[Step]:
-        """Steps from `spec` (a run means its head) back to the root, head first."""
-        with read_transaction(self._engine) as conn:
+        """Steps from `spec` (a run means its head) back to the root, head first.
+
+        Errors (an unknown run, say) are raised here, not on first iteration.
+        """
+        with read_transaction(self._reader) as conn:
             start = self._resolve_or_empty(conn, spec)
-            chain = self._chain(conn, start, limit) if start else []
-            loaded = self._load_steps(conn, chain)
-        yield from loaded
+            chain = history.chain(conn, start, limit) if start else []
+            return iter(history.load_steps(conn, chain))
+
+    def graph(self, spec: str, *, limit: int | None = None) -> list[tuple[Step, list[str], int]]:
+        """`log` plus, per step, the runs whose head it is and how many other branches leave it."""
+        with read_transaction(self._reader) as conn:
+            start = self._resolve_or_empty(conn, spec)
+            chain = history.chain(conn, start, limit) if start else []
+            loaded = history.load_steps(conn, chain)
+            heads: dict[str, list[str]] = {}
+            for name, head in conn.execute(
+                sa.select(refs.c.name, refs.c.head).where(refs.c.head.is_not(None))
+            ):
+                heads.setdefault(head, []).append(name)
+            on_chain = set(chain)
+            branches: dict[str, int] = {}
+            for part in history.chunks(chain):
+                for parent, child in conn.execute(
+                    sa.select(steps.c.parent_id, steps.c.id).where(steps.c.parent_id.in_(part))
+                ):
+                    if child not in on_chain:
+                        branches[parent] = branches.get(parent, 0) + 1
+        return [(step, sorted(heads.get(step.id, [])), branches.get(step.id, 0)) for step in loaded]
 
     def path(self, spec: str) -> list[Step]:
         """Steps from the root to `spec`, in order (what replay walks)."""
@@ -123,18 +164,18 @@ class Store:
 
     def diverge(self, a: str, b: str) -> Divergence:
         """Where the histories of `a` and `b` part (like `git merge-base`)."""
-        with read_transaction(self._engine) as conn:
+        with read_transaction(self._reader) as conn:
             chains = []
             for spec in (a, b):
                 start = self._resolve_or_empty(conn, spec)
-                chains.append(list(reversed(self._chain(conn, start, None))) if start else [])
+                chains.append(list(reversed(history.chain(conn, start, None))) if start else [])
             chain_a, chain_b = chains
             shared = 0
             while shared < min(len(chain_a), len(chain_b)) and chain_a[shared] == chain_b[shared]:
                 shared += 1
             wanted = [chain_a[shared - 1]] if shared else []
             wanted += chain_a[shared : shared + 1] + chain_b[shared : shared + 1]
-            loaded = {step.id: step for step in self._load_steps(conn, wanted)}
+            loaded = {step.id: step for step in history.load_steps(conn, wanted)}
         return Divergence(
             common=loaded[chain_a[shared - 1]] if shared else None,
             first_a=loaded.get(chain_a[shared]) if shared < len(chain_a) else None,
@@ -145,7 +186,7 @@ class Store:
 
     def read_blob(self, address: str) -> bytes:
         """The bytes stored at `address`."""
-        with read_transaction(self._engine) as conn:
+        with read_transaction(self._reader) as conn:
             data = conn.execute(sa.select(blobs.c.data).where(blobs.c.hash == address)).scalar()
         if data is None:
             raise StepNotFoundError(f"no blob {address[:12]} in the store")
@@ -153,10 +194,10 @@ class Store:
 
     def children(self, spec: str) -> list[Step]:
         """Steps whose parent is `spec` (where runs fork apart)."""
-        with read_transaction(self._engine) as conn:
+        with read_transaction(self._reader) as conn:
             parent = self._resolve(conn, spec)
             ids = conn.execute(sa.select(steps.c.id).where(steps.c.parent_id == parent)).scalars()
-            return self._load_steps(conn, list(ids))
+            return history.load_steps(conn, list(ids))
 
     # -- moving refs -----------------------------------------------------------
 
@@ -167,8 +208,9 @@ class Store:
         validate_run_name(new_name)
         with write_transaction(self._writer) as conn:
             step_id = self._resolve(conn, spec)
-            create_ref(conn, new_name, step_id, reason="fork", message=f"fork from {spec}")
-            head = self._load_steps(conn, [step_id])[0]
+            message = f"fork from {spec} ({step_id[:12]})"
+            create_ref(conn, new_name, step_id, reason="fork", message=message)
+            head = history.load_steps(conn, [step_id])[0]
         return Run(self, new_name, head)
 
     def revert(self, name: str, *, to: str) -> Step:
@@ -180,21 +222,27 @@ class Store:
         with write_transaction(self._writer) as conn:
             head_id = self._head_id(conn, name)
             target = self._resolve(conn, to)
-            if head_id is None or target == head_id or not self._is_ancestor(conn, target, head_id):
+            if (
+                head_id is None
+                or target == head_id
+                or not history.is_ancestor(conn, target, head_id)
+            ):
                 raise UsageError(
                     f"cannot revert {name!r} to {to!r}: it is not an earlier step of that run "
                     "(use reset to move a run to any step)"
                 )
-            move_ref(conn, name, head_id, target, reason="revert", message=f"revert to {to}")
-            return self._load_steps(conn, [target])[0]
+            message = f"revert to {to} ({target[:12]})"
+            move_ref(conn, name, head_id, target, reason="revert", message=message)
+            return history.load_steps(conn, [target])[0]
 
     def reset(self, name: str, *, to: str) -> Step:
         """Move run `name` to any step `to` (e.g. a reverted head, to undo a revert)."""
         with write_transaction(self._writer) as conn:
             head_id = self._head_id(conn, name)
             target = self._resolve(conn, to)
-            move_ref(conn, name, head_id, target, reason="reset", message=f"reset to {to}")
-            return self._load_steps(conn, [target])[0]
+            message = f"reset to {to} ({target[:12]})"
+            move_ref(conn, name, head_id, target, reason="reset", message=message)
+            return history.load_steps(conn, [target])[0]
 
     def undo(self, name: str) -> Step | None:
         """Undo the last move of run `name` (itself recorded as a reset)."""
@@ -207,11 +255,11 @@ class Store:
                 raise UsageError(f"run {name!r} has no move to undo")
             target = last.old_head
             move_ref(conn, name, head_id, target, reason="reset", message=f"undo {last.reason}")
-            return self._load_steps(conn, [target])[0] if target else None
+            return history.load_steps(conn, [target])[0] if target else None
 
     def reflog(self, name: str) -> list[ReflogEntry]:
         """Every move of run `name`, newest first."""
-        with read_transaction(self._engine) as conn:
+        with read_transaction(self._reader) as conn:
             self._head_id(conn, name)
             rows = conn.execute(
                 sa.select(reflog).where(reflog.c.ref == name).order_by(reflog.c.id.desc())
@@ -225,8 +273,11 @@ class Store:
 
     def note(self, spec: str, text: str, author: str | None = None) -> Note:
         """Attach a note to a step; the step itself never changes."""
-        if not text.strip():
+        if not isinstance(text, str) or not text.strip():
             raise UsageError("a note needs some text")
+        if author is not None and (not isinstance(author, str) or len(author) > _MAX_AUTHOR):
+            raise UsageError(f"a note's author is a name of at most {_MAX_AUTHOR} characters")
+        encoding.canonical_json([text, author])  # refuses text that is not valid Unicode
         with write_transaction(self._writer) as conn:
             step_id = self._resolve(conn, spec)
             now = time.time()
@@ -238,7 +289,7 @@ class Store:
 
     def notes(self, spec: str) -> list[Note]:
         """Notes on the step `spec`, oldest first."""
-        with read_transaction(self._engine) as conn:
+        with read_transaction(self._reader) as conn:
             step_id = self._resolve(conn, spec)
             rows = conn.execute(
                 sa.select(notes).where(notes.c.step_id == step_id).order_by(notes.c.id)
@@ -251,16 +302,16 @@ class Store:
         """Re-hash every blob and step and check every reference; see fsck.py."""
         from kvtrace.store.fsck import check
 
-        with read_transaction(self._engine) as conn:
+        with read_transaction(self._reader) as conn:
             return check(conn)
 
     def export_run(self, name: str, file: IO[bytes]) -> int:
         """Write run `name` with all its steps, blobs and notes as a bundle."""
         from kvtrace.store.bundle import write_bundle
 
-        with read_transaction(self._engine) as conn:
+        with read_transaction(self._reader) as conn:
             head_id = self._head_id(conn, name)
-            chain = list(reversed(self._chain(conn, head_id, None))) if head_id else []
+            chain = list(reversed(history.chain(conn, head_id, None))) if head_id else []
             return write_bundle(conn, file, name, head_id, chain)
 
     def import_bundle(self, file: IO[bytes], *, name: str | None = None) -> RunInfo:
@@ -286,7 +337,7 @@ class Store:
         Fails with ConflictError, writing nothing, if the run's head is no
         longer `parent` (another writer appended or moved it first).
         """
-        if not kind or len(kind) > _MAX_KIND or not kind.replace("_", "").isalnum():
+        if not kind or len(kind) > encoding.MAX_KIND_LENGTH or not kind.replace("_", "").isalnum():
             raise UsageError(f"bad step kind {kind!r}: use letters, digits and '_'")
         raw = raw or {}
         clash = set(payload) & set(raw)
@@ -304,6 +355,7 @@ class Store:
         depth = parent.depth + 1 if parent else 1
         now = time.time()
         with write_transaction(self._writer) as conn:
+            skip_id, skip_depth = history.skip_for(conn, parent_id, depth, self._known)
             insert_ignore(
                 conn,
                 blobs,
@@ -324,12 +376,19 @@ class Store:
                         "depth": depth,
                         "body": body,
                         "recorded_at": now,
+                        "skip_id": skip_id,
+                        "skip_depth": skip_depth,
                     }
                 ],
                 "id",
             )
             move_ref(conn, name, parent_id, step_id, reason="append", message=kind)
-        content = {**dict(payload), **dict(raw)}
+        # Decoded from the canonical bytes: the Step never shares the caller's objects.
+        if len(self._known) >= _MAX_KNOWN:
+            self._known.clear()
+        self._known[step_id] = (parent_id, depth, skip_id)
+        content = {key: history.decode_json(data[key]) for key in payload}
+        content.update(raw)
         return Step(step_id, parent_id, kind, depth, addresses, clean_meta, content, now)
 
     # -- internals -------------------------------------------------------------
@@ -362,17 +421,23 @@ class Store:
         if head_id is None:
             raise StepNotFoundError(f"run {spec.run!r} has no steps yet")
         depth = conn.execute(sa.select(steps.c.depth).where(steps.c.id == head_id)).scalar_one()
-        back = spec.back if spec.number is None else depth - spec.number
-        if back < 0 or back >= depth:
+        target = spec.number if spec.number is not None else depth - spec.back
+        if not 1 <= target <= depth:
             raise StepNotFoundError(
                 f"{text!r} is outside run {spec.run!r}, which has {depth} steps"
             )
-        return head_id if back == 0 else self._chain(conn, head_id, back + 1)[-1]
+        found = head_id if target == depth else history.ancestor_at(conn, head_id, target)
+        if found is None:
+            raise IntegrityError(f"the history of run {spec.run!r} is broken: run `kvtrace fsck`")
+        return found
 
     def _by_prefix(self, conn: Connection, prefix: str) -> str:
+        # A range, not LIKE: both backends answer it from the primary-key index.
         ids = (
             conn.execute(
-                sa.select(steps.c.id).where(steps.c.id.startswith(prefix, autoescape=True)).limit(2)
+                sa.select(steps.c.id)
+                .where(steps.c.id >= prefix, steps.c.id < prefix + "g")
+                .limit(2)
             )
             .scalars()
             .all()
@@ -382,75 +447,3 @@ class Store:
         if len(ids) > 1:
             raise StepNotFoundError(f"step-id prefix {prefix!r} is ambiguous: give more characters")
         return str(ids[0])
-
-    def _chain(self, conn: Connection, start: str, limit: int | None) -> list[str]:
-        """Ids from `start` back towards the root, at most `limit` of them."""
-        chain = (
-            sa.select(steps.c.id, steps.c.parent_id, sa.literal(1).label("n"))
-            .where(steps.c.id == start)
-            .cte("chain", recursive=True)
-        )
-        step = sa.select(steps.c.id, steps.c.parent_id, (chain.c.n + 1).label("n")).join(
-            chain, steps.c.id == chain.c.parent_id
-        )
-        if limit is not None:
-            step = step.where(chain.c.n < limit)
-        chain = chain.union_all(step)
-        rows = conn.execute(sa.select(chain.c.id).order_by(chain.c.n)).scalars().all()
-        return [str(r) for r in rows]
-
-    def _is_ancestor(self, conn: Connection, ancestor: str, descendant: str) -> bool:
-        depths = dict(
-            conn.execute(
-                sa.select(steps.c.id, steps.c.depth).where(steps.c.id.in_([ancestor, descendant]))
-            ).all()
-        )
-        distance = depths[descendant] - depths[ancestor]
-        if distance <= 0:
-            return False
-        return self._chain(conn, descendant, distance + 1)[-1] == ancestor
-
-    def _load_steps(self, conn: Connection, ids: list[str]) -> list[Step]:
-        """Steps with their content, in the order of `ids`."""
-        rows: dict[str, Any] = {}
-        for chunk in _chunks(ids):
-            for row in conn.execute(sa.select(steps).where(steps.c.id.in_(chunk))):
-                rows[row.id] = row
-        missing = [i for i in ids if i not in rows]
-        if missing:
-            raise StepNotFoundError(f"step {missing[0][:12]} is missing from the store")
-        bodies = {i: json.loads(bytes(rows[i].body)) for i in ids}
-        wanted = {addr for body in bodies.values() for addr in body["payload"].values()}
-        data: dict[str, bytes] = {}
-        for chunk in _chunks(sorted(wanted)):
-            for address, blob in conn.execute(
-                sa.select(blobs.c.hash, blobs.c.data).where(blobs.c.hash.in_(chunk))
-            ):
-                data[address] = bytes(blob)
-        result = []
-        for i in ids:
-            body, row = bodies[i], rows[i]
-            content: dict[str, Any] = {}
-            for key, address in body["payload"].items():
-                if address not in data:
-                    raise IntegrityError(f"step {i[:12]} refers to missing blob {address[:12]}")
-                blob = data[address]
-                content[key] = blob if key in body["raw"] else json.loads(blob)
-            result.append(
-                Step(
-                    i,
-                    row.parent_id,
-                    row.kind,
-                    row.depth,
-                    body["payload"],
-                    body["meta"],
-                    content,
-                    row.recorded_at,
-                )
-            )
-        return result
-
-
-def _chunks(items: list[str]) -> Iterable[list[str]]:
-    for start in range(0, len(items), _IN_CHUNK):
-        yield items[start : start + _IN_CHUNK]

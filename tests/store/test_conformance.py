@@ -379,3 +379,195 @@ def test_diverge_of_unrelated_runs_has_no_common_step(store):
     store.run("other").record_tool_call("t", {}, "other")
     result = store.diverge("main", "other")
     assert result.common is None and (result.num_only_a, result.num_only_b) == (2, 1)
+
+
+# -- review findings: races, bundles, skip pointers ---------------------------------
+
+
+def _run_threads(count, target):
+    barrier = threading.Barrier(count)
+    errors: list[BaseException] = []
+    results: list[object] = []
+
+    def body(index):
+        barrier.wait()
+        try:
+            results.append(target(index))
+        except BaseException as exc:  # collected and asserted on by the caller
+            errors.append(exc)
+
+    threads = [threading.Thread(target=body, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results, errors
+
+
+def test_concurrent_creators_of_one_run_all_continue_it(store_url):
+    open_store(store_url).close()
+
+    def create(_):
+        store = open_store(store_url)
+        try:
+            return store.run("shared").name
+        finally:
+            store.close()
+
+    results, errors = _run_threads(4, create)
+    assert errors == [] and results == ["shared"] * 4
+
+
+def test_concurrent_forks_to_one_name_give_one_winner_and_conflicts(store):
+    _linear(store, n=2)
+    url = store.url
+
+    def fork(_):
+        other = open_store(url)
+        try:
+            return other.fork("main@1", "newfork").name
+        finally:
+            other.close()
+
+    results, errors = _run_threads(4, fork)
+    assert results == ["newfork"]
+    assert len(errors) == 3 and all(isinstance(e, ConflictError) for e in errors)
+
+
+def test_concurrent_openers_of_a_new_store_all_succeed(store_url):
+    def opener(_):
+        store = open_store(store_url)
+        store.close()
+        return True
+
+    results, errors = _run_threads(4, opener)
+    assert errors == [] and results == [True] * 4
+
+
+def test_fsck_sees_one_snapshot_while_someone_writes(store):
+    _linear(store, n=3)
+    stop = threading.Event()
+
+    def write():
+        writer_store = open_store(store.url)
+        writer_run = writer_store.run("writer")
+        i = 0
+        while not stop.is_set():
+            writer_run.record_tool_call("t", {"w": i}, i)
+            i += 1
+        writer_store.close()
+
+    thread = threading.Thread(target=write)
+    thread.start()
+    try:
+        reports = [store.fsck() for _ in range(5)]
+    finally:
+        stop.set()
+        thread.join()
+    assert all(r.problems == [] for r in reports)
+
+
+def test_concurrent_appends_do_conflict(store_url):
+    open_store(store_url).run("race").record_tool_call("t", {}, 0)
+    stores = [open_store(store_url) for _ in range(4)]
+    runs = [s.run("race") for s in stores]  # every writer has seen the same head
+
+    def append(index):
+        return runs[index].record_tool_call("t", {"who": index}, index).id
+
+    results, errors = _run_threads(4, append)
+    for s in stores:
+        s.close()
+    assert len(results) == 1 and len(errors) == 3
+    assert all(isinstance(e, ConflictError) for e in errors)
+    assert open_store(store_url).show("race").id == results[0]
+
+
+def test_import_into_another_store_of_the_same_backend(store, store_urls):
+    _linear(store, n=3)
+    other = open_store(store_urls())
+    info = other.import_bundle(io.BytesIO(_bundle(store)))
+    assert [s.id for s in other.log("main")] == [s.id for s in store.log("main")]
+    assert info.depth == 3 and other.fsck().is_ok
+    other.close()
+
+
+def test_bundle_steps_in_any_order_get_true_depths(store, store_urls):
+    _linear(store, n=6)
+    lines = _bundle(store).decode().splitlines()
+    header, rest = lines[0], lines[1:]
+    shuffled = "\n".join([header, *reversed(rest)]).encode()
+    other = open_store(store_urls())
+    other.import_bundle(io.BytesIO(shuffled))
+    assert [s.depth for s in other.log("main")] == [6, 5, 4, 3, 2, 1]
+    assert other.resolve("main@2") == store.resolve("main@2")
+    assert other.fsck().is_ok
+    other.close()
+
+
+@pytest.mark.parametrize(
+    "mangle",
+    [
+        lambda lines: ['{"format": "kvtrace-bundle", "version": 1, "run": "x"}', *lines[1:]],
+        lambda lines: ["[1, 2]", *lines[1:]],
+        lambda lines: [lines[0], "42", *lines[1:]],
+        lambda lines: [lines[0], '{"blob": "ab"}', *lines[1:]],
+        lambda lines: [lines[0], '{"mystery": 1}', *lines[1:]],
+        lambda lines: [lines[0], *lines[1:], '{"note": "x", "created_at": 1}'],
+    ],
+)
+def test_malformed_bundles_are_clear_errors_and_change_nothing(store, store_urls, mangle):
+    _linear(store, n=2)
+    lines = mangle(_bundle(store).decode().splitlines())
+    other = open_store(store_urls())
+    with pytest.raises((UsageError, IntegrityError)):
+        other.import_bundle(io.BytesIO("\n".join(lines).encode()))
+    assert other.runs() == [] and _count(other, "steps") == 0
+    other.close()
+
+
+def test_step_at_any_depth_resolves_through_skip_pointers(store):
+    _, steps = _linear(store, n=70)
+    for number in (1, 2, 3, 17, 33, 64, 69, 70):
+        assert store.resolve(f"main@{number}") == steps[number - 1].id
+    assert store.resolve("main~69") == steps[0].id
+    store.revert("main", to="main@5")
+    assert store.resolve("main") == steps[4].id
+
+
+def test_fsck_detects_a_wrong_skip_pointer(store):
+    _, steps = _linear(store, n=8)
+    # depth 8 skips to depth 2; point it at depth 3 instead
+    tamper(store, "UPDATE steps SET skip_id = :s WHERE id = :i", s=steps[2].id, i=steps[7].id)
+    assert any("skip pointer" in p for p in store.fsck().problems)
+
+
+def test_open_without_create_refuses_a_missing_store(store_urls):
+    from kvtrace.errors import StoreNotFoundError
+
+    url = store_urls()
+    with pytest.raises(StoreNotFoundError):
+        open_store(url, create=False)
+    open_store(url).close()
+    open_store(url, create=False).close()
+
+
+def test_sqlite_replace_cannot_rewrite_history(tmp_path):
+    store = open_store(f"sqlite:///{tmp_path / 's.db'}")
+    _, steps = _linear(store, n=2)
+    entry = store.reflog("main")[0]
+    with store.engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "REPLACE INTO reflog (id, ref, old_head, new_head, reason, message, created_at) "
+                "VALUES (:i, 'main', NULL, NULL, 'forged', 'x', 0)"
+            ),
+            {"i": entry.id},
+        )
+        conn.execute(
+            sa.text("REPLACE INTO blobs (hash, size, data) VALUES (:h, 1, :d)"),
+            {"h": steps[0].payload["result"], "d": b"x"},
+        )
+    assert store.reflog("main")[0] == entry
+    assert store.fsck().is_ok
+    store.close()

@@ -49,3 +49,36 @@ def test_every_revision_applies_in_order_from_the_oldest(store_url):
 def test_migration_files_are_named_after_their_revision():
     for revision in _script().walk_revisions():
         assert Path(revision.path).stem == revision.revision
+
+
+def test_skip_pointer_migration_fills_existing_steps(tmp_path):
+    from kvtrace.store import encoding
+
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    engine = create_db_engine(url)
+    with engine.begin() as conn:
+        _upgrade(conn, "0001_initial")
+        parent = None
+        for depth in range(1, 12):
+            body = encoding.step_body(
+                kind="note", parent=parent, payload={}, raw=[], meta={"d": depth}
+            )
+            step_id = encoding.sha256_hex(body)
+            conn.execute(
+                sa.text(
+                    "INSERT INTO steps (id, parent_id, kind, depth, body, recorded_at) "
+                    "VALUES (:i, :p, 'note', :d, :b, 0)"
+                ),
+                {"i": step_id, "p": parent, "d": depth, "b": body},
+            )
+            parent = step_id
+        conn.execute(
+            sa.text("INSERT INTO refs (name, head, created_at) VALUES ('old', :h, 0)"),
+            {"h": parent},
+        )
+    engine.dispose()
+    store = open_store(url)
+    assert store.fsck().problems == []
+    assert store.show("old@3").meta == {"d": 3}
+    assert store.run("old").record_note("new").depth == 12
+    store.close()

@@ -1,0 +1,193 @@
+"""Walking history: ancestors, chains, and loading steps with their content.
+
+Every step row carries a *skip pointer* (`skip_id`, `skip_depth`): a link to
+one ancestor far back, chosen by depth alone as in Bitcoin's block index
+(``skip_height``). Following it whenever it does not overshoot reaches the
+ancestor at any depth in O(log n) hops, and those hops run inside one
+recursive SQL query. So `RUN@N`, `RUN~K` and revert's ancestry check cost the
+same at 10 steps and at 10,000. Skip pointers are derived data, like `depth`:
+set once when a step is inserted, never hashed, and checked by fsck.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from kvtrace.errors import IntegrityError, StepNotFoundError
+from kvtrace.store.records import Step
+from kvtrace.store.schema import blobs, steps
+
+_IN_CHUNK = 500
+
+
+def _invert_lowest_one(n: int) -> int:
+    return n & (n - 1)
+
+
+def skip_depth(depth: int) -> int | None:
+    """The depth a step's skip pointer points to (None for the first two steps)."""
+    height = depth - 1  # Bitcoin's formula counts from 0
+    if height < 2:
+        return None
+    if height & 1:
+        skip = _invert_lowest_one(_invert_lowest_one(height - 1)) + 1
+    else:
+        skip = _invert_lowest_one(height)
+    return skip + 1
+
+
+def ancestor_at(conn: Connection, start: str, target_depth: int) -> str | None:
+    """The ancestor of `start` (or `start` itself) at `target_depth`, in one query."""
+    target = sa.bindparam("target", target_depth, type_=sa.Integer)
+    walk = (
+        sa.select(steps.c.id, steps.c.depth, steps.c.parent_id, steps.c.skip_id, steps.c.skip_depth)
+        .where(steps.c.id == start)
+        .cte("walk", recursive=True)
+    )
+    hop = sa.case(
+        (sa.and_(walk.c.skip_id.is_not(None), walk.c.skip_depth >= target), walk.c.skip_id),
+        else_=walk.c.parent_id,
+    )
+    walk = walk.union_all(
+        sa.select(steps.c.id, steps.c.depth, steps.c.parent_id, steps.c.skip_id, steps.c.skip_depth)
+        .join(walk, steps.c.id == hop)
+        .where(walk.c.depth > target)
+    )
+    found = conn.execute(sa.select(walk.c.id).where(walk.c.depth == target)).scalar()
+    return str(found) if found is not None else None
+
+
+def skip_for(
+    conn: Connection,
+    parent_id: str | None,
+    depth: int,
+    known: Mapping[str, tuple[str | None, int, str | None]],
+) -> tuple[str | None, int | None]:
+    """The skip pointer of a new step at `depth` whose parent is `parent_id`.
+
+    `known` caches (parent, depth, skip) of steps this process has seen; steps
+    never change, so a hit is always right, and a writer appending to a run
+    finds every hop there without a query.
+    """
+    target = skip_depth(depth)
+    if target is None or parent_id is None:
+        return None, None
+    if target == depth - 1:
+        return parent_id, target
+    try:
+        return skip_in_memory(parent_id, depth, known.__getitem__)
+    except KeyError:
+        pass
+    found = ancestor_at(conn, parent_id, target)
+    if found is None:
+        raise IntegrityError(f"the history of {parent_id[:12]} is broken: run `kvtrace fsck`")
+    return found, target
+
+
+def skip_in_memory(
+    parent_id: str | None, depth: int, lookup: Callable[[str], tuple[str | None, int, str | None]]
+) -> tuple[str | None, int | None]:
+    """Like `skip_for`, walking rows given by `lookup(id) -> (parent, depth, skip)`."""
+    target = skip_depth(depth)
+    if target is None or parent_id is None:
+        return None, None
+    current = parent_id
+    while True:
+        parent, current_depth, skip = lookup(current)
+        if current_depth == target:
+            return current, target
+        current_skip = skip_depth(current_depth)
+        if skip is not None and current_skip is not None and current_skip >= target:
+            current = skip
+        elif parent is not None:
+            current = parent
+        else:
+            raise IntegrityError(f"step {current[:12]} has no ancestor at depth {target}")
+
+
+def is_ancestor(conn: Connection, ancestor: str, descendant: str) -> bool:
+    """Whether `ancestor` is a strict ancestor of `descendant`."""
+    depths = dict(
+        conn.execute(
+            sa.select(steps.c.id, steps.c.depth).where(steps.c.id.in_([ancestor, descendant]))
+        ).all()
+    )
+    if ancestor not in depths or descendant not in depths:
+        return False
+    if depths[ancestor] >= depths[descendant]:
+        return False
+    return ancestor_at(conn, descendant, depths[ancestor]) == ancestor
+
+
+def chain(conn: Connection, start: str, limit: int | None) -> list[str]:
+    """Ids from `start` back towards the root, at most `limit` of them (log needs them all)."""
+    walk = (
+        sa.select(steps.c.id, steps.c.parent_id, sa.literal(1).label("n"))
+        .where(steps.c.id == start)
+        .cte("chain", recursive=True)
+    )
+    step = sa.select(steps.c.id, steps.c.parent_id, (walk.c.n + 1).label("n")).join(
+        walk, steps.c.id == walk.c.parent_id
+    )
+    if limit is not None:
+        step = step.where(walk.c.n < limit)
+    walk = walk.union_all(step)
+    return [str(r) for r in conn.execute(sa.select(walk.c.id).order_by(walk.c.n)).scalars()]
+
+
+def chunks(items: list[str]) -> Iterable[list[str]]:
+    """Slices small enough for an IN (...) list on every backend."""
+    for start in range(0, len(items), _IN_CHUNK):
+        yield items[start : start + _IN_CHUNK]
+
+
+def load_steps(conn: Connection, ids: list[str]) -> list[Step]:
+    """Steps with their content, in the order of `ids`."""
+    rows: dict[str, Any] = {}
+    for part in chunks(ids):
+        for row in conn.execute(sa.select(steps).where(steps.c.id.in_(part))):
+            rows[row.id] = row
+    missing = [i for i in ids if i not in rows]
+    if missing:
+        raise StepNotFoundError(f"step {missing[0][:12]} is missing from the store")
+    bodies = {i: json.loads(bytes(rows[i].body)) for i in ids}
+    wanted = {addr for body in bodies.values() for addr in body["payload"].values()}
+    data: dict[str, bytes] = {}
+    for part in chunks(sorted(wanted)):
+        for address, blob in conn.execute(
+            sa.select(blobs.c.hash, blobs.c.data).where(blobs.c.hash.in_(part))
+        ):
+            data[address] = bytes(blob)
+    return [_step(rows[i], bodies[i], data) for i in ids]
+
+
+def decode_json(data: bytes) -> Any:
+    """A JSON payload blob's value."""
+    return json.loads(data)
+
+
+def _step(row: Any, body: dict[str, Any], data: dict[str, bytes]) -> Step:
+    content: dict[str, Any] = {}
+    for key, address in body["payload"].items():
+        if address not in data:
+            raise IntegrityError(f"step {row.id[:12]} refers to missing blob {address[:12]}")
+        blob = data[address]
+        try:
+            content[key] = blob if key in body["raw"] else json.loads(blob)
+        except ValueError as exc:
+            raise IntegrityError(f"blob {address[:12]} of step {row.id[:12]} is not JSON") from exc
+    return Step(
+        row.id,
+        row.parent_id,
+        row.kind,
+        row.depth,
+        body["payload"],
+        body["meta"],
+        content,
+        row.recorded_at,
+    )
