@@ -12,7 +12,7 @@ import sys
 
 import typer
 
-from kvtrace.cli import bench, cache, store_commands  # noqa: F401  (registers commands)
+from kvtrace.cli import bench, cache, replay, store_commands  # noqa: F401  (registers commands)
 from kvtrace.cli.app import app
 from kvtrace.errors import KvtraceError
 
