@@ -7,9 +7,9 @@ A model asks for a tool with two lines anywhere in its response:
 
 and ends the task with ``Final Answer: <answer>``. The tool's result comes
 back as a user message ``Observation: <result>``. This format was chosen
-because a 135M-parameter instruct model follows it reliably after two
-few-shot turns (`few_shot_messages`), whereas JSON function calling it does
-not. The parser also accepts two common variants small models drift into:
+because a 135M-parameter instruct model follows it after a few worked
+examples (`few_shot_messages`), whereas JSON function calling it does not.
+The parser also accepts two common variants small models drift into:
 ``Action: calculator(17*4)`` on one line, and a JSON object
 ``{"tool": "calculator", "arguments": ...}`` (also ``name``/``input``/``args``).
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,15 +105,15 @@ def system_prompt(tools: Mapping[str, str], instructions: str = "") -> str:
     return f"{text}\n{instructions}" if instructions else text
 
 
-def few_shot_messages(shots: list[tuple[str, str, str, str]]) -> list[Message]:
-    """Worked examples as chat turns: (question, tool, input, observation) each."""
+def few_shot_messages(shots: Sequence[tuple[str, str, str, str, str]]) -> list[Message]:
+    """Worked examples as chat turns: (question, tool, input, observation, answer) each."""
     messages: list[Message] = []
-    for question, tool, tool_input, observation in shots:
+    for question, tool, tool_input, observation, answer in shots:
         messages += [
             {"role": "user", "content": f"Question: {question}"},
             {"role": "assistant", "content": f"Action: {tool}\nAction Input: {tool_input}"},
             {"role": "user", "content": OBSERVATION_PREFIX + observation},
-            {"role": "assistant", "content": f"Final Answer: {observation}"},
+            {"role": "assistant", "content": f"Final Answer: {answer}"},
         ]
     return messages
 

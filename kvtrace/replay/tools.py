@@ -57,6 +57,15 @@ DEMO_TOOL_DESCRIPTIONS: dict[str, str] = {
     "calculator": "evaluates arithmetic, e.g. 12*7",
     "lookup": "facts about a city (country, population), e.g. Paris",
 }
+_ROME = '{"city": "Rome", "country": "Italy", "population": 2748109}'
+# Worked examples (question, tool, input, observation, answer): with these four,
+# SmolLM2-135M-Instruct follows the ReAct format; with fewer it drifts.
+DEMO_SHOTS: list[tuple[str, str, str, str, str]] = [
+    ("What is 17 times 4?", "calculator", "17*4", "68", "68"),
+    ("Which country is Rome in?", "lookup", "Rome", _ROME, "Italy"),
+    ("How many people live in Rome?", "lookup", "Rome", _ROME, "2748109"),
+    ("What is 100 divided by 4?", "calculator", "100/4", "25.0", "25.0"),
+]
 
 
 def _evaluate(node: ast.expr) -> int | float:
@@ -71,3 +80,14 @@ def _evaluate(node: ast.expr) -> int | float:
         value = _evaluate(node.operand)
         return -value if isinstance(node.op, ast.USub) else value
     raise ValueError(f"not arithmetic: {ast.unparse(node)}")
+
+
+def demo_messages(question: str, *, notes: str = "") -> list[dict[str, Any]]:
+    """The opening prompt of a demo agent: system prompt, worked examples, the question."""
+    from kvtrace.replay.toolcall import few_shot_messages, system_prompt
+
+    return [
+        {"role": "system", "content": system_prompt(DEMO_TOOL_DESCRIPTIONS, notes)},
+        *few_shot_messages(DEMO_SHOTS),
+        {"role": "user", "content": f"Question: {question}"},
+    ]
