@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: install test demo lint bench clean
+.PHONY: install test demo tour lint bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -26,8 +26,17 @@ test: $(STAMP)
 	$(BIN)/mypy
 	$(BIN)/pytest -q
 
+# The main job: record a real agent run with the default model, fork it,
+# continue the fork, replay both, print hit rates and the speed-up.
 demo: $(STAMP)
+	$(BIN)/python examples/react_agent.py
+
+# The trace store alone, through the Python API (a few seconds).
+tour: $(STAMP)
 	$(BIN)/python examples/store_tour.py
+
+bench: $(STAMP)
+	bash bench/run_all.sh
 
 lint: $(STAMP)
 	$(BIN)/ruff check kvtrace tests bench examples
