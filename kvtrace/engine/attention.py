@@ -20,8 +20,9 @@ This module registers an attention function (`ATTN_IMPLEMENTATION`) whose
 every floating-point reduction has a fixed shape or a fixed order: keys are
 cut into tiles of `TILE` tokens at absolute positions 0, TILE, 2·TILE …;
 scores and values are multiplied tile by tile (batched matmuls of fixed
-shape); the softmax uses a global row max (exact in any order); tile partial
-sums are accumulated strictly left to right (`cumsum`). Masked keys contribute
+shape; a ones column appended to V yields each tile's softmax denominator
+from the same matmul); the softmax uses a global row max (exact in any
+order); tile partial sums are added strictly left to right. Masked keys contribute
 exact zeros, so a query row gets the same bits whether its chunk holds 1 or 64
 real rows, and whether the kv length ends just after it or a tile later.
 The parity tests in tests/engine hold this line.
@@ -73,22 +74,28 @@ def canonical_attention(
         value = F.pad(value, (0, 0, 0, pad))
     # Query heads h = kv_head * groups + g share kv_head (as repeat_kv does);
     # folding the group into rows avoids copying K and V per query head.
-    rows = query.reshape(batch, num_kv_heads, 1, groups * q_len, head_dim)
+    rows = (query * scale).reshape(batch, num_kv_heads, 1, groups * q_len, head_dim)
     key_tiles = key.reshape(batch, num_kv_heads, num_tiles, TILE, head_dim)
-    value_tiles = value.reshape(batch, num_kv_heads, num_tiles, TILE, head_dim)
+    # A ones column makes each tile's matmul return its softmax denominator
+    # too, summed in the same fixed-shape GEMM as the numerator.
+    ones = torch.ones((*value.shape[:-1], 1), dtype=value.dtype, device=value.device)
+    value_tiles = torch.cat([value, ones], dim=-1).reshape(
+        batch, num_kv_heads, num_tiles, TILE, head_dim + 1
+    )
 
-    scores = torch.matmul(rows, key_tiles.transpose(-1, -2)) * scale
+    scores = torch.matmul(rows, key_tiles.transpose(-1, -2))  # [b, kvh, tiles, rows, TILE]
     query_pos = (torch.arange(q_len, device=query.device) + (kv_len - q_len)).repeat(groups)
     key_pos = torch.arange(num_tiles * TILE, device=query.device).view(num_tiles, TILE)
-    scores = scores.masked_fill(key_pos[:, None, :] > query_pos[None, :, None], float("-inf"))
-
-    row_max = scores.amax(dim=-1).amax(dim=2)
-    probs = torch.exp(scores - row_max[:, :, None, :, None])
-    # cumsum runs strictly left to right over tiles: trailing masked tiles add
-    # exact zeros, so extra tiles never change a row's sum.
-    denom = torch.cumsum(probs.sum(dim=-1), dim=2)[:, :, -1]
-    numer = torch.cumsum(torch.matmul(probs, value_tiles), dim=2)[:, :, -1]
-    out = (numer / denom[..., None]).reshape(batch, num_heads, q_len, head_dim)
+    scores.masked_fill_(key_pos[:, None, :] > query_pos[None, :, None], float("-inf"))
+    row_max = scores.amax(dim=-1).amax(dim=2)  # max is exact in any order
+    probs = scores.sub_(row_max[:, :, None, :, None]).exp_()
+    partial = torch.matmul(probs, value_tiles)  # [b, kvh, tiles, rows, dim + 1]
+    # Strictly left to right over tiles: trailing masked tiles add exact
+    # zeros, so extra tiles never change a row's sums.
+    total = partial[:, :, 0].clone()
+    for tile in range(1, num_tiles):
+        total += partial[:, :, tile]
+    out = (total[..., :head_dim] / total[..., head_dim:]).reshape(batch, num_heads, q_len, head_dim)
     return out.transpose(1, 2).contiguous(), None
 
 

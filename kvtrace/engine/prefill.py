@@ -121,12 +121,11 @@ def prefill(
     try:
         reused = hit.num_tokens if hit is not None else 0
         if hit is not None and hit.pieces:
-            keys = torch.cat([k for k, _ in hit.pieces], dim=2)
-            values = torch.cat([v for _, v in hit.pieces], dim=2)
-            if keys.shape[2] != reused:
-                raise CacheError(f"cache returned {keys.shape[2]} KV rows for {reused} tokens")
-            for layer in range(engine.num_layers):
-                kv.update(keys[layer].unsqueeze(0), values[layer].unsqueeze(0), layer)
+            keys = _join([k for k, _ in hit.pieces])
+            values = _join([v for _, v in hit.pieces])
+            if keys.shape[3] != reused:
+                raise CacheError(f"cache returned {keys.shape[3]} KV rows for {reused} tokens")
+            _seed_cache(kv, keys, values)
         logits = _compute(engine, kv, tokens, reused, block)
         if cache is not None and hit is not None:
             cache.insert(tokens, _kv_rows(kv), num_disk_blocks=hit.num_disk_blocks)
@@ -248,6 +247,21 @@ def _compute(engine: Engine, kv: object, tokens: list[int], start: int, block: i
     if logits is None:
         raise CacheError("prefill computed no token (the cache covered the whole sequence)")
     return logits
+
+
+def _join(pieces: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenate `[layers, heads, n, dim]` pieces into `[layers, 1, heads, N, dim]`.
+
+    One copy, already in the per-layer layout DynamicCache holds.
+    """
+    return torch.cat([p.unsqueeze(1) for p in pieces], dim=3)
+
+
+def _seed_cache(kv: object, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Load reused KV into an empty DynamicCache without a second copy."""
+    for index, layer in enumerate(kv.layers):  # type: ignore[attr-defined]
+        layer.lazy_initialization(keys[index], values[index])
+        layer.keys, layer.values = keys[index], values[index]
 
 
 def _kv_rows(kv: object) -> KVSource:

@@ -99,11 +99,11 @@ def test_seeded_sampling_repeats_and_differs_by_seed(tiny_engine, tokens):
 def test_default_model_hits_are_bit_identical_to_cold(default_engine, make_cache):
     engine = default_engine
     messages = [
-        {"role": "system", "content": "You are a terse assistant. " * 12},
+        {"role": "system", "content": "You are a terse assistant. " * 25},
         {"role": "user", "content": "List three prime numbers and explain why they are prime."},
     ]
     prompt = engine.chat_tokens(messages)
-    assert len(prompt) > 140
+    assert len(prompt) > 160
     cold = generate(engine, None, prompt, max_new_tokens=8, stop_ids=[])
     cache = make_cache(engine)
     prefill(engine, cache, prompt[:101] + engine.encode(" something else"))
@@ -112,7 +112,8 @@ def test_default_model_hits_are_bit_identical_to_cold(default_engine, make_cache
     from_disk = generate(engine, make_cache(engine), prompt, max_new_tokens=8, stop_ids=[])
 
     assert from_memory.prefill.num_memory_tokens == 101
-    assert from_disk.prefill.num_disk_tokens == 128
+    # the memory run stored every full block of the prompt on disk
+    assert from_disk.prefill.num_disk_tokens == len(prompt) // 64 * 64
     assert torch.equal(from_memory.prefill.logits, cold.prefill.logits)
     assert torch.equal(from_disk.prefill.logits, cold.prefill.logits)
     assert from_memory.token_ids == cold.token_ids == from_disk.token_ids
