@@ -38,7 +38,7 @@ def run_cache_bench(
 
     engine = load_engine(model, cache_dir=cache_dir)
     generator = torch.Generator().manual_seed(seed)
-    vocab = len(engine.tokenizer)
+    vocab = engine.vocab_size
     prompt = torch.randint(100, vocab, (num_tokens,), generator=generator).tolist()
     tails = [
         torch.randint(100, vocab, (num_new,), generator=generator).tolist()

@@ -64,6 +64,7 @@ class Engine:
     num_kv_heads: int
     head_dim: int
     kv_bytes_per_token: int
+    vocab_size: int
     eos_token_ids: tuple[int, ...]
 
     def chat_tokens(
@@ -314,8 +315,14 @@ def _load_folder(folder: Path, cache_dir: Path, device: torch.device, dtype: tor
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         kv_bytes_per_token=2 * num_layers * num_kv_heads * head_dim * element_size,
+        vocab_size=_vocab_size(model),
         eos_token_ids=tuple(sorted(eos)),
     )
+
+
+def _vocab_size(model: Any) -> int:
+    """Rows of the input embedding: the ids the model accepts (may exceed the tokenizer's)."""
+    return int(model.get_input_embeddings().weight.shape[0])
 
 
 def _fingerprint(

@@ -104,6 +104,12 @@ def prefill(
     tokens = [int(t) for t in token_ids]
     if not tokens:
         raise UsageError("cannot prefill an empty token sequence")
+    if min(tokens) < 0 or max(tokens) >= engine.vocab_size:
+        bad = next(t for t in tokens if not 0 <= t < engine.vocab_size)
+        raise UsageError(
+            f"token id {bad} is outside the vocabulary of {engine.name} "
+            f"(0..{engine.vocab_size - 1})"
+        )
     if cache is not None:
         if block_size is not None and block_size != cache.block_size:
             raise UsageError(f"block_size {block_size} differs from the cache's {cache.block_size}")

@@ -70,6 +70,11 @@ def test_an_empty_prompt_is_a_usage_error(tiny_engine):
         prefill(tiny_engine, None, [])
 
 
+def test_a_token_outside_the_vocabulary_is_a_usage_error(tiny_engine):
+    with pytest.raises(UsageError, match="outside the vocabulary"):
+        prefill(tiny_engine, None, [1, 2, tiny_engine.vocab_size])
+
+
 def test_block_size_must_keep_matmuls_row_invariant(tiny_engine):
     with pytest.raises(UsageError, match="multiple of 16"):
         KVCache(tiny_engine, block_size=24)
