@@ -22,18 +22,22 @@ cut into tiles of `TILE` tokens at absolute positions 0, TILE, 2·TILE …;
 scores and values are multiplied tile by tile (batched matmuls of fixed
 shape; a ones column appended to V yields each tile's softmax denominator
 from the same matmul); the softmax uses a global row max (exact in any
-order); tile partial sums are added strictly left to right. Masked keys contribute
+order); tile partial sums are combined by a fixed fold over a power-of-two
+number of tiles (see `_fold_tiles`). Masked keys contribute
 exact zeros, so a query row gets the same bits whether its chunk holds 1 or 64
 real rows, and whether the kv length ends just after it or a tile later.
 The parity tests in tests/engine hold this line.
 
 Cost: the same FLOPs as plain attention, plus a few temporary tensors of
-`kv_heads * tiles * rows * TILE` floats. Decode steps (one query row) use the
-same function; their KV is not canonical and is never stored (see prefill.py).
+`kv_heads * tiles * rows * TILE` floats. Decode steps (one query row) go to
+torch's `scaled_dot_product_attention` instead: their KV is not canonical and
+is never stored (see prefill.py), and the cached and uncached paths decode
+identically from identical KV, so greedy tokens still match bit for bit.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -67,36 +71,72 @@ def canonical_attention(
     num_kv_heads, kv_len = key.shape[1], key.shape[2]
     groups = num_heads // num_kv_heads
     scale = scaling if scaling is not None else head_dim**-0.5
+    if q_len == 1:
+        # A decode step: its KV is never stored and both the cached and the
+        # uncached path decode the same way, so the fastest kernel will do.
+        # (Tiling here would copy all of K and V per layer per token.)
+        single = F.scaled_dot_product_attention(query, key, value, scale=scale, enable_gqa=True)
+        return single.transpose(1, 2).contiguous(), None
     num_tiles = -(-kv_len // TILE)
-    pad = num_tiles * TILE - kv_len
-    if pad:
-        key = F.pad(key, (0, 0, 0, pad))
-        value = F.pad(value, (0, 0, 0, pad))
     # Query heads h = kv_head * groups + g share kv_head (as repeat_kv does);
     # folding the group into rows avoids copying K and V per query head.
     rows = (query * scale).reshape(batch, num_kv_heads, 1, groups * q_len, head_dim)
-    key_tiles = key.reshape(batch, num_kv_heads, num_tiles, TILE, head_dim)
+    key_tiles = F.pad(key, (0, 0, 0, num_tiles * TILE - kv_len)).reshape(
+        batch, num_kv_heads, num_tiles, TILE, head_dim
+    )
     # A ones column makes each tile's matmul return its softmax denominator
     # too, summed in the same fixed-shape GEMM as the numerator.
-    ones = torch.ones((*value.shape[:-1], 1), dtype=value.dtype, device=value.device)
-    value_tiles = torch.cat([value, ones], dim=-1).reshape(
-        batch, num_kv_heads, num_tiles, TILE, head_dim + 1
-    )
+    value_tiles = value.new_zeros(batch, num_kv_heads, num_tiles * TILE, head_dim + 1)
+    value_tiles[:, :, :kv_len, :head_dim] = value
+    value_tiles[:, :, :kv_len, head_dim] = 1
+    value_tiles = value_tiles.view(batch, num_kv_heads, num_tiles, TILE, head_dim + 1)
 
     scores = torch.matmul(rows, key_tiles.transpose(-1, -2))  # [b, kvh, tiles, rows, TILE]
-    query_pos = (torch.arange(q_len, device=query.device) + (kv_len - q_len)).repeat(groups)
-    key_pos = torch.arange(num_tiles * TILE, device=query.device).view(num_tiles, TILE)
-    scores.masked_fill_(key_pos[:, None, :] > query_pos[None, :, None], float("-inf"))
+    scores.masked_fill_(_causal_mask(q_len, kv_len, groups, query.device), float("-inf"))
     row_max = scores.amax(dim=-1).amax(dim=2)  # max is exact in any order
     probs = scores.sub_(row_max[:, :, None, :, None]).exp_()
     partial = torch.matmul(probs, value_tiles)  # [b, kvh, tiles, rows, dim + 1]
-    # Strictly left to right over tiles: trailing masked tiles add exact
-    # zeros, so extra tiles never change a row's sums.
-    total = partial[:, :, 0].clone()
-    for tile in range(1, num_tiles):
-        total += partial[:, :, tile]
+    total = _fold_tiles(partial)
     out = (total[..., :head_dim] / total[..., head_dim:]).reshape(batch, num_heads, q_len, head_dim)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _fold_tiles(partial: torch.Tensor) -> torch.Tensor:
+    """Sum dim 2 (tiles) in an order that trailing zero tiles cannot change.
+
+    Tiles are zero-padded to a power of two, then halves are added
+    (`x[:n/2] + x[n/2:]`) until one remains. If every tile past M (a power of
+    two) is zero, the first folds add exact zeros and leave `x[:M]`, which then
+    folds exactly as it would alone. A row's tiles past its own position are
+    zero (masked), so its sum is the same however many tiles its chunk had.
+    Unlike `sum`, whose grouping varies with length, and cheaper than a
+    left-to-right loop of one op per tile.
+    """
+    num_tiles = partial.shape[2]
+    span = 1 << (num_tiles - 1).bit_length()
+    if span > num_tiles:
+        # The first fold against the zero padding, without materialising it:
+        # tiles with no partner keep their value (x + 0 == x exactly).
+        half = span // 2
+        head = partial[:, :, :half].clone()
+        head[:, :, : num_tiles - half] += partial[:, :, half:]
+        partial = head
+    while partial.shape[2] > 1:
+        half = partial.shape[2] // 2
+        partial = partial[:, :, :half] + partial[:, :, half:]
+    return partial[:, :, 0]
+
+
+@functools.lru_cache(maxsize=8)
+def _causal_mask(q_len: int, kv_len: int, groups: int, device: torch.device) -> torch.Tensor:
+    """True where a key lies after the query: `[tiles, groups * q_len, TILE]`.
+
+    Cached: every layer of one forward pass asks for the same mask.
+    """
+    num_tiles = -(-kv_len // TILE)
+    query_pos = (torch.arange(q_len, device=device) + (kv_len - q_len)).repeat(groups)
+    key_pos = torch.arange(num_tiles * TILE, device=device).view(num_tiles, TILE)
+    return key_pos[:, None, :] > query_pos[None, :, None]
 
 
 def register_canonical_attention() -> str:

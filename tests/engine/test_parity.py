@@ -26,6 +26,23 @@ def test_memory_hit_at_any_offset_is_bit_identical_to_cold(tiny_engine, tokens, 
     assert kv_equal(hot, cold)
 
 
+@pytest.mark.parametrize("offset", [511, 700, 1023, 1025, 1090])
+def test_memory_hit_deep_in_a_long_prompt_is_bit_identical_to_cold(
+    tiny_engine, tokens, kv_equal, offset
+):
+    """Offsets where the number of key tiles (64 tokens each) crosses 8 and 16."""
+    prompt = tokens(1100, seed=11)
+    cache = KVCache(tiny_engine)
+    prefill(tiny_engine, cache, prompt[:offset] + tokens(20, seed=12))
+
+    hot = prefill(tiny_engine, cache, prompt)
+    cold = prefill(tiny_engine, None, prompt)
+
+    assert hot.num_memory_tokens == offset
+    assert torch.equal(hot.logits, cold.logits)
+    assert kv_equal(hot, cold)
+
+
 def test_disk_hit_is_bit_identical_to_cold(tiny_engine, tokens, make_cache, kv_equal):
     prompt = tokens(300, seed=3)
     prefill(tiny_engine, make_cache(tiny_engine), prompt[:200] + tokens(30, seed=4))
