@@ -111,6 +111,7 @@ class CallResult:
     finish_reason: str
     prefill_s: float
     decode_s: float
+    seed: int | None = None  # the sampling seed actually used (recorded, so verify can reuse it)
 
     @property
     def computed_tokens(self) -> int | None:

@@ -85,6 +85,7 @@ class LocalBackend:
             # Storing the output canonically (so the next prompt hits it) is
             # part of the cost of generating with a cache.
             decode_s=out.decode_seconds + out.insert_seconds,
+            seed=out.seed,
         )
 
     def rebuild(self, request: CallRequest) -> CallResult:

@@ -103,11 +103,14 @@ def record_generation(
     }
     if result.output_ids is not None:
         usage[TOKEN_IDS_KEY] = list(result.output_ids)
+    recorded = params.to_dict()
+    if recorded["seed"] is None and result.seed is not None:
+        recorded["seed"] = result.seed  # a fresh random seed: keep it, or verify cannot work
     return run.record_model_call(
         messages,
         assistant_message(result.text),
         model=model,
-        params=params.to_dict(),
+        params=recorded,
         usage={k: v for k, v in usage.items() if v is not None},
         timings=dict(timings) if timings else {
             "prefill_s": round(result.prefill_s, 4), "decode_s": round(result.decode_s, 4)

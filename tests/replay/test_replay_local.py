@@ -13,8 +13,10 @@ from kvtrace.replay.oracle import common_prefix_length
 from kvtrace.replay.recording import record_generation
 
 SYSTEM = ("You are a careful agent. " * 30).strip()
-START = [{"role": "system", "content": SYSTEM},
-         {"role": "user", "content": "Question: list three prime numbers."}]
+START = [
+    {"role": "system", "content": SYSTEM},
+    {"role": "user", "content": "Question: list three prime numbers."},
+]
 GREEDY = SamplingParams(max_new_tokens=12)
 
 
@@ -62,13 +64,14 @@ from kvtrace import open_store
 from kvtrace.engine import KVCache, load_engine
 from kvtrace.replay import replay
 from kvtrace.replay.local import LocalBackend
-engine = load_engine({str(tiny_engine.path)!r}, cache_dir={str(tmp_path / 'sub-cache')!r})
+engine = load_engine({str(tiny_engine.path)!r}, cache_dir={str(tmp_path / "sub-cache")!r})
 backend = LocalBackend(engine, KVCache(engine, disk_dir={str(kv_dir)!r}))
 report = replay(open_store({replay_store.url!r}), "linear", backend)
 print(json.dumps(report.to_dict()["total"]))
 """
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         check=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=300
+    )
     total = json.loads(out.stdout.strip().splitlines()[-1])
     assert total["disk_tokens"] > 0
     # Every prompt was seen before, so only the tail past the last whole block is computed.
@@ -84,8 +87,10 @@ def test_replaying_a_fork_computes_only_the_tokens_after_the_edit(
         response = f"Action: calculator\nAction Input: {i}*7"
         run.record_model_call(list(messages), response, model="scripted")
         run.record_tool_call("calculator", f"{i}*7", i * 7)
-        messages += [{"role": "assistant", "content": response},
-                     {"role": "user", "content": f"Observation: {i * 7}"}]
+        messages += [
+            {"role": "assistant", "content": response},
+            {"role": "user", "content": f"Observation: {i * 7}"},
+        ]
     # Fork before the second tool call, record an edited result, then model calls after it.
     fork = replay_store.fork("parent@3", "fork")
     fork.record_tool_call("calculator", "1*7", 1000)
@@ -120,12 +125,16 @@ def test_verify_reports_the_step_and_token_of_an_altered_output(
 
     stops = set(tiny_engine.eos_token_ids)
     body = altered_ids[:-1] if altered_ids[-1] in stops else altered_ids
-    altered = CallResult(len(ids), None, None, None, tiny_engine.decode(body), altered_ids,
-                         "stop", 0.0, 0.0)
-    record_generation(fork, original.content["messages"], altered, model="tiny",
-                      params=GREEDY)
-    report = replay(replay_store, "altered", local_backend_factory(
-        tiny_engine, kv_dir=tmp_path / "verify"), mode="verify")
+    altered = CallResult(
+        len(ids), None, None, None, tiny_engine.decode(body), altered_ids, "stop", 0.0, 0.0
+    )
+    record_generation(fork, original.content["messages"], altered, model="tiny", params=GREEDY)
+    report = replay(
+        replay_store,
+        "altered",
+        local_backend_factory(tiny_engine, kv_dir=tmp_path / "verify"),
+        mode="verify",
+    )
     assert [s.is_match for s in report.steps] == [True, True, False]
     assert report.total.first_mismatch == 3
     mismatch = report.steps[2].mismatch
@@ -138,9 +147,47 @@ def test_compare_uncached_replays_again_without_a_cache(
     replay_store, tiny_engine, local_backend_factory, tmp_path
 ):
     _record_linear_run(replay_store, tiny_engine, local_backend_factory, calls=3)
-    report = replay(replay_store, "linear", local_backend_factory(
-        tiny_engine, kv_dir=tmp_path / "kv"), compare_uncached=True)
+    report = replay(
+        replay_store,
+        "linear",
+        local_backend_factory(tiny_engine, kv_dir=tmp_path / "kv"),
+        compare_uncached=True,
+    )
     assert report.uncached is not None and report.speedup is not None
     assert report.uncached.total.reused_tokens == 0
     assert report.uncached.total.computed_tokens == report.total.prompt_tokens
     assert report.to_dict()["total"]["speedup"] == pytest.approx(report.speedup, rel=1e-3)
+
+
+def test_a_sampled_run_records_its_seed_and_verifies(
+    replay_store, tiny_engine, local_backend_factory, tmp_path
+):
+    sampled = SamplingParams(temperature=0.9, top_p=0.95, max_new_tokens=10)  # no seed given
+    continue_run(replay_store, "sampled", local_backend_factory(tiny_engine), steps=3,
+                 messages=START, params=sampled)
+    seeds = [s.meta["params"]["seed"] for s in replay_store.path("sampled")]
+    assert all(isinstance(seed, int) for seed in seeds)
+    report = replay(replay_store, "sampled", local_backend_factory(
+        tiny_engine, kv_dir=tmp_path / "verify"), mode="verify")
+    assert report.is_match is True
+
+
+def test_analyze_names_a_retokenized_output(replay_store, tiny_engine):
+    from kvtrace.replay import analyze
+
+    whole = tiny_engine.encode("hello")
+    split = tiny_engine.encode("hel") + tiny_engine.encode("lo")
+    assert whole != split and tiny_engine.decode(split) == "hello"
+    run = replay_store.run("agent")
+    first = list(START)
+    generated = [*split, tiny_engine.eos_token_ids[0]]  # what the model "generated"
+    run.record_model_call(first, "hello", model="tiny",
+                          usage={"completion_token_ids": generated})
+    run.record_model_call([*first, {"role": "assistant", "content": "hello"},
+                           {"role": "user", "content": "Observation: ok"}], "bye", model="tiny")
+    result = analyze(replay_store, "agent", tiny_engine)
+    assert [b.cause for b in result.breakers] == ["retokenized_output"]
+    breaker = result.breakers[0]
+    prompt = tiny_engine.chat_tokens(first)
+    assert breaker.token_position == len(prompt)  # right where the response begins
+    assert breaker.lost_tokens == len(generated)
