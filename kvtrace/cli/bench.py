@@ -36,6 +36,7 @@ def bench_replay(
     fresh: bool = typer.Option(
         False, "--fresh", help="Record the benchmark run again instead of reusing it."
     ),
+    trials: int = typer.Option(2, "--trials", help="Runs per timed case (the fastest counts)."),
     as_json: bool = typer.Option(
         False, "--json", help="Print JSON (the default output is JSON too)."
     ),
@@ -44,7 +45,9 @@ def bench_replay(
     from kvtrace.bench.replay import run_replay_bench
     from kvtrace.paths import default_cache_dir
 
-    print_json(run_replay_bench(cache_dir=default_cache_dir(), model=model, fresh=fresh))
+    print_json(
+        run_replay_bench(cache_dir=default_cache_dir(), model=model, fresh=fresh, trials=trials)
+    )
 
 
 @bench_app.command("cache")
