@@ -13,6 +13,7 @@ from kvtrace.replay.analyze import Analysis, PrefixBreaker, analyze
 from kvtrace.replay.backend import Backend, SamplingParams
 from kvtrace.replay.continuation import ContinueResult, continue_run
 from kvtrace.replay.driver import checkout, replay
+from kvtrace.replay.local import LocalBackend, open_local_backend
 from kvtrace.replay.remote import RemoteBackend
 from kvtrace.replay.report import ReplayReport, StepReport
 
@@ -20,6 +21,7 @@ __all__ = [
     "Analysis",
     "Backend",
     "ContinueResult",
+    "LocalBackend",
     "PrefixBreaker",
     "RemoteBackend",
     "ReplayReport",
@@ -28,5 +30,6 @@ __all__ = [
     "analyze",
     "checkout",
     "continue_run",
+    "open_local_backend",
     "replay",
 ]
