@@ -63,8 +63,13 @@ def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
 class StandInServer:
     """An OpenAI-compatible chat-completions server on 127.0.0.1 with a simulated prefix cache."""
 
-    def __init__(self, answer: Callable[[list[dict[str, Any]]], str], *,
-                 reports_cached: bool = True, fail_status: int | None = None) -> None:
+    def __init__(
+        self,
+        answer: Callable[[list[dict[str, Any]]], str],
+        *,
+        reports_cached: bool = True,
+        fail_status: int | None = None,
+    ) -> None:
         self.tokenizer = ByteTokenizer()
         self.answer = answer
         self.reports_cached = reports_cached
@@ -113,17 +118,24 @@ class StandInServer:
         )
         self.seen.append(full[: len(prompt) + len(text.encode()) + 1])
         self.cached_answers.append(cached)
-        usage: dict[str, Any] = {"prompt_tokens": len(prompt),
-                                 "completion_tokens": len(text.encode()) + 1,
-                                 "total_tokens": len(prompt) + len(text.encode()) + 1}
+        usage: dict[str, Any] = {
+            "prompt_tokens": len(prompt),
+            "completion_tokens": len(text.encode()) + 1,
+            "total_tokens": len(prompt) + len(text.encode()) + 1,
+        }
         if self.reports_cached:
             usage["prompt_tokens_details"] = {"cached_tokens": cached}
         return 200, {
             "id": f"chatcmpl-{len(self.requests)}",
             "object": "chat.completion",
             "model": body.get("model"),
-            "choices": [{"index": 0, "finish_reason": "stop",
-                         "message": {"role": "assistant", "content": text}}],
+            "choices": [
+                {
+                    "index": 0,
+                    "finish_reason": "stop",
+                    "message": {"role": "assistant", "content": text},
+                }
+            ],
             "usage": usage,
         }
 

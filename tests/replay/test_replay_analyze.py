@@ -7,20 +7,20 @@ from kvtrace.replay import analyze
 SYSTEM = "You answer with tools.\nTools:\n- calculator: arithmetic\n- lookup: city facts"
 
 
-def _record_agent(store, name, *, system=lambda i: SYSTEM, first_user=lambda i, u: u,
-                  calls=5):
+def _record_agent(store, name, *, system=lambda i: SYSTEM, first_user=lambda i, u: u, calls=5):
     """A linear agent run: each prompt is the previous one plus response and observation."""
     run = store.run(name)
     messages = [{"role": "user", "content": "Question: what is 6 times 7?"}]
     for i in range(calls):
-        prompt = [{"role": "system", "content": system(i)},
-                  *[dict(m) for m in messages]]
+        prompt = [{"role": "system", "content": system(i)}, *[dict(m) for m in messages]]
         prompt[1] = {"role": "user", "content": first_user(i, prompt[1]["content"])}
         response = f"Action: calculator\nAction Input: 6*{7 + i}"
         run.record_model_call(prompt, {"role": "assistant", "content": response}, model="m")
         run.record_tool_call("calculator", f"6*{7 + i}", 6 * (7 + i))
-        messages += [{"role": "assistant", "content": response},
-                     {"role": "user", "content": f"Observation: {6 * (7 + i)}"}]
+        messages += [
+            {"role": "assistant", "content": response},
+            {"role": "user", "content": f"Observation: {6 * (7 + i)}"},
+        ]
     return run
 
 
@@ -37,10 +37,14 @@ def test_a_clean_agent_run_has_no_breakers_and_a_high_oracle_bound(replay_store,
 
 
 def test_finds_a_timestamp_in_the_system_prompt(replay_store, byte_tokenizer):
-    stamps = ["2024-05-01 09:00:01", "2024-05-01 09:00:07", "2024-05-01 09:00:13",
-              "2024-05-01 09:01:02", "2024-05-01 09:01:40"]
-    _record_agent(replay_store, "stamped",
-                  system=lambda i: f"Current time: {stamps[i]}\n{SYSTEM}")
+    stamps = [
+        "2024-05-01 09:00:01",
+        "2024-05-01 09:00:07",
+        "2024-05-01 09:00:13",
+        "2024-05-01 09:01:02",
+        "2024-05-01 09:01:40",
+    ]
+    _record_agent(replay_store, "stamped", system=lambda i: f"Current time: {stamps[i]}\n{SYSTEM}")
     result = analyze(replay_store, "stamped", byte_tokenizer)
     assert [b.index for b in result.breakers] == [2, 3, 4, 5]
     first = result.breakers[0]
@@ -56,8 +60,13 @@ def test_finds_a_timestamp_in_the_system_prompt(replay_store, byte_tokenizer):
 
 
 def test_finds_a_reordered_tool_list(replay_store, byte_tokenizer):
-    orders = [SYSTEM, SYSTEM.replace("- calculator: arithmetic\n- lookup: city facts",
-                                     "- lookup: city facts\n- calculator: arithmetic")]
+    orders = [
+        SYSTEM,
+        SYSTEM.replace(
+            "- calculator: arithmetic\n- lookup: city facts",
+            "- lookup: city facts\n- calculator: arithmetic",
+        ),
+    ]
     _record_agent(replay_store, "reordered", system=lambda i: orders[i % 2], calls=3)
     result = analyze(replay_store, "reordered", byte_tokenizer)
     assert [b.cause for b in result.breakers] == ["reordered_list", "reordered_list"]
@@ -78,16 +87,20 @@ def test_finds_an_output_edited_before_being_sent_back(replay_store, byte_tokeni
     run = replay_store.run("edited")
     first = [{"role": "user", "content": "Question: 2+2?"}]
     run.record_model_call(first, "Action: calculator\nAction Input: 2+2  ", model="m")
-    second = [*first, {"role": "assistant", "content": "Action: calculator\nAction Input: 2+2"},
-              {"role": "user", "content": "Observation: 4"}]
+    second = [
+        *first,
+        {"role": "assistant", "content": "Action: calculator\nAction Input: 2+2"},
+        {"role": "user", "content": "Observation: 4"},
+    ]
     run.record_model_call(second, "Final Answer: 4", model="m")
     result = analyze(replay_store, "edited", byte_tokenizer)
     assert [b.cause for b in result.breakers] == ["edited_output"]
 
 
 def test_to_dict_carries_steps_breakers_and_total(replay_store, byte_tokenizer):
-    _record_agent(replay_store, "stamped", system=lambda i: f"Date: 2024-05-0{i + 1}\n{SYSTEM}",
-                  calls=2)
+    _record_agent(
+        replay_store, "stamped", system=lambda i: f"Date: 2024-05-0{i + 1}\n{SYSTEM}", calls=2
+    )
     data = analyze(replay_store, "stamped", byte_tokenizer).to_dict()
     assert set(data) >= {"steps", "breakers", "total"}
     assert data["total"]["breakers"] == 1 and data["breakers"][0]["cause"] == "timestamp"

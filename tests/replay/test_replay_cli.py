@@ -18,8 +18,10 @@ def _record(store_url):
         messages = [{"role": "user", "content": "Question: 6*7?"}]
         run.record_model_call(list(messages), "Action: calculator\nAction Input: 6*7", model="m")
         run.record_tool_call("calculator", "6*7", 42)
-        messages += [{"role": "assistant", "content": "Action: calculator\nAction Input: 6*7"},
-                     {"role": "user", "content": "Observation: 42"}]
+        messages += [
+            {"role": "assistant", "content": "Action: calculator\nAction Input: 6*7"},
+            {"role": "user", "content": "Observation: 42"},
+        ]
         run.record_model_call(list(messages), "Final Answer: 42", model="m")
         store.fork("agent@2", "mid")  # ends with a tool result: ready to continue
 
@@ -39,8 +41,18 @@ def test_replay_json_against_a_remote_backend(tmp_path, capsys, stand_in_server)
     url = f"sqlite:///{tmp_path / 's.db'}"
     _record(url)
     server = stand_in_server(_answer)
-    code, out, _ = _run(capsys, "--store", url, "replay", "agent", "--backend", server.url,
-                        "--mode", "verify", "--json")
+    code, out, _ = _run(
+        capsys,
+        "--store",
+        url,
+        "replay",
+        "agent",
+        "--backend",
+        server.url,
+        "--mode",
+        "verify",
+        "--json",
+    )
     assert code == 0
     data = json.loads(out)
     assert len(data["steps"]) == 2 and data["total"]["tool_steps"] == 1
@@ -52,8 +64,9 @@ def test_no_cache_with_a_remote_backend_is_a_one_line_error(tmp_path, capsys, st
     url = f"sqlite:///{tmp_path / 's.db'}"
     _record(url)
     server = stand_in_server(_answer)
-    code, _, err = _run(capsys, "--store", url, "replay", "agent", "--backend", server.url,
-                        "--no-cache")
+    code, _, err = _run(
+        capsys, "--store", url, "replay", "agent", "--backend", server.url, "--no-cache"
+    )
     assert code == 2 and err.startswith("error:") and len(err.strip().splitlines()) == 1
 
 
@@ -61,20 +74,50 @@ def test_continue_without_tools_names_the_missing_tool(tmp_path, capsys, stand_i
     url = f"sqlite:///{tmp_path / 's.db'}"
     _record(url)
     server = stand_in_server(lambda m: "Action: lookup\nAction Input: Rome")
-    code, _, err = _run(capsys, "--store", url, "continue", "mid", "--steps", "2",
-                        "--backend", server.url, "--tools", "none",
-                        "--model", "stand-in")
+    code, _, err = _run(
+        capsys,
+        "--store",
+        url,
+        "continue",
+        "mid",
+        "--steps",
+        "2",
+        "--backend",
+        server.url,
+        "--tools",
+        "none",
+        "--model",
+        "stand-in",
+    )
     assert code == 2 and "'lookup'" in err
 
 
 def test_continue_with_demo_tools_records_tool_calls(tmp_path, capsys, stand_in_server):
     url = f"sqlite:///{tmp_path / 's.db'}"
     _record(url)
-    server = stand_in_server(lambda m: "Final Answer: done" if "Norway" in m[-1]["content"]
-                             else "Action: lookup\nAction Input: Oslo")
-    code, out, _ = _run(capsys, "--store", url, "continue", "mid", "--steps", "3",
-                        "--backend", server.url, "--tools", "demo", "--model", "m",
-                        "--json")
+    server = stand_in_server(
+        lambda m: (
+            "Final Answer: done"
+            if "Norway" in m[-1]["content"]
+            else "Action: lookup\nAction Input: Oslo"
+        )
+    )
+    code, out, _ = _run(
+        capsys,
+        "--store",
+        url,
+        "continue",
+        "mid",
+        "--steps",
+        "3",
+        "--backend",
+        server.url,
+        "--tools",
+        "demo",
+        "--model",
+        "m",
+        "--json",
+    )
     assert code == 0
     data = json.loads(out)
     assert [s["kind"] for s in data["new_steps"]] == ["model_call", "tool_call", "model_call"]

@@ -7,15 +7,19 @@ import pytest
 from kvtrace.errors import MissingToolError, UsageError
 from kvtrace.replay import RemoteBackend, continue_run
 
-START = [{"role": "system", "content": "Use tools."},
-         {"role": "user", "content": "Question: what is 6 times 7?"}]
+START = [
+    {"role": "system", "content": "Use tools."},
+    {"role": "user", "content": "Question: what is 6 times 7?"},
+]
 
 
 def _scripted(*replies):
     """A stand-in 'model' that answers by turn number (number of assistant turns so far)."""
+
     def answer(messages):
         turn = sum(1 for m in messages if m["role"] == "assistant")
         return replies[min(turn, len(replies) - 1)]
+
     return answer
 
 
@@ -23,27 +27,36 @@ def test_a_missing_tool_stops_with_an_error_naming_it(replay_store, stand_in_ser
     server = stand_in_server(_scripted("Action: weather\nAction Input: Rome"))
     backend = RemoteBackend(server.url, model="stand-in")
     with pytest.raises(MissingToolError, match="'weather'") as info:
-        continue_run(replay_store, "agent", backend, steps=3, messages=START,
-                     tools={"calculator": lambda expr: 42})
+        continue_run(
+            replay_store,
+            "agent",
+            backend,
+            steps=3,
+            messages=START,
+            tools={"calculator": lambda expr: 42},
+        )
     assert "calculator" in str(info.value)  # says what is registered
     # The model call that asked did happen, so it is recorded; no tool step follows it.
     head = replay_store.head("agent")
     assert head is not None and head.kind == "model_call" and head.depth == 1
 
 
-def test_tools_run_and_both_steps_are_recorded_until_a_final_answer(
-    replay_store, stand_in_server
-):
-    server = stand_in_server(_scripted("Action: calculator\nAction Input: 6*7",
-                                       "Final Answer: 42"))
+def test_tools_run_and_both_steps_are_recorded_until_a_final_answer(replay_store, stand_in_server):
+    server = stand_in_server(_scripted("Action: calculator\nAction Input: 6*7", "Final Answer: 42"))
     calls = []
 
     def calculator(expression):
         calls.append(expression)
         return 42
 
-    result = continue_run(replay_store, "agent", RemoteBackend(server.url, model="stand-in"),
-                          steps=5, messages=START, tools={"calculator": calculator})
+    result = continue_run(
+        replay_store,
+        "agent",
+        RemoteBackend(server.url, model="stand-in"),
+        steps=5,
+        messages=START,
+        tools={"calculator": calculator},
+    )
     assert calls == ["6*7"]
     assert [s.kind for s in result.new_steps] == ["model_call", "tool_call", "model_call"]
     assert result.final_answer == "42" and result.is_finished
@@ -53,11 +66,13 @@ def test_tools_run_and_both_steps_are_recorded_until_a_final_answer(
 
 
 def test_continuing_a_fork_sends_the_edited_tool_result(replay_store, stand_in_server):
-    server = stand_in_server(_scripted("Action: calculator\nAction Input: 6*7",
-                                       "Final Answer: done"))
+    server = stand_in_server(
+        _scripted("Action: calculator\nAction Input: 6*7", "Final Answer: done")
+    )
     backend = RemoteBackend(server.url, model="stand-in")
-    continue_run(replay_store, "agent", backend, steps=1, messages=START,
-                 tools={"calculator": lambda e: 42})
+    continue_run(
+        replay_store, "agent", backend, steps=1, messages=START, tools={"calculator": lambda e: 42}
+    )
     fork = replay_store.fork("agent@1", "agent-edit")
     fork.record_tool_call("calculator", "6*7", 41)
     result = continue_run(replay_store, "agent-edit", backend, steps=2, tools={})
@@ -71,14 +86,21 @@ def test_continuing_a_fork_sends_the_edited_tool_result(replay_store, stand_in_s
 def test_a_failing_tool_is_recorded_as_an_error_and_shown_to_the_model(
     replay_store, stand_in_server
 ):
-    server = stand_in_server(_scripted("Action: calculator\nAction Input: 1/0",
-                                       "Final Answer: cannot"))
+    server = stand_in_server(
+        _scripted("Action: calculator\nAction Input: 1/0", "Final Answer: cannot")
+    )
 
     def calculator(expression):
         raise ZeroDivisionError("division by zero")
 
-    result = continue_run(replay_store, "agent", RemoteBackend(server.url, model="m"), steps=3,
-                          messages=START, tools={"calculator": calculator})
+    result = continue_run(
+        replay_store,
+        "agent",
+        RemoteBackend(server.url, model="m"),
+        steps=3,
+        messages=START,
+        tools={"calculator": calculator},
+    )
     assert result.new_steps[1].meta["error"] == "ZeroDivisionError: division by zero"
     assert server.requests[1]["messages"][-1]["content"].startswith("Observation: error:")
 
@@ -96,9 +118,12 @@ def test_a_user_message_starts_the_next_task_of_a_finished_run(replay_store, sta
     backend = RemoteBackend(server.url, model="m")
     continue_run(replay_store, "agent", backend, steps=1, messages=START)
     assert continue_run(replay_store, "agent", backend, steps=1).new_steps == []  # finished
-    result = continue_run(replay_store, "agent", backend, steps=1,
-                          user_message="Question: and plus one?")
+    result = continue_run(
+        replay_store, "agent", backend, steps=1, user_message="Question: and plus one?"
+    )
     assert result.final_answer == "43"
     sent = server.requests[-1]["messages"]
-    assert sent[-2:] == [{"role": "assistant", "content": "Final Answer: 42"},
-                         {"role": "user", "content": "Question: and plus one?"}]
+    assert sent[-2:] == [
+        {"role": "assistant", "content": "Final Answer: 42"},
+        {"role": "user", "content": "Question: and plus one?"},
+    ]

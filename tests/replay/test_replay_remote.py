@@ -17,13 +17,21 @@ def _answer(messages):
 
 def _record(store, name, calls=6):
     run = store.run(name)
-    messages = [{"role": "system", "content": "You are terse."},
-                {"role": "user", "content": "Question: count the messages."}]
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Question: count the messages."},
+    ]
     for i in range(calls):
-        run.record_model_call(list(messages), _answer(messages), model="stand-in",
-                              params={"temperature": 0, "max_tokens": 64})
-        messages += [{"role": "assistant", "content": _answer(messages)},
-                     {"role": "user", "content": f"Observation: turn {i}"}]
+        run.record_model_call(
+            list(messages),
+            _answer(messages),
+            model="stand-in",
+            params={"temperature": 0, "max_tokens": 64},
+        )
+        messages += [
+            {"role": "assistant", "content": _answer(messages)},
+            {"role": "user", "content": f"Observation: turn {i}"},
+        ]
 
 
 def test_verify_reads_cached_tokens_from_usage_and_matches_the_oracle(
@@ -31,8 +39,9 @@ def test_verify_reads_cached_tokens_from_usage_and_matches_the_oracle(
 ):
     _record(replay_store, "r")
     server = stand_in_server(_answer)
-    report = replay(replay_store, "r", RemoteBackend(server.url, tokenizer=byte_tokenizer),
-                    mode="verify")
+    report = replay(
+        replay_store, "r", RemoteBackend(server.url, tokenizer=byte_tokenizer), mode="verify"
+    )
     assert [s.reused_tokens for s in report.steps] == server.cached_answers
     assert report.steps[0].reused_tokens == 0 and report.steps[-1].reused_tokens > 0
     assert report.total.reused_tokens == report.total.oracle_tokens
@@ -59,8 +68,9 @@ def test_verify_reports_the_first_differing_token_of_a_remote_answer(
 ):
     _record(replay_store, "r", calls=2)
     server = stand_in_server(lambda m: _answer(m).replace("messages", "msgs"))
-    report = replay(replay_store, "r", RemoteBackend(server.url, tokenizer=byte_tokenizer),
-                    mode="verify")
+    report = replay(
+        replay_store, "r", RemoteBackend(server.url, tokenizer=byte_tokenizer), mode="verify"
+    )
     assert report.is_match is False and report.total.first_mismatch == 1
     mismatch = report.steps[0].mismatch
     assert mismatch is not None
@@ -71,8 +81,9 @@ def test_verify_reports_the_first_differing_token_of_a_remote_answer(
 def test_rebuild_primes_each_prompt_with_one_token(replay_store, stand_in_server):
     _record(replay_store, "r", calls=3)
     server = stand_in_server(_answer)
-    report = replay(replay_store, "r", RemoteBackend(server.url, model="served-name"),
-                    mode="rebuild")
+    report = replay(
+        replay_store, "r", RemoteBackend(server.url, model="served-name"), mode="rebuild"
+    )
     assert [r["max_tokens"] for r in server.requests] == [1, 1, 1]
     assert server.requests[0]["model"] == "served-name"
     assert report.steps[0].oracle_tokens is None  # no tokenizer given

@@ -24,7 +24,9 @@ def test_one_line_call_variant():
 def test_json_object_variant():
     parsed = parse_response('I will call {"tool": "lookup", "arguments": "Paris"} now')
     assert parsed.call is not None and (parsed.call.name, parsed.call.arguments) == (
-        "lookup", "Paris")
+        "lookup",
+        "Paris",
+    )
 
 
 def test_only_the_first_action_counts_and_invented_observations_are_ignored():
@@ -47,4 +49,5 @@ def test_observation_renders_results_and_errors():
     assert observation_message(68)["content"] == "Observation: 68"
     assert observation_message({"b": 1, "a": 2})["content"] == 'Observation: {"a": 2, "b": 1}'
     assert observation_message(None, "ValueError: bad")["content"] == (
-        "Observation: error: ValueError: bad")
+        "Observation: error: ValueError: bad"
+    )
