@@ -29,7 +29,7 @@ test: $(STAMP)
 # The main job: record a real agent run with the default model, fork it,
 # continue the fork, replay both, print hit rates and the speed-up.
 demo: $(STAMP)
-	$(BIN)/python examples/react_agent.py
+	$(BIN)/python examples/react_agent.py --store default
 
 # The trace store alone, through the Python API (a few seconds).
 tour: $(STAMP)

@@ -82,24 +82,34 @@ def fork_with_edit(store: Store, parent: str, name: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--store", help="store URL (default: a temporary SQLite file)")
+    parser.add_argument("--store", help="store URL, or 'default' for the store of the "
+                        "kvtrace command (.kvtrace/ here or $KVTRACE_HOME); default: a "
+                        "temporary SQLite file")
     parser.add_argument("--cache-dir", type=Path,
                         help="folder for KV blocks (default: temporary folders)")
     parser.add_argument("--model", help="a transformers model folder (default: embedded)")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="kvtrace-demo-") as tmp:
         root = Path(tmp)
-        store = open_store(args.store or f"sqlite:///{root / 'store.db'}")
+        if args.store == "default":
+            store = open_store()
+        else:
+            store = open_store(args.store or f"sqlite:///{root / 'store.db'}")
+        taken = {info.name for info in store.runs()}
+        suffix = next(f"-{n}" if n else "" for n in range(1000)
+                      if f"agent{f'-{n}' if n else ''}" not in taken
+                      and f"agent{f'-{n}' if n else ''}-edit" not in taken)
+        name, fork_name = f"agent{suffix}", f"agent{suffix}-edit"
         kv_root = args.cache_dir or root
         backend = open_local_backend(args.model, cache_dir=default_cache_dir(),
                                      kv_dir=kv_root / "kv-recording")
 
         console.rule("1. record a ReAct agent")
-        record_agent(store, backend, "agent")
+        record_agent(store, backend, name)
 
         console.rule("2. fork with an edited tool result, 3. continue the fork")
-        fork_with_edit(store, "agent", "agent-edit")
-        result = continue_run(store, "agent-edit", backend, steps=2, tools=DEMO_TOOLS,
+        fork_with_edit(store, name, fork_name)
+        result = continue_run(store, fork_name, backend, steps=2, tools=DEMO_TOOLS,
                               params=PARAMS)
         for r in result.reports:
             console.print(f"continued step {r.index}: {r.reused_tokens}/{r.prompt_tokens} "
@@ -109,12 +119,18 @@ def main(argv: list[str] | None = None) -> None:
         console.rule("4. replay both on an empty cache")
         fresh = open_local_backend(args.model, cache_dir=default_cache_dir(),
                                    kv_dir=kv_root / "kv-replay")
-        render(replay(store, "agent", fresh, mode="rebuild", compare_uncached=True), console)
-        console.print("The fork shares its first steps with 'agent', whose KV the cache now "
+        render(replay(store, name, fresh, mode="rebuild", compare_uncached=True), console)
+        console.print(f"The fork shares its first steps with {name!r}, whose KV the cache now "
                       "holds: they compute one token each, and the step after the edit only "
                       "what follows the edit. (Its oracle counts the fork's own calls only.)")
-        render(replay(store, "agent-edit", fresh, mode="verify"), console)
-        render_analysis(analyze(store, "agent-edit", fresh.tokenizer), console)
+        render(replay(store, fork_name, fresh, mode="verify"), console)
+        render_analysis(analyze(store, fork_name, fresh.tokenizer), console)
+        if args.store == "default":
+            console.rule("next")
+            console.print(f"The runs {name!r} and {fork_name!r} are in {store.display_url}. "
+                          f"Try: kvtrace log {fork_name} --graph; kvtrace diff {name} "
+                          f"{fork_name}; kvtrace replay {name} --mode verify; "
+                          f"kvtrace analyze {name}", highlight=False)
         store.close()
 
 
