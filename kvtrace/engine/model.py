@@ -273,7 +273,9 @@ def _resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
 
 def _load_folder(folder: Path, cache_dir: Path, device: torch.device, dtype: torch.dtype) -> Engine:
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # a per-load bar on stderr is noise in a CLI
     attn = register_canonical_attention()
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
