@@ -33,7 +33,10 @@ def _imports(path: Path) -> set[str]:
 @pytest.mark.parametrize("layer", sorted(ALLOWED))
 def test_lower_layers_never_import_higher_ones(layer):
     folder = PACKAGE / layer
-    for path in folder.rglob("*.py"):
+    assert folder.is_dir(), f"layer {layer} has no folder"
+    files = list(folder.rglob("*.py"))
+    assert files, f"layer {layer} has no modules"
+    for path in files:
         for name in _imports(path):
             if name in SHARED:
                 continue
