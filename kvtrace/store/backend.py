@@ -13,6 +13,8 @@ in one transaction; a store already at the expected revision skips alembic.
 from __future__ import annotations
 
 import functools
+import sqlite3
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -53,14 +55,29 @@ def create_db_engine(url: str) -> Engine:
     return engine
 
 
+def _set_wal(cursor: Any) -> None:
+    """Switch to WAL, retrying: SQLite may refuse the switch with "database is
+    locked" at once, without its busy handler, while another connection is
+    opening the same new file."""
+    for _ in range(200):
+        try:
+            cursor.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc):
+                raise
+            time.sleep(0.05)
+    cursor.execute("PRAGMA journal_mode=WAL")
+
+
 def _configure_sqlite(engine: Engine) -> None:
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_connection: Any, _record: Any) -> None:
         # Take transaction control from pysqlite so that BEGIN is ours to emit.
         dbapi_connection.isolation_level = None
         cursor = dbapi_connection.cursor()
-        cursor.execute("PRAGMA busy_timeout=30000")  # first: switching to WAL may wait too
-        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA busy_timeout=30000")
+        _set_wal(cursor)
         cursor.execute("PRAGMA synchronous=NORMAL")
         cursor.execute("PRAGMA foreign_keys=ON")
         cursor.close()

@@ -49,16 +49,23 @@ def write_bundle(
     written: set[str] = set()
     for part in chunks(chain):
         rows = {r.id: r for r in conn.execute(sa.select(steps).where(steps.c.id.in_(part)))}
+        wanted = {
+            address
+            for row in rows.values()
+            for address in json.loads(bytes(row.body))["payload"].values()
+        } - written
+        query = sa.select(blobs.c.hash, blobs.c.data).where(blobs.c.hash.in_(wanted))
+        data = {address: blob for address, blob in conn.execute(query)}
         for step_id in part:
             row = rows[step_id]
             body = bytes(row.body)
             for address in json.loads(body)["payload"].values():
                 if address in written:
                     continue
-                data = conn.execute(sa.select(blobs.c.data).where(blobs.c.hash == address)).scalar()
-                if data is None:
+                if address not in data:
                     raise IntegrityError(f"blob {address[:12]} is missing: run `kvtrace fsck`")
-                _line(file, {"blob": address, "data": base64.b64encode(bytes(data)).decode()})
+                blob = base64.b64encode(bytes(data[address])).decode()
+                _line(file, {"blob": address, "data": blob})
                 written.add(address)
             _line(
                 file,

@@ -26,7 +26,7 @@ from kvtrace.errors import (
     StepNotFoundError,
     UsageError,
 )
-from kvtrace.store import encoding, history
+from kvtrace.store import encoding, history, views
 from kvtrace.store.backend import (
     insert_ignore,
     read_transaction,
@@ -89,15 +89,17 @@ class Store:
         from kvtrace.store.run import Run
 
         validate_run_name(name)
+        with read_transaction(self._reader) as conn:  # continuing a run needs no write lock
+            row = conn.execute(sa.select(refs.c.head).where(refs.c.name == name)).first()
+            if row is not None:
+                head = history.load_steps(conn, [row.head])[0] if row.head else None
+                return Run(self, name, head)
         try:
             with write_transaction(self._writer) as conn:
-                row = conn.execute(sa.select(refs.c.head).where(refs.c.name == name)).first()
-                if row is None:
-                    create_ref(conn, name, None, reason="create", message="new run")
-                    return Run(self, name, None)
-        except ConflictError:
-            pass  # another writer created it between our read and our insert: continue it
-        return Run(self, name, self.head(name))
+                create_ref(conn, name, None, reason="create", message="new run")
+            return Run(self, name, None)
+        except ConflictError:  # another writer created it since our read: continue it
+            return Run(self, name, self.head(name))
 
     def runs(self) -> list[RunInfo]:
         """Every run, by name."""
@@ -141,22 +143,7 @@ class Store:
         """`log` plus, per step, the runs whose head it is and how many other branches leave it."""
         with read_transaction(self._reader) as conn:
             start = self._resolve_or_empty(conn, spec)
-            chain = history.chain(conn, start, limit) if start else []
-            loaded = history.load_steps(conn, chain)
-            heads: dict[str, list[str]] = {}
-            for name, head in conn.execute(
-                sa.select(refs.c.name, refs.c.head).where(refs.c.head.is_not(None))
-            ):
-                heads.setdefault(head, []).append(name)
-            on_chain = set(chain)
-            branches: dict[str, int] = {}
-            for part in history.chunks(chain):
-                for parent, child in conn.execute(
-                    sa.select(steps.c.parent_id, steps.c.id).where(steps.c.parent_id.in_(part))
-                ):
-                    if child not in on_chain:
-                        branches[parent] = branches.get(parent, 0) + 1
-        return [(step, sorted(heads.get(step.id, [])), branches.get(step.id, 0)) for step in loaded]
+            return views.graph_rows(conn, history.chain(conn, start, limit) if start else [])
 
     def path(self, spec: str) -> list[Step]:
         """Steps from the root to `spec`, in order (what replay walks)."""
@@ -169,20 +156,7 @@ class Store:
             for spec in (a, b):
                 start = self._resolve_or_empty(conn, spec)
                 chains.append(list(reversed(history.chain(conn, start, None))) if start else [])
-            chain_a, chain_b = chains
-            shared = 0
-            while shared < min(len(chain_a), len(chain_b)) and chain_a[shared] == chain_b[shared]:
-                shared += 1
-            wanted = [chain_a[shared - 1]] if shared else []
-            wanted += chain_a[shared : shared + 1] + chain_b[shared : shared + 1]
-            loaded = {step.id: step for step in history.load_steps(conn, wanted)}
-        return Divergence(
-            common=loaded[chain_a[shared - 1]] if shared else None,
-            first_a=loaded.get(chain_a[shared]) if shared < len(chain_a) else None,
-            first_b=loaded.get(chain_b[shared]) if shared < len(chain_b) else None,
-            num_only_a=len(chain_a) - shared,
-            num_only_b=len(chain_b) - shared,
-        )
+            return views.divergence(conn, *chains)
 
     def read_blob(self, address: str) -> bytes:
         """The bytes stored at `address`."""
@@ -191,13 +165,6 @@ class Store:
         if data is None:
             raise StepNotFoundError(f"no blob {address[:12]} in the store")
         return bytes(data)
-
-    def children(self, spec: str) -> list[Step]:
-        """Steps whose parent is `spec` (where runs fork apart)."""
-        with read_transaction(self._reader) as conn:
-            parent = self._resolve(conn, spec)
-            ids = conn.execute(sa.select(steps.c.id).where(steps.c.parent_id == parent)).scalars()
-            return history.load_steps(conn, list(ids))
 
     # -- moving refs -----------------------------------------------------------
 
