@@ -88,6 +88,11 @@ def replay_command(
         False, "--compare-uncached",
         help="Then replay again with caching off and report the speed-up.",
     ),
+    no_draft: bool = typer.Option(
+        False, "--no-draft",
+        help="Verify: decode every response token by token instead of first checking "
+        "the recorded one in a single pass (same verdicts, slower).",
+    ),
     as_json: bool = JSON,
 ) -> None:
     """Replay a run from its root through a backend, reporting KV reuse per step."""
@@ -95,12 +100,13 @@ def replay_command(
     with open_store(store_url()) as store:
         if as_json:
             report = replay(store, run, chosen, to=to, mode=mode,
-                            compare_uncached=compare_uncached)
+                            compare_uncached=compare_uncached, draft=not no_draft)
             print_json(report.to_dict())
             return
         with progress_bar(f"{mode} {run}") as on_step:
             report = replay(store, run, chosen, to=to, mode=mode,
-                            compare_uncached=compare_uncached, on_step=on_step)
+                            compare_uncached=compare_uncached, draft=not no_draft,
+                            on_step=on_step)
     render(report)
     if report.is_match is False:
         raise typer.Exit(1)

@@ -10,11 +10,19 @@ on kvtrace.store, kvtrace.replay or kvtrace.cli.
 """
 
 from kvtrace.engine.cache import DEFAULT_BLOCK_SIZE, KVCache, PrefixHit, TierStats
-from kvtrace.engine.model import Engine, build_tiny_model, default_model_dir, load_engine
+from kvtrace.engine.model import (
+    Engine,
+    build_tiny_model,
+    default_model_dir,
+    load_engine,
+    load_tokenizer,
+)
 from kvtrace.engine.prefill import GenerateResult, PrefillResult, generate, prefill
+from kvtrace.engine.tokenizer import ChatTokenizer
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
+    "ChatTokenizer",
     "Engine",
     "GenerateResult",
     "KVCache",
@@ -25,5 +33,6 @@ __all__ = [
     "default_model_dir",
     "generate",
     "load_engine",
+    "load_tokenizer",
     "prefill",
 ]

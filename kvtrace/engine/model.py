@@ -8,9 +8,10 @@ tokenizer, written to a temporary folder and renamed into place so a crash or
 a concurrent loader never leaves a half-written model); later loads are a
 plain `from_pretrained` of that folder. Any local transformers folder works.
 
-Chat templating and tokenisation live here so that every caller (replay, the
-server, the tracer) gets identical token ids for identical messages — exact
-prefix reuse is only as good as that guarantee.
+Chat templating and tokenisation (tokenizer.py's `ChatTemplating`, shared
+with the weightless `load_tokenizer`) are the engine's, so that every caller
+(replay, the server, the tracer) gets identical token ids for identical
+messages — exact prefix reuse is only as good as that guarantee.
 
 `Engine.fingerprint` names the exact numeric setup: weights, config, dtype,
 device type, tokenizer, torch and transformers versions, the attention
@@ -28,7 +29,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ from typing import Any
 import torch
 
 from kvtrace.engine.attention import register_canonical_attention
+from kvtrace.engine.tokenizer import ChatTemplating, ChatTokenizer, stop_token_ids
 from kvtrace.errors import ModelNotFoundError, UsageError
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -49,7 +51,7 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
 
 
 @dataclass(frozen=True, slots=True)
-class Engine:
+class Engine(ChatTemplating):
     """A loaded model ready for prefill and decode (eval mode, no grad)."""
 
     name: str
@@ -67,34 +69,6 @@ class Engine:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
 
-    def chat_tokens(
-        self,
-        messages: Sequence[Mapping[str, Any]],
-        *,
-        add_generation_prompt: bool = True,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-    ) -> list[int]:
-        """Token ids of `messages` rendered with the model's chat template."""
-        try:
-            encoded = self.tokenizer.apply_chat_template(
-                [dict(m) for m in messages],
-                tools=[dict(t) for t in tools] if tools else None,
-                add_generation_prompt=add_generation_prompt,
-                tokenize=True,
-                return_dict=True,
-            )
-        except (ValueError, TypeError, KeyError) as exc:
-            raise UsageError(f"cannot render these messages with the chat template: {exc}") from exc
-        return [int(t) for t in encoded["input_ids"]]
-
-    def encode(self, text: str) -> list[int]:
-        """Token ids of plain text, without special tokens."""
-        return [int(t) for t in self.tokenizer.encode(text, add_special_tokens=False)]
-
-    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
-        """Text of token ids (special tokens dropped by default)."""
-        return str(self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
-
 
 def load_engine(
     name_or_path: str | os.PathLike[str] | None = None,
@@ -109,23 +83,61 @@ def load_engine(
     `kvtrace.paths.default_cache_dir()`. `device` defaults to CUDA when present,
     else CPU; `dtype` defaults to float32.
     """
+    root = _cache_root(cache_dir)
+    folder = _model_folder(name_or_path, root)
+    return _load_folder(folder, root, _resolve_device(device), _resolve_dtype(dtype))
+
+
+def load_tokenizer(
+    name_or_path: str | os.PathLike[str] | None = None,
+    *,
+    cache_dir: str | os.PathLike[str] | None = None,
+) -> ChatTokenizer:
+    """The tokenizer, chat template and stop tokens of a model, without its weights.
+
+    Takes the same names as `load_engine` (the default model is converted on
+    first use, as there); a folder needs only its tokenizer files and
+    config.json, not its weights.
+    """
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    folder = _model_folder(name_or_path, _cache_root(cache_dir))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        try:
+            generation = GenerationConfig.from_pretrained(str(folder), local_files_only=True)
+        except OSError:  # no generation_config.json: derived from config.json, as on load
+            config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+            generation = GenerationConfig.from_model_config(config)
+    except (OSError, ValueError) as exc:
+        raise ModelNotFoundError(f"cannot load the tokenizer in {folder}: {exc}") from exc
+    return ChatTokenizer(
+        name=folder.name,
+        path=folder,
+        tokenizer=tokenizer,
+        eos_token_ids=stop_token_ids(generation, tokenizer),
+    )
+
+
+def _cache_root(cache_dir: str | os.PathLike[str] | None) -> Path:
     from kvtrace.paths import default_cache_dir
 
-    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    return Path(cache_dir) if cache_dir is not None else default_cache_dir()
+
+
+def _model_folder(name_or_path: str | os.PathLike[str] | None, root: Path) -> Path:
+    """The transformers folder a model name means (a .gguf file is converted once)."""
     if name_or_path is None:
-        folder = default_model_dir(root)
-    else:
-        given = Path(name_or_path).expanduser()
-        if given.is_file() and given.suffix == ".gguf":
-            folder = convert_gguf(given, root / "models" / given.stem)
-        elif (given / "config.json").is_file():
-            folder = given
-        else:
-            raise ModelNotFoundError(
-                f"no model at {given}: pass a local transformers model folder (with config.json) "
-                f"or a .gguf file, or omit the name to use the default model ({INSTALL_HINT})"
-            )
-    return _load_folder(folder, root, _resolve_device(device), _resolve_dtype(dtype))
+        return default_model_dir(root)
+    given = Path(name_or_path).expanduser()
+    if given.is_file() and given.suffix == ".gguf":
+        return convert_gguf(given, root / "models" / given.stem)
+    if (given / "config.json").is_file():
+        return given
+    raise ModelNotFoundError(
+        f"no model at {given}: pass a local transformers model folder (with config.json) "
+        f"or a .gguf file, or omit the name to use the default model ({INSTALL_HINT})"
+    )
 
 
 def default_model_dir(cache_dir: str | os.PathLike[str]) -> Path:
@@ -297,12 +309,6 @@ def _load_folder(folder: Path, cache_dir: Path, device: torch.device, dtype: tor
     num_kv_heads = int(getattr(config, "num_key_value_heads", None) or num_heads)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // num_heads)
     element_size = torch.empty((), dtype=dtype).element_size()
-    eos: set[int] = set()
-    for source in (getattr(model.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
-        if isinstance(source, int):
-            eos.add(source)
-        elif isinstance(source, list):
-            eos.update(int(s) for s in source)
     fingerprint = _fingerprint(folder, cache_dir, model, tokenizer, device, dtype, attn)
     return Engine(
         name=folder.name,
@@ -318,7 +324,7 @@ def _load_folder(folder: Path, cache_dir: Path, device: torch.device, dtype: tor
         head_dim=head_dim,
         kv_bytes_per_token=2 * num_layers * num_kv_heads * head_dim * element_size,
         vocab_size=_vocab_size(model),
-        eos_token_ids=tuple(sorted(eos)),
+        eos_token_ids=stop_token_ids(model.generation_config, tokenizer),
     )
 
 

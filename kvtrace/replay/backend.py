@@ -96,6 +96,7 @@ class CallRequest:
     output_ids: list[int] | None = None  # rebuild: the recorded output's tokens
     output_text: str | None = None  # rebuild: the recorded output's text
     model: str | None = None  # the model the recording names (a remote default)
+    draft_ids: list[int] | None = None  # verify: the recorded output, to check in one pass
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +113,7 @@ class CallResult:
     prefill_s: float
     decode_s: float
     seed: int | None = None  # the sampling seed actually used (recorded, so verify can reuse it)
+    draft: str | None = None  # "accepted" / "rejected" when the backend checked the draft
 
     @property
     def computed_tokens(self) -> int | None:
@@ -138,7 +140,12 @@ class Backend(Protocol):
         ...
 
     def generate(self, request: CallRequest) -> CallResult:
-        """Generate a response to the prompt with `request.params`."""
+        """Generate a response to the prompt with `request.params`.
+
+        A backend that can may check `request.draft_ids` first (the local
+        engine does, in one prefill); the response must be what generating
+        would give either way. Others ignore it.
+        """
         ...
 
     def rebuild(self, request: CallRequest) -> CallResult:

@@ -6,6 +6,10 @@ cached prefix (memory tier, then disk), computes the rest in canonical
 chunks and inserts it into both tiers; `generate` does the same for the
 prompt, then decodes, and leaves prompt + generated tokens cached.
 
+Verify hands the engine the recorded output as a draft, checked in one
+prefill of prompt + draft, with a fallback to decoding when it is rejected (see
+`kvtrace.engine.prefill`).
+
 Rebuild feeds the prompt and the recorded output in ONE prefill: no decoding
 loop, and the cache ends up holding exactly the sequence a generation would
 have left. Its accounting is split at the prompt's end: reuse counts for the
@@ -70,6 +74,7 @@ class LocalBackend:
             temperature=params.temperature,
             top_p=params.top_p,
             seed=params.seed,
+            draft=request.draft_ids,
         )
         ids = list(out.token_ids)
         memory, disk = _prompt_reuse(out.prefill, len(prompt))
@@ -81,11 +86,12 @@ class LocalBackend:
             text=self._text(ids),
             output_ids=ids,
             finish_reason=out.finish_reason,
-            prefill_s=out.prefill.seconds,
+            prefill_s=out.prefill_seconds,
             # Storing the output canonically (so the next prompt hits it) is
             # part of the cost of generating with a cache.
             decode_s=out.decode_seconds + out.insert_seconds,
             seed=out.seed,
+            draft=out.draft,
         )
 
     def rebuild(self, request: CallRequest) -> CallResult:
@@ -142,14 +148,10 @@ def open_local_backend(
 
 
 def load_tokenizer(model: str | None = None, *, cache_dir: Path) -> Tokenizer:
-    """The engine's tokenizer and chat template (what analyze and the oracle need).
+    """The model's tokenizer and chat template, without its weights (analyze, the oracle)."""
+    from kvtrace.engine import load_tokenizer as load_chat_tokenizer
 
-    The engine API has no tokenizer-only loader, so this loads the (small)
-    model too; nothing is ever run through it.
-    """
-    from kvtrace.engine import load_engine
-
-    return load_engine(model, cache_dir=cache_dir)
+    return load_chat_tokenizer(model, cache_dir=cache_dir)
 
 
 def _prompt_ids(request: CallRequest) -> list[int]:

@@ -71,6 +71,7 @@ class StepReport:
     decode_s: float
     is_match: bool | None = None  # verify only
     mismatch: Mismatch | None = None
+    draft: str | None = None  # verify: "accepted" / "rejected" when the recording was checked
 
     @property
     def hit_rate(self) -> float | None:
@@ -98,6 +99,7 @@ class StepReport:
             "decode_s": round(self.decode_s, 4),
             "match": self.is_match,
             "mismatch": self.mismatch.to_dict() if self.mismatch else None,
+            "draft": self.draft,
         }
 
 

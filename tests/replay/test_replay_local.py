@@ -50,6 +50,23 @@ def test_verify_hit_rate_equals_the_oracle_bound_and_every_step_matches(
     report = replay(replay_store, "linear", fresh, mode="verify")
     assert report.is_match is True and report.total.matching_steps == 9
     assert [s.reused_tokens for s in report.steps] == [s.oracle_tokens for s in report.steps]
+    # Each recorded response was checked in one pass, without decoding.
+    assert [s.draft for s in report.steps] == ["accepted"] * 9
+
+
+def test_verify_without_drafts_decodes_and_agrees(
+    replay_store, tiny_engine, local_backend_factory, tmp_path
+):
+    _record_linear_run(replay_store, tiny_engine, local_backend_factory, calls=4)
+    drafted = replay(replay_store, "linear",
+                     local_backend_factory(tiny_engine, kv_dir=tmp_path / "a"), mode="verify")
+    decoded = replay(replay_store, "linear",
+                     local_backend_factory(tiny_engine, kv_dir=tmp_path / "b"), mode="verify",
+                     draft=False)
+    assert [s.draft for s in decoded.steps] == [None] * 4
+    assert decoded.is_match is True and drafted.is_match is True
+    assert [s.reused_tokens for s in decoded.steps] == [s.reused_tokens for s in drafted.steps]
+    assert [s.reused_tokens for s in decoded.steps] == [s.oracle_tokens for s in decoded.steps]
 
 
 def test_a_replay_in_a_fresh_process_hits_the_disk_tier(
@@ -136,11 +153,34 @@ def test_verify_reports_the_step_and_token_of_an_altered_output(
         mode="verify",
     )
     assert [s.is_match for s in report.steps] == [True, True, False]
+    assert [s.draft for s in report.steps] == ["accepted", "accepted", "rejected"]
     assert report.total.first_mismatch == 3
     mismatch = report.steps[2].mismatch
     assert mismatch is not None and mismatch.position == position
     assert (mismatch.expected_id, mismatch.got_id) == (altered_ids[position], ids[position])
     assert mismatch.expected_text != mismatch.got_text
+
+
+def test_a_rejected_draft_is_reused_by_the_next_prompt_and_counted_by_the_oracle(
+    replay_store, tiny_engine, local_backend_factory, tmp_path
+):
+    """A scripted response the model would not give: verify computes it (as a draft) anyway."""
+    run = replay_store.run("scripted")
+    answer = "The answer is 42, as the notes say."
+    run.record_model_call(list(START), answer, model="scripted")
+    after = [*START, {"role": "assistant", "content": answer},
+             {"role": "user", "content": "Thanks."}]
+    run.record_model_call(after, "You are welcome.", model="scripted")
+
+    report = replay(replay_store, "scripted",
+                    local_backend_factory(tiny_engine, kv_dir=tmp_path / "kv"), mode="verify")
+
+    first, second = report.steps
+    assert first.draft == "rejected" and first.is_match is False
+    answer_ends = len(tiny_engine.chat_tokens([*START, {"role": "assistant", "content": answer}],
+                                              add_generation_prompt=False))
+    assert second.reused_tokens is not None and second.reused_tokens >= answer_ends - 1
+    assert [s.reused_tokens for s in report.steps] == [s.oracle_tokens for s in report.steps]
 
 
 def test_compare_uncached_replays_again_without_a_cache(

@@ -1,0 +1,76 @@
+"""A model's tokenizer and chat template, with or without its weights.
+
+Replay's oracle bound and `kvtrace analyze` need the token ids a model would
+see, never the model itself: `load_tokenizer` (in model.py, beside
+`load_engine`, with which it shares how a model name is resolved) reads only
+the tokenizer files and the generation config of a model folder, so it works
+for a folder whose weights live on a server. `ChatTemplating` is the one
+implementation of templating, encoding and decoding, shared by the engine
+and the weightless `ChatTokenizer`, so both give the same ids for the same
+messages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvtrace.errors import UsageError
+
+
+class ChatTemplating:
+    """Chat templating, encoding and decoding over a transformers tokenizer."""
+
+    __slots__ = ()
+    tokenizer: Any
+
+    def chat_tokens(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[int]:
+        """Token ids of `messages` rendered with the model's chat template."""
+        try:
+            encoded = self.tokenizer.apply_chat_template(
+                [dict(m) for m in messages],
+                tools=[dict(t) for t in tools] if tools else None,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=True,
+                return_dict=True,
+            )
+        except (ValueError, TypeError, KeyError) as exc:
+            raise UsageError(f"cannot render these messages with the chat template: {exc}") from exc
+        return [int(t) for t in encoded["input_ids"]]
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of plain text, without special tokens."""
+        return [int(t) for t in self.tokenizer.encode(text, add_special_tokens=False)]
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        """Text of token ids (special tokens dropped by default)."""
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+
+@dataclass(frozen=True, slots=True)
+class ChatTokenizer(ChatTemplating):
+    """A model's tokenizer and stop tokens, loaded without its weights."""
+
+    name: str
+    path: Path
+    tokenizer: Any
+    eos_token_ids: tuple[int, ...]
+
+
+def stop_token_ids(generation_config: Any, tokenizer: Any) -> tuple[int, ...]:
+    """The ids that end a generation: the generation config's and the tokenizer's EOS."""
+    stops: set[int] = set()
+    for source in (getattr(generation_config, "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(source, int):
+            stops.add(source)
+        elif isinstance(source, list):
+            stops.update(int(s) for s in source)
+    return tuple(sorted(stops))
