@@ -15,7 +15,7 @@ One process, one model, side by side:
    recorded output fed one token per forward as decoding does. No cache that
    decodes can beat that. Verify checks each recorded response as a draft in
    one prefill, so it does not decode when the response matches: it can beat
-   the bound, and `verify_decode_s_cached` (verify with `draft=False`, every
+   the bound, and `verify_decode_s_cached` (verify with `use_drafts=False`, every
    response decoded token by token) shows what the cache machinery costs a
    decoding replay against the same bound.
 """
@@ -160,8 +160,9 @@ def run_replay_bench(*, cache_dir: Path, model: str | None = None, fresh: bool =
                     replay(store, name, LocalBackend(engine, None), mode="rebuild"))
                 cases["verify"].append(replay(store, name, LocalBackend(engine, KVCache(
                     engine, disk_dir=Path(tmp) / "verify")), mode="verify"))
-                cases["verify_decode"].append(replay(store, name, LocalBackend(engine, KVCache(
-                    engine, disk_dir=Path(tmp) / "verify-decode")), mode="verify", draft=False))
+                decoding = LocalBackend(engine, KVCache(engine, disk_dir=Path(tmp) / "decode"))
+                cases["verify_decode"].append(
+                    replay(store, name, decoding, mode="verify", use_drafts=False))
             cases["bound"].append(lower_bound_seconds(store, name, engine))
     finally:
         store.close()

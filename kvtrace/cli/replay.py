@@ -96,16 +96,18 @@ def replay_command(
     as_json: bool = JSON,
 ) -> None:
     """Replay a run from its root through a backend, reporting KV reuse per step."""
+    if no_draft and mode != "verify":
+        raise UsageError("--no-draft applies to --mode verify only")
     chosen = _backend(backend, model, no_cache=no_cache, tokenizer=tokenizer, api_key=api_key)
     with open_store(store_url()) as store:
         if as_json:
             report = replay(store, run, chosen, to=to, mode=mode,
-                            compare_uncached=compare_uncached, draft=not no_draft)
+                            compare_uncached=compare_uncached, use_drafts=not no_draft)
             print_json(report.to_dict())
             return
         with progress_bar(f"{mode} {run}") as on_step:
             report = replay(store, run, chosen, to=to, mode=mode,
-                            compare_uncached=compare_uncached, draft=not no_draft,
+                            compare_uncached=compare_uncached, use_drafts=not no_draft,
                             on_step=on_step)
     render(report)
     if report.is_match is False:

@@ -10,6 +10,7 @@ on kvtrace.store, kvtrace.replay or kvtrace.cli.
 """
 
 from kvtrace.engine.cache import DEFAULT_BLOCK_SIZE, KVCache, PrefixHit, TierStats
+from kvtrace.engine.generate import GenerateResult, generate
 from kvtrace.engine.model import (
     Engine,
     build_tiny_model,
@@ -17,7 +18,7 @@ from kvtrace.engine.model import (
     load_engine,
     load_tokenizer,
 )
-from kvtrace.engine.prefill import GenerateResult, PrefillResult, generate, prefill
+from kvtrace.engine.prefill import PrefillResult, prefill
 from kvtrace.engine.tokenizer import ChatTokenizer
 
 __all__ = [

@@ -142,9 +142,10 @@ class Backend(Protocol):
     def generate(self, request: CallRequest) -> CallResult:
         """Generate a response to the prompt with `request.params`.
 
-        A backend that can may check `request.draft_ids` first (the local
-        engine does, in one prefill); the response must be what generating
-        would give either way. Others ignore it.
+        `request.draft_ids`, when set, is the response the caller expects.
+        The local backend checks it in one prefill before decoding; a remote
+        one ignores it. Either way the response is what generating gives,
+        and `CallResult.draft` says whether a check ran and its verdict.
         """
         ...
 

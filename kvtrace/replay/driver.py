@@ -7,18 +7,19 @@ messages of the model calls that follow, so serving the trace is enough
 Modes:
 - ``verify`` regenerates every response with its recorded sampling
   parameters (greedy when none were recorded) and reports, per step, a match
-  or the first differing token. The recorded response goes along as a draft
-  (``draft=False`` turns that off): a backend that can checks it in one pass
-  and decodes only when it is rejected, with the same result;
+  or the first differing token. The recorded response goes along as a
+  draft (``use_drafts=False`` turns that off): the local engine checks it in
+  one pass and decodes only when it is rejected, with the same result;
 - ``rebuild`` feeds each recorded output instead of generating, which is how
   ``checkout`` warms a cache with a run's KV up to any step.
 
 The oracle bound is computed alongside, from token ids: before each call,
 the longest prefix the prompt shares with any sequence this replay has sent
 so far (prompt + output: the generated output in verify, the recorded one in
-rebuild, and in verify also the recorded one when the backend checked it as a
-draft, since the cache saw it), capped at len - 1. On an empty cache whose budget holds the working
-set, a correct exact-prefix cache reuses exactly that much.
+rebuild; in verify also the recorded one when the backend checked it as a
+draft, since its cache then holds it), capped at len - 1. On an empty cache
+whose budget holds the working set, a correct exact-prefix cache reuses
+exactly that much.
 """
 
 from __future__ import annotations
@@ -61,14 +62,14 @@ def replay(
     to: str | None = None,
     mode: str = "rebuild",
     compare_uncached: bool = False,
-    draft: bool = True,
+    use_drafts: bool = True,
     on_step: ProgressCallback | None = None,
 ) -> ReplayReport:
     """Replay the run (or step) `spec` from its root through `backend`, up to step `to`.
 
     With `compare_uncached`, the same replay is then run again with caching
     off, and the report carries it (`report.uncached`, `report.speedup`).
-    `draft=False` makes verify decode every response token by token even
+    `use_drafts=False` makes verify decode every response token by token even
     where the backend could check the recorded one in one pass.
     """
     if mode not in MODES:
@@ -82,9 +83,10 @@ def replay(
         if target not in ids:
             raise UsageError(f"step {to!r} is not on the path of {spec!r}: name its own run")
         path = path[: ids.index(target) + 1]
-    report = _replay_path(spec, path, backend, mode, draft, on_step)
+    report = _replay_path(spec, path, backend, mode, use_drafts, on_step)
     if compare_uncached:
-        uncached = _replay_path(spec, path, backend.without_cache(), mode, draft, on_step)
+        uncached = _replay_path(spec, path, backend.without_cache(), mode, use_drafts,
+                                on_step)
         report = ReplayReport(
             report.run, report.target_id, report.mode, report.backend, report.model,
             report.steps, report.tool_steps, report.wall_s, uncached=uncached,
@@ -109,7 +111,7 @@ def _replay_path(
     path: list[Step],
     backend: Backend,
     mode: str,
-    draft: bool,
+    use_drafts: bool,
     on_step: ProgressCallback | None,
 ) -> ReplayReport:
     tokenizer = backend.tokenizer
@@ -123,7 +125,7 @@ def _replay_path(
     reports: list[StepReport] = []
     started = time.perf_counter()
     for index, step in enumerate(model_steps, start=1):
-        expected = _prepare(step, tokenizer, mode, draft)
+        expected = _prepare(step, tokenizer, mode, use_drafts)
         request = expected.request
         oracle_tokens = oracle.bound(request.prompt_ids) if request.prompt_ids else None
         if mode == "verify":
@@ -170,7 +172,7 @@ def _replay_path(
                         tool_steps, wall, notes=notes)
 
 
-def _prepare(step: Step, tokenizer: Tokenizer | None, mode: str, draft: bool) -> _Expected:
+def _prepare(step: Step, tokenizer: Tokenizer | None, mode: str, use_drafts: bool) -> _Expected:
     messages = step_messages(step)
     text = response_text(step)
     prompt_ids = tokenizer.chat_tokens(messages) if tokenizer is not None else None
@@ -192,7 +194,7 @@ def _prepare(step: Step, tokenizer: Tokenizer | None, mode: str, draft: bool) ->
     request = CallRequest(messages, prompt_ids, recorded,
                           output_ids=expected_ids if mode == "rebuild" else None,
                           output_text=text, model=step.meta.get("model"),
-                          draft_ids=expected_ids if mode == "verify" and draft else None)
+                          draft_ids=expected_ids if mode == "verify" and use_drafts else None)
     return _Expected(step, request, expected_ids, text)
 
 

@@ -8,7 +8,7 @@ prompt, then decodes, and leaves prompt + generated tokens cached.
 
 Verify hands the engine the recorded output as a draft, checked in one
 prefill of prompt + draft, with a fallback to decoding when it is rejected (see
-`kvtrace.engine.prefill`).
+`kvtrace.engine.generate`).
 
 Rebuild feeds the prompt and the recorded output in ONE prefill: no decoding
 loop, and the cache ends up holding exactly the sequence a generation would
@@ -74,7 +74,7 @@ class LocalBackend:
             temperature=params.temperature,
             top_p=params.top_p,
             seed=params.seed,
-            draft=request.draft_ids,
+            draft_ids=request.draft_ids,
         )
         ids = list(out.token_ids)
         memory, disk = _prompt_reuse(out.prefill, len(prompt))

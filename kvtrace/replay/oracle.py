@@ -2,7 +2,8 @@
 
 For each model call, the oracle is the longest prefix its prompt's token ids
 share with ANY sequence the cache could have seen before it (earlier prompts
-and earlier prompt+output sequences), capped at ``len(prompt) - 1`` because
+and earlier prompt+output sequences, including a recorded output that verify
+checked as a draft), capped at ``len(prompt) - 1`` because
 the prompt's last token is always computed (its logits give the next token).
 
 The structure is a sorted list of token sequences. Among a set of sequences,

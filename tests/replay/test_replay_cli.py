@@ -70,6 +70,17 @@ def test_no_cache_with_a_remote_backend_is_a_one_line_error(tmp_path, capsys, st
     assert code == 2 and err.startswith("error:") and len(err.strip().splitlines()) == 1
 
 
+def test_no_draft_outside_verify_is_a_one_line_error(tmp_path, capsys, stand_in_server):
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    _record(url)
+    server = stand_in_server(_answer)
+    code, _, err = _run(
+        capsys, "--store", url, "replay", "agent", "--backend", server.url, "--no-draft"
+    )
+    assert code == 2 and "--no-draft" in err and len(err.strip().splitlines()) == 1
+    assert server.requests == []
+
+
 def test_continue_without_tools_names_the_missing_tool(tmp_path, capsys, stand_in_server):
     url = f"sqlite:///{tmp_path / 's.db'}"
     _record(url)

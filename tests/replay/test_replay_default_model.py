@@ -27,6 +27,10 @@ def test_a_greedy_run_of_the_default_model_verifies_step_for_step(
     report = replay(replay_store, "agent", fresh, mode="verify")
     assert report.is_match is True
     assert [s.reused_tokens for s in report.steps] == [s.oracle_tokens for s in report.steps]
+    assert "accepted" in [s.draft for s in report.steps]  # checked in one pass
+    decoded = replay(replay_store, "agent", local_backend_factory(
+        default_engine, kv_dir=tmp_path / "decode"), mode="verify", use_drafts=False)
+    assert decoded.is_match is True
 
 
 def test_the_default_model_asking_for_an_unregistered_tool_stops_naming_it(

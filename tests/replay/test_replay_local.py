@@ -62,7 +62,7 @@ def test_verify_without_drafts_decodes_and_agrees(
                      local_backend_factory(tiny_engine, kv_dir=tmp_path / "a"), mode="verify")
     decoded = replay(replay_store, "linear",
                      local_backend_factory(tiny_engine, kv_dir=tmp_path / "b"), mode="verify",
-                     draft=False)
+                     use_drafts=False)
     assert [s.draft for s in decoded.steps] == [None] * 4
     assert decoded.is_match is True and drafted.is_match is True
     assert [s.reused_tokens for s in decoded.steps] == [s.reused_tokens for s in drafted.steps]

@@ -1,0 +1,237 @@
+"""Generation on top of the one prefill function: decoding, sampling, drafts.
+
+Decoding runs one token per forward on the DynamicCache that prefill left.
+Those rows are not canonical (a 1-row forward does not give the bits of a
+padded 64-row chunk), so after generation the output is re-prefilled
+canonically on top of the cached prompt (`insert_output=True`): the next
+prompt, which contains it, then hits it in full with the bits a cold
+computation would give.
+
+Checking a draft (replay's verify): when the caller already holds the
+response it expects, the recorded one, `generate(..., draft_ids=ids)` runs
+prompt + draft through ONE canonical prefill that keeps, for every response
+position, the top two logits and the argmax — the way speculative decoding
+verifies a draft model's tokens. The draft is the result, with no decoding
+loop and no re-prefill, when every argmax is the draft's token by at least
+`draft_margin(dtype)` over the runner-up and the draft ends where generation
+ends (a stop token, or `max_new_tokens`). Otherwise generation decodes from
+the prompt as usual (cached by then), so a rejected draft costs time only.
+
+Why the margin: the check's logits come from canonical chunks, decoding's
+from 1-row forwards; the two differ in the last bits (measured on the
+default model at ~2,000-token contexts: at most 1.1e-4 on logits up to ~45
+in fp32). A position whose top two logits are closer than the margin could
+be ordered differently by decoding, so it rejects the draft and decoding
+decides. Every accepted draft is therefore what decoding would produce.
+Only greedy generation is checked: a sampled draw has no such margin.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import Literal
+
+import torch
+
+from kvtrace.engine.cache import DEFAULT_BLOCK_SIZE, KVCache
+from kvtrace.engine.model import Engine
+from kvtrace.engine.prefill import PrefillResult, prefill
+from kvtrace.errors import UsageError
+
+DraftVerdict = Literal["accepted", "rejected"]
+
+# Smallest gap between the top two logits for a drafted token to be accepted,
+# per dtype: ~20x the prefill-vs-decode difference measured in fp32, and the
+# same proportion of each half type's precision.
+_DRAFT_MARGINS = {torch.float32: 2e-3, torch.float16: 0.1, torch.bfloat16: 0.5}
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateResult:
+    """Generated tokens, why generation stopped, and the time spent where.
+
+    `finish_reason` is "stop" (a stop token was produced, and is included in
+    `token_ids`) or "length". `seed` is the sampling seed actually used
+    (None when greedy). `prefill` is the call's first prefill, whose reuse is
+    what the cache held for the prompt: the draft check's when one ran (its
+    `kv` released when the draft was rejected). `prefill_seconds` is all
+    prefill time, a rejected draft's included; `decode_seconds` includes the
+    draft's per-token decisions. `insert_seconds` is the canonical
+    re-prefill of the output. `draft` is the verdict on `draft_ids`, or None
+    when no draft was checked.
+    """
+
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str
+    prefill: PrefillResult
+    prefill_seconds: float
+    decode_seconds: float
+    insert_seconds: float
+    seed: int | None
+    draft: DraftVerdict | None = None
+
+
+def draft_margin(dtype: torch.dtype) -> float:
+    """The top-1/top-2 logit gap below which a drafted token is left to decoding."""
+    return _DRAFT_MARGINS.get(dtype, _DRAFT_MARGINS[torch.bfloat16])
+
+
+def generate(
+    engine: Engine,
+    cache: KVCache | None,
+    prompt_ids: Sequence[int],
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    stop_ids: Iterable[int] | None = None,
+    insert_output: bool = True,
+    block_size: int | None = None,
+    draft_ids: Sequence[int] | None = None,
+) -> GenerateResult:
+    """Prefill `prompt_ids`, then decode up to `max_new_tokens` tokens.
+
+    Greedy when `temperature == 0`; otherwise temperature + nucleus (`top_p`)
+    sampling from a `torch.Generator` seeded with `seed` (a fresh random seed
+    when None, returned in the result). Stops after any of `stop_ids`
+    (default: the engine's end-of-sequence ids). `draft_ids` is the response
+    the caller expects: checked in one prefill first (module docstring) when
+    generation is greedy, the output is to be cached, and the draft could be
+    a whole generation (no stop token inside, ending on one or at
+    `max_new_tokens`); the result is what decoding gives either way.
+    """
+    if max_new_tokens < 0:
+        raise UsageError("max_new_tokens must be >= 0")
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise UsageError("temperature must be >= 0 and top_p in (0, 1]")
+    stops = frozenset(engine.eos_token_ids if stop_ids is None else (int(s) for s in stop_ids))
+    checked: PrefillResult | None = None
+    check_seconds = 0.0
+    source = cache
+    draft = [int(t) for t in draft_ids or ()]
+    if (
+        temperature == 0
+        and insert_output
+        and prompt_ids
+        and _could_end_as(engine, draft, stops, max_new_tokens)
+    ):
+        # Without a cache, a throwaway memory tier keeps the prompt's KV for
+        # the fallback, so a rejection does not compute the prompt twice.
+        source = cache or KVCache(engine, block_size=block_size or DEFAULT_BLOCK_SIZE)
+        checked, accepted, check_seconds = _check_draft(engine, source, prompt_ids, draft)
+        if accepted:
+            return GenerateResult(
+                token_ids=tuple(draft),
+                text=engine.decode(draft),
+                finish_reason="stop" if draft[-1] in stops else "length",
+                prefill=checked,
+                prefill_seconds=checked.seconds,
+                decode_seconds=check_seconds,
+                insert_seconds=0.0,
+                seed=None,
+                draft="accepted",
+            )
+        checked = replace(checked, kv=None)  # decoding below builds its own
+    pre = prefill(engine, source, prompt_ids, block_size=block_size)
+    used_seed: int | None = None
+    generator: torch.Generator | None = None
+    if temperature > 0:
+        used_seed = int(seed) if seed is not None else int(torch.seed() % (2**63))
+        generator = torch.Generator(device=engine.device)
+        generator.manual_seed(used_seed)
+    started = time.perf_counter()
+    out: list[int] = []
+    finish = "length"
+    logits = pre.logits
+    with torch.inference_mode():
+        for step in range(max_new_tokens):
+            token = _choose(logits, temperature, top_p, generator)
+            out.append(token)
+            if token in stops:
+                finish = "stop"
+                break
+            if step + 1 == max_new_tokens:
+                break
+            result = engine.model(
+                input_ids=torch.tensor([[token]], device=engine.device),
+                cache=pre.kv,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            logits = result.logits[0, -1].float()
+    decode_seconds = time.perf_counter() - started + check_seconds
+    insert_seconds = 0.0
+    if insert_output and cache is not None and out:
+        # Store prompt + output canonically: the prompt is cached (it was
+        # just prefilled), so only the output tokens are computed.
+        insert_seconds = prefill(engine, cache, [*prompt_ids, *out]).seconds
+    return GenerateResult(
+        token_ids=tuple(out),
+        text=engine.decode(out),
+        finish_reason=finish,
+        prefill=checked if checked is not None else pre,
+        prefill_seconds=pre.seconds + (checked.seconds if checked is not None else 0.0),
+        decode_seconds=decode_seconds,
+        insert_seconds=insert_seconds,
+        seed=used_seed,
+        draft="rejected" if checked is not None else None,
+    )
+
+
+def _could_end_as(engine: Engine, draft: list[int], stops: frozenset[int], limit: int) -> bool:
+    """Whether generation could produce exactly `draft`: valid ids, ending where it ends."""
+    if not draft or len(draft) > limit:
+        return False
+    if min(draft) < 0 or max(draft) >= engine.vocab_size:
+        return False  # not this model's tokens: decoding decides (and differs)
+    if any(token in stops for token in draft[:-1]):
+        return False
+    return draft[-1] in stops or len(draft) == limit
+
+
+def _check_draft(
+    engine: Engine, cache: KVCache, prompt_ids: Sequence[int], draft: list[int]
+) -> tuple[PrefillResult, bool, float]:
+    """Prefill prompt + draft once; whether greedy decoding would choose every draft token.
+
+    Returns the prefill (its logits: per response position, argmax and top
+    two values), the verdict, and the seconds the decisions took.
+    """
+    pre = prefill(
+        engine,
+        cache,
+        [*prompt_ids, *draft],
+        logits_from=len(prompt_ids) - 1,
+        reduce_logits=_top_two,
+    )
+    started = time.perf_counter()
+    best, first, second = pre.logits[: len(draft)].unbind(dim=1)
+    margin = draft_margin(engine.dtype)
+    wanted = torch.tensor(draft, dtype=best.dtype)
+    accepted = bool(torch.all((best == wanted) & (first - second >= margin)))
+    return pre, accepted, time.perf_counter() - started
+
+
+def _top_two(rows: torch.Tensor) -> torch.Tensor:
+    """Per row: [argmax, top logit, runner-up logit] (ids below 2**24 are exact in fp32)."""
+    values, indices = torch.topk(rows, 2, dim=-1)
+    return torch.stack([indices[:, 0].float(), values[:, 0], values[:, 1]], dim=1)
+
+
+def _choose(
+    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None
+) -> int:
+    if temperature == 0 or generator is None:
+        return int(torch.argmax(logits).item())
+    probs = torch.softmax(logits / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < top_p
+        sorted_probs = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
+        choice = torch.multinomial(sorted_probs, 1, generator=generator)
+        return int(order[choice].item())
+    return int(torch.multinomial(probs, 1, generator=generator).item())
