@@ -83,13 +83,16 @@ def record_session(store: Store, name: str, backend: LocalBackend) -> int:
     return calls
 
 
-def lower_bound_seconds(store: Store, spec: str, engine: Any) -> tuple[float, int]:
-    """Seconds to compute only the tokens no cache could hold, plus decoding; and that count.
+def lower_bound_seconds(store: Store, spec: str, engine: Any, *,
+                        decode: bool = True) -> tuple[float, int]:
+    """Seconds to compute only the tokens no cache could hold, and their count.
 
     One DynamicCache lives across the whole run: each prompt crops it to the
-    prefix it shares with it and computes the rest in one forward; the output
-    is then fed one token per forward, as decoding does (the last token's
-    forward is not counted: generation never runs it).
+    prefix it shares with it and computes the rest in one forward. With
+    `decode`, the output is then fed one token per forward, as decoding does
+    (the last token's forward is not counted: generation never runs it);
+    without, it goes in the same forward as the prompt, as rebuild feeds it
+    (the floor for rebuild and for verify with accepted drafts).
     """
     import torch
     from transformers import DynamicCache
@@ -108,15 +111,20 @@ def lower_bound_seconds(store: Store, spec: str, engine: Any) -> tuple[float, in
             if shared < len(live):
                 kv.crop(shared - len(live))
             started = time.perf_counter()
-            model(input_ids=torch.tensor([prompt[shared:]]), cache=kv, use_cache=True,
-                  logits_to_keep=1)
-            for token in output[:-1]:
-                model(input_ids=torch.tensor([[token]]), cache=kv, use_cache=True,
+            if not decode:
+                model(input_ids=torch.tensor([prompt[shared:] + output]), cache=kv,
+                      use_cache=True, logits_to_keep=1)
+                seconds += time.perf_counter() - started
+            else:
+                model(input_ids=torch.tensor([prompt[shared:]]), cache=kv, use_cache=True,
                       logits_to_keep=1)
-            seconds += time.perf_counter() - started
-            if output:
-                model(input_ids=torch.tensor([[output[-1]]]), cache=kv, use_cache=True,
-                      logits_to_keep=1)
+                for token in output[:-1]:
+                    model(input_ids=torch.tensor([[token]]), cache=kv, use_cache=True,
+                          logits_to_keep=1)
+                seconds += time.perf_counter() - started
+                if output:
+                    model(input_ids=torch.tensor([[output[-1]]]), cache=kv, use_cache=True,
+                          logits_to_keep=1)
             computed += len(prompt) - shared
             live = prompt + output
     return seconds, computed
@@ -141,7 +149,8 @@ def run_replay_bench(*, cache_dir: Path, model: str | None = None, fresh: bool =
     name = f"session-{RECIPE}-{engine.fingerprint[:12]}"
     load_before = os.getloadavg()[0]
     cases: dict[str, list[Any]] = {
-        "cold": [], "uncached": [], "verify": [], "verify_decode": [], "bound": []
+        "cold": [], "uncached": [], "verify": [], "verify_decode": [], "bound": [],
+        "feed_bound": [],
     }
     try:
         recorded_now = name not in {r.name for r in store.runs()}
@@ -164,19 +173,22 @@ def run_replay_bench(*, cache_dir: Path, model: str | None = None, fresh: bool =
                 cases["verify_decode"].append(
                     replay(store, name, decoding, mode="verify", use_drafts=False))
             cases["bound"].append(lower_bound_seconds(store, name, engine))
+            cases["feed_bound"].append(lower_bound_seconds(store, name, engine, decode=False))
     finally:
         store.close()
+    bound_s, bound_tokens = min(cases["bound"])
     figures = _figures(
         engine, name, recorded_now, record_s, warm,
         min(cases["cold"], key=_wall), min(cases["uncached"], key=_wall),
         min(cases["verify"], key=_wall), min(cases["verify_decode"], key=_wall),
-        *min(cases["bound"]),
+        bound_s, bound_tokens, min(cases["feed_bound"])[0],
     )
     figures["trials"] = len(cases["cold"])
     for case, key in (("cold", "rebuild_s_cached"), ("uncached", "rebuild_s_uncached"),
                       ("verify", "verify_s_cached"), ("verify_decode", "verify_decode_s_cached")):
         figures[f"{key}_trials"] = [round(r.wall_s, 3) for r in cases[case]]
     figures["verify_lower_bound_s_trials"] = [round(b[0], 3) for b in cases["bound"]]
+    figures["feed_lower_bound_s_trials"] = [round(b[0], 3) for b in cases["feed_bound"]]
     figures["load_avg_1m"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
     return figures
 
@@ -188,7 +200,7 @@ def _wall(report: ReplayReport) -> float:
 def _figures(engine: Any, name: str, recorded_now: bool, record_s: float,
              warm: ReplayReport, cold: ReplayReport, uncached: ReplayReport,
              verify: ReplayReport, verify_decode: ReplayReport, bound_s: float,
-             bound_tokens: int) -> dict[str, Any]:
+             bound_tokens: int, feed_bound_s: float) -> dict[str, Any]:
     total = cold.total
     prompts = [s.prompt_tokens for s in cold.steps]
     return {
@@ -224,6 +236,9 @@ def _figures(engine: Any, name: str, recorded_now: bool, record_s: float,
         "verify_decode_s_cached": round(verify_decode.wall_s, 3),
         "verify_decode_matching_steps": verify_decode.total.matching_steps,
         "verify_decode_ratio_to_lower_bound": round(verify_decode.wall_s / bound_s, 3),
+        "feed_lower_bound_s": round(feed_bound_s, 3),
+        "rebuild_ratio_to_feed_bound": round(cold.wall_s / feed_bound_s, 3),
+        "verify_ratio_to_feed_bound": round(verify.wall_s / feed_bound_s, 3),
     }
 
 

@@ -60,24 +60,14 @@ def test_replay_json_against_a_remote_backend(tmp_path, capsys, stand_in_server)
     assert data["total"]["matching_steps"] == 2
 
 
-def test_no_cache_with_a_remote_backend_is_a_one_line_error(tmp_path, capsys, stand_in_server):
+@pytest.mark.parametrize("flag", ["--no-cache", "--no-draft"])
+def test_a_flag_that_does_not_apply_is_a_one_line_error(tmp_path, capsys, stand_in_server, flag):
+    """--no-cache needs the local backend, --no-draft verify mode: refused before any call."""
     url = f"sqlite:///{tmp_path / 's.db'}"
     _record(url)
     server = stand_in_server(_answer)
-    code, _, err = _run(
-        capsys, "--store", url, "replay", "agent", "--backend", server.url, "--no-cache"
-    )
-    assert code == 2 and err.startswith("error:") and len(err.strip().splitlines()) == 1
-
-
-def test_no_draft_outside_verify_is_a_one_line_error(tmp_path, capsys, stand_in_server):
-    url = f"sqlite:///{tmp_path / 's.db'}"
-    _record(url)
-    server = stand_in_server(_answer)
-    code, _, err = _run(
-        capsys, "--store", url, "replay", "agent", "--backend", server.url, "--no-draft"
-    )
-    assert code == 2 and "--no-draft" in err and len(err.strip().splitlines()) == 1
+    code, _, err = _run(capsys, "--store", url, "replay", "agent", "--backend", server.url, flag)
+    assert code == 2 and flag in err and len(err.strip().splitlines()) == 1
     assert server.requests == []
 
 
