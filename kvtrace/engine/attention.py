@@ -92,7 +92,11 @@ def canonical_attention(
     value_tiles = value_tiles.view(batch, num_kv_heads, num_tiles, TILE, head_dim + 1)
 
     scores = torch.matmul(rows, key_tiles.transpose(-1, -2))  # [b, kvh, tiles, rows, TILE]
-    scores.masked_fill_(_causal_mask(q_len, kv_len, groups, query.device), float("-inf"))
+    # Only tiles from the first query's own on hold keys after some query.
+    first = (kv_len - q_len) // TILE
+    scores[:, :, first:].masked_fill_(
+        _causal_mask(q_len, kv_len, groups, query.device)[first:], float("-inf")
+    )
     row_max = scores.amax(dim=-1).amax(dim=2)  # max is exact in any order
     probs = scores.sub_(row_max[:, :, None, :, None]).exp_()
     partial = torch.matmul(probs, value_tiles)  # [b, kvh, tiles, rows, dim + 1]
