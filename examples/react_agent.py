@@ -56,8 +56,8 @@ def record_agent(store: Store, backend: LocalBackend, name: str) -> None:
                                   user_message=f"Question: {question}", params=PARAMS)
         calls = [f"{s.meta['tool']}({s.content['arguments']!r})" for s in result.new_steps
                  if s.kind == "tool_call"]
-        console.print(f"[bold]{question}[/bold] {' '.join(calls)} → {result.final_answer!r}",
-                      highlight=False)
+        console.print(f"[bold]{question}[/bold] tools: {', '.join(calls) or 'none'}; "
+                      f"answer: {result.final_answer!r}", highlight=False)
 
 
 def fork_with_edit(store: Store, parent: str, name: str) -> None:
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
         result = continue_run(store, fork_name, backend, steps=2, tools=DEMO_TOOLS,
                               params=PARAMS)
         for r in result.reports:
-            console.print(f"continued step {r.index}: {r.reused_tokens}/{r.prompt_tokens} "
+            console.print(f"continued step @{r.depth}: {r.reused_tokens}/{r.prompt_tokens} "
                           f"prompt tokens reused, {r.computed_tokens} computed")
         console.print(f"the fork answers {result.final_answer!r}", highlight=False)
 
@@ -128,9 +128,9 @@ def main(argv: list[str] | None = None) -> None:
         if args.store == "default":
             console.rule("next")
             console.print(f"The runs {name!r} and {fork_name!r} are in {store.display_url}. "
-                          f"Try: kvtrace log {fork_name} --graph; kvtrace diff {name} "
-                          f"{fork_name}; kvtrace replay {name} --mode verify; "
-                          f"kvtrace analyze {name}", highlight=False)
+                          f"Try (with .venv/bin on PATH): kvtrace log {fork_name} --graph; "
+                          f"kvtrace diff {name} {fork_name}; kvtrace replay {name} --mode "
+                          f"verify; kvtrace analyze {name}", highlight=False)
         store.close()
 
 

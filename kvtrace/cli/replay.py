@@ -17,7 +17,9 @@ from kvtrace.replay import (
     analyze,
     checkout,
     continue_run,
+    conversation_at,
     replay,
+    steps_to_replay,
 )
 from kvtrace.replay.analyze import render_analysis
 from kvtrace.replay.backend import Backend
@@ -98,8 +100,10 @@ def replay_command(
     """Replay a run from its root through a backend, reporting KV reuse per step."""
     if no_draft and mode != "verify":
         raise UsageError("--no-draft applies to --mode verify only")
-    chosen = _backend(backend, model, no_cache=no_cache, tokenizer=tokenizer, api_key=api_key)
     with open_store(store_url()) as store:
+        steps_to_replay(store, run, to=to, mode=mode)  # bad input fails before a model loads
+        chosen = _backend(backend, model, no_cache=no_cache, tokenizer=tokenizer,
+                          api_key=api_key)
         if as_json:
             report = replay(store, run, chosen, to=to, mode=mode,
                             compare_uncached=compare_uncached, use_drafts=not no_draft)
@@ -121,15 +125,17 @@ def checkout_command(
     as_json: bool = JSON,
 ) -> None:
     """Rebuild a step's KV state into the local cache so a later continue starts warm."""
-    chosen = _backend("local", model)
     with open_store(store_url()) as store:
+        steps_to_replay(store, spec)  # bad input fails before the model loads
+        chosen = _backend("local", model)
         if as_json:
             print_json(checkout(store, spec, chosen).to_dict())
             return
         with progress_bar(f"checkout {spec}") as on_step:
             report = checkout(store, spec, chosen, on_step=on_step)
     render(report)
-    typer.echo(f"KV state of {spec} is in the cache under {default_cache_dir()}")
+    typer.echo(f"KV state of {spec}: whole 64-token blocks on disk under "
+               f"{default_cache_dir() / 'kv'} (a later process recomputes only the tail)")
 
 
 @app.command("continue")
@@ -155,10 +161,13 @@ def continue_command(
 
     if tools not in ("demo", "none"):
         raise UsageError("--tools is 'demo' or 'none'")
-    chosen = _backend(backend, model, api_key=api_key)
     params = SamplingParams(temperature=temperature, seed=seed, max_new_tokens=max_new_tokens)
     registered = DEMO_TOOLS if tools == "demo" else {}
     with open_store(store_url()) as store:
+        if steps < 1:
+            raise UsageError("continue needs --steps of at least 1")
+        conversation_at(store.path(run))  # bad input fails before a model loads
+        chosen = _backend(backend, model, api_key=api_key)
         result = continue_run(store, run, chosen, steps=steps, tools=registered, params=params)
     if as_json:
         print_json(result.to_dict())
@@ -168,7 +177,9 @@ def continue_command(
         typer.echo(f"{step.depth:>4}  {step.short_id}  {step.kind:<10}  {what}")
     reused = sum(r.reused_tokens or 0 for r in result.reports)
     prompt = sum(r.prompt_tokens for r in result.reports)
-    typer.echo(f"{len(result.reports)} model calls, {reused}/{prompt} prompt tokens reused"
+    calls = len(result.reports)
+    typer.echo(f"{calls} model call{'' if calls == 1 else 's'}, {reused}/{prompt} prompt tokens "
+               "reused"
                + (f"; final answer: {result.final_answer}" if result.is_finished else ""))
 
 

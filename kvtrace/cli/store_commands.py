@@ -92,7 +92,9 @@ def log(
         refs = f" ({', '.join(heads)})" if heads else ""
         typer.echo(f"* {s.depth:4} {s.short_id}{refs} {s.kind:10} {summary(s)}")
         if num_branches:
-            typer.echo(f"|\\  {num_branches} other branch(es) continue from here")
+            other = "1 other branch leaves" if num_branches == 1 else (
+                f"{num_branches} other branches leave")
+            typer.echo(f"|\\  {other} this step (see `kvtrace runs`)")
 
 
 @app.command()

@@ -305,10 +305,11 @@ def render_analysis(analysis: Analysis, console: Console | None = None) -> None:
     console = console or Console()
     table = Table(title=f"analyze {analysis.spec} → {analysis.target_id[:12]}",
                   title_justify="left")
-    for name in ("#", "step", "prompt", "oracle", "oracle hit", "shared w/ previous"):
+    # "@" is the step's position on the run (RUN@N), tool calls included.
+    for name in ("@", "step", "prompt", "oracle", "oracle hit", "shared w/ previous"):
         table.add_column(name, justify="left" if name == "step" else "right")
     for s in analysis.steps:
-        table.add_row(str(s.index), s.step_id[:12], str(s.prompt_tokens), str(s.oracle_tokens),
+        table.add_row(str(s.depth), s.step_id[:12], str(s.prompt_tokens), str(s.oracle_tokens),
                       f"{100 * s.oracle_hit_rate:.1f}%",
                       "" if s.shared_with_previous is None else str(s.shared_with_previous))
     console.print(table)
@@ -318,9 +319,10 @@ def render_analysis(analysis: Analysis, console: Console | None = None) -> None:
                   f"({100 * rate:.1f}%)")
     if not analysis.breakers:
         console.print("no prefix breakers: every prompt extends the previous context")
+    depth = {s.index: s.depth for s in analysis.steps}
     for b in analysis.breakers:
         console.print(
-            f"[bold]step {b.index}[/bold] ({b.step_id[:12]}) breaks the prefix at token "
+            f"[bold]step @{depth[b.index]}[/bold] ({b.step_id[:12]}) breaks the prefix at token "
             f"{b.token_position} (char {b.char_position}), {b.lost_tokens} tokens lost: "
             f"[bold]{b.cause}[/bold] — {b.explanation}",
             highlight=False,

@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvtrace.errors import MissingToolError, ReplayError, UsageError
+from kvtrace.errors import MissingToolError, ReplayError, RunNotFoundError, UsageError
 from kvtrace.replay.backend import Backend, CallRequest, Message, SamplingParams
 from kvtrace.replay.driver import ProgressCallback
 from kvtrace.replay.oracle import PrefixOracle
@@ -35,7 +35,7 @@ from kvtrace.replay.recording import (
 )
 from kvtrace.replay.report import StepReport
 from kvtrace.replay.toolcall import NO_ACTION_NUDGE, observation_message, parse_response
-from kvtrace.store import Step, Store
+from kvtrace.store import Run, Step, Store, validate_run_name
 
 Tool = Callable[[Any], Any]
 
@@ -88,8 +88,16 @@ def continue_run(
         raise UsageError("continue needs --steps of at least 1")
     tools = dict(tools or {})
     params = params or SamplingParams()
-    run = store.run(run_name)
-    path = store.path(run_name) if run.head is not None else []
+    validate_run_name(run_name)
+    try:
+        head = store.head(run_name)
+    except RunNotFoundError:
+        if messages is None:
+            raise RunNotFoundError(
+                f"no run named {run_name!r} (see `kvtrace runs`); a new run starts from messages"
+            ) from None
+        head = None
+    path = store.path(run_name) if head is not None else []
     if messages is not None and path:
         raise UsageError(f"run {run_name!r} already has steps: continue it without messages")
     if messages is None:
@@ -102,6 +110,7 @@ def continue_run(
             conversation.append({"role": "user", "content": user_message})
     tokenizer = backend.tokenizer
     oracle = _seeded_oracle(path, backend)
+    run: Run | None = None  # a new run is created once its first call is answered
     new_steps: list[Step] = []
     reports: list[StepReport] = []
     final_answer: str | None = None
@@ -109,6 +118,7 @@ def continue_run(
         prompt_ids = tokenizer.chat_tokens(conversation) if tokenizer is not None else None
         oracle_tokens = oracle.bound(prompt_ids) if prompt_ids is not None else None
         result = backend.generate(CallRequest(conversation, prompt_ids, params))
+        run = run or store.run(run_name)
         model_step = record_generation(run, conversation, result, model=backend.model,
                                        params=params)
         new_steps.append(model_step)

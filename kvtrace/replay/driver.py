@@ -72,17 +72,7 @@ def replay(
     `use_drafts=False` makes verify decode every response token by token even
     where the backend could check the recorded one in one pass.
     """
-    if mode not in MODES:
-        raise UsageError(f"unknown replay mode {mode!r}: use one of {', '.join(MODES)}")
-    path = store.path(spec)
-    if not path:
-        raise ReplayError(f"{spec!r} has no steps to replay")
-    if to is not None:
-        target = store.resolve(to)
-        ids = [step.id for step in path]
-        if target not in ids:
-            raise UsageError(f"step {to!r} is not on the path of {spec!r}: name its own run")
-        path = path[: ids.index(target) + 1]
+    path = steps_to_replay(store, spec, to=to, mode=mode)
     report = _replay_path(spec, path, backend, mode, use_drafts, on_step)
     if compare_uncached:
         uncached = _replay_path(spec, path, backend.without_cache(), mode, use_drafts,
@@ -93,6 +83,31 @@ def replay(
             notes=report.notes,
         )
     return report
+
+
+def steps_to_replay(
+    store: Store, spec: str, *, to: str | None = None, mode: str = "rebuild"
+) -> list[Step]:
+    """The steps a replay of `spec` up to `to` walks, after checking every argument.
+
+    Cheap (no model): the CLI calls it before loading one, so bad input fails
+    at once.
+    """
+    if mode not in MODES:
+        raise UsageError(f"unknown replay mode {mode!r}: use one of {', '.join(MODES)}")
+    path = store.path(spec)
+    if not path:
+        raise ReplayError(f"{spec!r} has no steps to replay")
+    if to is not None:
+        target = store.resolve(to)
+        ids = [step.id for step in path]
+        if target not in ids:
+            raise UsageError(
+                f"--to {to!r} is not a step of {spec!r} (not one of its {len(path)} steps "
+                "from the root): name a step on it (RUN@N, RUN~K or an id prefix)"
+            )
+        path = path[: ids.index(target) + 1]
+    return path
 
 
 def checkout(

@@ -232,13 +232,14 @@ def render(report: ReplayReport, console: Console | None = None) -> None:
         pad_edge=False,
         collapse_padding=True,
     )
-    for name in ("#", "step", "prompt", "reused", "mem/disk", "comp", "hit",
+    # "@" is the step's position on the run (RUN@N), tool calls included.
+    for name in ("@", "step", "prompt", "reused", "mem/disk", "comp", "hit",
                  "oracle", "pre s", "dec s"):
         table.add_column(name, justify="left" if name == "step" else "right", no_wrap=True)
     if verify:
         table.add_column("ver", justify="left", no_wrap=True)
     for s in report.steps:
-        row = [str(s.index), s.step_id[:7], str(s.prompt_tokens), _n(s.reused_tokens),
+        row = [str(s.depth), s.step_id[:7], str(s.prompt_tokens), _n(s.reused_tokens),
                _tiers(s.memory_tokens, s.disk_tokens), _n(s.computed_tokens),
                _pct(s.hit_rate), _pct(s.oracle_hit_rate), f"{s.prefill_s:.2f}",
                f"{s.decode_s:.2f}"]
@@ -253,16 +254,23 @@ def render(report: ReplayReport, console: Console | None = None) -> None:
         row.append(f"{t.matching_steps}/{t.steps}")
     table.add_row(*row, style="bold")
     console.print(table)
-    summary = f"{t.steps} model calls, {report.tool_steps} tool calls served from the trace, " \
-              f"{report.wall_s:.2f} s"
+    summary = (f"{_count(t.steps, 'model call')}, "
+               f"{_count(report.tool_steps, 'tool call')} served from the trace, "
+               f"{report.wall_s:.2f} s")
     if report.uncached is not None:
         summary += f"; uncached {report.uncached.wall_s:.2f} s, speed-up {report.speedup:.1f}x"
     console.print(summary)
+    drafts = [s.draft for s in report.steps if s.draft is not None]
+    if drafts:
+        console.print(
+            f"drafts: {drafts.count('accepted')} of {len(report.steps)} responses checked in "
+            f"one pass, {drafts.count('rejected')} rejected and decoded (--no-draft: decode all)"
+        )
     for s in report.steps:
         if s.mismatch is not None:
             m = s.mismatch
             console.print(
-                f"step {s.index} ({s.step_id[:12]}) differs at {m.unit} {m.position}: "
+                f"step @{s.depth} ({s.step_id[:12]}) differs at {m.unit} {m.position}: "
                 f"expected {m.expected_text!r}, got {m.got_text!r}"
             )
     if any(s.reused_tokens is None for s in report.steps):
@@ -275,11 +283,19 @@ def render(report: ReplayReport, console: Console | None = None) -> None:
 def progress_bar(
     description: str, console: Console | None = None
 ) -> Iterator[Callable[[int, int, StepReport], None]]:
-    """A transient progress bar; yields the `on_step` callback replay and continue take."""
+    """A transient progress bar; yields the `on_step` callback replay and continue take.
+
+    Shown on a terminal only: redirected, stderr stays free for the one-line
+    error a failure prints (a transient bar would still leave a blank line).
+    """
+    console = console or Console(stderr=True)
+    if not console.is_terminal:
+        yield _ignore_step
+        return
     progress = Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
         TextColumn("hit {task.fields[hit]}"), TimeElapsedColumn(),
-        console=console or Console(stderr=True), transient=True,
+        console=console, transient=True,
     )
     task = progress.add_task(description, total=None, hit="-")
 
@@ -288,6 +304,10 @@ def progress_bar(
 
     with progress:
         yield on_step
+
+
+def _ignore_step(done: int, total: int, step: StepReport) -> None:
+    """The progress callback when there is no terminal to show progress on."""
 
 
 def _verdict(s: StepReport) -> str:
@@ -319,6 +339,10 @@ def _sum(values: Iterable[int | None]) -> int | None:
 
 def _tiers(memory: int | None, disk: int | None) -> str:
     return "?" if memory is None or disk is None else f"{memory}/{disk}"
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}" + ("" if number == 1 else "s")
 
 
 def _n(value: int | None) -> str:

@@ -134,3 +134,41 @@ def test_analyze_json_with_the_default_tokenizer(tmp_path, capsys, default_model
     data = json.loads(out)
     assert data["total"]["steps"] == 2 and data["breakers"] == []
     assert data["steps"][1]["oracle_tokens"] > data["steps"][0]["prompt_tokens"]
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["continue", "nosuch", "--steps", "1", "--tools", "demo"], "no run named 'nosuch'"),
+        (["continue", "agent", "--steps", "0"], "--steps"),
+        (["replay", "nosuch"], "no run named 'nosuch'"),
+        (["replay", "agent", "--mode", "bogus"], "unknown replay mode"),
+        (["replay", "mid", "--to", "agent"], "--to 'agent' is not a step of 'mid'"),
+        (["checkout", "nosuch"], "no run named 'nosuch'"),
+    ],
+)
+def test_bad_input_fails_before_a_model_loads_and_changes_nothing(tmp_path, capsys, args, says):
+    """A model that cannot load would fail first; the error names the input instead."""
+    from kvtrace import open_store
+
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    _record(url)
+    def state():
+        with open_store(url) as store:
+            return [(r.name, r.head_id, len(store.reflog(r.name))) for r in store.runs()]
+
+    before = state()
+    code, out, err = _run(capsys, "--store", url, *args, "--model", str(tmp_path / "no-model"))
+    assert code == 2 and out == ""
+    assert err.startswith("error:") and err.count("\n") == 1 and says in err
+    assert state() == before
+
+
+def test_a_failure_during_a_replay_prints_exactly_one_line(tmp_path, capsys, stand_in_server):
+    """No progress bar off a terminal, so nothing but the error reaches stderr."""
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    _record(url)
+    server = stand_in_server(_answer, fail_status=500)
+    code, out, err = _run(capsys, "--store", url, "replay", "agent", "--backend", server.url)
+    assert code == 2 and out == ""
+    assert err.startswith("error:") and err.count("\n") == 1

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 
-from kvtrace.errors import MissingToolError, UsageError
+from kvtrace.errors import BackendError, MissingToolError, RunNotFoundError, UsageError
 from kvtrace.replay import RemoteBackend, continue_run
 
 START = [
@@ -127,3 +129,22 @@ def test_a_user_message_starts_the_next_task_of_a_finished_run(replay_store, sta
         {"role": "assistant", "content": "Final Answer: 42"},
         {"role": "user", "content": "Question: and plus one?"},
     ]
+
+
+def test_an_unknown_run_without_messages_is_an_error_that_creates_nothing(
+    replay_store, stand_in_server
+):
+    backend = RemoteBackend(stand_in_server(_scripted("Final Answer: 1")).url, model="stand-in")
+    with pytest.raises(RunNotFoundError, match="no run named 'nosuch'"):
+        continue_run(replay_store, "nosuch", backend, steps=1)
+    assert [r.name for r in replay_store.runs()] == []
+
+
+def test_a_new_run_exists_only_once_its_first_call_is_answered(replay_store):
+    with socket.socket() as sock:  # a port that was free a moment ago: nothing listens
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with pytest.raises(BackendError):
+        continue_run(replay_store, "fresh", RemoteBackend(f"http://127.0.0.1:{port}/v1"),
+                     steps=1, messages=START)
+    assert [r.name for r in replay_store.runs()] == []
