@@ -17,7 +17,10 @@ One process, one model, side by side:
    one prefill, so it does not decode when the response matches: it can beat
    the bound, and `verify_decode_s_cached` (verify with `use_drafts=False`, every
    response decoded token by token) shows what the cache machinery costs a
-   decoding replay against the same bound.
+   decoding replay against the same bound;
+4. `feed_lower_bound_s`: the same bound with each output fed in the prompt's
+   forward instead of decoded, the floor for rebuild and for verify with
+   accepted drafts (`rebuild_ratio_to_feed_bound`, `verify_ratio_to_feed_bound`).
 """
 
 from __future__ import annotations
@@ -97,8 +100,13 @@ def lower_bound_seconds(store: Store, spec: str, engine: Any, *,
     import torch
     from transformers import DynamicCache
 
-    model = engine.model
+    model, device = engine.model, engine.device
     kv = DynamicCache(config=model.config)
+
+    def forward(ids: list[int]) -> None:
+        model(input_ids=torch.tensor([ids], device=device), cache=kv, use_cache=True,
+              logits_to_keep=1)
+
     live: list[int] = []
     seconds, computed = 0.0, 0
     with torch.inference_mode():
@@ -112,19 +120,15 @@ def lower_bound_seconds(store: Store, spec: str, engine: Any, *,
                 kv.crop(shared - len(live))
             started = time.perf_counter()
             if not decode:
-                model(input_ids=torch.tensor([prompt[shared:] + output]), cache=kv,
-                      use_cache=True, logits_to_keep=1)
+                forward(prompt[shared:] + output)
                 seconds += time.perf_counter() - started
             else:
-                model(input_ids=torch.tensor([prompt[shared:]]), cache=kv, use_cache=True,
-                      logits_to_keep=1)
+                forward(prompt[shared:])
                 for token in output[:-1]:
-                    model(input_ids=torch.tensor([[token]]), cache=kv, use_cache=True,
-                          logits_to_keep=1)
+                    forward([token])
                 seconds += time.perf_counter() - started
                 if output:
-                    model(input_ids=torch.tensor([[output[-1]]]), cache=kv, use_cache=True,
-                          logits_to_keep=1)
+                    forward(output[-1:])
             computed += len(prompt) - shared
             live = prompt + output
     return seconds, computed

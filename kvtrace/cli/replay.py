@@ -25,7 +25,7 @@ from kvtrace.replay.analyze import render_analysis
 from kvtrace.replay.backend import Backend
 from kvtrace.replay.remote import RemoteBackend
 from kvtrace.replay.report import progress_bar, render
-from kvtrace.store import open_store
+from kvtrace.store import open_store, validate_run_name
 
 JSON = typer.Option(False, "--json", help="Print one JSON document for programs.")
 BACKEND = typer.Option(
@@ -93,7 +93,7 @@ def replay_command(
     no_draft: bool = typer.Option(
         False, "--no-draft",
         help="Verify: decode every response token by token instead of first checking "
-        "the recorded one in a single pass (same verdicts, slower).",
+        "the recorded one in a single pass (decoding's own verdicts, slower).",
     ),
     as_json: bool = JSON,
 ) -> None:
@@ -133,9 +133,13 @@ def checkout_command(
             return
         with progress_bar(f"checkout {spec}") as on_step:
             report = checkout(store, spec, chosen, on_step=on_step)
+    from kvtrace.engine import DEFAULT_BLOCK_SIZE
+    from kvtrace.engine.maintenance import default_kv_dir
+
     render(report)
-    typer.echo(f"KV state of {spec}: whole 64-token blocks on disk under "
-               f"{default_cache_dir() / 'kv'} (a later process recomputes only the tail)")
+    typer.echo(f"KV state of {spec}: whole {DEFAULT_BLOCK_SIZE}-token blocks on disk under "
+               f"{default_kv_dir(default_cache_dir())} (a later process recomputes only the "
+               "tail)")
 
 
 @app.command("continue")
@@ -166,6 +170,7 @@ def continue_command(
     with open_store(store_url()) as store:
         if steps < 1:
             raise UsageError("continue needs --steps of at least 1")
+        validate_run_name(run)
         conversation_at(store.path(run))  # bad input fails before a model loads
         chosen = _backend(backend, model, api_key=api_key)
         result = continue_run(store, run, chosen, steps=steps, tools=registered, params=params)
@@ -195,8 +200,9 @@ def analyze_command(
     """Oracle bound per step and prefix breakers, with the tokenizer only (no forward pass)."""
     from kvtrace.replay.local import load_tokenizer
 
-    tokenizer = load_tokenizer(model, cache_dir=default_cache_dir())
     with open_store(store_url()) as store:
+        store.path(run)  # an unknown run fails before the tokenizer loads
+        tokenizer = load_tokenizer(model, cache_dir=default_cache_dir())
         analysis = analyze(store, run, tokenizer)
     if as_json:
         print_json(analysis.to_dict())

@@ -31,7 +31,7 @@ The parity tests in tests/engine hold this line.
 Cost: the same FLOPs as plain attention, plus a few temporary tensors of
 `kv_heads * tiles * rows * TILE` floats. Decode steps (one query row) go to
 torch's `scaled_dot_product_attention` instead: their KV is not canonical and
-is never stored (see prefill.py), and the cached and uncached paths decode
+is never stored (see generate.py), and the cached and uncached paths decode
 identically from identical KV, so greedy tokens still match bit for bit.
 """
 
@@ -92,7 +92,7 @@ def canonical_attention(
     value_tiles = value_tiles.view(batch, num_kv_heads, num_tiles, TILE, head_dim + 1)
 
     scores = torch.matmul(rows, key_tiles.transpose(-1, -2))  # [b, kvh, tiles, rows, TILE]
-    # Only tiles from the first query's own on hold keys after some query.
+    # Keys after a query can only lie in the tiles from the first query's own on.
     first = (kv_len - q_len) // TILE
     scores[:, :, first:].masked_fill_(
         _causal_mask(q_len, kv_len, groups, query.device)[first:], float("-inf")

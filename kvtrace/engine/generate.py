@@ -15,15 +15,18 @@ verifies a draft model's tokens. The draft is the result, with no decoding
 loop and no re-prefill, when every argmax is the draft's token by at least
 `draft_margin(dtype)` over the runner-up and the draft ends where generation
 ends (a stop token, or `max_new_tokens`). Otherwise generation decodes from
-the prompt as usual (cached by then), so a rejected draft costs time only.
+the prompt as usual. A rejected draft costs its prefill, and its KV stays
+cached: in a replay the next prompt holds the recorded response, so it is
+reused there. (Without a cache the fallback computes the prompt again.)
 
 Why the margin: the check's logits come from canonical chunks, decoding's
 from 1-row forwards; the two differ in the last bits (measured on the
-default model at ~2,000-token contexts: at most 1.1e-4 on logits up to ~45
-in fp32). A position whose top two logits are closer than the margin could
-be ordered differently by decoding, so it rejects the draft and decoding
-decides. Every accepted draft is therefore what decoding would produce.
-Only greedy generation is checked: a sampled draw has no such margin.
+default model on CPU at ~2,000-token contexts: at most 1.1e-4 on logits up
+to ~45 in fp32). A position whose top two logits are closer than the margin
+could be ordered differently by decoding, so it rejects the draft and
+decoding decides: in practice an accepted draft is what decoding would
+produce. Only greedy fp32 generation is checked: a sampled draw has no such
+margin, and half precision was not measured.
 """
 
 from __future__ import annotations
@@ -35,17 +38,17 @@ from typing import Literal
 
 import torch
 
-from kvtrace.engine.cache import DEFAULT_BLOCK_SIZE, KVCache
+from kvtrace.engine.cache import KVCache
 from kvtrace.engine.model import Engine
 from kvtrace.engine.prefill import PrefillResult, prefill
 from kvtrace.errors import UsageError
 
 DraftVerdict = Literal["accepted", "rejected"]
 
-# Smallest gap between the top two logits for a drafted token to be accepted,
-# per dtype: ~20x the prefill-vs-decode difference measured in fp32, and the
-# same proportion of each half type's precision.
-_DRAFT_MARGINS = {torch.float32: 2e-3, torch.float16: 0.1, torch.bfloat16: 0.5}
+# Smallest gap between the top two fp32 logits for a drafted token to be
+# accepted: ~20x the prefill-vs-decode difference measured on the default
+# model. Half precision was never measured, so its drafts are not checked.
+_DRAFT_MARGINS = {torch.float32: 2e-3}
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,9 +77,13 @@ class GenerateResult:
     draft: DraftVerdict | None = None
 
 
-def draft_margin(dtype: torch.dtype) -> float:
-    """The top-1/top-2 logit gap below which a drafted token is left to decoding."""
-    return _DRAFT_MARGINS.get(dtype, _DRAFT_MARGINS[torch.bfloat16])
+def draft_margin(dtype: torch.dtype) -> float | None:
+    """The top-1/top-2 logit gap below which a drafted token is left to decoding.
+
+    None for dtypes whose prefill-vs-decode difference was never measured:
+    their drafts are not checked, decoding decides.
+    """
+    return _DRAFT_MARGINS.get(dtype)
 
 
 def generate(
@@ -111,18 +118,17 @@ def generate(
     stops = frozenset(engine.eos_token_ids if stop_ids is None else (int(s) for s in stop_ids))
     checked: PrefillResult | None = None
     check_seconds = 0.0
-    source = cache
     draft = [int(t) for t in draft_ids or ()]
     if (
         temperature == 0
         and insert_output
         and prompt_ids
+        and draft_margin(engine.dtype) is not None
         and _could_end_as(engine, draft, stops, max_new_tokens)
     ):
-        # Without a cache, a throwaway memory tier keeps the prompt's KV for
-        # the fallback, so a rejection does not compute the prompt twice.
-        source = cache or KVCache(engine, block_size=block_size or DEFAULT_BLOCK_SIZE)
-        checked, accepted, check_seconds = _check_draft(engine, source, prompt_ids, draft)
+        checked, accepted, check_seconds = _check_draft(
+            engine, cache, prompt_ids, draft, block_size
+        )
         if accepted:
             return GenerateResult(
                 token_ids=tuple(draft),
@@ -136,7 +142,7 @@ def generate(
                 draft="accepted",
             )
         checked = replace(checked, kv=None)  # decoding below builds its own
-    pre = prefill(engine, source, prompt_ids, block_size=block_size)
+    pre = prefill(engine, cache, prompt_ids, block_size=block_size)
     used_seed: int | None = None
     generator: torch.Generator | None = None
     if temperature > 0:
@@ -194,7 +200,11 @@ def _could_end_as(engine: Engine, draft: list[int], stops: frozenset[int], limit
 
 
 def _check_draft(
-    engine: Engine, cache: KVCache, prompt_ids: Sequence[int], draft: list[int]
+    engine: Engine,
+    cache: KVCache | None,
+    prompt_ids: Sequence[int],
+    draft: list[int],
+    block_size: int | None,
 ) -> tuple[PrefillResult, bool, float]:
     """Prefill prompt + draft once; whether greedy decoding would choose every draft token.
 
@@ -205,12 +215,13 @@ def _check_draft(
         engine,
         cache,
         [*prompt_ids, *draft],
+        block_size=block_size,
         logits_from=len(prompt_ids) - 1,
         reduce_logits=_top_two,
     )
     started = time.perf_counter()
-    best, first, second = pre.logits[: len(draft)].unbind(dim=1)
-    margin = draft_margin(engine.dtype)
+    best, first, second = pre.logits[: len(draft)].cpu().unbind(dim=1)
+    margin = draft_margin(engine.dtype) or 0.0
     wanted = torch.tensor(draft, dtype=best.dtype)
     accepted = bool(torch.all((best == wanted) & (first - second >= margin)))
     return pre, accepted, time.perf_counter() - started

@@ -47,7 +47,7 @@ _PAD_TOKEN = 0
 
 @dataclass(frozen=True, slots=True)
 class PrefillResult:
-    """Logits of the last position, KV of every position, and where it came from.
+    """Logits (of the last position, or of a span), KV of every position, and their source.
 
     `kv` is a transformers `DynamicCache` covering all `num_tokens` tokens,
     ready for decoding. `num_memory_tokens + num_disk_tokens +

@@ -135,7 +135,7 @@ def _replay_path(
     notes: list[str] = []
     if tokenizer is None:
         notes.append("no tokenizer for this backend: oracle bound and token positions unknown "
-                     "(pass --model with the server's model folder)")
+                     "(pass --tokenizer with the server's model folder)")
     oracle = PrefixOracle()
     reports: list[StepReport] = []
     started = time.perf_counter()
@@ -157,8 +157,9 @@ def _replay_path(
             if result.draft is not None and request.draft_ids:
                 oracle.add([*request.prompt_ids, *request.draft_ids], label=step.id)
         if request.prompt_ids is not None and result.prompt_tokens != len(request.prompt_ids):
-            notes.append(f"step {index}: the backend counted {result.prompt_tokens} prompt tokens, "
-                         f"the tokenizer {len(request.prompt_ids)}; the oracle is in the latter")
+            notes.append(f"step @{step.depth}: the backend counted {result.prompt_tokens} "
+                         f"prompt tokens, the tokenizer {len(request.prompt_ids)}; the oracle "
+                         "is in the latter")
         is_match, mismatch = (None, None)
         if mode == "verify":
             is_match, mismatch = _compare(expected, result.text, fed, tokenizer)

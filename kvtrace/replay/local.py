@@ -4,7 +4,8 @@ Every engine call replay makes goes through this module, so it is the one
 place that knows the engine's API. The engine's `prefill` reuses the longest
 cached prefix (memory tier, then disk), computes the rest in canonical
 chunks and inserts it into both tiers; `generate` does the same for the
-prompt, then decodes, and leaves prompt + generated tokens cached.
+prompt, then decodes, and leaves prompt + generated tokens cached (in verify,
+also prompt + recorded response: the draft it checked).
 
 Verify hands the engine the recorded output as a draft, checked in one
 prefill of prompt + draft, with a fallback to decoding when it is rejected (see

@@ -102,8 +102,7 @@ def test_a_wrong_draft_is_rejected_and_generation_decodes_as_usual(tiny_engine, 
 
     assert drafted.draft == "rejected"
     assert drafted.token_ids == plain.token_ids
-    # Accounting is the first prefill's (nothing was cached); decoding then
-    # reused the check's prompt rows, so the prompt was computed once.
+    # Accounting is the first prefill's: nothing was cached before it.
     assert drafted.prefill.num_computed_tokens == len(prompt) + 10
     assert drafted.prefill.kv is None
     assert drafted.prefill_seconds > drafted.prefill.seconds
@@ -137,3 +136,18 @@ def test_a_draft_that_cannot_be_the_generation_is_not_checked(tiny_engine, token
     assert result.draft is None
     expected = dict(options, draft_ids=None)
     assert result.token_ids == generate(tiny_engine, None, prompt, **expected).token_ids
+
+
+def test_half_precision_drafts_are_left_to_decoding(tiny_folder, engine_root, tokens):
+    """The margin was measured in fp32 only: a bf16 engine decodes."""
+    from kvtrace.engine import load_engine
+
+    engine = load_engine(tiny_folder, cache_dir=engine_root / "cache", dtype="bfloat16")
+    prompt = tokens(40, seed=30)
+    plain = _greedy(engine, prompt, 6)
+
+    drafted = generate(engine, None, prompt, max_new_tokens=6, stop_ids=[],
+                       draft_ids=plain.token_ids)
+
+    assert draft_margin(engine.dtype) is None
+    assert drafted.draft is None and drafted.token_ids == plain.token_ids
