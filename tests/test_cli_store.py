@@ -123,4 +123,13 @@ def test_log_graph_marks_forks(home, capsys):
     assert code == 0 and "(exp)" in out and "(main)" in out
     open_store().run("exp").record_tool_call("calc", {"x": 99}, 100)
     _, out, _ = kv(capsys, "log", "main", "--graph", "--json")
-    assert [row["num_branches"] for row in json.loads(out)] == [0, 0, 1, 0]
+    rows = json.loads(out)
+    assert [row["num_branches"] for row in rows] == [0, 0, 1, 0]
+    assert [row["branch_runs"] for row in rows] == [[], [], ["exp"], []]
+    _, out, _ = kv(capsys, "log", "main", "--graph")
+    assert "exp leaves this step" in out
+    # Reverted, exp no longer takes the branch: it is still counted, unnamed.
+    assert kv(capsys, "revert", "exp", "--to", "exp~1")[0] == 0
+    _, out, _ = kv(capsys, "log", "main", "--graph", "--json")
+    rows = json.loads(out)
+    assert [(row["num_branches"], row["branch_runs"]) for row in rows][2] == (1, [])

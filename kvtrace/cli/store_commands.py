@@ -86,15 +86,23 @@ def log(
             return
         rows = store.graph(run, limit=limit)
     if as_json:
-        print_json([{**s.to_dict(), "heads": heads, "num_branches": n} for s, heads, n in rows])
+        print_json([row.to_dict() for row in rows])
         return
-    for s, heads, num_branches in rows:
-        refs = f" ({', '.join(heads)})" if heads else ""
+    for row in rows:
+        s = row.step
+        refs = f" ({', '.join(row.heads)})" if row.heads else ""
         typer.echo(f"* {s.depth:4} {s.short_id}{refs} {s.kind:10} {summary(s)}")
-        if num_branches:
-            other = "1 other branch leaves" if num_branches == 1 else (
-                f"{num_branches} other branches leave")
-            typer.echo(f"|\\  {other} this step (see `kvtrace runs`)")
+        if row.num_branches:
+            typer.echo(f"|\\  {_branches(row.num_branches, row.branch_runs)}")
+
+
+def _branches(num_branches: int, runs: list[str]) -> str:
+    """'agent-edit leaves this step', '2 other branches leave this step (a, b)', …"""
+    if num_branches == 1 and len(runs) == 1:
+        return f"{runs[0]} leaves this step"
+    which = "1 other branch leaves" if num_branches == 1 else (
+        f"{num_branches} other branches leave")
+    return f"{which} this step" + (f" (runs: {', '.join(runs)})" if runs else "")
 
 
 @app.command()

@@ -7,13 +7,22 @@ from pathlib import Path
 from kvtrace.errors import StoreNotFoundError
 from kvtrace.store.backend import create_db_engine, current_revision, migrate, safe_url
 from kvtrace.store.names import validate_run_name
-from kvtrace.store.records import Divergence, FsckReport, Note, ReflogEntry, RunInfo, Step
+from kvtrace.store.records import (
+    Divergence,
+    FsckReport,
+    GraphRow,
+    Note,
+    ReflogEntry,
+    RunInfo,
+    Step,
+)
 from kvtrace.store.run import Run
 from kvtrace.store.store import Store
 
 __all__ = [
     "Divergence",
     "FsckReport",
+    "GraphRow",
     "Note",
     "ReflogEntry",
     "Run",

@@ -159,3 +159,26 @@ class Divergence:
             "num_only_a": self.num_only_a,
             "num_only_b": self.num_only_b,
         }
+
+
+@dataclass(frozen=True, slots=True)
+class GraphRow:
+    """One step of `Store.graph`: the runs pointing at it and the branches leaving it.
+
+    `num_branches` counts the children of the step off the walked chain;
+    `branch_runs` names the runs whose history takes one of them (a branch
+    no run takes any more, e.g. after a revert, is counted but unnamed).
+    """
+
+    step: Step
+    heads: list[str]
+    num_branches: int
+    branch_runs: list[str]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            **self.step.to_dict(),
+            "heads": self.heads,
+            "num_branches": self.num_branches,
+            "branch_runs": self.branch_runs,
+        }

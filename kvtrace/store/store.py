@@ -36,7 +36,15 @@ from kvtrace.store.backend import (
     writer,
 )
 from kvtrace.store.names import Spec, parse_spec, validate_run_name
-from kvtrace.store.records import Divergence, FsckReport, Note, ReflogEntry, RunInfo, Step
+from kvtrace.store.records import (
+    Divergence,
+    FsckReport,
+    GraphRow,
+    Note,
+    ReflogEntry,
+    RunInfo,
+    Step,
+)
 from kvtrace.store.refs import create_ref, move_ref
 from kvtrace.store.schema import blobs, notes, reflog, refs, steps
 
@@ -139,8 +147,8 @@ class Store:
             chain = history.chain(conn, start, limit) if start else []
             return iter(history.load_steps(conn, chain))
 
-    def graph(self, spec: str, *, limit: int | None = None) -> list[tuple[Step, list[str], int]]:
-        """`log` plus, per step, the runs whose head it is and how many other branches leave it."""
+    def graph(self, spec: str, *, limit: int | None = None) -> list[GraphRow]:
+        """`log` plus, per step, the runs whose head it is and the branches (runs) leaving it."""
         with read_transaction(self._reader) as conn:
             start = self._resolve_or_empty(conn, spec)
             return views.graph_rows(conn, history.chain(conn, start, limit) if start else [])

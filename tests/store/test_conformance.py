@@ -374,6 +374,18 @@ def test_diverge_finds_where_two_runs_part(store):
     assert (result.num_only_a, result.num_only_b) == (2, 1)
 
 
+def test_graph_names_the_runs_that_branch_off(store):
+    _linear(store, n=30)  # deep enough for skip pointers to matter
+    for name, at in (("a", 3), ("b", 3), ("c", 20)):
+        store.fork(f"main@{at}", name).record_tool_call("t", {"run": name}, name)
+    store.fork("a", "a2").record_note("deeper on a")  # a2 takes a's branch too
+    rows = {row.step.depth: row for row in store.graph("main")}
+    assert (rows[3].num_branches, rows[3].branch_runs) == (2, ["a", "a2", "b"])
+    assert (rows[20].num_branches, rows[20].branch_runs) == (1, ["c"])
+    assert rows[30].heads == ["main"] and rows[30].num_branches == 0
+    assert sum(row.num_branches for row in rows.values()) == 3
+
+
 def test_diverge_of_unrelated_runs_has_no_common_step(store):
     _linear(store, n=2)
     store.run("other").record_tool_call("t", {}, "other")
