@@ -107,7 +107,7 @@ def generate(
     when None, returned in the result). Stops after any of `stop_ids`
     (default: the engine's end-of-sequence ids). `draft_ids` is the response
     the caller expects: checked in one prefill first (module docstring) when
-    generation is greedy, the output is to be cached, and the draft could be
+    generation is greedy in fp32, the output is to be cached, and the draft could be
     a whole generation (no stop token inside, ending on one or at
     `max_new_tokens`); the result is what decoding gives either way.
     """
