@@ -32,6 +32,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from kvtrace.errors import ReplayError
 from kvtrace.replay.backend import Message, Tokenizer
 from kvtrace.replay.oracle import PrefixOracle, common_prefix_length
 from kvtrace.replay.recording import (
@@ -149,6 +150,8 @@ class Analysis:
 def analyze(store: Store, spec: str, tokenizer: Tokenizer) -> Analysis:
     """The oracle bound and the prefix breakers of the run (or step) `spec`."""
     path = store.path(spec)
+    if not path:
+        raise ReplayError(f"{spec!r} has no steps to analyze")
     model_steps = [s for s in path if s.kind == "model_call"]
     oracle = PrefixOracle()
     steps: list[StepAnalysis] = []
@@ -167,8 +170,7 @@ def analyze(store: Store, spec: str, tokenizer: Tokenizer) -> Analysis:
                                   shared))
         oracle.add(prompt + output, label=step.id)
         previous = (step, prompt, output)
-    target = path[-1].id if path else ""
-    return Analysis(spec, target, steps, breakers)
+    return Analysis(spec, path[-1].id, steps, breakers)
 
 
 def _breaker(

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
+
+from kvtrace.errors import ReplayError
 from kvtrace.replay import analyze
 
 SYSTEM = "You answer with tools.\nTools:\n- calculator: arithmetic\n- lookup: city facts"
@@ -105,3 +108,9 @@ def test_to_dict_carries_steps_breakers_and_total(replay_store, byte_tokenizer):
     assert set(data) >= {"steps", "breakers", "total"}
     assert data["total"]["breakers"] == 1 and data["breakers"][0]["cause"] == "timestamp"
     assert data["total"]["lost_tokens"] > 0
+
+
+def test_an_empty_run_is_an_error_not_an_empty_analysis(replay_store, byte_tokenizer):
+    replay_store.run("empty")
+    with pytest.raises(ReplayError, match="no steps to analyze"):
+        analyze(replay_store, "empty", byte_tokenizer)
