@@ -133,3 +133,9 @@ def test_log_graph_marks_forks(home, capsys):
     _, out, _ = kv(capsys, "log", "main", "--graph", "--json")
     rows = json.loads(out)
     assert [(row["num_branches"], row["branch_runs"]) for row in rows][2] == (1, [])
+
+
+def test_log_of_an_empty_run_says_so(home, capsys):
+    open_store().run("blank")
+    code, out, _ = kv(capsys, "log", "blank")
+    assert code == 0 and out.strip() == "blank has no steps yet"

@@ -83,6 +83,8 @@ def log(
                 return
             for s in steps:
                 typer.echo(f"{s.depth:4} {s.short_id} {s.kind:10} {summary(s)}")
+            if not steps:
+                typer.echo(f"{run} has no steps yet")
             return
         rows = store.graph(run, limit=limit)
     if as_json:
