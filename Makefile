@@ -12,7 +12,7 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
 
 # CPU torch first, pinned, so that no dependency pulls a multi-GB CUDA build.
-$(STAMP): $(BIN)/python pyproject.toml
+$(STAMP): $(BIN)/python pyproject.toml Makefile
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet "torch==2.13.0"
 	$(BIN)/pip install --quiet -e ".[dev]"

@@ -137,5 +137,11 @@ def test_log_graph_marks_forks(home, capsys):
 
 def test_log_of_an_empty_run_says_so(home, capsys):
     open_store().run("blank")
-    code, out, _ = kv(capsys, "log", "blank")
-    assert code == 0 and out.strip() == "blank has no steps yet"
+    for graph in ([], ["--graph"]):
+        code, out, _ = kv(capsys, "log", "blank", *graph)
+        assert code == 0 and out.strip() == "blank has no steps yet"
+
+
+def test_log_limit_below_one_is_a_one_line_error(home, capsys):
+    code, out, err = kv(capsys, "log", "main", "-n", "0")
+    assert code == 2 and out == "" and err.count("\n") == 1 and "--limit" in err

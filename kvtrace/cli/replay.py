@@ -201,7 +201,8 @@ def analyze_command(
     from kvtrace.replay.local import load_tokenizer
 
     with open_store(store_url()) as store:
-        store.path(run)  # an unknown run fails before the tokenizer loads
+        if not store.path(run):  # bad input fails before the tokenizer loads
+            raise UsageError(f"{run!r} has no steps to analyze: record a model call on it first")
         tokenizer = load_tokenizer(model, cache_dir=default_cache_dir())
         analysis = analyze(store, run, tokenizer)
     if as_json:

@@ -75,6 +75,8 @@ def log(
     as_json: bool = JSON,
 ) -> None:
     """Show steps from the head back to the root, like `git log`."""
+    if limit is not None and limit < 1:
+        raise UsageError("--limit must be at least 1")
     with _store() as store:
         if not graph:
             steps = list(store.log(run, limit=limit))
@@ -90,6 +92,8 @@ def log(
     if as_json:
         print_json([row.to_dict() for row in rows])
         return
+    if not rows:
+        typer.echo(f"{run} has no steps yet")
     for row in rows:
         s = row.step
         refs = f" ({', '.join(row.heads)})" if row.heads else ""
@@ -98,12 +102,14 @@ def log(
             typer.echo(f"|\\  {_branches(row.num_branches, row.branch_runs)}")
 
 
-def _branches(num_branches: int, runs: list[str]) -> str:
-    """'agent-edit leaves this step', '2 other branches leave this step (a, b)', …"""
-    if num_branches == 1 and len(runs) == 1:
+def _branches(num_branches: int, runs: list[str] | None) -> str:
+    """'exp leaves this step', '2 other branches leave this step (runs: a, b)', …"""
+    if num_branches == 1 and runs is not None and len(runs) == 1:
         return f"{runs[0]} leaves this step"
     which = "1 other branch leaves" if num_branches == 1 else (
         f"{num_branches} other branches leave")
+    if runs is None:
+        return f"{which} this step (see `kvtrace runs`)"
     return f"{which} this step" + (f" (runs: {', '.join(runs)})" if runs else "")
 
 

@@ -151,7 +151,7 @@ def analyze(store: Store, spec: str, tokenizer: Tokenizer) -> Analysis:
     """The oracle bound and the prefix breakers of the run (or step) `spec`."""
     path = store.path(spec)
     if not path:
-        raise ReplayError(f"{spec!r} has no steps to analyze")
+        raise ReplayError(f"{spec!r} has no steps to analyze: record a model call on it first")
     model_steps = [s for s in path if s.kind == "model_call"]
     oracle = PrefixOracle()
     steps: list[StepAnalysis] = []

@@ -167,13 +167,14 @@ class GraphRow:
 
     `num_branches` counts the children of the step off the walked chain;
     `branch_runs` names the runs whose history takes one of them (a branch
-    no run takes any more, e.g. after a revert, is counted but unnamed).
+    no run takes any more, e.g. after a revert, is counted but unnamed), or
+    is None when the store has too many runs to name them cheaply.
     """
 
     step: Step
     heads: list[str]
     num_branches: int
-    branch_runs: list[str]
+    branch_runs: list[str] | None
 
     def to_dict(self) -> dict[str, Any]:
         return {

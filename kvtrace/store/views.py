@@ -13,8 +13,8 @@ from kvtrace.store import history
 from kvtrace.store.records import Divergence, GraphRow
 from kvtrace.store.schema import refs, steps
 
-# Naming the runs that leave a chain costs one ancestor query per run and
-# branch depth; past this many runs only the branches are counted.
+# Naming the runs that leave a chain costs ~log2(chain length) ancestor
+# queries per run off the chain; past this many such runs they go unnamed.
 MAX_RUNS_TO_NAME = 200
 
 
@@ -35,32 +35,54 @@ def graph_rows(conn: Connection, chain: list[str]) -> list[GraphRow]:
             if child not in on_chain:
                 leaving[child] = parent
                 num_branches[parent] = num_branches.get(parent, 0) + 1
-    runs = _runs_taking(conn, leaving, heads)
+    loaded = history.load_steps(conn, chain)
+    depth = {step.id: step.depth for step in loaded}
+    runs = _runs_taking(conn, depth, leaving, {h: n for h, n in heads.items() if h not in depth})
     return [
         GraphRow(
             step,
             sorted(heads.get(step.id, [])),
             num_branches.get(step.id, 0),
-            sorted(runs.get(step.id, [])),
+            None if runs is None else sorted(runs.get(step.id, [])),
         )
-        for step in history.load_steps(conn, chain)
+        for step in loaded
     ]
 
 
 def _runs_taking(
-    conn: Connection, leaving: dict[str, str], heads: dict[str, list[str]]
-) -> dict[str, list[str]]:
-    """For each chain step with branches, the runs whose history takes one of them."""
-    num_runs = sum(len(names) for names in heads.values())
-    if not leaving or num_runs > MAX_RUNS_TO_NAME:
+    conn: Connection, chain_depth: dict[str, int], leaving: dict[str, str],
+    off_chain: dict[str, list[str]],
+) -> dict[str, list[str]] | None:
+    """For each chain step with branches, the runs (headed off the chain) that take one.
+
+    A head's ancestors lie on the chain up to the depth where it leaves, and
+    off it after, so that depth is found by bisection. None when there are
+    too many runs to name.
+    """
+    if not leaving:
         return {}
-    depth = {s.id: s.depth for s in history.load_steps(conn, list(leaving))}
+    if sum(len(names) for names in off_chain.values()) > MAX_RUNS_TO_NAME:
+        return None
+    lowest, highest = min(chain_depth.values()), max(chain_depth.values())
+    head_depth: dict[str, int] = {}
+    for part in history.chunks(list(off_chain)):
+        head_depth.update(
+            conn.execute(sa.select(steps.c.id, steps.c.depth).where(steps.c.id.in_(part))).all()
+        )
     found: dict[str, list[str]] = {}
-    for head, names in heads.items():
-        for target in sorted(set(depth.values())):
-            ancestor = history.ancestor_at(conn, head, target)
-            if ancestor in leaving:
-                found.setdefault(leaving[ancestor], []).extend(names)
+    for head, depth in head_depth.items():
+        if depth <= lowest or history.ancestor_at(conn, head, lowest) not in chain_depth:
+            continue  # shallower than the chain shown, or leaves it before its first step
+        on, off = lowest, min(depth, highest + 1)  # on the chain at `on`, maybe off at `off`
+        while off - on > 1:
+            middle = (on + off) // 2
+            if history.ancestor_at(conn, head, middle) in chain_depth:
+                on = middle
+            else:
+                off = middle
+        child = head if on + 1 == depth else history.ancestor_at(conn, head, on + 1)
+        if child in leaving:
+            found.setdefault(leaving[child], []).extend(off_chain[head])
     return found
 
 

@@ -384,6 +384,22 @@ def test_graph_names_the_runs_that_branch_off(store):
     assert (rows[20].num_branches, rows[20].branch_runs) == (1, ["c"])
     assert rows[30].heads == ["main"] and rows[30].num_branches == 0
     assert sum(row.num_branches for row in rows.values()) == 3
+    store.fork("c", "c-copy")  # two runs at one head
+    rows = {row.step.depth: row for row in store.graph("main", limit=12)}  # depths 19..30
+    assert sorted(rows) == list(range(19, 31))
+    assert rows[20].branch_runs == ["c", "c-copy"]
+    assert all(row.branch_runs == [] for d, row in rows.items() if d != 20)  # a, b leave lower
+
+
+def test_graph_counts_but_does_not_name_runs_past_the_cap(store, monkeypatch):
+    from kvtrace.store import views
+
+    _linear(store, n=6)
+    for name in ("a", "b"):
+        store.fork("main@3", name).record_tool_call("t", {"run": name}, name)
+    monkeypatch.setattr(views, "MAX_RUNS_TO_NAME", 1)
+    rows = {row.step.depth: row for row in store.graph("main")}
+    assert (rows[3].num_branches, rows[3].branch_runs) == (2, None)
 
 
 def test_diverge_of_unrelated_runs_has_no_common_step(store):
