@@ -2,30 +2,25 @@
 
 The local backend keeps its disk tier under the kvtrace cache directory
 ($KVTRACE_CACHE or ~/.cache/kvtrace), so `checkout` in one process warms
-`continue` in the next.
+`continue` in the next. Backends and tokenizers are handed to the API
+unloaded (`_Lazy`): the API checks its input first, so bad input fails in
+a fraction of a second instead of after a model load.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
 
 import typer
 
 from kvtrace.cli.app import app, print_json, store_url
 from kvtrace.errors import UsageError
 from kvtrace.paths import default_cache_dir
-from kvtrace.replay import (
-    SamplingParams,
-    analyze,
-    checkout,
-    continue_run,
-    conversation_at,
-    replay,
-    steps_to_replay,
-)
-from kvtrace.replay.analyze import render_analysis
-from kvtrace.replay.backend import Backend
-from kvtrace.replay.remote import RemoteBackend
-from kvtrace.replay.report import progress_bar, render
-from kvtrace.store import open_store, validate_run_name
+from kvtrace.store import open_store
+
+if TYPE_CHECKING:  # replay pulls in httpx and rich: imported inside the commands
+    from kvtrace.replay.backend import Backend, Tokenizer
 
 JSON = typer.Option(False, "--json", help="Print one JSON document for programs.")
 BACKEND = typer.Option(
@@ -49,23 +44,43 @@ API_KEY = typer.Option(
 )
 
 
+class _Lazy:
+    """Stands for an object that is loaded (seconds: a model) at its first use."""
+
+    def __init__(self, load: Callable[[], Any]) -> None:
+        self._load = load
+        self._loaded: Any = None
+
+    def __getattr__(self, name: str) -> Any:
+        if self._loaded is None:
+            self._loaded = self._load()
+        return getattr(self._loaded, name)
+
+
 def _backend(
     backend: str, model: str | None, *, no_cache: bool = False,
     tokenizer: str | None = None, api_key: str | None = None,
 ) -> Backend:
-    from kvtrace.replay.local import load_tokenizer, open_local_backend
-
-    if backend == "local":
-        if tokenizer is not None:
-            raise UsageError("--tokenizer is for remote backends: the local engine has its own")
-        return open_local_backend(model, cache_dir=default_cache_dir(), use_cache=not no_cache)
-    if no_cache:
+    """The backend the options name, loaded when the API first uses it."""
+    if backend == "local" and tokenizer is not None:
+        raise UsageError("--tokenizer is for remote backends: the local engine has its own")
+    if backend != "local" and no_cache:
         raise UsageError("--no-cache works with the local backend only")
-    local_tokenizer = None
-    if tokenizer is not None:
-        name = None if tokenizer == "default" else tokenizer
-        local_tokenizer = load_tokenizer(name, cache_dir=default_cache_dir())
-    return RemoteBackend(backend, model=model, api_key=api_key, tokenizer=local_tokenizer)
+
+    def load() -> Backend:
+        from kvtrace.engine import load_tokenizer
+        from kvtrace.replay import RemoteBackend, open_local_backend
+
+        if backend == "local":
+            return open_local_backend(model, cache_dir=default_cache_dir(),
+                                      use_cache=not no_cache)
+        local_tokenizer = None
+        if tokenizer is not None:
+            name = None if tokenizer == "default" else tokenizer
+            local_tokenizer = load_tokenizer(name, cache_dir=default_cache_dir())
+        return RemoteBackend(backend, model=model, api_key=api_key, tokenizer=local_tokenizer)
+
+    return cast("Backend", _Lazy(load))
 
 
 @app.command("replay")
@@ -98,12 +113,13 @@ def replay_command(
     as_json: bool = JSON,
 ) -> None:
     """Replay a run from its root through a backend, reporting KV reuse per step."""
+    from kvtrace.replay import replay
+    from kvtrace.replay.report import progress_bar, render
+
     if no_draft and mode != "verify":
         raise UsageError("--no-draft applies to --mode verify only")
+    chosen = _backend(backend, model, no_cache=no_cache, tokenizer=tokenizer, api_key=api_key)
     with open_store(store_url()) as store:
-        steps_to_replay(store, run, to=to, mode=mode)  # bad input fails before a model loads
-        chosen = _backend(backend, model, no_cache=no_cache, tokenizer=tokenizer,
-                          api_key=api_key)
         if as_json:
             report = replay(store, run, chosen, to=to, mode=mode,
                             compare_uncached=compare_uncached, use_drafts=not no_draft)
@@ -125,17 +141,18 @@ def checkout_command(
     as_json: bool = JSON,
 ) -> None:
     """Rebuild a step's KV state into the local cache so a later continue starts warm."""
+    from kvtrace.engine import DEFAULT_BLOCK_SIZE
+    from kvtrace.engine.maintenance import default_kv_dir
+    from kvtrace.replay import checkout
+    from kvtrace.replay.report import progress_bar, render
+
+    chosen = _backend("local", model)
     with open_store(store_url()) as store:
-        steps_to_replay(store, spec)  # bad input fails before the model loads
-        chosen = _backend("local", model)
         if as_json:
             print_json(checkout(store, spec, chosen).to_dict())
             return
         with progress_bar(f"checkout {spec}") as on_step:
             report = checkout(store, spec, chosen, on_step=on_step)
-    from kvtrace.engine import DEFAULT_BLOCK_SIZE
-    from kvtrace.engine.maintenance import default_kv_dir
-
     render(report)
     typer.echo(f"KV state of {spec}: whole {DEFAULT_BLOCK_SIZE}-token blocks on disk under "
                f"{default_kv_dir(default_cache_dir())} (a later process recomputes only the "
@@ -161,18 +178,16 @@ def continue_command(
     as_json: bool = JSON,
 ) -> None:
     """Generate new steps live on a run (ReAct tool calls, see docs/replay.md) and record them."""
+    from kvtrace.replay import SamplingParams, continue_run
+    from kvtrace.replay.report import Totals
     from kvtrace.replay.tools import DEMO_TOOLS
 
     if tools not in ("demo", "none"):
         raise UsageError("--tools is 'demo' or 'none'")
     params = SamplingParams(temperature=temperature, seed=seed, max_new_tokens=max_new_tokens)
     registered = DEMO_TOOLS if tools == "demo" else {}
+    chosen = _backend(backend, model, api_key=api_key)
     with open_store(store_url()) as store:
-        if steps < 1:
-            raise UsageError("continue needs --steps of at least 1")
-        validate_run_name(run)
-        conversation_at(store.path(run))  # bad input fails before a model loads
-        chosen = _backend(backend, model, api_key=api_key)
         result = continue_run(store, run, chosen, steps=steps, tools=registered, params=params)
     if as_json:
         print_json(result.to_dict())
@@ -180,11 +195,10 @@ def continue_command(
     for step in result.new_steps:
         what = step.meta.get("tool") or step.meta.get("model", "")
         typer.echo(f"{step.depth:>4}  {step.short_id}  {step.kind:<10}  {what}")
-    reused = sum(r.reused_tokens or 0 for r in result.reports)
-    prompt = sum(r.prompt_tokens for r in result.reports)
-    calls = len(result.reports)
-    typer.echo(f"{calls} model call{'' if calls == 1 else 's'}, {reused}/{prompt} prompt tokens "
-               "reused"
+    total = Totals.of(result.reports)
+    calls = total.steps
+    typer.echo(f"{calls} model call{'' if calls == 1 else 's'}, {total.reused_tokens or 0}/"
+               f"{total.prompt_tokens} prompt tokens reused"
                + (f"; final answer: {result.final_answer}" if result.is_finished else ""))
 
 
@@ -198,12 +212,14 @@ def analyze_command(
     as_json: bool = JSON,
 ) -> None:
     """Oracle bound per step and prefix breakers, with the tokenizer only (no forward pass)."""
-    from kvtrace.replay.local import load_tokenizer
+    from kvtrace.engine import load_tokenizer
+    from kvtrace.replay import analyze
+    from kvtrace.replay.analyze import render_analysis
 
+    tokenizer = cast(
+        "Tokenizer", _Lazy(lambda: load_tokenizer(model, cache_dir=default_cache_dir()))
+    )
     with open_store(store_url()) as store:
-        if not store.path(run):  # bad input fails before the tokenizer loads
-            raise UsageError(f"{run!r} has no steps to analyze: record a model call on it first")
-        tokenizer = load_tokenizer(model, cache_dir=default_cache_dir())
         analysis = analyze(store, run, tokenizer)
     if as_json:
         print_json(analysis.to_dict())

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from kvtrace.replay.analyze import Analysis, PrefixBreaker, analyze
 from kvtrace.replay.backend import Backend, SamplingParams
-from kvtrace.replay.continuation import ContinueResult, continue_run, conversation_at
-from kvtrace.replay.driver import checkout, replay, steps_to_replay
+from kvtrace.replay.continuation import ContinueResult, continue_run
+from kvtrace.replay.driver import checkout, replay
 from kvtrace.replay.local import LocalBackend, open_local_backend
 from kvtrace.replay.remote import RemoteBackend
 from kvtrace.replay.report import ReplayReport, StepReport
@@ -30,8 +30,6 @@ __all__ = [
     "analyze",
     "checkout",
     "continue_run",
-    "conversation_at",
     "open_local_backend",
     "replay",
-    "steps_to_replay",
 ]

@@ -331,11 +331,3 @@ def render_analysis(analysis: Analysis, console: Console | None = None) -> None:
         )
         console.print(f"    …{b.before!r} | previous: {b.previous!r} | now: {b.current!r}",
                       highlight=False, markup=False)
-
-
-def breakers_by_cause(analysis: Analysis) -> dict[str, int]:
-    """How many breakers of each cause (for summaries)."""
-    counts: dict[str, int] = {}
-    for b in analysis.breakers:
-        counts[b.cause] = counts.get(b.cause, 0) + 1
-    return counts

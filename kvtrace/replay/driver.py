@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvtrace.errors import ReplayError, UsageError
 from kvtrace.replay.backend import Backend, CallRequest, SamplingParams, Tokenizer
@@ -73,15 +73,11 @@ def replay(
     where the backend could check the recorded one in one pass.
     """
     path = steps_to_replay(store, spec, to=to, mode=mode)
+    uncached_backend = backend.without_cache() if compare_uncached else None  # fails early
     report = _replay_path(spec, path, backend, mode, use_drafts, on_step)
-    if compare_uncached:
-        uncached = _replay_path(spec, path, backend.without_cache(), mode, use_drafts,
-                                on_step)
-        report = ReplayReport(
-            report.run, report.target_id, report.mode, report.backend, report.model,
-            report.steps, report.tool_steps, report.wall_s, uncached=uncached,
-            notes=report.notes,
-        )
+    if uncached_backend is not None:
+        uncached = _replay_path(spec, path, uncached_backend, mode, use_drafts, on_step)
+        report = replace(report, uncached=uncached)
     return report
 
 
@@ -90,8 +86,8 @@ def steps_to_replay(
 ) -> list[Step]:
     """The steps a replay of `spec` up to `to` walks, after checking every argument.
 
-    Cheap (no model): the CLI calls it before loading one, so bad input fails
-    at once.
+    Cheap (no model), and done before the backend is first used, so bad input
+    fails at once (the CLI loads its backend lazily).
     """
     if mode not in MODES:
         raise UsageError(f"unknown replay mode {mode!r}: use one of {', '.join(MODES)}")

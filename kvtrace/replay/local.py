@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvtrace.errors import ReplayError
 from kvtrace.replay.backend import Backend, CallRequest, CallResult, Tokenizer
+from kvtrace.replay.recording import output_text
 
 if TYPE_CHECKING:  # the engine imports torch: load it only when a backend is built
     from kvtrace.engine import Engine, KVCache, PrefillResult
@@ -84,7 +85,7 @@ class LocalBackend:
             reused_tokens=memory + disk,
             memory_tokens=memory,
             disk_tokens=disk,
-            text=self._text(ids),
+            text=output_text(self._engine, ids),
             output_ids=ids,
             finish_reason=out.finish_reason,
             prefill_s=out.prefill_seconds,
@@ -109,17 +110,12 @@ class LocalBackend:
             reused_tokens=memory + disk,
             memory_tokens=memory,
             disk_tokens=disk,
-            text=request.output_text or self._text(output),
+            text=request.output_text or output_text(self._engine, output),
             output_ids=output,
             finish_reason="recorded",
             prefill_s=elapsed,
             decode_s=0.0,
         )
-
-    def _text(self, ids: list[int]) -> str:
-        stops = set(self._engine.eos_token_ids)
-        body = ids[:-1] if ids and ids[-1] in stops else ids
-        return self._engine.decode(body)
 
 
 def open_local_backend(
@@ -146,13 +142,6 @@ def open_local_backend(
     if memory_bytes is not None:
         options["memory_bytes"] = memory_bytes
     return LocalBackend(engine, KVCache(engine, disk_dir=kv_dir or cache_dir / "kv", **options))
-
-
-def load_tokenizer(model: str | None = None, *, cache_dir: Path) -> Tokenizer:
-    """The model's tokenizer and chat template, without its weights (analyze, the oracle)."""
-    from kvtrace.engine import load_tokenizer as load_chat_tokenizer
-
-    return load_chat_tokenizer(model, cache_dir=cache_dir)
 
 
 def _prompt_ids(request: CallRequest) -> list[int]:

@@ -128,7 +128,12 @@ def _recorded_ids(step: Step) -> list[int] | None:
     return list(ids)
 
 
-def _decodes_to(tokenizer: Tokenizer, ids: list[int], text: str) -> bool:
+def output_text(tokenizer: Tokenizer, ids: Sequence[int]) -> str:
+    """The text of generated token ids, without the stop token that ended them."""
     stops = set(tokenizer.eos_token_ids)
     body = ids[:-1] if ids and ids[-1] in stops else ids
-    return tokenizer.decode(body) == text
+    return tokenizer.decode(body)
+
+
+def _decodes_to(tokenizer: Tokenizer, ids: list[int], text: str) -> bool:
+    return output_text(tokenizer, ids) == text

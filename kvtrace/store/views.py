@@ -21,10 +21,12 @@ MAX_RUNS_TO_NAME = 200
 def graph_rows(conn: Connection, chain: list[str]) -> list[GraphRow]:
     """Each step of `chain`, the runs whose head it is, and the branches (and runs) leaving it."""
     heads: dict[str, list[str]] = {}
-    for name, head in conn.execute(
-        sa.select(refs.c.name, refs.c.head).where(refs.c.head.is_not(None))
+    head_depth: dict[str, int] = {}
+    for name, head, depth in conn.execute(
+        sa.select(refs.c.name, refs.c.head, steps.c.depth).join(steps, steps.c.id == refs.c.head)
     ):
         heads.setdefault(head, []).append(name)
+        head_depth[head] = depth
     on_chain = set(chain)
     leaving: dict[str, str] = {}  # child off the chain -> the chain step it leaves
     num_branches: dict[str, int] = {}
@@ -37,7 +39,8 @@ def graph_rows(conn: Connection, chain: list[str]) -> list[GraphRow]:
                 num_branches[parent] = num_branches.get(parent, 0) + 1
     loaded = history.load_steps(conn, chain)
     depth = {step.id: step.depth for step in loaded}
-    runs = _runs_taking(conn, depth, leaving, {h: n for h, n in heads.items() if h not in depth})
+    off_chain = {head: d for head, d in head_depth.items() if head not in depth}
+    runs = _runs_taking(conn, depth, leaving, off_chain, heads)
     return [
         GraphRow(
             step,
@@ -51,26 +54,22 @@ def graph_rows(conn: Connection, chain: list[str]) -> list[GraphRow]:
 
 def _runs_taking(
     conn: Connection, chain_depth: dict[str, int], leaving: dict[str, str],
-    off_chain: dict[str, list[str]],
+    off_chain: dict[str, int], heads: dict[str, list[str]],
 ) -> dict[str, list[str]] | None:
     """For each chain step with branches, the runs (headed off the chain) that take one.
 
-    A head's ancestors lie on the chain up to the depth where it leaves, and
-    off it after, so that depth is found by bisection. None when there are
-    too many runs to name.
+    `off_chain` maps each head off the chain to its depth. A head's ancestors
+    lie on the chain up to the depth where it leaves, and off it after, so
+    that depth is found by bisection. None when there are too many runs to
+    name.
     """
     if not leaving:
         return {}
-    if sum(len(names) for names in off_chain.values()) > MAX_RUNS_TO_NAME:
+    if sum(len(heads[head]) for head in off_chain) > MAX_RUNS_TO_NAME:
         return None
     lowest, highest = min(chain_depth.values()), max(chain_depth.values())
-    head_depth: dict[str, int] = {}
-    for part in history.chunks(list(off_chain)):
-        head_depth.update(
-            conn.execute(sa.select(steps.c.id, steps.c.depth).where(steps.c.id.in_(part))).all()
-        )
     found: dict[str, list[str]] = {}
-    for head, depth in head_depth.items():
+    for head, depth in off_chain.items():
         if depth <= lowest or history.ancestor_at(conn, head, lowest) not in chain_depth:
             continue  # shallower than the chain shown, or leaves it before its first step
         on, off = lowest, min(depth, highest + 1)  # on the chain at `on`, maybe off at `off`
@@ -82,7 +81,7 @@ def _runs_taking(
                 off = middle
         child = head if on + 1 == depth else history.ancestor_at(conn, head, on + 1)
         if child in leaving:
-            found.setdefault(leaving[child], []).extend(off_chain[head])
+            found.setdefault(leaving[child], []).extend(heads[head])
     return found
 
 

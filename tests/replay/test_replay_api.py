@@ -12,7 +12,7 @@ def test_public_names_are_pinned():
     assert sorted(kvtrace.replay.__all__) == sorted([
         "Analysis", "Backend", "ContinueResult", "LocalBackend", "PrefixBreaker",
         "RemoteBackend", "ReplayReport", "SamplingParams", "StepReport", "analyze", "checkout",
-        "continue_run", "conversation_at", "open_local_backend", "replay", "steps_to_replay",
+        "continue_run", "open_local_backend", "replay",
     ])
     for name in kvtrace.replay.__all__:
         assert hasattr(kvtrace.replay, name), name
