@@ -10,16 +10,11 @@ on kvtrace.store, kvtrace.replay or kvtrace.cli.
 """
 
 from kvtrace.engine.cache import DEFAULT_BLOCK_SIZE, KVCache, PrefixHit, TierStats
+from kvtrace.engine.folders import build_tiny_model, default_model_dir
 from kvtrace.engine.generate import GenerateResult, generate
-from kvtrace.engine.model import (
-    Engine,
-    build_tiny_model,
-    default_model_dir,
-    load_engine,
-    load_tokenizer,
-)
+from kvtrace.engine.model import Engine, load_engine
 from kvtrace.engine.prefill import PrefillResult, prefill
-from kvtrace.engine.tokenizer import ChatTokenizer
+from kvtrace.engine.tokenizer import ChatTokenizer, load_tokenizer
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",

