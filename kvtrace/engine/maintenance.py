@@ -19,7 +19,7 @@ import torch
 from kvtrace.engine.cache import DEFAULT_BLOCK_SIZE, DEFAULT_MEMORY_BYTES
 from kvtrace.engine.disk import BlockInfo, BlockStore, GcResult
 from kvtrace.engine.model import Engine
-from kvtrace.engine.prefill import prefill
+from kvtrace.engine.prefill import kv_rows, prefill
 from kvtrace.errors import UsageError
 
 KV_DIRNAME = "kv"
@@ -151,9 +151,7 @@ def verify_blocks(
         result = prefill(engine, None, tokens, block_size=block_size)
         start = (len(chain) - 1) * block_size
         stop = start + block_size
-        kv_layers = result.kv.layers  # type: ignore[attr-defined]
-        recomputed_k = torch.stack([layer.keys[0, :, start:stop] for layer in kv_layers])
-        recomputed_v = torch.stack([layer.values[0, :, start:stop] for layer in kv_layers])
+        recomputed_k, recomputed_v = kv_rows(result.kv)(start, stop)
         target = blocks[-1]
         checked += 1
         if not (

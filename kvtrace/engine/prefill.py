@@ -124,7 +124,7 @@ def prefill(
             _seed_cache(kv, keys, values)
         logits = _compute(engine, kv, tokens, reused, block, keep_from, reduce_logits)
         if cache is not None and hit is not None:
-            cache.insert(tokens, _kv_rows(kv), num_disk_blocks=hit.num_disk_blocks)
+            cache.insert(tokens, kv_rows(kv), num_disk_blocks=hit.num_disk_blocks)
     finally:
         if cache is not None and hit is not None:
             cache.release(hit)
@@ -205,7 +205,7 @@ def _seed_cache(kv: object, keys: torch.Tensor, values: torch.Tensor) -> None:
         layer.keys, layer.values = keys[index], values[index]
 
 
-def _kv_rows(kv: object) -> KVSource:
+def kv_rows(kv: object) -> KVSource:
     """A KVSource over a DynamicCache: stacked copies of rows [start, end)."""
     layers = kv.layers  # type: ignore[attr-defined]
 
