@@ -166,11 +166,6 @@ def load_steps(conn: Connection, ids: list[str]) -> list[Step]:
     return [_step(rows[i], bodies[i], data) for i in ids]
 
 
-def decode_json(data: bytes) -> Any:
-    """A JSON payload blob's value."""
-    return json.loads(data)
-
-
 def _step(row: Any, body: dict[str, Any], data: dict[str, bytes]) -> Step:
     content: dict[str, Any] = {}
     for key, address in body["payload"].items():

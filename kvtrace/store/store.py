@@ -2,8 +2,9 @@
 
 `Store` composes three layers, each with one job: blobs and steps (immutable,
 addressed by SHA-256, see encoding.py), refs (moved only by compare-and-swap in
-refs.py, which also appends the reflog) and notes. Every public method is one
-transaction, so a failure leaves nothing half-written.
+refs.py, which also appends the reflog) and notes; step addresses are looked
+up in resolve.py. Every public method is one transaction, so a failure leaves
+nothing half-written.
 
 Cost model: appending, forking and moving a ref touch a constant number of
 rows; walking history (log, RUN@N, ancestry checks) is one recursive query
@@ -12,21 +13,20 @@ bounded by the distance walked, never by the size of the store.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator, Mapping
 from typing import IO, TYPE_CHECKING, Any
 
 import sqlalchemy as sa
-from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.engine import Engine
 
 from kvtrace.errors import (
     ConflictError,
-    IntegrityError,
-    RunNotFoundError,
     StepNotFoundError,
     UsageError,
 )
-from kvtrace.store import encoding, history, views
+from kvtrace.store import encoding, history, resolve, views
 from kvtrace.store.backend import (
     insert_ignore,
     read_transaction,
@@ -35,7 +35,7 @@ from kvtrace.store.backend import (
     write_transaction,
     writer,
 )
-from kvtrace.store.names import Spec, parse_spec, validate_run_name
+from kvtrace.store.names import validate_run_name
 from kvtrace.store.records import (
     Divergence,
     FsckReport,
@@ -98,7 +98,7 @@ class Store:
 
         validate_run_name(name)
         with read_transaction(self._reader) as conn:  # continuing a run needs no write lock
-            row = conn.execute(sa.select(refs.c.head).where(refs.c.name == name)).first()
+            row = resolve.ref_row(conn, name)
             if row is not None:
                 head = history.load_steps(conn, [row.head])[0] if row.head else None
                 return Run(self, name, head)
@@ -122,7 +122,7 @@ class Store:
     def head(self, name: str) -> Step | None:
         """The head step of run `name` (None for an empty run)."""
         with read_transaction(self._reader) as conn:
-            head_id = self._head_id(conn, name)
+            head_id = resolve.head_id(conn, name)
             return history.load_steps(conn, [head_id])[0] if head_id else None
 
     # -- reading ---------------------------------------------------------------
@@ -130,12 +130,12 @@ class Store:
     def resolve(self, spec: str) -> str:
         """The full id of the step that `spec` addresses."""
         with read_transaction(self._reader) as conn:
-            return self._resolve(conn, spec)
+            return resolve.step_id(conn, spec)
 
     def show(self, spec: str) -> Step:
         """The step that `spec` addresses, with its content."""
         with read_transaction(self._reader) as conn:
-            return history.load_steps(conn, [self._resolve(conn, spec)])[0]
+            return history.load_steps(conn, [resolve.step_id(conn, spec)])[0]
 
     def log(self, spec: str, *, limit: int | None = None) -> Iterator[Step]:
         """Steps from `spec` (a run means its head) back to the root, head first.
@@ -143,14 +143,14 @@ class Store:
         Errors (an unknown run, say) are raised here, not on first iteration.
         """
         with read_transaction(self._reader) as conn:
-            start = self._resolve_or_empty(conn, spec)
+            start = resolve.step_id_or_empty(conn, spec)
             chain = history.chain(conn, start, limit) if start else []
             return iter(history.load_steps(conn, chain))
 
     def graph(self, spec: str, *, limit: int | None = None) -> list[GraphRow]:
         """`log` plus, per step, the runs whose head it is and the branches (runs) leaving it."""
         with read_transaction(self._reader) as conn:
-            start = self._resolve_or_empty(conn, spec)
+            start = resolve.step_id_or_empty(conn, spec)
             return views.graph_rows(conn, history.chain(conn, start, limit) if start else [])
 
     def path(self, spec: str) -> list[Step]:
@@ -162,7 +162,7 @@ class Store:
         with read_transaction(self._reader) as conn:
             chains = []
             for spec in (a, b):
-                start = self._resolve_or_empty(conn, spec)
+                start = resolve.step_id_or_empty(conn, spec)
                 chains.append(list(reversed(history.chain(conn, start, None))) if start else [])
             return views.divergence(conn, *chains)
 
@@ -182,7 +182,7 @@ class Store:
 
         validate_run_name(new_name)
         with write_transaction(self._writer) as conn:
-            step_id = self._resolve(conn, spec)
+            step_id = resolve.step_id(conn, spec)
             message = f"fork from {spec} ({step_id[:12]})"
             create_ref(conn, new_name, step_id, reason="fork", message=message)
             head = history.load_steps(conn, [step_id])[0]
@@ -195,8 +195,8 @@ class Store:
         old head (or `undo`) brings them back.
         """
         with write_transaction(self._writer) as conn:
-            head_id = self._head_id(conn, name)
-            target = self._resolve(conn, to)
+            head_id = resolve.head_id(conn, name)
+            target = resolve.step_id(conn, to)
             if (
                 head_id is None
                 or target == head_id
@@ -213,8 +213,8 @@ class Store:
     def reset(self, name: str, *, to: str) -> Step:
         """Move run `name` to any step `to` (e.g. a reverted head, to undo a revert)."""
         with write_transaction(self._writer) as conn:
-            head_id = self._head_id(conn, name)
-            target = self._resolve(conn, to)
+            head_id = resolve.head_id(conn, name)
+            target = resolve.step_id(conn, to)
             message = f"reset to {to} ({target[:12]})"
             move_ref(conn, name, head_id, target, reason="reset", message=message)
             return history.load_steps(conn, [target])[0]
@@ -222,7 +222,7 @@ class Store:
     def undo(self, name: str) -> Step | None:
         """Undo the last move of run `name` (itself recorded as a reset)."""
         with write_transaction(self._writer) as conn:
-            head_id = self._head_id(conn, name)
+            head_id = resolve.head_id(conn, name)
             last = conn.execute(
                 sa.select(reflog).where(reflog.c.ref == name).order_by(reflog.c.id.desc()).limit(1)
             ).first()
@@ -235,7 +235,7 @@ class Store:
     def reflog(self, name: str) -> list[ReflogEntry]:
         """Every move of run `name`, newest first."""
         with read_transaction(self._reader) as conn:
-            self._head_id(conn, name)
+            resolve.head_id(conn, name)
             rows = conn.execute(
                 sa.select(reflog).where(reflog.c.ref == name).order_by(reflog.c.id.desc())
             ).all()
@@ -254,7 +254,7 @@ class Store:
             raise UsageError(f"a note's author is a name of at most {_MAX_AUTHOR} characters")
         encoding.canonical_json([text, author])  # refuses text that is not valid Unicode
         with write_transaction(self._writer) as conn:
-            step_id = self._resolve(conn, spec)
+            step_id = resolve.step_id(conn, spec)
             now = time.time()
             result = conn.execute(
                 sa.insert(notes).values(step_id=step_id, author=author, text=text, created_at=now)
@@ -265,7 +265,7 @@ class Store:
     def notes(self, spec: str) -> list[Note]:
         """Notes on the step `spec`, oldest first."""
         with read_transaction(self._reader) as conn:
-            step_id = self._resolve(conn, spec)
+            step_id = resolve.step_id(conn, spec)
             rows = conn.execute(
                 sa.select(notes).where(notes.c.step_id == step_id).order_by(notes.c.id)
             ).all()
@@ -285,7 +285,7 @@ class Store:
         from kvtrace.store.bundle import write_bundle
 
         with read_transaction(self._reader) as conn:
-            head_id = self._head_id(conn, name)
+            head_id = resolve.head_id(conn, name)
             chain = list(reversed(history.chain(conn, head_id, None))) if head_id else []
             return write_bundle(conn, file, name, head_id, chain)
 
@@ -362,63 +362,6 @@ class Store:
         if len(self._known) >= _MAX_KNOWN:
             self._known.clear()
         self._known[step_id] = (parent_id, depth, skip_id)
-        content = {key: history.decode_json(data[key]) for key in payload}
+        content = {key: json.loads(data[key]) for key in payload}
         content.update(raw)
         return Step(step_id, parent_id, kind, depth, addresses, clean_meta, content, now)
-
-    # -- internals -------------------------------------------------------------
-
-    def _head_id(self, conn: Connection, name: str) -> str | None:
-        row = conn.execute(sa.select(refs.c.head).where(refs.c.name == name)).first()
-        if row is None:
-            raise RunNotFoundError(f"no run named {name!r} (see `kvtrace runs`)")
-        return row.head
-
-    def _resolve_or_empty(self, conn: Connection, spec: str) -> str | None:
-        parsed = parse_spec(spec)
-        if parsed.run is not None and parsed.number is None and parsed.back == 0:
-            row = conn.execute(sa.select(refs.c.head).where(refs.c.name == parsed.run)).first()
-            if row is not None:
-                return row.head
-        return self._resolve(conn, spec)
-
-    def _resolve(self, conn: Connection, text: str) -> str:
-        spec = parse_spec(text)
-        if spec.run is not None:
-            row = conn.execute(sa.select(refs.c.head).where(refs.c.name == spec.run)).first()
-            if row is not None:
-                return self._position(conn, text, spec, row.head)
-            if spec.prefix is None:
-                raise RunNotFoundError(f"no run named {spec.run!r} (see `kvtrace runs`)")
-        return self._by_prefix(conn, spec.prefix or "")
-
-    def _position(self, conn: Connection, text: str, spec: Spec, head_id: str | None) -> str:
-        if head_id is None:
-            raise StepNotFoundError(f"run {spec.run!r} has no steps yet")
-        depth = conn.execute(sa.select(steps.c.depth).where(steps.c.id == head_id)).scalar_one()
-        target = spec.number if spec.number is not None else depth - spec.back
-        if not 1 <= target <= depth:
-            raise StepNotFoundError(
-                f"{text!r} is outside run {spec.run!r}, which has {depth} steps"
-            )
-        found = head_id if target == depth else history.ancestor_at(conn, head_id, target)
-        if found is None:
-            raise IntegrityError(f"the history of run {spec.run!r} is broken: run `kvtrace fsck`")
-        return found
-
-    def _by_prefix(self, conn: Connection, prefix: str) -> str:
-        # A range, not LIKE: both backends answer it from the primary-key index.
-        ids = (
-            conn.execute(
-                sa.select(steps.c.id)
-                .where(steps.c.id >= prefix, steps.c.id < prefix + "g")
-                .limit(2)
-            )
-            .scalars()
-            .all()
-        )
-        if not ids:
-            raise StepNotFoundError(f"no step or run matches {prefix!r}")
-        if len(ids) > 1:
-            raise StepNotFoundError(f"step-id prefix {prefix!r} is ambiguous: give more characters")
-        return str(ids[0])
