@@ -124,14 +124,8 @@ def continue_run(
         new_steps.append(model_step)
         if prompt_ids is not None:
             oracle.add(prompt_ids + list(result.output_ids or []), label=model_step.id)
-        report = StepReport(
-            index=index, step_id=model_step.id, depth=model_step.depth,
-            prompt_tokens=result.prompt_tokens, reused_tokens=result.reused_tokens,
-            memory_tokens=result.memory_tokens, disk_tokens=result.disk_tokens,
-            computed_tokens=result.computed_tokens, oracle_tokens=oracle_tokens,
-            output_tokens=len(result.output_ids or []), prefill_s=result.prefill_s,
-            decode_s=result.decode_s,
-        )
+        report = StepReport.of(index, model_step, result, oracle_tokens=oracle_tokens,
+                               output_tokens=len(result.output_ids or []))
         reports.append(report)
         if on_step is not None:
             on_step(index, steps, report)

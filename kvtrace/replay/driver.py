@@ -159,22 +159,10 @@ def _replay_path(
         is_match, mismatch = (None, None)
         if mode == "verify":
             is_match, mismatch = _compare(expected, result.text, fed, tokenizer)
-        step_report = StepReport(
-            index=index,
-            step_id=step.id,
-            depth=step.depth,
-            prompt_tokens=result.prompt_tokens,
-            reused_tokens=result.reused_tokens,
-            memory_tokens=result.memory_tokens,
-            disk_tokens=result.disk_tokens,
-            computed_tokens=result.computed_tokens,
-            oracle_tokens=oracle_tokens,
-            output_tokens=len(fed) if fed is not None else 0,
-            prefill_s=result.prefill_s,
-            decode_s=result.decode_s,
-            is_match=is_match,
+        step_report = StepReport.of(
+            index, step, result, oracle_tokens=oracle_tokens,
+            output_tokens=len(fed) if fed is not None else 0, is_match=is_match,
             mismatch=mismatch,
-            draft=result.draft,
         )
         reports.append(step_report)
         if on_step is not None:

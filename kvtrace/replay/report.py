@@ -21,12 +21,16 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+
+if TYPE_CHECKING:
+    from kvtrace.replay.backend import CallResult
+    from kvtrace.store import Step
 
 MODES = ("verify", "rebuild")
 
@@ -72,6 +76,37 @@ class StepReport:
     is_match: bool | None = None  # verify only
     mismatch: Mismatch | None = None
     draft: str | None = None  # verify: "accepted" / "rejected" when the recording was checked
+
+    @classmethod
+    def of(
+        cls,
+        index: int,
+        step: Step,
+        result: CallResult,
+        *,
+        oracle_tokens: int | None,
+        output_tokens: int,
+        is_match: bool | None = None,
+        mismatch: Mismatch | None = None,
+    ) -> StepReport:
+        """The report of model call `step`, answered by a backend as `result`."""
+        return cls(
+            index=index,
+            step_id=step.id,
+            depth=step.depth,
+            prompt_tokens=result.prompt_tokens,
+            reused_tokens=result.reused_tokens,
+            memory_tokens=result.memory_tokens,
+            disk_tokens=result.disk_tokens,
+            computed_tokens=result.computed_tokens,
+            oracle_tokens=oracle_tokens,
+            output_tokens=output_tokens,
+            prefill_s=result.prefill_s,
+            decode_s=result.decode_s,
+            is_match=is_match,
+            mismatch=mismatch,
+            draft=result.draft,
+        )
 
     @property
     def hit_rate(self) -> float | None:
