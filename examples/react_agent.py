@@ -29,12 +29,13 @@ from pathlib import Path
 from rich.console import Console
 
 from kvtrace import Store, open_store
+from kvtrace.engine import KVCache
 from kvtrace.paths import default_cache_dir
 from kvtrace.replay import SamplingParams, analyze, continue_run, replay
 from kvtrace.replay.analyze import render_analysis
 from kvtrace.replay.local import LocalBackend, open_local_backend
 from kvtrace.replay.report import render
-from kvtrace.replay.tools import DEMO_TOOLS, demo_messages
+from kvtrace.replay.tools import DEMO_TOOLS, ask_demo_agent
 
 QUESTIONS = [
     "Which country is Lima in?",
@@ -45,15 +46,19 @@ PARAMS = SamplingParams(max_new_tokens=48)  # greedy: the run is reproducible
 console = Console()
 
 
+def free_name(taken: set[str]) -> str:
+    """agent, agent-1, agent-2, …: the first whose run and whose fork are both new."""
+    number = 0
+    while (name := f"agent-{number}" if number else "agent") in taken or f"{name}-edit" in taken:
+        number += 1
+    return name
+
+
 def record_agent(store: Store, backend: LocalBackend, name: str) -> None:
     """A session: each question is a new user turn in the same, growing conversation."""
     for number, question in enumerate(QUESTIONS):
-        if number == 0:
-            result = continue_run(store, name, backend, steps=3, tools=DEMO_TOOLS,
-                                  messages=demo_messages(question), params=PARAMS)
-        else:
-            result = continue_run(store, name, backend, steps=3, tools=DEMO_TOOLS,
-                                  user_message=f"Question: {question}", params=PARAMS)
+        result = ask_demo_agent(store, name, backend, question, params=PARAMS,
+                                is_first=number == 0)
         calls = [f"{s.meta['tool']}({s.content['arguments']!r})" for s in result.new_steps
                  if s.kind == "tool_call"]
         console.print(f"[bold]{question}[/bold] tools: {', '.join(calls) or 'none'}; "
@@ -95,11 +100,8 @@ def main(argv: list[str] | None = None) -> None:
             store = open_store()
         else:
             store = open_store(args.store or f"sqlite:///{root / 'store.db'}")
-        taken = {info.name for info in store.runs()}
-        suffix = next(f"-{n}" if n else "" for n in range(1000)
-                      if f"agent{f'-{n}' if n else ''}" not in taken
-                      and f"agent{f'-{n}' if n else ''}-edit" not in taken)
-        name, fork_name = f"agent{suffix}", f"agent{suffix}-edit"
+        name = free_name({info.name for info in store.runs()})
+        fork_name = f"{name}-edit"
         kv_root = args.cache_dir or root
         backend = open_local_backend(args.model, cache_dir=default_cache_dir(),
                                      kv_dir=kv_root / "kv-recording")
@@ -117,8 +119,8 @@ def main(argv: list[str] | None = None) -> None:
         console.print(f"the fork answers {result.final_answer!r}", highlight=False)
 
         console.rule("4. replay both on an empty cache")
-        fresh = open_local_backend(args.model, cache_dir=default_cache_dir(),
-                                   kv_dir=kv_root / "kv-replay")
+        engine = backend.engine  # the same loaded model, with a new and empty cache
+        fresh = LocalBackend(engine, KVCache(engine, disk_dir=kv_root / "kv-replay"))
         render(replay(store, name, fresh, mode="rebuild", compare_uncached=True), console)
         console.print(f"The fork shares its first steps with {name!r}, whose KV the cache now "
                       "holds: they compute one token each, and the step after the edit only "

@@ -32,12 +32,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvtrace.replay import SamplingParams, continue_run, replay
+from kvtrace.replay import SamplingParams, replay
 from kvtrace.replay.local import LocalBackend
 from kvtrace.replay.oracle import common_prefix_length
 from kvtrace.replay.recording import expected_output_ids, step_messages
 from kvtrace.replay.report import ReplayReport
-from kvtrace.replay.tools import CITY_FACTS, DEMO_TOOLS, demo_messages
+from kvtrace.replay.tools import CITY_FACTS, ask_demo_agent
 from kvtrace.store import Store, open_store
 
 MIN_PROMPT_TOKENS = 2000
@@ -72,13 +72,8 @@ def record_session(store: Store, name: str, backend: LocalBackend) -> int:
     """Record questions until a prompt passes MIN_PROMPT_TOKENS; returns model calls."""
     calls, longest = 0, 0
     for number, question in enumerate(_QUESTIONS):
-        if number == 0:
-            result = continue_run(store, name, backend, steps=3, tools=DEMO_TOOLS,
-                                  messages=demo_messages(question, notes=reference_notes()),
-                                  params=_PARAMS)
-        else:
-            result = continue_run(store, name, backend, steps=3, tools=DEMO_TOOLS,
-                                  user_message=f"Question: {question}", params=_PARAMS)
+        result = ask_demo_agent(store, name, backend, question, params=_PARAMS,
+                                is_first=number == 0, notes=reference_notes())
         calls += len(result.reports)
         longest = max([longest, *(r.prompt_tokens for r in result.reports)])
         if longest > MIN_PROMPT_TOKENS and calls >= MIN_MODEL_CALLS:

@@ -12,7 +12,12 @@ from __future__ import annotations
 import ast
 import operator
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvtrace.replay.backend import Backend, SamplingParams
+    from kvtrace.replay.continuation import ContinueResult
+    from kvtrace.store import Store
 
 _OPERATORS: dict[type, Callable[[Any, Any], Any]] = {
     ast.Add: operator.add,
@@ -91,3 +96,27 @@ def demo_messages(question: str, *, notes: str = "") -> list[dict[str, Any]]:
         *few_shot_messages(DEMO_SHOTS),
         {"role": "user", "content": f"Question: {question}"},
     ]
+
+
+def ask_demo_agent(
+    store: Store,
+    run: str,
+    backend: Backend,
+    question: str,
+    *,
+    params: SamplingParams,
+    is_first: bool,
+    notes: str = "",
+) -> ContinueResult:
+    """Put one question to the demo agent on `run`, with up to 3 model calls.
+
+    The first question opens the conversation (`demo_messages`); later ones
+    are the next user turn of the same, growing conversation.
+    """
+    from kvtrace.replay.continuation import continue_run
+
+    if is_first:
+        return continue_run(store, run, backend, steps=3, tools=DEMO_TOOLS, params=params,
+                            messages=demo_messages(question, notes=notes))
+    return continue_run(store, run, backend, steps=3, tools=DEMO_TOOLS, params=params,
+                        user_message=f"Question: {question}")
