@@ -75,12 +75,12 @@ def cache_stats(
     disk_dir: str | os.PathLike[str],
     *,
     block_size: int = DEFAULT_BLOCK_SIZE,
-    memory_entries: int = 0,
-    memory_bytes: int = 0,
-    memory_max_bytes: int = DEFAULT_MEMORY_BYTES,
 ) -> CacheStats:
-    """Stats of the disk tier under `disk_dir` (memory figures are passed in:
-    a fresh process has an empty memory tier)."""
+    """Stats of the disk tier under `disk_dir`.
+
+    The memory figures are those of a fresh process, whose memory tier is
+    empty: this command's.
+    """
     store = BlockStore(disk_dir, block_size=block_size)
     every = list(store.scan())
     mine = [info for info in every if info.fingerprint == engine.fingerprint]
@@ -96,9 +96,9 @@ def cache_stats(
         disk_blocks_all_models=len(every),
         disk_bytes_all_models=sum(info.num_bytes for info in every),
         disk_bytes_per_token=mine_bytes / (len(mine) * block_size) if mine else None,
-        memory_entries=memory_entries,
-        memory_bytes=memory_bytes,
-        memory_max_bytes=memory_max_bytes,
+        memory_entries=0,
+        memory_bytes=0,
+        memory_max_bytes=DEFAULT_MEMORY_BYTES,
     )
 
 
