@@ -95,3 +95,53 @@ def _measure(store: Store, num_appends: int, num_trials: int) -> dict[str, Any]:
         and result["revert_ratio"] <= 1.2
     )
     return result
+
+
+def run_conversation_bench(
+    url: str | None = None, *, num_calls: int = 60, with_tool_steps: bool = True
+) -> dict[str, Any]:
+    """Bytes a `num_calls`-call tool-calling conversation takes in the store.
+
+    `store_bytes` counts every blob and every step body; the denominator is
+    the canonical bytes of the conversation's distinct messages (each
+    message once, the tool list once), what an ideal store would keep.
+    """
+    import json
+
+    import sqlalchemy as sa
+
+    from kvtrace.bench.conversations import tool_calling_conversation
+    from kvtrace.store.encoding import canonical_json
+    from kvtrace.store.messages import normalize_message
+
+    calls = tool_calling_conversation(num_calls)
+    with tempfile.TemporaryDirectory() as tmp:
+        store = open_store(url or f"sqlite:///{Path(tmp) / 'bench.db'}")
+        try:
+            run = store.run(f"bench-conversation-{time.time_ns()}")
+            for call in calls:
+                run.record_model_call(call.messages, call.response, model="bench",
+                                      tools=call.tools, usage=call.usage)
+                if with_tool_steps:
+                    for call_id, name, arguments, result in call.results:
+                        run.record_tool_call(name, arguments, result, call_id=call_id)
+            with store.engine.connect() as conn:
+                blob_bytes = conn.execute(sa.select(sa.func.sum(sa.column("size")))
+                                          .select_from(sa.table("blobs"))).scalar() or 0
+                body_bytes = sum(len(bytes(b)) for (b,) in conn.execute(
+                    sa.text("SELECT body FROM steps")))
+        finally:
+            store.close()
+    distinct = {canonical_json(normalize_message(m)) for c in calls
+                for m in [*c.messages, c.response]}
+    distinct_bytes = sum(len(d) for d in distinct) + len(canonical_json(calls[0].tools))
+    return {
+        "num_calls": num_calls,
+        "num_messages": len(calls[-1].messages) + 1,
+        "with_tool_steps": with_tool_steps,
+        "distinct_message_bytes": distinct_bytes,
+        "store_bytes": blob_bytes + body_bytes,
+        "store_bytes_over_distinct": round((blob_bytes + body_bytes) / distinct_bytes, 3),
+        "one_blob_per_call_bytes": sum(
+            len(json.dumps([*c.messages], separators=(",", ":"))) for c in calls),
+    }

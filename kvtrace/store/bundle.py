@@ -6,6 +6,10 @@ one line per blob ``{"blob": ADDRESS, "data": BASE64}``, per step
 ``{"step": ID, "body": BODY, "recorded_at": T}`` (root first) and per note
 ``{"note": STEP_ID, "author", "text", "created_at"}``.
 
+A step whose payload has list fields (version-2 model calls, see lists.py)
+brings its list segments and their items as blob lines too. Bundles of
+version 1 (no list fields) still import.
+
 Import checks the shape of every line and recomputes every address and id
 before writing anything, so a modified or malformed bundle is refused whole;
 identical content lands under identical ids. Steps may come in any order:
@@ -27,6 +31,7 @@ from sqlalchemy.engine import Connection
 from kvtrace.errors import ConflictError, IntegrityError, UsageError
 from kvtrace.store.backend import insert_ignore
 from kvtrace.store.encoding import decode_body, decode_json_blob, is_address
+from kvtrace.store import lists
 from kvtrace.store.history import chunks, skip_in_memory
 from kvtrace.store.names import validate_run_name
 from kvtrace.store.records import RunInfo
@@ -34,7 +39,8 @@ from kvtrace.store.refs import create_ref
 from kvtrace.store.schema import blobs, notes, refs, steps
 
 FORMAT = "kvtrace-bundle"
-VERSION = 1
+VERSION = 2
+READABLE_VERSIONS = (1, 2)
 
 
 def _line(file: IO[bytes], value: dict[str, Any]) -> None:
@@ -47,19 +53,16 @@ def write_bundle(
     """Write the steps `chain` (root first) of run `name`; return the number of steps."""
     _line(file, {"format": FORMAT, "version": VERSION, "run": name, "head": head})
     written: set[str] = set()
+    fetch = lists.fetch_blobs(conn)
     for part in chunks(chain):
         rows = {r.id: r for r in conn.execute(sa.select(steps).where(steps.c.id.in_(part)))}
-        wanted = {
-            address
-            for row in rows.values()
-            for address in json.loads(bytes(row.body))["payload"].values()
-        } - written
-        query = sa.select(blobs.c.hash, blobs.c.data).where(blobs.c.hash.in_(wanted))
-        data = {address: blob for address, blob in conn.execute(query)}
+        needs = {step_id: _blobs_of(fetch, bytes(row.body)) for step_id, row in rows.items()}
+        wanted = sorted(set().union(*needs.values()) - written)
+        data = fetch(wanted)
         for step_id in part:
             row = rows[step_id]
             body = bytes(row.body)
-            for address in json.loads(body)["payload"].values():
+            for address in needs[step_id]:
                 if address in written:
                     continue
                 if address not in data:
@@ -85,6 +88,15 @@ def write_bundle(
                 },
             )
     return len(chain)
+
+
+def _blobs_of(fetch: Any, body: bytes) -> list[str]:
+    """Every blob a step body needs, list segments and items included, in a stable order."""
+    value = json.loads(body)
+    list_fields = value.get("lists", [])
+    direct = [a for k, a in sorted(value["payload"].items()) if k not in list_fields]
+    segments = [value["payload"][k] for k in sorted(list_fields)]
+    return direct + sorted(lists.closure(fetch, segments)) if segments else direct
 
 
 def read_bundle(conn: Connection, file: IO[bytes], name: str | None) -> RunInfo:
@@ -163,7 +175,7 @@ def _parse(file: IO[bytes]) -> Parsed:
     if not lines or not isinstance(lines[0], dict) or lines[0].get("format") != FORMAT:
         raise UsageError("not a kvtrace bundle (bad or missing header line)")
     header = lines[0]
-    if header.get("version") != VERSION:
+    if header.get("version") not in READABLE_VERSIONS:
         raise UsageError(f"unsupported bundle version {header.get('version')!r}")
     if not isinstance(header.get("run"), str) or not (
         "head" in header and (header["head"] is None or is_address(header["head"]))
@@ -178,10 +190,22 @@ def _parse(file: IO[bytes]) -> Parsed:
             _parse_line(item, blob_rows, step_rows, note_rows, json_fields)
         except (KeyError, TypeError, ValueError, AttributeError, binascii.Error) as exc:
             raise UsageError(f"malformed bundle line {number}: {exc!r}") from exc
+    def fetch(addresses: list[str]) -> dict[str, bytes]:
+        return {a: blob_rows[a]["data"] for a in addresses if a in blob_rows}
+
+    segments: set[str] = set()
     for row in step_rows.values():
-        missing = {a for a in json.loads(row["body"])["payload"].values() if a not in blob_rows}
+        value = json.loads(row["body"])
+        missing = {a for a in value["payload"].values() if a not in blob_rows}
         if missing:
             raise IntegrityError(f"bundle step {row['id'][:12]} refers to a missing blob")
+        segments.update(value["payload"][k] for k in value.get("lists", []))
+    resolved = lists.resolve(fetch, segments, {})
+    for _, items in resolved.values():
+        for address in items:
+            if address not in blob_rows:
+                raise IntegrityError(f"bundle list item {address[:12]} is missing")
+            json_fields.add(address)
     for address in json_fields:
         decode_json_blob(blob_rows[address]["data"])
     return header, list(blob_rows.values()), list(step_rows.values()), note_rows
@@ -206,7 +230,10 @@ def _parse_line(
         if hashlib.sha256(body).hexdigest() != item["step"]:
             raise IntegrityError(f"bundle step {str(item['step'])[:12]} does not match its id")
         value = decode_body(body)
-        json_fields.update(a for k, a in value["payload"].items() if k not in value["raw"])
+        json_fields.update(
+            a for k, a in value["payload"].items()
+            if k not in value["raw"] and k not in value.get("lists", [])
+        )
         step_rows[item["step"]] = {
             "id": item["step"],
             "parent_id": value["parent"],

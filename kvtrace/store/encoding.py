@@ -2,15 +2,21 @@
 
 A blob's address is the SHA-256 of its bytes. A step's id is the SHA-256 of its
 *body*: the canonical JSON of ``{"v": ENCODING_VERSION, "kind", "parent",
-"payload", "raw", "meta"}``. Canonical means UTF-8, keys sorted, no insignificant
+"payload", "raw", "lists", "meta"}``. Canonical means UTF-8, keys sorted, no insignificant
 whitespace, no NaN or infinity, and only JSON types (dict with str keys, list,
 str, int, float, bool, None). Because the parent id is inside the body, a step
 id pins its whole history, like a Git commit id; identical content under the
 same parent is the same step.
 
 The version tag ``"v"`` is part of every body, so a future encoding can never
-produce an id that collides with a version-1 id. Changing anything here changes
+produce an id that collides with an earlier one. Changing anything here changes
 ids: tests/store/test_encoding.py pins known ids.
+
+Versions: 1 had no ``"lists"`` field (every payload field was one blob).
+Version 2 adds ``"lists"``: the payload fields whose blob is a *list segment*
+(see lists.py), so that each item of a list (each chat message) is its own
+blob and a conversation's history is stored once. Steps written in version 1
+keep their bodies and ids, and both versions decode.
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ from typing import Any
 
 from kvtrace.errors import IntegrityError, UsageError
 
-ENCODING_VERSION = 1
+ENCODING_VERSION = 2
+KNOWN_VERSIONS = (1, 2)
 MAX_KIND_LENGTH = 64
 _HEX = re.compile(r"[0-9a-f]+")
 
@@ -77,11 +84,13 @@ def step_body(
     payload: Mapping[str, str],
     raw: list[str],
     meta: Mapping[str, Any],
+    lists: list[str] | None = None,
 ) -> bytes:
-    """The canonical body of a step; its SHA-256 is the step id.
+    """The canonical body of a step (the current version); its SHA-256 is the step id.
 
     `payload` maps field names to blob addresses; `raw` names the fields whose
-    blob is raw bytes rather than canonical JSON.
+    blob is raw bytes rather than canonical JSON, `lists` those whose blob is
+    a list segment.
     """
     return canonical_json(
         {
@@ -90,6 +99,7 @@ def step_body(
             "parent": parent,
             "payload": dict(payload),
             "raw": sorted(raw),
+            "lists": sorted(lists or []),
             "meta": dict(meta),
         }
     )
@@ -101,7 +111,9 @@ def decode_body(body: bytes) -> dict[str, Any]:
         value = json.loads(body.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise IntegrityError(f"step body is not valid JSON: {exc}") from exc
-    if not isinstance(value, dict) or value.get("v") != ENCODING_VERSION:
+    if not isinstance(value, dict) or type(value.get("v")) is not int or (
+        value["v"] not in KNOWN_VERSIONS
+    ):
         raise IntegrityError("step body has an unknown encoding version")
     problem = _shape_problem(value)
     if problem:
@@ -127,8 +139,16 @@ def is_address(value: Any) -> bool:
     return isinstance(value, str) and len(value) == 64 and _HEX.fullmatch(value) is not None
 
 
+def list_fields(body: Mapping[str, Any]) -> list[str]:
+    """The payload fields of a decoded body whose blob is a list segment."""
+    return list(body.get("lists", ()))
+
+
 def _shape_problem(value: dict[str, Any]) -> str | None:
-    if set(value) != {"v", "kind", "parent", "payload", "raw", "meta"}:
+    fields = {"v", "kind", "parent", "payload", "raw", "meta"}
+    if value["v"] >= 2:
+        fields.add("lists")
+    if set(value) != fields:
         return "unexpected or missing fields"
     kind, payload, raw = value["kind"], value["payload"], value["raw"]
     if not isinstance(kind, str) or not 0 < len(kind) <= MAX_KIND_LENGTH:
@@ -137,8 +157,15 @@ def _shape_problem(value: dict[str, Any]) -> str | None:
         return "parent must be a step id or null"
     if not isinstance(payload, dict) or not all(is_address(a) for a in payload.values()):
         return "payload must map field names to blob addresses"
-    if not isinstance(raw, list) or not set(raw) <= set(payload):
+    if not isinstance(raw, list) or not all(isinstance(f, str) for f in raw) or (
+        not set(raw) <= set(payload)
+    ):
         return "raw must list payload fields"
+    lists = value.get("lists", [])
+    if not isinstance(lists, list) or not all(isinstance(f, str) for f in lists) or (
+        not set(lists) <= set(payload) or set(lists) & set(raw)
+    ):
+        return "lists must name payload fields that are not raw"
     if not isinstance(value["meta"], dict):
         return "meta must be an object"
     return None

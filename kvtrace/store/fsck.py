@@ -17,7 +17,8 @@ from sqlalchemy.engine import Connection
 
 from kvtrace.errors import IntegrityError
 from kvtrace.store.encoding import decode_body, decode_json_blob
-from kvtrace.store.history import skip_in_memory
+from kvtrace.store import lists
+from kvtrace.store.history import chunks, skip_in_memory
 from kvtrace.store.records import FsckReport
 from kvtrace.store.schema import blobs, notes, reflog, refs, steps
 
@@ -37,7 +38,8 @@ def check(conn: Connection) -> FsckReport:
         if value is not None:
             payloads[row.id] = value["payload"]
             for key, address in value["payload"].items():
-                wanted.setdefault(address, "raw" if key in value["raw"] else "json")
+                use = "raw" if key in value["raw"] else "json"
+                wanted.setdefault(address, "list" if key in value.get("lists", ()) else use)
     problems.extend(_check_history(rows))
 
     blob_ids: set[str] = set()
@@ -48,6 +50,8 @@ def check(conn: Connection) -> FsckReport:
         for key, address in payload.items():
             if address not in blob_ids:
                 problems.append(f"step {step_id[:12]}: blob {address[:12]} ({key}) is missing")
+    segments = {a for a, use in wanted.items() if use == "list" and a in blob_ids}
+    problems.extend(_check_lists(conn, segments, blob_ids, wanted))
 
     num_refs = 0
     for name, head in conn.execute(sa.select(refs.c.name, refs.c.head)):
@@ -66,6 +70,31 @@ def check(conn: Connection) -> FsckReport:
         if step_id not in rows:
             problems.append(f"note {note_id}: step {step_id[:12]} is missing")
     return FsckReport(len(blob_ids), len(rows), num_refs, num_notes, problems)
+
+
+def _check_lists(
+    conn: Connection, segments: set[str], blob_ids: set[str], wanted: dict[str, str]
+) -> list[str]:
+    """Every list segment resolves, and its items exist and are canonical JSON."""
+    problems: list[str] = []
+    fetch = lists.fetch_blobs(conn)
+    resolved: dict[str, lists.Resolved] = {}
+    for address in sorted(segments):
+        try:
+            resolved.update(lists.resolve(fetch, [address], resolved))
+        except IntegrityError as exc:
+            problems.append(f"blob {address[:12]}: {exc}")
+    items = {item for _, chain in resolved.values() for item in chain}
+    unchecked = sorted(a for a in items if a in blob_ids and wanted.get(a) != "json")
+    for address in sorted(items - blob_ids):
+        problems.append(f"list item {address[:12]} is missing")
+    for part in chunks(unchecked):
+        for address, data in fetch(part).items():
+            try:
+                decode_json_blob(data)
+            except IntegrityError as exc:
+                problems.append(f"list item {address[:12]}: {exc}")
+    return problems
 
 
 def _check_body(row: Any, problems: list[str]) -> dict[str, Any] | None:

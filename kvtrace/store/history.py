@@ -12,13 +12,14 @@ set once when a step is inserted, never hashed, and checked by fsck.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from kvtrace.errors import IntegrityError, StepNotFoundError
+from kvtrace.store import lists
 from kvtrace.store.records import Step
 from kvtrace.store.schema import blobs, steps
 
@@ -146,8 +147,16 @@ def chunks(items: list[str]) -> Iterable[list[str]]:
         yield items[start : start + _IN_CHUNK]
 
 
-def load_steps(conn: Connection, ids: list[str]) -> list[Step]:
-    """Steps with their content, in the order of `ids`."""
+def load_steps(
+    conn: Connection,
+    ids: list[str],
+    segments: MutableMapping[str, lists.Resolved] | None = None,
+) -> list[Step]:
+    """Steps with their content, in the order of `ids`.
+
+    List fields (a model call's messages) are resolved to their items;
+    `segments` caches resolved list segments across calls.
+    """
     rows: dict[str, Any] = {}
     for part in chunks(ids):
         for row in conn.execute(sa.select(steps).where(steps.c.id.in_(part))):
@@ -156,19 +165,36 @@ def load_steps(conn: Connection, ids: list[str]) -> list[Step]:
     if missing:
         raise StepNotFoundError(f"step {missing[0][:12]} is missing from the store")
     bodies = {i: json.loads(bytes(rows[i].body)) for i in ids}
-    wanted = {addr for body in bodies.values() for addr in body["payload"].values()}
+    list_addresses = {
+        body["payload"][field] for body in bodies.values() for field in body.get("lists", ())
+    }
+    resolved = lists.resolve(lists.fetch_blobs(conn), list_addresses,
+                             segments if segments is not None else {})
+    wanted = {
+        address
+        for body in bodies.values()
+        for field, address in body["payload"].items()
+        if field not in body.get("lists", ())
+    }
+    wanted.update(item for address in list_addresses for item in resolved[address][1])
     data: dict[str, bytes] = {}
     for part in chunks(sorted(wanted)):
         for address, blob in conn.execute(
             sa.select(blobs.c.hash, blobs.c.data).where(blobs.c.hash.in_(part))
         ):
             data[address] = bytes(blob)
-    return [_step(rows[i], bodies[i], data) for i in ids]
+    return [_step(rows[i], bodies[i], data, resolved) for i in ids]
 
 
-def _step(row: Any, body: dict[str, Any], data: dict[str, bytes]) -> Step:
+def _step(
+    row: Any, body: dict[str, Any], data: dict[str, bytes], resolved: Mapping[str, lists.Resolved]
+) -> Step:
     content: dict[str, Any] = {}
+    list_fields = body.get("lists", ())
     for key, address in body["payload"].items():
+        if key in list_fields:
+            content[key] = lists.item_values(resolved, data, address)
+            continue
         if address not in data:
             raise IntegrityError(f"step {row.id[:12]} refers to missing blob {address[:12]}")
         blob = data[address]

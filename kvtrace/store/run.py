@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from kvtrace.errors import UsageError
+from kvtrace.store.messages import normalize_messages, normalize_response, normalize_tools, to_plain
 
 if TYPE_CHECKING:
     from kvtrace.store.records import Step
@@ -55,43 +56,81 @@ class Run:
 
     def record_model_call(
         self,
-        messages: list[dict[str, Any]],
+        messages: Any,
         response: Any,
         *,
         model: str,
+        tools: Any = None,
         params: Mapping[str, Any] | None = None,
         usage: Mapping[str, Any] | None = None,
         timings: Mapping[str, Any] | None = None,
+        extra: Mapping[str, Any] | None = None,
     ) -> Step:
-        """Record one model call: the chat messages sent and the response received.
+        """Record one model call: the chat messages and tools sent, the response received.
 
-        `response` is the assistant message (a dict with `role` and `content`,
-        maybe `tool_calls`) or a plain string, which is stored as such.
+        Messages, response and tools are in OpenAI chat shape; SDK objects are
+        converted (see messages.py). Each message is stored once however many
+        calls send it. `usage` keeps the provider's counts (`prompt_tokens`,
+        `completion_tokens`, `cached_tokens`, ...), `extra` any fields of an
+        imported trajectory that kvtrace does not model.
         """
-        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-            raise UsageError("messages must be a list of dicts (OpenAI chat format)")
-        if not model:
-            raise UsageError("model must name the model that answered")
+        if not isinstance(model, str) or not model:
+            raise UsageError("model must name the model that answered (a non-empty string)")
+        normalized = normalize_messages(messages)
+        payload: dict[str, Any] = {"response": normalize_response(response)}
+        tool_list = normalize_tools(tools)
+        if tool_list is not None:
+            payload["tools"] = tool_list
         meta = {
             "model": model,
-            "params": dict(params) if params else None,
-            "usage": dict(usage) if usage else None,
-            "timings": dict(timings) if timings else None,
+            "params": _mapping(params, "params"),
+            "usage": _mapping(usage, "usage"),
+            "timings": _mapping(timings, "timings"),
+            "extra": _mapping(extra, "extra"),
         }
-        return self.record("model_call", {"messages": messages, "response": response}, meta=meta)
+        step = self.store.append(self.name, self._head, "model_call", payload, meta,
+                                 lists={"messages": normalized})
+        self._head = step
+        return step
 
     def record_tool_call(
-        self, name: str, arguments: Any, result: Any, *, error: str | None = None
+        self,
+        name: str,
+        arguments: Any,
+        result: Any,
+        *,
+        error: str | None = None,
+        call_id: str | None = None,
+        timings: Mapping[str, Any] | None = None,
+        extra: Mapping[str, Any] | None = None,
     ) -> Step:
-        """Record one tool call with its arguments and result (or error)."""
-        if not name:
-            raise UsageError("a tool call needs the tool's name")
+        """Record one tool call with its arguments and result (or error).
+
+        `call_id` links it to the `tool_calls[i].id` of the model call that asked for it.
+        """
+        if not isinstance(name, str) or not name:
+            raise UsageError("a tool call needs the tool's name (a non-empty string)")
+        if error is not None and not isinstance(error, str):
+            raise UsageError("error must be a string")
+        if call_id is not None and not isinstance(call_id, str):
+            raise UsageError("call_id must be a string")
         return self.record(
             "tool_call",
-            {"arguments": arguments, "result": result},
-            meta={"tool": name, "error": error},
+            {"arguments": to_plain(arguments), "result": to_plain(result)},
+            meta={"tool": name, "error": error, "call_id": call_id,
+                  "timings": _mapping(timings, "timings"), "extra": _mapping(extra, "extra")},
         )
 
     def record_note(self, text: str, *, author: str | None = None) -> Step:
         """Record a note as a step of the run (unlike Store.note, which annotates a step)."""
         return self.record("note", {"text": text}, meta={"author": author})
+
+
+def _mapping(value: Mapping[str, Any] | None, name: str) -> dict[str, Any] | None:
+    """A copy of an optional mapping argument (None or empty: not recorded)."""
+    if value is None:
+        return None
+    plain = to_plain(value)
+    if not isinstance(plain, dict):
+        raise UsageError(f"{name} must be a mapping (dict), not {type(value).__name__}")
+    return plain or None

@@ -45,17 +45,46 @@ def test_key_order_does_not_change_the_encoding():
 
 
 def test_step_body_carries_the_version_tag():
-    assert decode_body(_body())["v"] == ENCODING_VERSION == 1
+    assert decode_body(_body())["v"] == ENCODING_VERSION == 2
 
 
 def test_known_step_id_is_pinned():
     # If this fails, every stored id changed: bump ENCODING_VERSION instead.
     body = _body()
     assert body == (
+        b'{"kind":"tool_call","lists":[],"meta":{"tool":"calc"},"parent":null,"payload":'
+        b'{"result":"' + b"ab" * 32 + b'"},"raw":[],"v":2}'
+    )
+    assert sha256_hex(body) == "c94393fd62aa04b8d7c26eb261f863511e973d3054624f4ffd0353be7d64244a"
+
+
+def test_known_model_call_id_with_a_list_field_is_pinned():
+    body = _body(kind="model_call", payload={"messages": "cd" * 32, "response": "ab" * 32},
+                 meta={"model": "m"}, lists=["messages"])
+    assert sha256_hex(body) == "9dab800ed220a92b88ccf7e5097a5b2cbc84061b44d1b6dbe7af7a49ee4fbfb8"
+
+
+def test_version_1_bodies_still_decode_with_their_pinned_id():
+    v1 = (
         b'{"kind":"tool_call","meta":{"tool":"calc"},"parent":null,"payload":'
         b'{"result":"' + b"ab" * 32 + b'"},"raw":[],"v":1}'
     )
-    assert sha256_hex(body) == "5255c4a8208d9a266a95d916c3fd8a4fe095ed5bbf7dba5e6c459e6f01983598"
+    assert sha256_hex(v1) == "5255c4a8208d9a266a95d916c3fd8a4fe095ed5bbf7dba5e6c459e6f01983598"
+    assert decode_body(v1)["v"] == 1
+
+
+@pytest.mark.parametrize("body", [
+    b'{"kind":"t","lists":[],"meta":{},"parent":null,"payload":{},"raw":[],"v":1}',
+    b'{"kind":"t","meta":{},"parent":null,"payload":{},"raw":[],"v":2}',
+    b'{"kind":"t","lists":["x"],"meta":{},"parent":null,"payload":{},"raw":[],"v":2}',
+    b'{"kind":"t","meta":{},"parent":null,"payload":{},"raw":[],"v":3}',
+    b'{"kind":"t","meta":{},"parent":null,"payload":{},"raw":[],"v":true}',
+])
+def test_bodies_of_the_wrong_shape_for_their_version_are_refused(body):
+    from kvtrace.errors import IntegrityError
+
+    with pytest.raises(IntegrityError):
+        decode_body(body)
 
 
 def test_parent_changes_the_id():

@@ -1,0 +1,172 @@
+"""Tool-calling conversations in the shape real agent harnesses write, made here.
+
+`tool_calling_conversation(num_calls)` builds, deterministically from a seed,
+what a tau-bench or mini-swe-agent style agent sends over `num_calls` model
+calls: a long system prompt (a policy), a user task, then assistant turns
+that call tools (``content: null`` with `tool_calls`, arguments a JSON
+string), `role: "tool"` results of 100 to ~2,000 characters, an occasional
+user follow-up and text answer. Each call's messages are the previous call's
+messages plus its response and what followed, as every harness sends them.
+
+Used by `kvtrace bench store` (bytes stored over distinct message bytes) and
+by tests; nothing here is copied from a real trajectory.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from typing import Any
+
+TOOLS: list[dict[str, Any]] = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_reservation_details",
+            "description": "Get the details of a reservation.",
+            "parameters": {
+                "type": "object",
+                "properties": {"reservation_id": {"type": "string"}},
+                "required": ["reservation_id"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "search_direct_flight",
+            "description": "Search direct flights between two cities on a date.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "origin": {"type": "string"},
+                    "destination": {"type": "string"},
+                    "date": {"type": "string"},
+                },
+                "required": ["origin", "destination", "date"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "bash",
+            "description": "Run a shell command in the repository and return its output.",
+            "parameters": {
+                "type": "object",
+                "properties": {"command": {"type": "string"}},
+                "required": ["command"],
+            },
+        },
+    },
+]
+
+_POLICY = (
+    "# Airline agent policy\n"
+    "You are a customer service agent for an airline. Help users book, modify or cancel "
+    "reservations. Before taking an action that changes the booking database, list the "
+    "action's details and obtain explicit user confirmation (yes) to proceed. Make at most "
+    "one tool call at a time; if you call a tool, do not respond to the user in the same "
+    "turn. Deny requests that are against this policy.\n"
+)
+_CITIES = ["SFO", "JFK", "LAX", "ORD", "SEA", "BOS", "DEN", "ATL", "MIA", "PHX"]
+_FILES = ["src/core.py", "src/utils.py", "tests/test_core.py", "README.md", "setup.cfg"]
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """One recorded model call: what was sent and what came back."""
+
+    messages: list[dict[str, Any]]
+    response: dict[str, Any]
+    tools: list[dict[str, Any]]
+    usage: dict[str, Any]
+    results: list[tuple[str, str, Any, str]]  # (call id, tool, arguments, result) after it
+
+
+def tool_calling_conversation(num_calls: int, *, seed: int = 0) -> list[Call]:
+    """`num_calls` model calls of one growing tool-calling conversation."""
+    rng = random.Random(seed)
+    system = _POLICY + "".join(
+        f"- Rule {i}: {rng.choice(['economy', 'business', 'basic economy'])} fares "
+        f"{rng.choice(['can', 'cannot'])} be changed within {rng.randint(1, 48)} hours; "
+        f"baggage allowance is {rng.randint(0, 3)} bags.\n"
+        for i in range(40)
+    )
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": system},
+        {"role": "user", "content": "Hi, I want to change my flight from SFO to JFK, "
+         "reservation ZFA04Y, to a later date."},
+    ]
+    calls: list[Call] = []
+    for index in range(num_calls):
+        prompt_chars = sum(len(json.dumps(m)) for m in messages)
+        usage = {
+            "prompt_tokens": prompt_chars // 4,
+            "completion_tokens": rng.randint(15, 60),
+            "cached_tokens": (prompt_chars // 4) // 64 * 64 if index else 0,
+        }
+        if index % 7 == 6 or index == num_calls - 1:  # a text turn, then the user goes on
+            response = {"role": "assistant",
+                        "content": f"I found {rng.randint(1, 5)} options; shall I proceed "
+                                   f"with option {rng.randint(1, 3)}? (turn {index})"}
+            calls.append(Call(list(messages), response, TOOLS, usage, []))
+            messages = [*messages, response,
+                        {"role": "user", "content": rng.choice(["yes", "Yes, go ahead.",
+                                                                "No, try another date."])}]
+            continue
+        call_id = f"call_{seed}_{index:03d}"
+        name, arguments, result = _tool_use(rng, index)
+        response = {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": call_id, "type": "function",
+                            "function": {"name": name, "arguments": json.dumps(arguments)}}],
+        }
+        calls.append(Call(list(messages), response, TOOLS, usage,
+                          [(call_id, name, arguments, result)]))
+        messages = [*messages, response,
+                    {"role": "tool", "tool_call_id": call_id, "name": name, "content": result}]
+    return calls
+
+
+def _tool_use(rng: random.Random, index: int) -> tuple[str, dict[str, Any], str]:
+    """A tool name, its arguments and a result of realistic size."""
+    kind = index % 3
+    if kind == 0:
+        reservation = "".join(rng.choice("ABCDEFGHJKLMNPQRSTUVWXYZ0123456789") for _ in range(6))
+        result = json.dumps({
+            "reservation_id": reservation,
+            "user_id": f"user_{rng.randint(1000, 9999)}",
+            "flights": [{"origin": rng.choice(_CITIES), "destination": rng.choice(_CITIES),
+                         "date": f"2024-05-{rng.randint(10, 28)}",
+                         "price": rng.randint(80, 900), "status": "available",
+                         "flight_number": f"HAT{rng.randint(100, 999)}"}
+                        for _ in range(rng.randint(1, 4))],
+            "cabin": rng.choice(["economy", "business"]), "insurance": rng.choice(["yes", "no"]),
+            "created_at": f"2024-05-{rng.randint(1, 9):02d}T{rng.randint(0, 23):02d}:00:00",
+            "passengers": [{"first_name": f"P{i}", "last_name": "Smith"}
+                           for i in range(rng.randint(1, 3))],
+            "payment_history": [{"payment_id": f"credit_card_{rng.randint(10**6, 10**7)}",
+                                 "amount": rng.randint(100, 2000)}],
+        })
+        return "get_reservation_details", {"reservation_id": reservation}, result
+    if kind == 1:
+        origin, destination = rng.sample(_CITIES, 2)
+        date = f"2024-05-{rng.randint(10, 28)}"
+        flights = [{"flight_number": f"HAT{rng.randint(100, 999)}",
+                    "scheduled_departure_time_est": f"{rng.randint(5, 22):02d}:00:00",
+                    "available_seats": {"economy": rng.randint(0, 20),
+                                        "business": rng.randint(0, 8)},
+                    "prices": {"economy": rng.randint(90, 400),
+                               "business": rng.randint(500, 1800)}}
+                   for _ in range(rng.randint(2, 10))]
+        return ("search_direct_flight",
+                {"origin": origin, "destination": destination, "date": date},
+                json.dumps(flights))
+    path = rng.choice(_FILES)
+    lines = "\n".join(f"{n:4d}  def handler_{n}(x):  # returns x + {rng.randint(1, 99)}"
+                      for n in range(rng.randint(10, 60)))
+    return ("bash", {"command": f"nl -ba {path} | sed -n 1,40p"},
+            f"<returncode>0</returncode>\n<output>\n{lines}\n</output>")

@@ -1,0 +1,193 @@
+"""The model-call format: OpenAI chat messages, responses and tool lists, normalised.
+
+What `Run.record_model_call` stores (docs/store.md, "Model calls"):
+
+- a **message** is a dict with `role` (system, developer, user, assistant,
+  tool, function) and `content` (a string, null, or a list of content parts,
+  each a dict with a `type`); an assistant message may carry `tool_calls`
+  (each ``{"id", "type": "function", "function": {"name", "arguments"}}``,
+  arguments a JSON *string* as in OpenAI's API) and `reasoning_content`; a
+  tool message carries the `tool_call_id` it answers; `name` is kept where
+  given. Other keys a provider adds are kept as they are.
+- the **response** is the assistant message the call returned;
+- **tools** is the request's list of tool definitions
+  (``{"type": "function", "function": {"name", "description", "parameters"}}``).
+
+Normalising makes equal messages equal bytes, so each distinct message is
+stored once and the prompt renders identically wherever it came from: SDK
+objects (pydantic models such as the `openai` package's, dataclasses) become
+plain dicts; keys whose value is null are dropped, except `content`, which
+every message has; tool-call arguments given as a dict become a JSON string;
+a plain-string response becomes an assistant message. Anything that is not
+of this shape is a UsageError naming the offending element.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from kvtrace.errors import UsageError
+
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+
+
+def to_plain(value: Any) -> Any:
+    """`value` with SDK objects (pydantic models, dataclasses) turned into dicts and lists."""
+    dump = getattr(value, "model_dump", None)
+    if callable(dump) and not isinstance(value, type):
+        return to_plain(dump(mode="json"))
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return to_plain(dataclasses.asdict(value))
+    if isinstance(value, Mapping):
+        return {key: to_plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_plain(item) for item in value]
+    return value
+
+
+def normalize_messages(messages: Any) -> list[dict[str, Any]]:
+    """A list of chat messages in the stored form (see the module docstring)."""
+    plain = to_plain(messages)
+    if not isinstance(plain, list):
+        raise UsageError("messages must be a list of chat messages (OpenAI chat format)")
+    return [normalize_message(m, f"messages[{i}]") for i, m in enumerate(plain)]
+
+
+def normalize_message(message: Any, where: str = "message") -> dict[str, Any]:
+    """One chat message in the stored form."""
+    plain = to_plain(message)
+    if not isinstance(plain, dict):
+        raise UsageError(f"{where} must be an object with role and content")
+    role = plain.get("role")
+    if role not in ROLES:
+        raise UsageError(f"{where}.role is {role!r}: use one of {', '.join(sorted(ROLES))}")
+    out: dict[str, Any] = {key: value for key, value in plain.items() if value is not None}
+    out["content"] = _content(plain.get("content"), f"{where}.content")
+    for key in ("tool_call_id", "name", "reasoning_content"):
+        if key in out and not isinstance(out[key], str):
+            raise UsageError(f"{where}.{key} must be a string")
+    if "tool_calls" in out:
+        calls = out["tool_calls"]
+        if not isinstance(calls, list):
+            raise UsageError(f"{where}.tool_calls must be a list")
+        if calls:
+            out["tool_calls"] = [
+                _tool_call(call, f"{where}.tool_calls[{i}]") for i, call in enumerate(calls)
+            ]
+        else:
+            del out["tool_calls"]  # an empty list says nothing: store it as absent
+    return out
+
+
+def normalize_response(response: Any) -> dict[str, Any]:
+    """The assistant message a model call returned.
+
+    Takes an assistant message, a plain string (its text), or a whole chat
+    completion (its first choice's message).
+    """
+    plain = to_plain(response)
+    if isinstance(plain, str):
+        return {"role": "assistant", "content": plain}
+    if isinstance(plain, dict) and "choices" in plain and "role" not in plain:
+        choices = plain["choices"]
+        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+            raise UsageError("response is a chat completion without choices")
+        plain = choices[0].get("message")
+    if isinstance(plain, dict) and "role" not in plain:
+        plain = {"role": "assistant", **plain}
+    message = normalize_message(plain, "response")
+    if message["role"] != "assistant":
+        raise UsageError(f"response.role is {message['role']!r}: a response is an assistant message")
+    return message
+
+
+def normalize_tools(tools: Any) -> list[dict[str, Any]] | None:
+    """The request's tool definitions, or None when there are none."""
+    plain = to_plain(tools)
+    if plain is None or plain == []:
+        return None
+    if not isinstance(plain, list):
+        raise UsageError("tools must be a list of tool definitions")
+    out = []
+    for index, tool in enumerate(plain):
+        where = f"tools[{index}]"
+        if not isinstance(tool, dict):
+            raise UsageError(f"{where} must be an object")
+        if "type" not in tool and "name" in tool:  # a bare function definition
+            tool = {"type": "function", "function": tool}
+        function = tool.get("function")
+        if tool.get("type") == "function" and not (
+            isinstance(function, dict) and isinstance(function.get("name"), str)
+            and function["name"]
+        ):
+            raise UsageError(f"{where}.function needs a name")
+        out.append({key: value for key, value in tool.items() if value is not None})
+    return out
+
+
+def tool_calls_of(message: Mapping[str, Any] | Any) -> list[dict[str, Any]]:
+    """The tool calls of a stored assistant message ([] for none or a plain string)."""
+    if not isinstance(message, Mapping):
+        return []
+    calls = message.get("tool_calls")
+    return list(calls) if isinstance(calls, list) else []
+
+
+def text_of(content: Any) -> str:
+    """The text of a message's content: a string, null, or a list of parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(
+            str(part.get("text", "")) if isinstance(part, Mapping) else str(part)
+            for part in content
+        )
+    return str(content)
+
+
+def arguments_equal(a: str, b: str) -> bool:
+    """Whether two tool-call argument strings are equal as JSON (else as text)."""
+    try:
+        return bool(json.loads(a) == json.loads(b))
+    except ValueError:
+        return a == b
+
+
+def _content(content: Any, where: str) -> Any:
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        for index, part in enumerate(content):
+            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                raise UsageError(f"{where}[{index}] must be a content part with a type")
+        return [{k: v for k, v in part.items() if v is not None} for part in content]
+    raise UsageError(f"{where} must be a string, null or a list of content parts")
+
+
+def _tool_call(call: Any, where: str) -> dict[str, Any]:
+    if not isinstance(call, dict):
+        raise UsageError(f"{where} must be an object")
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not (
+        function["name"]
+    ):
+        raise UsageError(f"{where}.function needs a name")
+    arguments = function.get("arguments", "")
+    if arguments is None:
+        arguments = ""
+    if not isinstance(arguments, str):
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    out = {key: value for key, value in call.items() if value is not None}
+    if "id" in out and not isinstance(out["id"], str):
+        raise UsageError(f"{where}.id must be a string")
+    out["type"] = out.get("type", "function")
+    out["function"] = {
+        **{key: value for key, value in function.items() if value is not None},
+        "arguments": arguments,
+    }
+    return out
