@@ -13,9 +13,11 @@
     ├── IntegrityError           stored or imported bytes do not hash to their address
     ├── StoreError               the database failed (translated from SQLAlchemy)
     ├── CacheError               the KV cache cannot serve a request
-    └── ReplayError              replay or continue cannot proceed
-        ├── MissingToolError     a continued run asked for a tool nobody registered
-        └── BackendError         a remote OpenAI-compatible backend failed (from httpx)
+    ├── ReplayError              replay or continue cannot proceed
+    │   ├── MissingToolError     a continued run asked for a tool nobody registered
+    │   └── BackendError         a remote OpenAI-compatible backend failed (from httpx)
+    └── TracerError              recording or serving an agent's calls cannot proceed
+        └── UnrecordedRequestError  a ReplayTransport in mode "none" met a request it never saw
 
 Lower-level exceptions (SQLAlchemy, httpx, torch) are translated at the boundary
 with ``raise ... from exc``, so callers catch only these. Messages say what to do
@@ -87,3 +89,11 @@ class MissingToolError(ReplayError):
 
 class BackendError(ReplayError):
     """A remote OpenAI-compatible backend failed or answered malformed data."""
+
+
+class TracerError(KvtraceError):
+    """The tracer (transports, `kvtrace serve`, `kvtrace record`) cannot proceed."""
+
+
+class UnrecordedRequestError(TracerError):
+    """A replaying transport got a request that the recording does not hold."""
