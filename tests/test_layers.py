@@ -1,4 +1,4 @@
-"""Layers import in one direction: store -> engine -> replay -> cli (dulwich keeps such a test)."""
+"""Layers import one way: store -> formats, engine -> replay -> cli (dulwich keeps such a test)."""
 
 from __future__ import annotations
 
@@ -10,13 +10,14 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "kvtrace"
 
 # A layer may import itself, the shared modules, and the layers listed for it.
-SHARED = {"kvtrace.errors", "kvtrace.paths"}
+SHARED = {"kvtrace.errors", "kvtrace.paths", "kvtrace.rendering"}
 ALLOWED = {
     "store": {"store"},
     "engine": {"engine"},
     "replay": {"replay", "store", "engine"},
-    "bench": {"bench", "store", "engine", "replay"},
-    "cli": {"cli", "store", "engine", "replay", "bench"},
+    "formats": {"formats", "store"},
+    "bench": {"bench", "store", "engine", "replay", "formats"},
+    "cli": {"cli", "store", "engine", "replay", "bench", "formats"},
 }
 
 

@@ -1,10 +1,12 @@
 """Store commands: init, runs, log, show, fork, revert, reset, undo, reflog,
-note, fsck, export, import. Each is one call of the `kvtrace.store` API."""
+note, fsck, export, import. Each is one call of the `kvtrace.store` API (import
+and export: of `kvtrace.formats`, which also reads and writes bundles)."""
 
 from __future__ import annotations
 
 import datetime
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +14,7 @@ import typer
 
 from kvtrace.cli.app import app, print_json, store_url
 from kvtrace.errors import UsageError
+from kvtrace.formats import Format, export_file, import_file
 from kvtrace.store import Step, Store, open_store
 
 JSON = typer.Option(False, "--json", help="Print JSON for programs instead of text.")
@@ -255,10 +258,20 @@ def fsck(as_json: bool = JSON) -> None:
 
 @app.command("export")
 def export_run(
-    run: str = typer.Argument(..., help="Run to export."),
-    output: Path = typer.Option(..., "-o", "--output", help="Bundle file to write."),
+    run: str = typer.Argument(
+        ..., help="Run to export (openai and atif: any step address, e.g. RUN@N)."),
+    output: Path = typer.Option(
+        None, "-o", "--output", help="File to write (refuses to overwrite); default: stdout."),
+    fmt: Format = typer.Option(
+        Format.BUNDLE, "--format", "-f",
+        help="bundle (kvtrace's own, lossless), openai (chat messages) or atif (Harbor ATIF)."),
 ) -> None:
-    """Write a run (steps, blobs, notes) to a bundle file."""
+    """Write a run to a file: a bundle (steps, blobs, notes), OpenAI messages or ATIF."""
+    if output is None:
+        with _store() as store:
+            export_file(store, run, sys.stdout.buffer, format=fmt)
+        sys.stdout.buffer.flush()
+        return
     if output.exists():
         raise UsageError(f"{output} exists: choose a new file name")
     if not output.parent.is_dir():
@@ -266,21 +279,27 @@ def export_run(
     tmp = output.with_name(output.name + ".tmp")
     try:
         with _store() as store, tmp.open("wb") as file:
-            count = store.export_run(run, file)
+            export_file(store, run, file, format=fmt)
         tmp.replace(output)
     finally:
         tmp.unlink(missing_ok=True)
-    typer.echo(f"exported {count} steps of {run} to {output}")
+    typer.echo(f"exported {run} as {fmt.value} to {output}")
 
 
 @app.command("import")
-def import_bundle(
-    file: Path = typer.Argument(..., help="Bundle file written by `kvtrace export`."),
-    name: str = typer.Option(None, "--as", help="Import under this run name."),
+def import_run(
+    file: Path = typer.Argument(
+        ..., help="File to import: a bundle, OpenAI chat messages or an ATIF trajectory."),
+    fmt: Format = typer.Option(
+        Format.BUNDLE, "--format", "-f",
+        help="bundle (written by `kvtrace export`), openai or atif."),
+    name: str = typer.Option(
+        None, "--run", "--as",
+        help="Run to create (default: a bundle's own run, else the file name to its first dot)."),
 ) -> None:
-    """Import a bundle, verifying every hash; a modified bundle is refused whole."""
+    """Import a file as a new run; a bad or modified file is refused whole, writing nothing."""
     if not file.is_file():
         raise UsageError(f"no such file: {file}")
     with _store(create=True) as store, file.open("rb") as handle:
-        info = store.import_bundle(handle, name=name)
+        info = import_file(store, handle, format=fmt, run=name, filename=str(file))
     typer.echo(f"imported {info.name} ({info.depth} steps)")

@@ -1,0 +1,158 @@
+"""OpenAI chat messages: the conversation that many harnesses save (tau-bench, mini-swe-agent).
+
+The document is a JSON list of chat messages, or an object with `messages`
+and optional `tools` and `model` (its other keys are kept). Import:
+
+- each assistant message becomes a model_call step whose messages are the
+  ones before it and whose response is it (model: the document's `model`,
+  else "unknown"; tools: the document's `tools`);
+- each `role: "tool"` message with a `tool_call_id` becomes a tool_call step
+  linked by that id (`call_id`), with the name and arguments of the matching
+  `tool_calls` entry of an earlier assistant message;
+- messages after the last assistant message are in no prompt: the last
+  model call keeps them in `meta.extra.openai.tail` (a tool result's content
+  is its tool_call step), the first keeps the document's other keys in
+  `meta.extra.openai.root`.
+
+Export gives the document back: the last model call's messages and
+response, then the tool results recorded after it, and the tools list.
+Messages come back in kvtrace's normal form (null-valued keys other than
+`content` dropped, tool-call arguments as JSON text; docs/formats.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvtrace.errors import UsageError
+from kvtrace.formats.records import (
+    UNKNOWN_MODEL,
+    ModelCall,
+    Record,
+    ToolCall,
+    check_storable,
+    content_text,
+    keep,
+    parse_arguments,
+    record,
+    restore,
+    tools,
+)
+from kvtrace.store import RunInfo, Step, Store
+from kvtrace.store.messages import normalize_message, normalize_response
+
+ROOT_MAPPED = frozenset({"messages", "tools", "model"})
+
+
+def import_openai(store: Store, document: Any, *, run: str) -> RunInfo:
+    """Record an OpenAI message list (or `{"messages", "tools"}` object) as the new run `run`."""
+    return record(store, run, openai_records(document))
+
+
+def openai_records(document: Any) -> list[Record]:
+    """The steps a document becomes, every element checked first (see the module docstring)."""
+    check_storable(document)
+    if isinstance(document, list):
+        messages, root = document, None
+    elif isinstance(document, dict) and isinstance(document.get("messages"), list):
+        messages, root = document["messages"], document
+    else:
+        raise UsageError(
+            "messages: missing: an openai document is a list of chat messages "
+            "or an object with 'messages'"
+        )
+    model = root.get("model", UNKNOWN_MODEL) if root else UNKNOWN_MODEL
+    if not isinstance(model, str) or not model:
+        raise UsageError("model must name the model (a non-empty string)")
+    tool_list = tools(root.get("tools"), "tools") if root else None
+    for index, item in enumerate(messages):
+        if not isinstance(item, dict) or not isinstance(item.get("role"), str):
+            raise UsageError(f"messages[{index}] is not a chat message (an object with a role)")
+    answers = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if not answers:
+        raise UsageError("messages: no assistant message, so there is no model call to import")
+    last = answers[-1]
+    stored = [normalize_message(m, f"messages[{i}]") for i, m in enumerate(messages[: last + 1])]
+
+    records: list[Record] = []
+    model_calls: list[ModelCall] = []
+    calls: dict[str, dict[str, Any]] = {}
+    linked: set[int] = set()
+    for index, item in enumerate(messages):
+        if item["role"] == "assistant":
+            model_calls.append(ModelCall(stored[:index], stored[index], model, tool_list))
+            records.append(model_calls[-1])
+            calls.update({c["id"]: c for c in stored[index].get("tool_calls", []) if "id" in c})
+        elif item["role"] == "tool" and item.get("tool_call_id") is not None:
+            call_id = item["tool_call_id"]
+            call = calls.get(call_id) if isinstance(call_id, str) else None
+            if call is None:
+                raise UsageError(
+                    f"messages[{index}]: tool_call_id {call_id!r} matches no tool call "
+                    "of an earlier assistant message"
+                )
+            function = call["function"]
+            records.append(ToolCall(function["name"], parse_arguments(function["arguments"]),
+                                    item.get("content"), call_id=call_id))
+            linked.add(index)
+
+    # Kept on the records themselves: the first call holds the document's own
+    # keys, the last the messages no prompt carries.
+    kept = {"root": keep(root, ROOT_MAPPED)} if root is not None else {"form": "list"}
+    model_calls[0].extra["openai"] = kept
+    tail = [
+        {k: v for k, v in m.items() if k != "content"} if index in linked else m
+        for index, m in enumerate(messages[last + 1 :], start=last + 1)
+    ]
+    if tail:
+        model_calls[-1].extra.setdefault("openai", {})["tail"] = tail
+    return records
+
+
+def export_openai(store: Store, spec: str) -> Any:
+    """The conversation up to `spec` as an OpenAI document (the form it was imported in)."""
+    path = store.path(spec)
+    calls = [i for i, s in enumerate(path) if s.kind == "model_call"]
+    if not calls:
+        raise UsageError(f"{spec} has no model call: there is no conversation to export")
+    first, last = path[calls[0]], path[calls[-1]]
+    messages = [
+        *last.content["messages"],
+        normalize_response(last.content["response"]),
+        *_tail(_kept(last).get("tail"), path[calls[-1] + 1 :]),
+    ]
+    if _kept(first).get("form") == "list":
+        return messages
+    mapped = {"model": last.meta.get("model"), "tools": last.content.get("tools"),
+              "messages": messages}
+    return restore(mapped, _kept(first).get("root"))
+
+
+def _tail(kept: Any, after: list[Step]) -> list[dict[str, Any]]:
+    """The messages after the last response: the kept tail, with tool results from their steps."""
+    results = [s for s in after if s.kind == "tool_call"]
+    by_id = {s.meta["call_id"]: s for s in results if s.meta.get("call_id")}
+    out: list[dict[str, Any]] = []
+    used: set[str] = set()
+    for item in kept if isinstance(kept, list) else []:
+        call_id = item.get("tool_call_id")
+        if item.get("role") == "tool" and "content" not in item:
+            step = by_id.get(call_id)
+            used.add(call_id)
+            result = step.content.get("result") if step else None
+            out.append({**item, "content": content_text(result)})
+        else:
+            out.append(dict(item))
+    for step in results:
+        call_id = step.meta.get("call_id")
+        if call_id in used:
+            continue
+        head = {"tool_call_id": call_id} if call_id else {"name": step.meta.get("tool")}
+        out.append({"role": "tool", **head, "content": content_text(step.content.get("result"))})
+    return out
+
+
+def _kept(step: Step) -> dict[str, Any]:
+    kept = (step.meta.get("extra") or {}).get("openai")
+    return kept if isinstance(kept, dict) else {}
+

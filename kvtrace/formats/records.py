@@ -1,0 +1,151 @@
+"""What an imported document becomes: the records of a run, checked before anything is written.
+
+A format module converts a whole document into a list of `ModelCall` and
+`ToolCall` records first, validating every element (a bad file is a
+UsageError naming the first offending element), and only then `record`s
+them, into a run that is new or empty. So a bad file writes nothing.
+
+Fields of a format that kvtrace does not model travel in each record's
+`extra` as *kept* objects (`keep`/`restore`): the object's keys in their
+order, and the values kvtrace does not map, so that an export rebuilds the
+original object from the run's steps plus what was kept.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtrace.errors import UsageError
+from kvtrace.store import RunInfo, Store, validate_run_name
+from kvtrace.store.encoding import canonical_json
+from kvtrace.store.messages import normalize_tools
+
+UNKNOWN_MODEL = "unknown"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelCall:
+    """One model call to record (arguments of `Run.record_model_call`)."""
+
+    messages: list[dict[str, Any]]
+    response: dict[str, Any]
+    model: str
+    tools: list[dict[str, Any]] | None = None
+    usage: dict[str, Any] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """One tool call to record (arguments of `Run.record_tool_call`)."""
+
+    name: str
+    arguments: Any
+    result: Any
+    call_id: str | None = None
+
+
+Record = ModelCall | ToolCall
+
+
+def record(store: Store, run: str, records: Sequence[Record]) -> RunInfo:
+    """Record `records` as the steps of run `run`, which must be new or empty."""
+    validate_run_name(run)
+    if not any(isinstance(r, ModelCall) for r in records):
+        raise UsageError("the document has no model call (no assistant turn): nothing to import")
+    existing = {info.name: info for info in store.runs()}
+    if run in existing and existing[run].head_id is not None:
+        raise UsageError(
+            f"run {run!r} exists with {existing[run].depth} steps: import under a new name"
+        )
+    writer = store.run(run)
+    for item in records:
+        if isinstance(item, ModelCall):
+            writer.record_model_call(
+                item.messages, item.response, model=item.model, tools=item.tools,
+                usage=item.usage, extra=item.extra or None,
+            )
+        else:
+            writer.record_tool_call(item.name, item.arguments, item.result, call_id=item.call_id)
+    return next(info for info in store.runs() if info.name == run)
+
+
+def check_storable(document: Any) -> None:
+    """Refuse, before anything is written, values the store cannot encode (NaN, lone surrogates)."""
+    try:
+        canonical_json(document)
+    except UsageError as exc:
+        raise UsageError(f"the document cannot be stored: {exc}") from exc
+
+
+def parse_json(data: bytes | str, source: str) -> Any:
+    """A JSON document, or a one-line UsageError saying where it is not JSON."""
+
+    def refuse_constant(name: str) -> Any:
+        raise UsageError(f"{source}: {name} is not JSON (NaN and infinity cannot be stored)")
+
+    try:
+        text = data.decode("utf-8") if isinstance(data, bytes) else data
+        return json.loads(text, parse_constant=refuse_constant)
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{source} is not UTF-8 text (byte {exc.start})") from exc
+    except json.JSONDecodeError as exc:
+        raise UsageError(
+            f"{source} is not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
+        ) from exc
+
+
+def tools(value: Any, where: str) -> list[dict[str, Any]] | None:
+    """A tool list in the stored form; errors name `where` in the document."""
+    try:
+        return normalize_tools(value)
+    except UsageError as exc:
+        raise UsageError(f"{where}: {exc}") from exc
+
+
+def keep(obj: Mapping[str, Any], mapped: set[str] | frozenset[str]) -> dict[str, Any]:
+    """What `restore` needs to rebuild `obj`: its keys, and the values kvtrace does not map.
+
+    A mapped key whose value is null or empty is kept as it is: the store
+    drops nulls and empty lists, so the run cannot give them back.
+    """
+    fields = {k: v for k, v in obj.items() if k not in mapped or v in (None, [], {})}
+    return {"keys": list(obj), "fields": fields}
+
+
+def restore(mapped: Mapping[str, Any], kept: Mapping[str, Any] | None) -> dict[str, Any]:
+    """An object rebuilt from the run (`mapped`) and what `keep` kept of the original.
+
+    Without a kept record (a run kvtrace recorded itself) every mapped value
+    that is not None is written.
+    """
+    if not isinstance(kept, Mapping):
+        return {k: v for k, v in mapped.items() if v is not None}
+    fields = kept.get("fields", {})
+    out: dict[str, Any] = {}
+    for key in kept.get("keys", []):
+        if key in fields:
+            out[key] = fields[key]
+        elif mapped.get(key) is not None:
+            out[key] = mapped[key]
+    return out
+
+
+def content_text(result: Any) -> Any:
+    """A tool result as message content: text and content parts as they are, else JSON text."""
+    if result is None or isinstance(result, str):
+        return result
+    if isinstance(result, list) and all(isinstance(p, dict) and "type" in p for p in result):
+        return result
+    return json.dumps(result, ensure_ascii=False)
+
+
+def parse_arguments(arguments: str) -> Any:
+    """Tool-call arguments as a JSON value (the text itself when it is not JSON)."""
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
