@@ -100,6 +100,7 @@ def tool_calling_conversation(num_calls: int, *, seed: int = 0) -> list[Call]:
          "reservation ZFA04Y, to a later date."},
     ]
     calls: list[Call] = []
+    response: dict[str, Any]
     for index in range(num_calls):
         prompt_chars = sum(len(json.dumps(m)) for m in messages)
         usage = {

@@ -32,7 +32,7 @@ import torch
 
 from kvtrace.engine.attention import register_canonical_attention
 from kvtrace.engine.folders import cache_root, model_folder
-from kvtrace.engine.tokenizer import ChatTemplating, stop_token_ids
+from kvtrace.engine.tokenizer import ChatTemplating, context_length, stop_token_ids
 from kvtrace.errors import ModelNotFoundError, UsageError
 
 # Bump when prefill's chunking or the attention function changes: old KV on
@@ -60,6 +60,7 @@ class Engine(ChatTemplating):
     kv_bytes_per_token: int
     vocab_size: int
     eos_token_ids: tuple[int, ...]
+    max_context_tokens: int | None = None
 
 
 def load_engine(
@@ -142,6 +143,7 @@ def _load_folder(folder: Path, cache_dir: Path, device: torch.device, dtype: tor
         kv_bytes_per_token=2 * num_layers * num_kv_heads * head_dim * element_size,
         vocab_size=_vocab_size(model),
         eos_token_ids=stop_token_ids(model.generation_config, tokenizer),
+        max_context_tokens=context_length(config),
     )
 
 

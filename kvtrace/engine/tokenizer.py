@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtrace.engine.folders import cache_root, model_folder
+from kvtrace.rendering import chat_messages, template_supports_tools
 from kvtrace.errors import ModelNotFoundError, UsageError
 
 
@@ -26,6 +27,12 @@ class ChatTemplating:
 
     __slots__ = ()
     tokenizer: Any
+    max_context_tokens: int | None
+
+    @property
+    def supports_tools(self) -> bool:
+        """Whether the chat template renders tools itself (else rendering.py's fallback)."""
+        return template_supports_tools(getattr(self.tokenizer, "chat_template", None))
 
     def chat_tokens(
         self,
@@ -34,17 +41,23 @@ class ChatTemplating:
         add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
-        """Token ids of `messages` rendered with the model's chat template."""
+        """Token ids of a model call's `messages` and `tools` (see rendering.py)."""
+        from jinja2 import TemplateError
+
+        rendered, rendered_tools = chat_messages(messages, tools, native=self.supports_tools)
         try:
             encoded = self.tokenizer.apply_chat_template(
-                [dict(m) for m in messages],
-                tools=[dict(t) for t in tools] if tools else None,
+                rendered,
+                tools=rendered_tools,
                 add_generation_prompt=add_generation_prompt,
                 tokenize=True,
                 return_dict=True,
             )
-        except (ValueError, TypeError, KeyError) as exc:
-            raise UsageError(f"cannot render these messages with the chat template: {exc}") from exc
+        except (ValueError, TypeError, KeyError, TemplateError) as exc:
+            reason = " ".join(str(exc).split())
+            raise UsageError(
+                f"cannot render these messages with the chat template: {reason}"
+            ) from exc
         return [int(t) for t in encoded["input_ids"]]
 
     def encode(self, text: str) -> list[int]:
@@ -64,6 +77,7 @@ class ChatTokenizer(ChatTemplating):
     path: Path
     tokenizer: Any
     eos_token_ids: tuple[int, ...]
+    max_context_tokens: int | None = None
 
 
 def load_tokenizer(
@@ -82,10 +96,10 @@ def load_tokenizer(
     folder = model_folder(name_or_path, cache_root(cache_dir))
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
         try:
             generation = GenerationConfig.from_pretrained(str(folder), local_files_only=True)
         except OSError:  # no generation_config.json: derived from config.json, as on load
-            config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
             generation = GenerationConfig.from_model_config(config)
     except (OSError, ValueError) as exc:
         raise ModelNotFoundError(f"cannot load the tokenizer in {folder}: {exc}") from exc
@@ -94,7 +108,17 @@ def load_tokenizer(
         path=folder,
         tokenizer=tokenizer,
         eos_token_ids=stop_token_ids(generation, tokenizer),
+        max_context_tokens=context_length(config),
     )
+
+
+def context_length(config: Any) -> int | None:
+    """The longest sequence the model was built for (its position embeddings), if stated."""
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
 
 
 def stop_token_ids(generation_config: Any, tokenizer: Any) -> tuple[int, ...]:

@@ -32,14 +32,17 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from kvtrace.rendering import assistant_text
 from kvtrace.errors import ReplayError
 from kvtrace.replay.backend import Message, Tokenizer
 from kvtrace.replay.oracle import PrefixOracle, common_prefix_length
 from kvtrace.replay.recording import (
-    assistant_message,
+    check_context,
     expected_output_ids,
-    response_text,
+    prompt_ids,
+    response_message,
     step_messages,
+    step_tools,
     templated_output_ids,
 )
 from kvtrace.store import Step, Store
@@ -95,6 +98,9 @@ class StepAnalysis:
     prompt_tokens: int
     oracle_tokens: int
     shared_with_previous: int | None  # tokens shared with the previous call's context
+    provider_prompt_tokens: int | None = None  # as the recording's provider counted them
+    provider_cached_tokens: int | None = None  # None: the provider did not report it
+    context_problem: str | None = None  # set when prompt + output exceed the model's context
 
     @property
     def oracle_hit_rate(self) -> float:
@@ -109,6 +115,9 @@ class StepAnalysis:
             "oracle_tokens": self.oracle_tokens,
             "oracle_hit_rate": round(self.oracle_hit_rate, 6),
             "shared_with_previous": self.shared_with_previous,
+            "provider_prompt_tokens": self.provider_prompt_tokens,
+            "provider_cached_tokens": self.provider_cached_tokens,
+            "context_problem": self.context_problem,
         }
 
 
@@ -129,8 +138,24 @@ class Analysis:
     def oracle_tokens(self) -> int:
         return sum(s.oracle_tokens for s in self.steps)
 
+    @property
+    def provider(self) -> ProviderCache | None:
+        """The provider's own cache figures, over the calls that report them (None: none do)."""
+        known = [s for s in self.steps if s.provider_cached_tokens is not None
+                 and s.provider_prompt_tokens]
+        if not known:
+            return None
+        return ProviderCache(
+            num_calls=len(known),
+            prompt_tokens=sum(s.provider_prompt_tokens or 0 for s in known),
+            cached_tokens=sum(s.provider_cached_tokens or 0 for s in known),
+            oracle_hit_rate=sum(s.oracle_tokens for s in known)
+            / max(1, sum(s.prompt_tokens for s in known)),
+        )
+
     def to_dict(self) -> dict[str, Any]:
         total = self.prompt_tokens
+        provider = self.provider
         return {
             "run": self.spec,
             "target": self.target_id,
@@ -143,8 +168,61 @@ class Analysis:
                 "oracle_hit_rate": round(self.oracle_tokens / total, 6) if total else 0.0,
                 "breakers": len(self.breakers),
                 "lost_tokens": sum(b.lost_tokens for b in self.breakers),
+                "context_problems": sum(1 for s in self.steps if s.context_problem),
             },
+            "provider": provider.to_dict() if provider else None,
         }
+
+
+@dataclass(frozen=True, slots=True)
+class ProviderCache:
+    """What the recording's provider reported reusing, beside the oracle bound.
+
+    The provider counts in its own tokenizer, so the comparison is of rates:
+    its cached fraction against the fraction an exact-prefix cache could reuse.
+    """
+
+    num_calls: int
+    prompt_tokens: int
+    cached_tokens: int
+    oracle_hit_rate: float
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "num_calls": self.num_calls,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "hit_rate": round(self.hit_rate, 6),
+            "oracle_hit_rate": round(self.oracle_hit_rate, 6),
+        }
+
+
+def provider_usage(step: Step) -> tuple[int | None, int | None]:
+    """(prompt tokens, cached tokens) the provider reported for a model call, when it did.
+
+    Reads OpenAI's `prompt_tokens` and `cached_tokens` (flat, as kvtrace and
+    ATIF keep them, or under `prompt_tokens_details`) and Anthropic's
+    `input_tokens` + `cache_read_input_tokens`. A missing count is unknown,
+    never zero.
+    """
+    usage = step.meta.get("usage")
+    if not isinstance(usage, dict):
+        return None, None
+    details = usage.get("prompt_tokens_details")
+    cached = usage.get("cached_tokens")
+    if cached is None and isinstance(details, dict):
+        cached = details.get("cached_tokens")
+    prompt = usage.get("prompt_tokens")
+    if prompt is None and isinstance(usage.get("input_tokens"), int):
+        read = usage.get("cache_read_input_tokens")
+        prompt = usage["input_tokens"] + (read if isinstance(read, int) else 0)
+        cached = read if cached is None else cached
+    return (prompt if isinstance(prompt, int) else None,
+            cached if isinstance(cached, int) else None)
 
 
 def analyze(store: Store, spec: str, tokenizer: Tokenizer) -> Analysis:
@@ -158,7 +236,7 @@ def analyze(store: Store, spec: str, tokenizer: Tokenizer) -> Analysis:
     breakers: list[PrefixBreaker] = []
     previous: tuple[Step, list[int], list[int]] | None = None  # step, prompt ids, output ids
     for index, step in enumerate(model_steps, start=1):
-        prompt = tokenizer.chat_tokens(step_messages(step))
+        prompt = prompt_ids(tokenizer, step)
         output = expected_output_ids(step, tokenizer, prompt)
         shared: int | None = None
         if previous is not None:
@@ -166,8 +244,10 @@ def analyze(store: Store, spec: str, tokenizer: Tokenizer) -> Analysis:
             shared = common_prefix_length(prompt, context)
             if shared < len(context):
                 breakers.append(_breaker(index, step, prompt, previous, shared, tokenizer))
+        provider_prompt, provider_cached = provider_usage(step)
         steps.append(StepAnalysis(index, step.id, step.depth, len(prompt), oracle.bound(prompt),
-                                  shared))
+                                  shared, provider_prompt, provider_cached,
+                                  check_context(tokenizer, step, len(prompt) + len(output))))
         oracle.add(prompt + output, label=step.id)
         previous = (step, prompt, output)
     return Analysis(spec, path[-1].id, steps, breakers)
@@ -211,15 +291,16 @@ def _cause(
 ) -> tuple[str, str, int | None]:
     """Name why the prompt parts from the previous context (see the module docstring)."""
     now = step_messages(step)
-    prev_text = response_text(prev_step)
-    before = [*step_messages(prev_step), assistant_message(prev_text)]
+    prev_response = response_message(prev_step)
+    before = [*step_messages(prev_step), prev_response]
     k = next((i for i, (a, b) in enumerate(zip(before, now, strict=False)) if a != b), None)
     if k is None:
         if len(now) < len(before):
             return ("messages_removed", "the prompt leaves out the previous response", None)
         if at >= len(prev_prompt):
-            templated = templated_output_ids(tokenizer, step_messages(prev_step), prev_text,
-                                             prev_prompt)
+            templated = templated_output_ids(tokenizer, step_messages(prev_step),
+                                             prev_response, prev_prompt,
+                                             tools=step_tools(prev_step))
             if templated != prev_output:
                 return ("retokenized_output",
                         "the previous response's text is unchanged but its generated tokens "
@@ -259,14 +340,17 @@ def _cause(
     return ("changed_message", f"{where} differs from the previous call's", k)
 
 
+def _calls(n: int) -> str:
+    return "1 call" if n == 1 else f"{n} calls"
+
+
 def _text_of(tokenizer: Tokenizer, ids: list[int]) -> str:
     """Decoded with special tokens kept: positions then count the rendered prompt."""
     return tokenizer.decode(ids, skip_special_tokens=False)
 
 
 def _text(message: Message) -> str:
-    content = message.get("content")
-    return content if isinstance(content, str) else str(content)
+    return assistant_text(message)
 
 
 def _is_reordered(old: str, new: str) -> bool:
@@ -319,6 +403,17 @@ def render_analysis(analysis: Analysis, console: Console | None = None) -> None:
     rate = analysis.oracle_tokens / total if total else 0.0
     console.print(f"oracle bound: {analysis.oracle_tokens}/{total} prompt tokens "
                   f"({100 * rate:.1f}%)")
+    provider = analysis.provider
+    if provider is not None:
+        console.print(
+            f"provider cache: reused {provider.cached_tokens} of {provider.prompt_tokens} prompt "
+            f"tokens ({100 * provider.hit_rate:.1f}%) on the {_calls(provider.num_calls)} that "
+            f"report it; an exact-prefix cache could have reused "
+            f"{100 * provider.oracle_hit_rate:.1f}% (oracle bound, this tokenizer)"
+        )
+    for s in analysis.steps:
+        if s.context_problem:
+            console.print(f"[bold]too long:[/bold] {s.context_problem}", highlight=False)
     if not analysis.breakers:
         console.print("no prefix breakers: every prompt extends the previous context")
     depth = {s.index: s.depth for s in analysis.steps}

@@ -35,7 +35,11 @@ class Tokenizer(Protocol):
     def eos_token_ids(self) -> Sequence[int]: ...
 
     def chat_tokens(
-        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]: ...
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str: ...
@@ -97,6 +101,7 @@ class CallRequest:
     output_text: str | None = None  # rebuild: the recorded output's text
     model: str | None = None  # the model the recording names (a remote default)
     draft_ids: list[int] | None = None  # verify: the recorded output, to check in one pass
+    tools: list[Message] | None = None  # the request's tool definitions (OpenAI shape)
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,8 +18,9 @@ run, not a crash of kvtrace.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvtrace.errors import MissingToolError, ReplayError, RunNotFoundError, UsageError
@@ -27,15 +28,18 @@ from kvtrace.replay.backend import Backend, CallRequest, Message, SamplingParams
 from kvtrace.replay.driver import ProgressCallback
 from kvtrace.replay.oracle import PrefixOracle
 from kvtrace.replay.recording import (
-    assistant_message,
     expected_output_ids,
+    prompt_ids,
     record_generation,
+    response_message,
     response_text,
     step_messages,
+    step_tools,
 )
 from kvtrace.replay.report import StepReport
 from kvtrace.replay.toolcall import NO_ACTION_NUDGE, observation_message, parse_response
 from kvtrace.store import Run, Step, Store, validate_run_name
+from kvtrace.store.messages import tool_calls_of
 
 Tool = Callable[[Any], Any]
 
@@ -75,6 +79,7 @@ def continue_run(
     messages: list[Message] | None = None,
     user_message: str | None = None,
     params: SamplingParams | None = None,
+    tool_definitions: list[Message] | None = None,
     on_step: ProgressCallback | None = None,
 ) -> ContinueResult:
     """Generate up to `steps` new model calls on `run_name`, running registered tools.
@@ -83,6 +88,13 @@ def continue_run(
     continued from its own trace. `user_message` is appended to that
     conversation first: the next task of a session, which also lets a run
     that ended with a final answer go on. Stops early at a final answer.
+
+    A run whose model calls carry `tools` (or a new run given
+    `tool_definitions`) continues in function calling: each request sends
+    the tools, tool calls are read from the generated text
+    (rendering.parse_assistant_text), each is run and recorded with its
+    call id, and its result goes back as a `tool` message; a response without
+    tool calls is the final answer. Other runs continue in ReAct text.
     """
     if steps < 1:
         raise UsageError("continue needs --steps of at least 1")
@@ -100,27 +112,34 @@ def continue_run(
     path = store.path(run_name) if head is not None else []
     if messages is not None and path:
         raise UsageError(f"run {run_name!r} already has steps: continue it without messages")
+    pending: list[Message] = []
     if messages is None:
-        conversation, final = conversation_at(path, user_message)
-        if final is not None:
-            return ContinueResult(run_name, [], [], final)
+        state = conversation_at(path, user_message)
+        if state.final_answer is not None:
+            return ContinueResult(run_name, [], [], state.final_answer)
+        conversation, pending, definitions = state.messages, state.pending, state.tools
     else:
         conversation = [dict(m) for m in messages]
+        definitions = tool_definitions
         if user_message is not None:
             conversation.append({"role": "user", "content": user_message})
     tokenizer = backend.tokenizer
     oracle = _seeded_oracle(path, backend)
-    run: Run | None = None  # a new run is created once its first call is answered
+    run: Run | None = store.run(run_name) if pending else None  # else created on first answer
     new_steps: list[Step] = []
     reports: list[StepReport] = []
     final_answer: str | None = None
+    if run is not None:
+        conversation += _run_tool_calls(run, pending, tools, head, new_steps)
     for index in range(1, steps + 1):
-        prompt_ids = tokenizer.chat_tokens(conversation) if tokenizer is not None else None
+        prompt_ids = (tokenizer.chat_tokens(conversation, tools=definitions)
+                      if tokenizer is not None else None)
         oracle_tokens = oracle.bound(prompt_ids) if prompt_ids is not None else None
-        result = backend.generate(CallRequest(conversation, prompt_ids, params))
+        result = backend.generate(CallRequest(conversation, prompt_ids, params,
+                                              tools=definitions))
         run = run or store.run(run_name)
         model_step = record_generation(run, conversation, result, model=backend.model,
-                                       params=params)
+                                       params=params, tools=definitions)
         new_steps.append(model_step)
         if prompt_ids is not None:
             oracle.add(prompt_ids + list(result.output_ids or []), label=model_step.id)
@@ -129,7 +148,15 @@ def continue_run(
         reports.append(report)
         if on_step is not None:
             on_step(index, steps, report)
-        conversation = [*conversation, assistant_message(result.text)]
+        response = model_step.content["response"]
+        conversation = [*conversation, response]
+        if definitions is not None:  # function calling
+            calls = tool_calls_of(response)
+            if not calls:
+                final_answer = str(response.get("content") or "")
+                break
+            conversation += _run_tool_calls(run, calls, tools, model_step, new_steps)
+            continue
         parsed = parse_response(result.text)
         if parsed.call is None:
             if parsed.final_answer is not None:
@@ -137,14 +164,7 @@ def continue_run(
                 break
             conversation.append({"role": "user", "content": NO_ACTION_NUDGE})
             continue
-        tool = tools.get(parsed.call.name)
-        if tool is None:
-            known = ", ".join(sorted(tools)) or "none"
-            raise MissingToolError(
-                f"the model asked for tool {parsed.call.name!r} at step {model_step.short_id}, "
-                f"but no tool of that name is registered (registered: {known}); register it "
-                "and continue the run again"
-            )
+        tool = _tool(tools, parsed.call.name, model_step)
         tool_result, error = _call(tool, parsed.call.arguments)
         new_steps.append(run.record_tool_call(parsed.call.name, parsed.call.arguments,
                                               tool_result, error=error))
@@ -152,33 +172,114 @@ def continue_run(
     return ContinueResult(run_name, new_steps, reports, final_answer)
 
 
-def conversation_at(
-    path: list[Step], user_message: str | None = None
-) -> tuple[list[Message], str | None]:
+@dataclass(frozen=True, slots=True)
+class ConversationState:
+    """What a next model call after a path would send, or the answer the path ended with."""
+
+    messages: list[Message]
+    final_answer: str | None = None
+    pending: list[Message] = field(default_factory=list)  # tool calls asked, not yet answered
+    tools: list[Message] | None = None  # the tool definitions (function-calling runs)
+
+
+def conversation_at(path: list[Step], user_message: str | None = None) -> ConversationState:
     """The messages a next model call would send after `path`, or the final answer.
 
-    Returns (messages, None) to go on, or ([], answer) when the last model call
-    gave a final answer, no tool call followed it and no `user_message` asks
-    for more.
+    The conversation is the last model call's messages and response, then one
+    message per tool call recorded after it: a `tool` message answering its
+    call id in function-calling runs, an ``Observation:`` in ReAct runs. Tool
+    calls the response asked for that no tool step answers are `pending`.
+    The state has a final answer (and no messages) when the last response
+    gave one, no tool call followed and no `user_message` asks for more.
     """
     last = next((i for i in range(len(path) - 1, -1, -1) if path[i].kind == "model_call"), None)
     if last is None:
         raise ReplayError("the run has no model call to continue from: start it with messages")
     model_step = path[last]
-    text = response_text(model_step)
-    conversation = [*step_messages(model_step), assistant_message(text)]
+    response = response_message(model_step)
+    conversation = [*step_messages(model_step), response]
     tool_steps = [s for s in path[last + 1 :] if s.kind == "tool_call"]
+    calls = tool_calls_of(response)
+    definitions = step_tools(model_step)
+    if calls or definitions is not None:
+        answered = {s.meta.get("call_id") for s in tool_steps}
+        for index, step in enumerate(tool_steps):
+            call_id = step.meta.get("call_id") or (
+                calls[index]["id"] if index < len(calls) and "id" in calls[index] else None)
+            conversation.append(tool_message(call_id, step.meta.get("tool"),
+                                             step.content.get("result"), step.meta.get("error")))
+        pending = [c for c in calls if c.get("id") not in answered][len(tool_steps):] if (
+            len(tool_steps) < len(calls)) else []
+        if user_message is not None:
+            conversation.append({"role": "user", "content": user_message})
+        elif not calls and not tool_steps:
+            return ConversationState([], final_answer=str(response.get("content") or ""))
+        return ConversationState(conversation, pending=pending, tools=definitions or [])
     for step in tool_steps:
-        error = step.meta.get("error")
-        conversation.append(observation_message(step.content.get("result"), error))
+        conversation.append(observation_message(step.content.get("result"), step.meta.get("error")))
     if user_message is not None:
         conversation.append({"role": "user", "content": user_message})
     elif not tool_steps:
-        parsed = parse_response(text)
+        parsed = parse_response(response_text(model_step))
         if parsed.is_final:
-            return [], parsed.final_answer
+            return ConversationState([], final_answer=parsed.final_answer)
         conversation.append({"role": "user", "content": NO_ACTION_NUDGE})
-    return conversation, None
+    return ConversationState(conversation)
+
+
+def tool_message(call_id: str | None, name: Any, result: Any, error: Any = None) -> Message:
+    """The `tool` message that answers a function call with its result (or error)."""
+    if error is not None:
+        content = f"error: {error}"
+    elif isinstance(result, str):
+        content = result
+    else:
+        content = json.dumps(result, ensure_ascii=False, sort_keys=True)
+    message: Message = {"role": "tool", "content": content}
+    if call_id is not None:
+        message["tool_call_id"] = call_id
+    if isinstance(name, str):
+        message["name"] = name
+    return message
+
+
+def _run_tool_calls(
+    run: Run, calls: list[Message], tools: Mapping[str, Tool], asked_by: Step | None,
+    new_steps: list[Step],
+) -> list[Message]:
+    """Run function calls with the registered tools, record each, return their tool messages."""
+    messages = []
+    for call in calls:
+        function = call.get("function") or {}
+        name = str(function.get("name"))
+        arguments = _parse_arguments(function.get("arguments"))
+        tool = _tool(tools, name, asked_by)
+        result, error = _call(tool, arguments)
+        new_steps.append(run.record_tool_call(name, arguments, result, error=error,
+                                              call_id=call.get("id")))
+        messages.append(tool_message(call.get("id"), name, result, error))
+    return messages
+
+
+def _tool(tools: Mapping[str, Tool], name: str, asked_by: Step | None) -> Tool:
+    tool = tools.get(name)
+    if tool is None:
+        known = ", ".join(sorted(tools)) or "none"
+        where = f" at step {asked_by.short_id}" if asked_by is not None else ""
+        raise MissingToolError(
+            f"the model asked for tool {name!r}{where}, but no tool of that name is "
+            f"registered (registered: {known}); register it and continue the run again"
+        )
+    return tool
+
+
+def _parse_arguments(arguments: Any) -> Any:
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except ValueError:
+            return arguments
+    return arguments
 
 
 def _seeded_oracle(path: list[Step], backend: Backend) -> PrefixOracle:
@@ -189,7 +290,7 @@ def _seeded_oracle(path: list[Step], backend: Backend) -> PrefixOracle:
         return oracle
     for step in path:
         if step.kind == "model_call":
-            prompt = tokenizer.chat_tokens(step_messages(step))
+            prompt = prompt_ids(tokenizer, step)
             oracle.add(prompt + expected_output_ids(step, tokenizer, prompt), label=step.id)
     return oracle
 

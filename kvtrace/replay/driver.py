@@ -28,17 +28,23 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from kvtrace.rendering import parse_assistant_text
 from kvtrace.errors import ReplayError, UsageError
-from kvtrace.replay.backend import Backend, CallRequest, SamplingParams, Tokenizer
+from kvtrace.replay.backend import Backend, CallRequest, Message, SamplingParams, Tokenizer
 from kvtrace.replay.oracle import PrefixOracle, common_prefix_length
 from kvtrace.replay.recording import (
+    check_context,
     expected_output_ids,
+    prompt_ids,
+    response_message,
     response_text,
     step_messages,
+    step_tools,
     templated_output_ids,
 )
 from kvtrace.replay.report import MODES, Mismatch, ReplayReport, StepReport
 from kvtrace.store import Step, Store
+from kvtrace.store.messages import arguments_equal, tool_calls_of
 
 ProgressCallback = Callable[[int, int, StepReport], None]  # (done, total, step report)
 _SNIPPET_TOKENS = 12
@@ -52,6 +58,7 @@ class _Expected:
     request: CallRequest
     expected_ids: list[int] | None
     expected_text: str
+    response: Message
 
 
 def replay(
@@ -143,8 +150,9 @@ def _replay_path(
             result = backend.generate(request)
             fed = result.output_ids
             if fed is None and tokenizer is not None and request.prompt_ids is not None:
-                fed = templated_output_ids(tokenizer, request.messages, result.text,
-                                           request.prompt_ids)
+                said = parse_assistant_text(result.text) if request.tools else result.text
+                fed = templated_output_ids(tokenizer, request.messages, said,
+                                           request.prompt_ids, tools=request.tools)
         else:
             result = backend.rebuild(request)
             fed = request.output_ids
@@ -175,12 +183,17 @@ def _replay_path(
 def _prepare(step: Step, tokenizer: Tokenizer | None, mode: str, use_drafts: bool) -> _Expected:
     messages = step_messages(step)
     text = response_text(step)
-    prompt_ids = tokenizer.chat_tokens(messages) if tokenizer is not None else None
+    prompt = prompt_ids(tokenizer, step) if tokenizer is not None else None
     expected_ids = (
-        expected_output_ids(step, tokenizer, prompt_ids)
-        if tokenizer is not None and prompt_ids is not None
+        expected_output_ids(step, tokenizer, prompt)
+        if tokenizer is not None and prompt is not None
         else None
     )
+    if tokenizer is not None and prompt is not None:
+        problem = check_context(tokenizer, step, len(prompt) + len(expected_ids or []))
+        if problem:
+            raise ReplayError(f"{problem}: replay stops here (use a model with a longer "
+                              "context, or replay --to an earlier step)")
     # Regenerate as long as the recording, so a run-on is caught at the stop token.
     recorded = SamplingParams.from_recorded(
         step.meta.get("params"),
@@ -191,21 +204,31 @@ def _prepare(step: Step, tokenizer: Tokenizer | None, mode: str, use_drafts: boo
             f"step {step.short_id} records max_new_tokens={recorded.max_new_tokens} "
             f"but its response has {len(expected_ids)} tokens: the recording is inconsistent"
         )
-    request = CallRequest(messages, prompt_ids, recorded,
+    request = CallRequest(messages, prompt, recorded,
                           output_ids=expected_ids if mode == "rebuild" else None,
                           output_text=text, model=step.meta.get("model"),
-                          draft_ids=expected_ids if mode == "verify" and use_drafts else None)
-    return _Expected(step, request, expected_ids, text)
+                          draft_ids=expected_ids if mode == "verify" and use_drafts else None,
+                          tools=step_tools(step))
+    return _Expected(step, request, expected_ids, text, response_message(step))
 
 
 def _compare(
     expected: _Expected, got_text: str, got_ids: list[int] | None, tokenizer: Tokenizer | None
 ) -> tuple[bool, Mismatch | None]:
-    """Match, or the first differing token (characters when no token ids are known)."""
+    """Match, or the first differing token (characters when no token ids are known).
+
+    Tool calls count as equal when names and arguments are equal as JSON, so a
+    regenerated call spelled with other whitespace or key order still matches.
+    """
     want = expected.expected_ids
+    if want is not None and got_ids is not None and got_ids == want:
+        return True, None
+    if want is None and got_text == expected.expected_text:
+        return True, None
+    difference = _tool_call_difference(expected.response, got_text)
+    if difference is None and tool_calls_of(expected.response):
+        return True, None
     if want is not None and got_ids is not None and tokenizer is not None:
-        if got_ids == want:
-            return True, None
         at = common_prefix_length(want, got_ids)
         return False, Mismatch(
             position=at,
@@ -215,9 +238,30 @@ def _compare(
                                            skip_special_tokens=False),
             got_text=tokenizer.decode(got_ids[at : at + _SNIPPET_TOKENS],
                                       skip_special_tokens=False),
+            tool_call=difference,
         )
-    if got_text == expected.expected_text:
-        return True, None
     at = common_prefix_length(expected.expected_text, got_text)
     return False, Mismatch(at, None, None, expected.expected_text[at : at + 40],
-                           got_text[at : at + 40], unit="char")
+                           got_text[at : at + 40], unit="char", tool_call=difference)
+
+
+def _tool_call_difference(expected: Message, got_text: str) -> str | None:
+    """How the regenerated tool calls differ from the recorded ones (None: they agree)."""
+    want = tool_calls_of(expected)
+    got = tool_calls_of(parse_assistant_text(got_text))
+    if not want and not got:
+        return None
+    for index in range(max(len(want), len(got))):
+        if index >= len(want) or index >= len(got):
+            return (f"{len(want)} tool call(s) recorded, {len(got)} regenerated")
+        a, b = want[index]["function"], got[index]["function"]
+        if a.get("name") != b.get("name"):
+            return f"tool call {index}: {a.get('name')!r} recorded, {b.get('name')!r} regenerated"
+        if not arguments_equal(str(a.get("arguments", "")), str(b.get("arguments", ""))):
+            return (f"tool call {index} ({a.get('name')}): arguments {a.get('arguments')} "
+                    f"recorded, {b.get('arguments')} regenerated")
+    if (expected.get("content") or "").strip() != (
+        parse_assistant_text(got_text).get("content") or ""
+    ).strip():
+        return "same tool calls, other text"
+    return None

@@ -1,7 +1,10 @@
 """How a model call lives in a trace, read back as token ids.
 
-A recorded model call holds the chat `messages` and the `response` (an
-assistant message or a plain string). When kvtrace itself generated the
+A recorded model call holds the chat `messages`, the request's `tools` and
+the `response` (an assistant message, maybe with `tool_calls`; a plain string
+in steps recorded before the function-calling format). Prompts and outputs
+are token ids of one rendering (kvtrace.rendering): the response's
+text is what the model says for it there, tool calls included. When kvtrace itself generated the
 response (continue, the example, the benchmark), `usage.completion_token_ids`
 also holds the exact tokens generated: re-tokenising the response text may
 give other ids (BPE is not a bijection on generated sequences), and only the
@@ -18,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kvtrace.rendering import assistant_text, parse_assistant_text
 from kvtrace.errors import ReplayError
 from kvtrace.replay.backend import CallResult, Message, SamplingParams, Tokenizer
 from kvtrace.store import Run, Step
@@ -25,23 +29,21 @@ from kvtrace.store import Run, Step
 TOKEN_IDS_KEY = "completion_token_ids"
 
 
-def response_text(step: Step) -> str:
-    """The text of a model call's response."""
+def response_message(step: Step) -> Message:
+    """The assistant message a model call returned (a plain-string response as its text)."""
     response = step.content.get("response")
     if isinstance(response, str):
-        return response
+        return assistant_message(response)
     if isinstance(response, Mapping):
-        content = response.get("content")
-        if isinstance(content, str):
-            return content
-        if content is None:
-            return ""
-        if isinstance(content, list):  # OpenAI content parts
-            return "".join(str(p.get("text", "")) for p in content if isinstance(p, Mapping))
+        return dict(response)
     raise ReplayError(
-        f"step {step.short_id} has a response kvtrace cannot read as text: "
-        f"{type(response).__name__}"
+        f"step {step.short_id} has a response kvtrace cannot read: {type(response).__name__}"
     )
+
+
+def response_text(step: Step) -> str:
+    """What the model said for a model call's response: its text, then its tool calls."""
+    return assistant_text(response_message(step))
 
 
 def step_messages(step: Step) -> list[Message]:
@@ -50,6 +52,17 @@ def step_messages(step: Step) -> list[Message]:
     if not isinstance(messages, list):
         raise ReplayError(f"model call {step.short_id} has no list of messages to replay")
     return [dict(m) for m in messages]
+
+
+def step_tools(step: Step) -> list[Message] | None:
+    """The tool definitions a model call sent, if any."""
+    tools = step.content.get("tools")
+    return [dict(t) for t in tools] if isinstance(tools, list) and tools else None
+
+
+def prompt_ids(tokenizer: Tokenizer, step: Step) -> list[int]:
+    """The token ids of a recorded model call's prompt (messages and tools)."""
+    return tokenizer.chat_tokens(step_messages(step), tools=step_tools(step))
 
 
 def assistant_message(text: str) -> Message:
@@ -64,25 +77,41 @@ def expected_output_ids(
     recorded = _recorded_ids(step)
     if recorded is not None and _decodes_to(tokenizer, recorded, text):
         return recorded
-    return templated_output_ids(tokenizer, step_messages(step), text, prompt_ids)
+    return templated_output_ids(tokenizer, step_messages(step), response_message(step),
+                                prompt_ids, tools=step_tools(step))
 
 
 def templated_output_ids(
-    tokenizer: Tokenizer, messages: list[Message], text: str, prompt_ids: Sequence[int]
+    tokenizer: Tokenizer,
+    messages: list[Message],
+    response: Message | str,
+    prompt_ids: Sequence[int],
+    *,
+    tools: list[Message] | None = None,
 ) -> list[int]:
-    """The tokens the chat template puts after the prompt for a response `text`.
+    """The tokens the chat template puts after the prompt for a `response`.
 
     They run up to and including the end-of-turn token, which is where a
     generation that stopped on it ends too. Returns [] when the template does
     not extend the prompt (some templates rewrite earlier turns).
     """
-    full = tokenizer.chat_tokens([*messages, assistant_message(text)], add_generation_prompt=False)
+    message = assistant_message(response) if isinstance(response, str) else response
+    full = tokenizer.chat_tokens([*messages, message], add_generation_prompt=False, tools=tools)
     if full[: len(prompt_ids)] != list(prompt_ids):
         return []
     tail = full[len(prompt_ids) :]
     stops = set(tokenizer.eos_token_ids)
     ends = [i for i, token in enumerate(tail) if token in stops]
     return tail[: ends[-1] + 1] if ends else tail
+
+
+def check_context(tokenizer: Tokenizer, step: Step, num_tokens: int) -> str | None:
+    """Why `num_tokens` of step `step` do not fit the model's context, or None when they do."""
+    limit = getattr(tokenizer, "max_context_tokens", None)
+    if limit is None or num_tokens <= limit:
+        return None
+    return (f"step @{step.depth} ({step.short_id}) needs {num_tokens} tokens, more than the "
+            f"model's context of {limit}")
 
 
 def record_generation(
@@ -93,8 +122,13 @@ def record_generation(
     model: str,
     params: SamplingParams,
     timings: Mapping[str, float] | None = None,
+    tools: list[Message] | None = None,
 ) -> Step:
-    """Record a model call that a backend generated, with its exact token ids."""
+    """Record a model call that a backend generated, with its exact token ids.
+
+    With `tools`, the text is read for tool calls (rendering.parse_assistant_text)
+    and recorded as an assistant message with `tool_calls`.
+    """
     usage: dict[str, Any] = {
         "prompt_tokens": result.prompt_tokens,
         "completion_tokens": len(result.output_ids) if result.output_ids is not None else None,
@@ -106,10 +140,12 @@ def record_generation(
     recorded = params.to_dict()
     if recorded["seed"] is None and result.seed is not None:
         recorded["seed"] = result.seed  # a fresh random seed: keep it, or verify cannot work
+    response = parse_assistant_text(result.text) if tools else assistant_message(result.text)
     return run.record_model_call(
         messages,
-        assistant_message(result.text),
+        response,
         model=model,
+        tools=tools,
         params=recorded,
         usage={k: v for k, v in usage.items() if v is not None},
         timings=dict(timings) if timings else {

@@ -45,11 +45,13 @@ class Mismatch:
     expected_text: str  # the recorded continuation from that token, decoded
     got_text: str  # the regenerated continuation from that token, decoded
     unit: str = "token"  # "char" when the backend gave text only and no tokenizer was known
+    tool_call: str | None = None  # how the tool calls differ, when the response has any
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "position": self.position,
             "unit": self.unit,
+            "tool_call": self.tool_call,
             "expected_id": self.expected_id,
             "got_id": self.got_id,
             "expected_text": self.expected_text,
@@ -307,6 +309,7 @@ def render(report: ReplayReport, console: Console | None = None) -> None:
             console.print(
                 f"step @{s.depth} ({s.step_id[:12]}) differs at {m.unit} {m.position}: "
                 f"expected {m.expected_text!r}, got {m.got_text!r}"
+                + (f"; {m.tool_call}" if m.tool_call else "")
             )
     if any(s.reused_tokens is None for s in report.steps):
         console.print("?: unknown (the backend does not report cached tokens)")

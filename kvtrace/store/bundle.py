@@ -29,9 +29,9 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from kvtrace.errors import ConflictError, IntegrityError, UsageError
+from kvtrace.store import lists
 from kvtrace.store.backend import insert_ignore
 from kvtrace.store.encoding import decode_body, decode_json_blob, is_address
-from kvtrace.store import lists
 from kvtrace.store.history import chunks, skip_in_memory
 from kvtrace.store.names import validate_run_name
 from kvtrace.store.records import RunInfo

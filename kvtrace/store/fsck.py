@@ -16,8 +16,8 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from kvtrace.errors import IntegrityError
-from kvtrace.store.encoding import decode_body, decode_json_blob
 from kvtrace.store import lists
+from kvtrace.store.encoding import decode_body, decode_json_blob
 from kvtrace.store.history import chunks, skip_in_memory
 from kvtrace.store.records import FsckReport
 from kvtrace.store.schema import blobs, notes, reflog, refs, steps

@@ -5,18 +5,18 @@ sends all of it. Stored as one blob per call, a run of n calls would hold its
 history n times over. Instead each item (message) is its own canonical-JSON
 blob, and the list is a chain of *segments*, each a canonical-JSON blob
 
-    {"base": ADDRESS | null, "depth": D, "items": [ADDRESS, ...]}
+    {"base": ADDRESS | null, "items": [ADDRESS, ...]}
 
 meaning "the items of segment `base`, then these". A model call whose messages
 extend the previous call's (the usual case) stores one small segment naming
 the previous call's segment as its base, plus the new messages' blobs, so a
 run's bytes grow with its distinct messages, not with their square.
 
-`depth` counts the segments in the chain (1 for a segment without base). A
-chain never grows past `MAX_DEPTH`: the segment that would exceed it lists
-every item itself, so reading any list takes at most `MAX_DEPTH` rounds of
-queries. Segments are content-addressed like every blob: identical histories
-(a fork, a re-recorded prefix) share them.
+A chain never grows past `MAX_DEPTH` segments: the segment that would exceed
+it lists every item itself, so reading any list takes at most `MAX_DEPTH`
+rounds of queries, and a longer chain is refused as corrupt. Segments are
+content-addressed like every blob: identical histories (a fork, a re-recorded
+prefix) share them.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from kvtrace.store.schema import blobs
 MAX_DEPTH = 64
 _IN_CHUNK = 500
 
-# A resolved segment: (depth, every item address in order).
+# A resolved segment: (its chain's length, every item address in order).
 Resolved = tuple[int, tuple[str, ...]]
 
 
@@ -55,24 +55,22 @@ def segment_for(
         count = len(base_items)
         if base_depth < MAX_DEPTH and tuple(items[:count]) == base_items and count:
             base_address, depth, own = address, base_depth + 1, items[count:]
-    data = canonical_json({"base": base_address, "depth": depth, "items": own})
+    data = canonical_json({"base": base_address, "items": own})
     return data, sha256_hex(data), (depth, tuple(items))
 
 
-def parse_segment(data: bytes, address: str = "") -> tuple[str | None, int, list[str]]:
-    """(base, depth, items) of a segment blob; IntegrityError when malformed."""
+def parse_segment(data: bytes, address: str = "") -> tuple[str | None, list[str]]:
+    """(base, items) of a segment blob; IntegrityError when malformed."""
     value = decode_json_blob(data)
     label = f"list segment {address[:12]}" if address else "list segment"
-    if not isinstance(value, dict) or set(value) != {"base", "depth", "items"}:
-        raise IntegrityError(f"{label} is malformed: needs base, depth and items")
-    base, depth, items = value["base"], value["depth"], value["items"]
+    if not isinstance(value, dict) or set(value) != {"base", "items"}:
+        raise IntegrityError(f"{label} is malformed: needs base and items")
+    base, items = value["base"], value["items"]
     if base is not None and not is_address(base):
         raise IntegrityError(f"{label} has a base that is not a blob address")
-    if type(depth) is not int or not 1 <= depth <= MAX_DEPTH or (depth == 1) != (base is None):
-        raise IntegrityError(f"{label} has a bad depth {depth!r}")
     if not isinstance(items, list) or not all(is_address(a) for a in items):
         raise IntegrityError(f"{label} has items that are not blob addresses")
-    return base, depth, items
+    return base, items
 
 
 def resolve(
@@ -85,7 +83,7 @@ def resolve(
     one is always right) and is filled with every segment met on the way.
     """
     wanted = set(addresses)
-    parsed: dict[str, tuple[str | None, int, list[str]]] = {}
+    parsed: dict[str, tuple[str | None, list[str]]] = {}
     frontier = {a for a in wanted if a not in known}
     for _ in range(MAX_DEPTH + 1):
         if not frontier:
@@ -97,7 +95,7 @@ def resolve(
         for address, data in found.items():
             parsed[address] = parse_segment(bytes(data), address)
         frontier = {
-            base for base, _, _ in parsed.values()
+            base for base, _ in parsed.values()
             if base is not None and base not in known and base not in parsed
         }
     else:
@@ -108,12 +106,13 @@ def resolve(
             return known[address]
         if trail > MAX_DEPTH:
             raise IntegrityError("a list segment chain loops or is too deep")
-        base, depth, items = parsed[address]
-        prefix: tuple[str, ...] = ()
+        base, items = parsed[address]
+        depth, prefix = 1, tuple[str, ...]()
         if base is not None:
             base_depth, prefix = full(base, trail + 1)
-            if base_depth != depth - 1:
-                raise IntegrityError(f"list segment {address[:12]} has a wrong depth")
+            depth = base_depth + 1
+            if depth > MAX_DEPTH:
+                raise IntegrityError(f"list segment {address[:12]} ends a chain that is too long")
         known[address] = (depth, prefix + tuple(items))
         return known[address]
 
@@ -158,7 +157,7 @@ def closure(fetch: Any, addresses: Iterable[str]) -> set[str]:
         needed |= frontier
         frontier = set()
         for address, data in found.items():
-            base, _, items = parse_segment(bytes(data), address)
+            base, items = parse_segment(bytes(data), address)
             needed.update(items)
             if base is not None and base not in needed:
                 frontier.add(base)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from kvtrace.errors import UsageError
@@ -100,7 +100,9 @@ def normalize_response(response: Any) -> dict[str, Any]:
         plain = {"role": "assistant", **plain}
     message = normalize_message(plain, "response")
     if message["role"] != "assistant":
-        raise UsageError(f"response.role is {message['role']!r}: a response is an assistant message")
+        raise UsageError(
+            f"response.role is {message['role']!r}: a response is an assistant message"
+        )
     return message
 
 

@@ -106,7 +106,8 @@ class Store:
         with read_transaction(self._reader) as conn:  # continuing a run needs no write lock
             row = resolve.ref_row(conn, name)
             if row is not None:
-                head = history.load_steps(conn, [row.head], self._segments)[0] if row.head else None
+                head = (history.load_steps(conn, [row.head], self._segments)[0]
+                        if row.head else None)
                 return Run(self, name, head)
         try:
             with write_transaction(self._writer) as conn:
@@ -418,6 +419,7 @@ class Store:
                 sa.select(steps.c.body).where(steps.c.id == step_id)).scalar_one()))
             if field in body.get("lists", ()):
                 segment = body["payload"][field]
-                resolved = segments_module.resolve(segments_module.fetch_blobs(conn), [segment], self._segments)
+                fetch = segments_module.fetch_blobs(conn)
+                resolved = segments_module.resolve(fetch, [segment], self._segments)
                 return segment, resolved[segment]
         return None

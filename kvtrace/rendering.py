@@ -1,0 +1,184 @@
+"""Function-calling conversations as a chat template sees them, and back.
+
+One rule for every path (replay, analyze, continue, the server): a model call
+is rendered from its (messages, tools) by `chat_messages`, then by the model's
+chat template. Two cases:
+
+- **Native**: the template itself renders `tools`, `tool_calls` and `tool`
+  turns (it mentions ``tool_calls`` and ``tools``; Qwen2.5, Llama 3.1 and
+  Hermes-style templates do). Messages go to it as OpenAI shapes, with
+  tool-call arguments parsed from their JSON string into an object (what
+  transformers' templates expect) and content parts joined into text.
+- **Fallback**, for templates that read only ``role`` and ``content`` (the
+  default SmolLM2 template): one deterministic rendering in the Hermes
+  style. The tool definitions go at the end of the system turn (a system turn
+  is added in front when there is none)::
+
+      # Tools
+      You may call one or more functions. Function signatures:
+      <tools>
+      {"type": "function", "function": {...}}      (one JSON line per tool)
+      </tools>
+      To call a function, reply with a JSON object inside <tool_call></tool_call>:
+      <tool_call>
+      {"name": <function-name>, "arguments": <args-json-object>}
+      </tool_call>
+
+  an assistant turn's tool calls follow its text, one block each::
+
+      <tool_call>
+      {"name": "get_weather", "arguments": {"city": "Paris"}}
+      </tool_call>
+
+  and a tool result is a turn of role ``tool`` whose content is the result.
+  `reasoning_content` is not rendered (templates drop earlier reasoning
+  too); non-text content parts (images) are not rendered (the engine is
+  text-only).
+
+`assistant_text` is what a model says for an assistant message in the
+fallback (and Hermes) rendering; `parse_assistant_text` reads a generated
+text back into an assistant message, so a tool call a model generates is
+recorded as `tool_calls`, and re-rendered, gives the same text when it was
+written canonically (one space after ``:`` and ``,``, as `json.dumps` writes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+TOOL_CALL_OPEN = "<tool_call>"
+TOOL_CALL_CLOSE = "</tool_call>"
+_BLOCK = re.compile(r"<tool_call>\s*(?P<body>.*?)\s*</tool_call>", re.S)
+_TOOLS_HEADER = (
+    "# Tools\nYou may call one or more functions. Function signatures:\n<tools>\n"
+)
+_TOOLS_FOOTER = (
+    "</tools>\nTo call a function, reply with a JSON object inside <tool_call></tool_call>:\n"
+    '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+)
+
+
+def template_supports_tools(template: Any) -> bool:
+    """Whether a chat template renders tools and tool calls itself."""
+    text = template if isinstance(template, str) else json.dumps(template, default=str)
+    return "tool_calls" in text and "tools" in text
+
+
+def chat_messages(
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None,
+    *,
+    native: bool,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """(messages, tools) to hand to the chat template (see the module docstring)."""
+    if native:
+        return [_native_message(m) for m in messages], [dict(t) for t in tools] if tools else None
+    plain = [
+        {"role": str(m.get("role", "user")), "content": assistant_text(m)
+         if m.get("role") == "assistant" else content_text(m.get("content"))}
+        for m in messages
+    ]
+    if tools:
+        listing = "".join(json.dumps(dict(t), ensure_ascii=False) + "\n" for t in tools)
+        block = _TOOLS_HEADER + listing + _TOOLS_FOOTER
+        if plain and plain[0]["role"] == "system":
+            plain[0] = {"role": "system", "content": f"{plain[0]['content']}\n\n{block}"}
+        else:
+            plain.insert(0, {"role": "system", "content": block})
+    return plain, None
+
+
+def content_text(content: Any) -> str:
+    """The text of a message's content (a string, null, or a list of content parts)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(
+            str(part.get("text", "")) for part in content
+            if isinstance(part, Mapping) and part.get("type") in ("text", "input_text", None)
+        )
+    return str(content)
+
+
+def assistant_text(message: Mapping[str, Any] | str) -> str:
+    """What the model says for an assistant message: its text, then one block per tool call."""
+    if isinstance(message, str):
+        return message
+    text = content_text(message.get("content"))
+    blocks = [render_tool_call(call) for call in message.get("tool_calls") or []]
+    if not blocks:
+        return text
+    return "\n".join([text, *blocks]) if text else "\n".join(blocks)
+
+
+def render_tool_call(call: Mapping[str, Any]) -> str:
+    """One tool call as a ``<tool_call>`` block, arguments as a JSON object when they parse."""
+    function = call.get("function") or {}
+    body = {"name": function.get("name"), "arguments": _arguments(function.get("arguments"))}
+    return f"{TOOL_CALL_OPEN}\n{json.dumps(body, ensure_ascii=False)}\n{TOOL_CALL_CLOSE}"
+
+
+def parse_assistant_text(text: str, *, id_seed: str = "") -> dict[str, Any]:
+    """A generated text as an assistant message, its ``<tool_call>`` blocks as `tool_calls`.
+
+    A block that is not a JSON object with a string ``name`` stays part of the
+    text. Tool-call ids are derived from `id_seed`, the text and the position,
+    so the same generation always gets the same ids.
+    """
+    calls: list[dict[str, Any]] = []
+    kept: list[str] = []
+    last = 0
+    for match in _BLOCK.finditer(text):
+        try:
+            body = json.loads(match.group("body"))
+        except ValueError:
+            continue
+        if not isinstance(body, dict) or not isinstance(body.get("name"), str):
+            continue
+        arguments = body.get("arguments", body.get("parameters", {}))
+        kept.append(text[last : match.start()])
+        last = match.end()
+        digest = hashlib.sha256(f"{id_seed}\x00{text}\x00{len(calls)}".encode()).hexdigest()
+        calls.append({
+            "id": f"call_{digest[:24]}",
+            "type": "function",
+            "function": {
+                "name": body["name"],
+                "arguments": arguments if isinstance(arguments, str)
+                else json.dumps(arguments, ensure_ascii=False),
+            },
+        })
+    if not calls:
+        return {"role": "assistant", "content": text}
+    kept.append(text[last:])
+    content = "".join(kept).strip()
+    return {"role": "assistant", "content": content or None, "tool_calls": calls}
+
+
+def _arguments(arguments: Any) -> Any:
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except ValueError:
+            return arguments
+    return {} if arguments is None else arguments
+
+
+def _native_message(message: Mapping[str, Any]) -> dict[str, Any]:
+    out = {k: v for k, v in message.items() if k != "reasoning_content"}
+    if not isinstance(out.get("content"), str):  # parts joined; null as "" (templates concatenate)
+        out["content"] = content_text(out.get("content"))
+    if out.get("tool_calls"):
+        out["tool_calls"] = [
+            {**call, "function": {**(call.get("function") or {}),
+                                  "arguments": _arguments((call.get("function") or {})
+                                                          .get("arguments"))}}
+            for call in out["tool_calls"]
+        ]
+    return out
