@@ -362,34 +362,32 @@ def _observe(
     kept_results = observation.get("results")
     kept_results = kept_results if isinstance(kept_results, list) else []
     open_ids = {s.meta["call_id"]: s for s in results if s.meta.get("call_id")}
-    mapped: list[dict[str, Any]] = []
+    pairs: list[tuple[dict[str, Any], Any]] = []  # (mapped, kept) per result
     if messages:
-        for message in messages:
+        aligned = kept_results if len(kept_results) == len(messages) else [None] * len(messages)
+        for message, kept_result in zip(messages, aligned, strict=True):
             call_id = message.get("tool_call_id") if message.get("role") == "tool" else None
             step = open_ids.pop(call_id, None) if call_id else None
             content = _result_content(step) if step else message.get("content")
-            mapped.append({"source_call_id": call_id, "content": content})
+            pairs.append(({"source_call_id": call_id, "content": content}, kept_result))
     elif is_last:
         pending = [s for s in results if s.meta.get("call_id")]
-        for item in kept_results:
-            if item.get("whole") or not pending:
-                mapped.append({})
-                continue
-            step = pending.pop(0)
-            open_ids.pop(step.meta["call_id"], None)
-            mapped.append({"source_call_id": step.meta["call_id"],
-                           "content": _result_content(step)})
-    kept_list: list[Any] = (
-        kept_results if len(kept_results) == len(mapped) else [None] * len(mapped))
+        for kept_result in kept_results:
+            if kept_result.get("whole"):
+                pairs.append(({}, kept_result))
+            elif pending:  # else the run stops before this result (a fork, say)
+                step = pending.pop(0)
+                open_ids.pop(step.meta["call_id"], None)
+                pairs.append(({"source_call_id": step.meta["call_id"],
+                               "content": _result_content(step)}, kept_result))
     for step in results:
         call_id = step.meta.get("call_id")
         if call_id is None or call_id in open_ids:
-            mapped.append({"source_call_id": call_id, "content": _result_content(step)})
-            kept_list.append(None)
-    if not mapped and not observation:
+            pairs.append(({"source_call_id": call_id, "content": _result_content(step)}, None))
+    if not pairs and not observation:
         return
     agent["observation"] = restore(
-        {"results": [restore(m, k) for m, k in zip(mapped, kept_list, strict=True)]},
+        {"results": [restore(mapped, kept_result) for mapped, kept_result in pairs]},
         observation.get("kept"),
     )
 

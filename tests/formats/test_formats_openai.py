@@ -1,0 +1,97 @@
+"""OpenAI chat messages in and out: tau-bench and mini-swe-agent v2 shaped conversations."""
+
+from __future__ import annotations
+
+import json
+
+from kvtrace.formats import export_openai, import_openai
+from kvtrace.store.messages import normalize_messages
+
+TAU = "openai_tau_airline.json"
+MINI = "openai_mini_swe_agent_v2.json"
+
+
+def test_each_assistant_turn_is_a_model_call_on_the_conversation_before_it(store, document):
+    messages = document(TAU)
+    info = import_openai(store, messages, run="tau")
+    steps = store.path("tau")
+    calls = [s for s in steps if s.kind == "model_call"]
+    answers = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    assert info.depth == len(steps) and len(calls) == len(answers) >= 10
+    normalized = normalize_messages(messages)
+    for call, index in zip(calls, answers, strict=True):
+        assert call.content["messages"] == normalized[:index]
+        assert call.content["response"] == normalized[index]
+        assert call.meta["model"] == "unknown"
+    assert calls[0].content["response"]["content"] is None
+    assert "function_call" not in calls[0].content["response"]  # null keys are dropped
+
+
+def test_each_tool_result_is_a_tool_call_linked_by_its_id(store, document):
+    messages = document(TAU)
+    import_openai(store, messages, run="tau")
+    steps = store.path("tau")
+    results = {m["tool_call_id"]: m for m in messages if m["role"] == "tool"}
+    tool_steps = [s for s in steps if s.kind == "tool_call"]
+    assert len(tool_steps) == len(results) >= 5
+    for step in tool_steps:
+        before = steps[step.depth - 2]  # the model call that asked for it
+        call = next(c for c in before.content["response"]["tool_calls"]
+                    if c["id"] == step.meta["call_id"])
+        assert step.meta["tool"] == call["function"]["name"] == results[call["id"]]["name"]
+        assert step.content["arguments"] == json.loads(call["function"]["arguments"])
+        assert step.content["result"] == results[call["id"]]["content"]
+
+
+def test_tau_bench_export_is_the_same_conversation_in_normal_form(store, document):
+    messages = document(TAU)
+    import_openai(store, messages, run="tau")
+    exported = export_openai(store, "tau")
+    assert isinstance(exported, list)
+    assert exported == normalize_messages(messages)  # only `function_call: null` differs
+    assert [m for m in messages if m.get("function_call", 0) is not None] == [
+        m for m in exported if m["role"] != "assistant"]
+
+
+def test_mini_swe_agent_v2_export_is_the_document_itself(store, document):
+    original = document(MINI)
+    info = import_openai(store, original, run="mini")
+    assert info.depth == 20
+    exported = export_openai(store, "mini")
+    assert exported == original  # info, trajectory_format, per-message extra, the exit message
+    assert exported["messages"][-1]["role"] == "exit"
+
+
+def test_a_tool_result_after_the_last_call_exports_from_its_step(store, document):
+    original = document(MINI)
+    import_openai(store, original, run="mini")
+    last_tool = store.path("mini")[-1]
+    assert last_tool.kind == "tool_call" and last_tool.meta["call_id"] == "toolu_09mini"
+    run = store.fork("mini~1", "mini-edit")
+    run.record_tool_call("bash", {"command": "git diff"}, "edited output", call_id="toolu_09mini")
+    exported = export_openai(store, "mini-edit")
+    assert exported["messages"][-2] == {**original["messages"][-2], "content": "edited output"}
+
+
+def test_a_run_recorded_by_kvtrace_exports_and_imports_back_to_the_same_calls(store):
+    tools = [{"type": "function", "function": {"name": "calc", "parameters": {}}}]
+    run = store.run("native")
+    asked = [{"role": "user", "content": "What is 17 * 23?"}]
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "calc", "arguments": '{"expr": "17 * 23"}'}}
+    run.record_model_call(asked, {"role": "assistant", "content": None, "tool_calls": [call]},
+                          model="m", tools=tools)
+    run.record_tool_call("calc", {"expr": "17 * 23"}, "391", call_id="c1")
+    run.record_model_call(
+        [*asked, {"role": "assistant", "content": None, "tool_calls": [call]},
+         {"role": "tool", "tool_call_id": "c1", "content": "391"}],
+        "17 * 23 = 391.", model="m", tools=tools)
+    run.record_tool_call("log", {"line": 1}, {"ok": True}, call_id=None)
+    exported = export_openai(store, "native")
+    assert exported["model"] == "m" and exported["tools"] == tools
+    assert exported["messages"][-1] == {"role": "tool", "name": "log", "content": '{"ok": true}'}
+    import_openai(store, exported, run="again")
+    original = [s for s in store.path("native") if s.kind == "model_call"]
+    again = [s for s in store.path("again") if s.kind == "model_call"]
+    assert [(s.content, s.meta["model"]) for s in again] == [
+        (s.content, s.meta["model"]) for s in original]
