@@ -95,3 +95,13 @@ def test_bad_files_are_one_error_line_exit_2_and_change_nothing(kv, tmp_path):
 def test_an_unknown_format_is_a_usage_error(kv):
     code, _, err = kv("import", "--format", "csv", str(DATA / "atif_v1_4_tools.json"))
     assert code == 2 and err.startswith("error: ") and "csv" in err
+
+
+@pytest.mark.slow
+def test_an_imported_trajectory_analyzes_with_the_provider_cached_tokens(kv):
+    kv("import", "--format", "atif", str(DATA / "atif_v1_4_tools.json"), "--run", "shop")
+    code, out, err = kv("analyze", "shop", "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["total"]["steps"] == 3 and result["total"]["breakers"] == 0
+    assert [s["provider_cached_tokens"] for s in result["steps"]] == [512, 640, 704]
