@@ -1,4 +1,4 @@
-"""Layers import one way: store -> formats, engine -> replay -> cli (dulwich keeps such a test)."""
+"""Layers import one way: store -> formats, engine -> replay -> tracer -> cli (dulwich does too)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,9 @@ ALLOWED = {
     "engine": {"engine"},
     "replay": {"replay", "store", "engine"},
     "formats": {"formats", "store"},
-    "bench": {"bench", "store", "engine", "replay", "formats"},
-    "cli": {"cli", "store", "engine", "replay", "bench", "formats"},
+    "tracer": {"tracer", "store", "engine", "replay"},
+    "bench": {"bench", "store", "engine", "replay", "formats", "tracer"},
+    "cli": {"cli", "store", "engine", "replay", "bench", "formats", "tracer"},
 }
 
 

@@ -1,0 +1,35 @@
+"""The tracer: record any agent's model calls, tool calls and HTTP exchanges into a run.
+
+- `recording(store, name)` / `Recorder`: the Python API (record calls by
+  hand; `@rec.tool` and `tool` for the current recording record each call
+  of a tool function);
+- `RecordingTransport` / `AsyncRecordingTransport`: httpx transports that
+  record every exchange of an httpx-based client (the OpenAI and Anthropic
+  SDKs take an `http_client`), chat completions as model_call steps;
+- `ReplayTransport` / `AsyncReplayTransport`: their twins that answer from
+  the recording (VCR-like modes `none`, `new_episodes`, `all`);
+- `kvtrace.tracer.server`: `kvtrace serve`, an OpenAI-compatible server that
+  records every call, answering from the local engine or an upstream.
+
+Layering: imports the store (and, for the server's local mode, the engine
+and replay's local backend); never the CLI.
+"""
+
+from __future__ import annotations
+
+from kvtrace.tracer.cassette import AsyncReplayTransport, ReplayMode, ReplayTransport
+from kvtrace.tracer.recorder import Recorder, current_recorder, recording
+from kvtrace.tracer.tools import tool
+from kvtrace.tracer.transport import AsyncRecordingTransport, RecordingTransport
+
+__all__ = [
+    "AsyncRecordingTransport",
+    "AsyncReplayTransport",
+    "Recorder",
+    "RecordingTransport",
+    "ReplayMode",
+    "ReplayTransport",
+    "current_recorder",
+    "recording",
+    "tool",
+]

@@ -1,0 +1,239 @@
+"""Fixtures for the tracer: real servers on loopback sockets, real stores, a tiny real model.
+
+- `canned_upstream`: a third-party-like OpenAI server (http.server, a
+  separate implementation) that answers with fixed bytes — odd spacing and
+  key order included, so "returned unchanged" means byte for byte — a
+  tool-calling completion, or the same as an SSE stream sent in pieces.
+- `serve_local`: `kvtrace serve` in local mode (a tiny random Llama with the
+  default model's tokenizer, a fresh KV cache) on a loopback port.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+SECRET_KEY = "sk-test-0123456789abcdefSECRET"
+SERVER_KEY = "kv-server-key-XYZ987"
+
+CANNED_COMPLETION = (
+    b'{"id":"chatcmpl-canned-1", "object":"chat.completion","created":1700000000,'
+    b'"model":"canned-model",  "system_fingerprint":"fp_canned",\n'
+    b'"choices":[{"index":0,"finish_reason":"tool_calls","message":{"role":"assistant",'
+    b'"content":null,"tool_calls":[{"id":"call_abc","type":"function","function":'
+    b'{"name":"get_weather","arguments":"{\\"city\\": \\"Paris\\"}"}}]}}],'
+    b'"usage":{"prompt_tokens":42,"completion_tokens":9,"total_tokens":51,'
+    b'"prompt_tokens_details":{"cached_tokens":32}}}'
+)
+CANNED_TEXT_COMPLETION = (
+    b'{"id":"chatcmpl-canned-2","object":"chat.completion","created":1700000001,'
+    b'"model":"canned-model","choices":[{"index":0,"finish_reason":"stop","message":'
+    b'{"role":"assistant","content":"It is sunny in Paris."}}],'
+    b'"usage":{"prompt_tokens":60,"completion_tokens":7,"total_tokens":67}}'
+)
+_CHUNK = '{"id":"chatcmpl-canned-s","object":"chat.completion.chunk","created":1700000002,' \
+    '"model":"canned-model","choices":[%s]%s}'
+CANNED_STREAM = [
+    ("data: " + _CHUNK % ('{"index":0,"delta":{"role":"assistant","content":""},'
+                          '"finish_reason":null}', "") + "\n\n").encode(),
+    ("data: " + _CHUNK % ('{"index":0,"delta":{"content":"Let me "},"finish_reason":null}', "")
+     + "\n\n").encode(),
+    ("data: " + _CHUNK % ('{"index":0,"delta":{"content":"check."},"finish_reason":null}', "")
+     + "\n\n").encode(),
+    ("data: " + _CHUNK % ('{"index":0,"delta":{"tool_calls":[{"index":0,"id":"call_s1",'
+                          '"type":"function","function":{"name":"get_weather","arguments":'
+                          '"{\\"city\\""}}]},"finish_reason":null}', "") + "\n\n").encode(),
+    ("data: " + _CHUNK % ('{"index":0,"delta":{"tool_calls":[{"index":0,"function":'
+                          '{"arguments":": \\"Oslo\\"}"}}]},"finish_reason":null}', "")
+     + "\n\n").encode(),
+    ("data: " + _CHUNK % ('{"index":0,"delta":{},"finish_reason":"tool_calls"}', "")
+     + "\n\n").encode(),
+    ("data: " + _CHUNK % ("", ',"usage":{"prompt_tokens":40,"completion_tokens":12,'
+                          '"total_tokens":52,"prompt_tokens_details":{"cached_tokens":16}}')
+     + "\n\n").encode(),
+    b"data: [DONE]\n\n",
+]
+CANNED_MODELS = b'{"object":"list","data":[{"id":"canned-model","object":"model"}]}'
+CANNED_EMBEDDING = b'{"object":"list","data":[{"object":"embedding","index":0,"embedding":[0.5]}]}'
+
+
+class CannedUpstream:
+    """An OpenAI-style server with fixed answers; `seen` holds each request's path, headers, body.
+
+    POST /v1/chat/completions answers CANNED_STREAM when `stream` is true,
+    else CANNED_TEXT_COMPLETION when the last message is a tool result, else
+    CANNED_COMPLETION. A request whose last message says "hang" gets the
+    first two stream events and then nothing until `release` is set.
+    A model named "missing" gets a 404 error body.
+    """
+
+    def __init__(self) -> None:
+        self.seen: list[dict[str, Any]] = []
+        self.release = threading.Event()
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _send(self, status: int, body: bytes, content_type: str) -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self) -> None:
+                server.seen.append({"path": self.path, "headers": dict(self.headers)})
+                self._send(200, CANNED_MODELS, "application/json")
+
+            def do_POST(self) -> None:
+                data = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                server.seen.append({"path": self.path, "headers": dict(self.headers),
+                                    "body": data})
+                if self.path.split("?")[0] == "/v1/embeddings":
+                    self._send(200, CANNED_EMBEDDING, "application/json")
+                    return
+                body = json.loads(data)
+                if body.get("model") == "missing":
+                    self._send(404, b'{"error":{"message":"no such model","type":'
+                               b'"invalid_request_error","code":"model_not_found"}}',
+                               "application/json")
+                    return
+                last = body["messages"][-1]
+                if body.get("stream"):
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/event-stream")
+                    self.end_headers()
+                    events = CANNED_STREAM[:2] if last.get("content") == "hang" else CANNED_STREAM
+                    for event in events:
+                        self.wfile.write(event)
+                        self.wfile.flush()
+                    if last.get("content") == "hang":
+                        server.release.wait(timeout=60)
+                    return
+                answer = CANNED_TEXT_COMPLETION if last["role"] == "tool" else CANNED_COMPLETION
+                self._send(200, answer, "application/json")
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._httpd.daemon_threads = True
+        self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        host, port = self._httpd.server_address[:2]
+        return f"http://{host}:{port}/v1"
+
+    def start(self) -> CannedUpstream:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.release.set()
+        self._httpd.shutdown()
+        self._httpd.server_close()
+
+
+@pytest.fixture
+def canned_upstream() -> Iterator[CannedUpstream]:
+    server = CannedUpstream().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def sqlite_store(tmp_path) -> Iterator[Any]:
+    from kvtrace import open_store
+
+    store = open_store(f"sqlite:///{tmp_path / 'store.db'}")
+    yield store
+    store.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_folder(tmp_path_factory) -> Path:
+    """A tiny random Llama with the default model's tokenizer and chat template."""
+    from kvtrace.engine import build_tiny_model, default_model_dir
+    from kvtrace.paths import default_cache_dir
+
+    root = tmp_path_factory.mktemp("tracer-model")
+    return build_tiny_model(root / "tiny", tokenizer_dir=default_model_dir(default_cache_dir()),
+                            seed=5)
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_model_folder, tmp_path_factory) -> Any:
+    from kvtrace.engine import load_engine
+
+    return load_engine(tiny_model_folder, cache_dir=tmp_path_factory.mktemp("tracer-cache"))
+
+
+@pytest.fixture
+def serve_local(tiny_engine, tmp_path) -> Iterator[Callable[..., Any]]:
+    """`serve_local(store, **options)`: a started local-mode server; `.url`, `.server`."""
+    from kvtrace.engine import KVCache
+    from kvtrace.replay.local import LocalBackend
+    from kvtrace.tracer.local import LocalAnswerer
+    from kvtrace.tracer.runner import BackgroundServer
+    from kvtrace.tracer.server import ChatServer
+
+    started: list[BackgroundServer] = []
+
+    def make(store: Any, *, max_queue: int = 16, **options: Any) -> Any:
+        backend = LocalBackend(tiny_engine, KVCache(tiny_engine, disk_dir=tmp_path / "kv"))
+        server = ChatServer(store, answerer=LocalAnswerer(backend, max_queue=max_queue),
+                            **options)
+        running = BackgroundServer(server.app).start()
+        running.server = server  # type: ignore[attr-defined]
+        started.append(running)
+        return running
+
+    yield make
+    for running in started:
+        running.stop()
+
+
+@pytest.fixture
+def serve_upstream() -> Iterator[Callable[..., Any]]:
+    """`serve_upstream(store, upstream_url, **options)`: a started upstream-mode server."""
+    from kvtrace.tracer.runner import BackgroundServer
+    from kvtrace.tracer.server import ChatServer
+
+    started: list[BackgroundServer] = []
+
+    def make(store: Any, upstream: str, **options: Any) -> Any:
+        server = ChatServer(store, upstream=upstream, **options)
+        running = BackgroundServer(server.app).start()
+        running.server = server  # type: ignore[attr-defined]
+        started.append(running)
+        return running
+
+    yield make
+    for running in started:
+        running.stop()
+
+
+def all_blob_bytes(store: Any) -> list[bytes]:
+    """Every blob of the store, raw."""
+    import sqlalchemy as sa
+
+    from kvtrace.store.schema import blobs
+
+    with store.engine.connect() as conn:
+        return [bytes(row[0]) for row in conn.execute(sa.select(blobs.c.data))]
+
+
+def all_step_meta(store: Any) -> list[str]:
+    """Every step's stored metadata, as text."""
+    import sqlalchemy as sa
+
+    from kvtrace.store.schema import steps
+
+    with store.engine.connect() as conn:
+        return [str(row) for row in conn.execute(sa.select(steps))]
