@@ -98,7 +98,6 @@ def atif_records(document: Any) -> list[Record]:
         raise UsageError("steps: no agent step, so there is no model call to import")
 
     records: list[Record] = []
-    model_calls: list[ModelCall] = []
     conversation: list[dict[str, Any]] = []
     before: list[dict[str, Any]] = []  # kept system/user steps since the last agent step
     for index, step in enumerate(steps[: agents[-1] + 1]):
@@ -123,16 +122,16 @@ def atif_records(document: Any) -> list[Record]:
         )
         if kept_observation is not None:
             kept["observation"] = kept_observation
-        model_calls.append(ModelCall(list(conversation), response, model, tool_list, usage,
-                                     {"atif": kept}))
-        records.append(model_calls[-1])
+        if index == agents[0]:
+            kept["root"] = keep(document, ROOT_MAPPED)
+        if index == agents[-1] and index + 1 < len(steps):  # in no prompt: kept whole
+            kept["after"] = steps[index + 1 :]
+        records.append(ModelCall(list(conversation), response, model, tool_list, usage,
+                                 {"atif": kept}))
         records.extend(results)
         conversation.append(response)
         conversation.extend(observed)
         before = []
-    model_calls[0].extra["atif"]["root"] = keep(document, ROOT_MAPPED)
-    if agents[-1] + 1 < len(steps):  # in no prompt: kept whole on the last call
-        model_calls[-1].extra["atif"]["after"] = steps[agents[-1] + 1 :]
     return records
 
 

@@ -74,16 +74,22 @@ def openai_records(document: Any) -> list[Record]:
     last = answers[-1]
     stored = [normalize_message(m, f"messages[{i}]") for i, m in enumerate(messages[: last + 1])]
 
+    # The first call keeps the document's own keys, the last the messages no prompt carries.
+    first_kept = {"root": keep(root, ROOT_MAPPED)} if root is not None else {"form": "list"}
+    tail = [
+        {k: v for k, v in m.items() if k != "content"} if _is_linked(m) else m
+        for m in messages[last + 1 :]
+    ]
     records: list[Record] = []
-    model_calls: list[ModelCall] = []
     calls: dict[str, dict[str, Any]] = {}
-    linked: set[int] = set()
     for index, item in enumerate(messages):
         if item["role"] == "assistant":
-            model_calls.append(ModelCall(stored[:index], stored[index], model, tool_list))
-            records.append(model_calls[-1])
+            kept = {**(first_kept if index == answers[0] else {}),
+                    **({"tail": tail} if index == last and tail else {})}
+            records.append(ModelCall(stored[:index], stored[index], model, tool_list,
+                                     extra={"openai": kept} if kept else {}))
             calls.update({c["id"]: c for c in stored[index].get("tool_calls", []) if "id" in c})
-        elif item["role"] == "tool" and item.get("tool_call_id") is not None:
+        elif _is_linked(item):
             call_id = item["tool_call_id"]
             call = calls.get(call_id) if isinstance(call_id, str) else None
             if call is None:
@@ -94,19 +100,12 @@ def openai_records(document: Any) -> list[Record]:
             function = call["function"]
             records.append(ToolCall(function["name"], parse_arguments(function["arguments"]),
                                     item.get("content"), call_id=call_id))
-            linked.add(index)
-
-    # Kept on the records themselves: the first call holds the document's own
-    # keys, the last the messages no prompt carries.
-    kept = {"root": keep(root, ROOT_MAPPED)} if root is not None else {"form": "list"}
-    model_calls[0].extra["openai"] = kept
-    tail = [
-        {k: v for k, v in m.items() if k != "content"} if index in linked else m
-        for index, m in enumerate(messages[last + 1 :], start=last + 1)
-    ]
-    if tail:
-        model_calls[-1].extra.setdefault("openai", {})["tail"] = tail
     return records
+
+
+def _is_linked(message: dict[str, Any]) -> bool:
+    """A tool result that names the call it answers (it becomes a tool_call step)."""
+    return message["role"] == "tool" and message.get("tool_call_id") is not None
 
 
 def export_openai(store: Store, spec: str) -> Any:

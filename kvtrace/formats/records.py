@@ -52,16 +52,16 @@ Record = ModelCall | ToolCall
 
 
 def record(store: Store, run: str, records: Sequence[Record]) -> RunInfo:
-    """Record `records` as the steps of run `run`, which must be new or empty."""
+    """Record `records` as the steps of run `run`, which must be new or empty.
+
+    Should another writer append to the run meanwhile, the first append loses
+    its compare-and-swap (ConflictError) and nothing is written.
+    """
     validate_run_name(run)
-    if not any(isinstance(r, ModelCall) for r in records):
-        raise UsageError("the document has no model call (no assistant turn): nothing to import")
-    existing = {info.name: info for info in store.runs()}
-    if run in existing and existing[run].head_id is not None:
-        raise UsageError(
-            f"run {run!r} exists with {existing[run].depth} steps: import under a new name"
-        )
     writer = store.run(run)
+    if writer.head is not None:
+        raise UsageError(f"run {run!r} exists with {writer.head.depth} steps: "
+                         "import under a new name")
     for item in records:
         if isinstance(item, ModelCall):
             writer.record_model_call(
