@@ -134,3 +134,14 @@ def _gist(step):
     content = step.content
     return ([message(m) for m in content["messages"]], message(content["response"]),
             content["tools"])
+
+
+def test_nulls_empty_lists_and_fields_of_a_later_minor_version_come_back(store, document):
+    original = document(V14)
+    original["schema_version"] = "ATIF-v1.9"
+    original["steps"][3].update(reasoning_content=None, tool_calls=[], observation=None)
+    original["steps"][3]["future_field"] = {"added": "in 1.9"}
+    original["steps"][5]["tool_calls"][0]["arguments"] = None
+    original["steps"][5]["metrics"] = {}
+    import_atif(store, original, run="later")
+    assert export_atif(store, "later") == original

@@ -95,3 +95,16 @@ def test_a_run_recorded_by_kvtrace_exports_and_imports_back_to_the_same_calls(st
     again = [s for s in store.path("again") if s.kind == "model_call"]
     assert [(s.content, s.meta["model"]) for s in again] == [
         (s.content, s.meta["model"]) for s in original]
+
+
+def test_an_object_with_model_and_tools_comes_back_whole(store, document):
+    messages = normalize_messages(document(TAU))
+    tools = [{"type": "function", "function": {"name": "get_reservation_details",
+                                               "parameters": {"type": "object"}}}]
+    original = {"model": "gpt-4o-2024-08-06", "tools": tools, "messages": messages,
+                "task_id": 17, "reward": 1.0}
+    import_openai(store, original, run="tau")
+    calls = [s for s in store.path("tau") if s.kind == "model_call"]
+    assert {s.meta["model"] for s in calls} == {"gpt-4o-2024-08-06"}
+    assert all(s.content["tools"] == tools for s in calls)
+    assert export_openai(store, "tau") == original
