@@ -19,7 +19,7 @@ from kvtrace.errors import UsageError
 from kvtrace.formats.atif import atif_records, export_atif, import_atif
 from kvtrace.formats.openai import export_openai, import_openai, openai_records
 from kvtrace.formats.records import parse_json
-from kvtrace.store import RunInfo, Store
+from kvtrace.store import RunInfo, Store, validate_run_name
 
 __all__ = [
     "Format",
@@ -98,9 +98,10 @@ def export_file(store: Store, spec: str, file: IO[bytes], *, format: str = Forma
 def default_run_name(filename: str) -> str:
     """The run a file imports into by default: its name up to the first dot."""
     name = filename.replace("\\", "/").rsplit("/", 1)[-1].split(".", 1)[0]
-    if not name:
-        raise UsageError(f"cannot name a run after {filename!r}: give one (--run NAME)")
-    return name
+    try:
+        return validate_run_name(name)
+    except UsageError as exc:
+        raise UsageError(f"{exc}; name the run yourself (--run NAME)") from exc
 
 
 def _known(format: str) -> str:

@@ -105,3 +105,11 @@ def test_an_imported_trajectory_analyzes_with_the_provider_cached_tokens(kv):
     result = json.loads(out)
     assert result["total"]["steps"] == 3 and result["total"]["breakers"] == 0
     assert [s["provider_cached_tokens"] for s in result["steps"]] == [512, 640, 704]
+
+
+def test_a_file_name_that_is_no_run_name_asks_for_one(kv, tmp_path):
+    odd = tmp_path / "my trace.json"
+    odd.write_bytes((DATA / "atif_v1_0_terminal.json").read_bytes())
+    code, _, err = kv("import", "--format", "atif", str(odd))
+    assert code == 2 and "--run NAME" in err and err.count("\n") == 1
+    assert kv("import", "--format", "atif", str(odd), "--run", "my-trace")[0] == 0
