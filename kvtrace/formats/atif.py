@@ -61,6 +61,7 @@ AGENT_STEP_MAPPED = frozenset(
 )
 CALL_MAPPED = frozenset({"tool_call_id", "function_name", "arguments"})
 RESULT_MAPPED = frozenset({"source_call_id", "content"})
+_MISSING: Any = object()  # a required field that is absent (null is a value)
 USAGE_FIELDS = ("prompt_tokens", "completion_tokens", "cached_tokens", "cost_usd",
                 "completion_token_ids")
 
@@ -92,7 +93,7 @@ def atif_records(document: Any) -> list[Record]:
             raise UsageError(f"{where} must be an object")
         if step.get("source") not in SOURCES:
             raise UsageError(f"{where}.source is {step.get('source')!r}: use system, user or agent")
-        _check_content(step.get("message", ...), f"{where}.message")
+        _check_content(step.get("message", _MISSING), f"{where}.message")
     agents = [i for i, step in enumerate(steps) if step["source"] == "agent"]
     if not agents:
         raise UsageError("steps: no agent step, so there is no model call to import")
@@ -205,7 +206,7 @@ def _check_version(version: Any) -> None:
 
 def _check_content(content: Any, where: str, *, can_be_null: bool = False) -> None:
     """A message or result content: a string or a list of content parts (ATIF 1.6)."""
-    if content is ...:
+    if content is _MISSING:
         raise UsageError(f"{where}: missing")
     if isinstance(content, str) or (content is None and can_be_null):
         return
@@ -238,8 +239,8 @@ def _response(step: dict[str, Any], where: str) -> tuple[dict[str, Any], list[An
         if call["tool_call_id"] in seen:
             raise UsageError(f"{at}: tool_call_id {call['tool_call_id']!r} is used twice")
         seen.add(call["tool_call_id"])
-        arguments = call.get("arguments", ...)
-        if arguments is ...:
+        arguments = call.get("arguments", _MISSING)
+        if arguments is _MISSING:
             raise UsageError(f"{at}: missing arguments")
         if arguments is not None and not isinstance(arguments, dict):
             raise UsageError(f"{at}.arguments must be an object")
