@@ -12,7 +12,13 @@ import sys
 
 import typer
 
-from kvtrace.cli import bench, cache, replay, store_commands  # noqa: F401  (registers commands)
+from kvtrace.cli import (  # noqa: F401  (registers commands)
+    bench,
+    cache,
+    replay,
+    serve,
+    store_commands,
+)
 from kvtrace.cli.app import app
 from kvtrace.errors import KvtraceError
 

@@ -86,13 +86,16 @@ class CannedUpstream:
                 self.end_headers()
                 self.wfile.write(body)
 
+            def _headers(self) -> dict[str, str]:
+                return {k.lower(): v for k, v in self.headers.items()}
+
             def do_GET(self) -> None:
-                server.seen.append({"path": self.path, "headers": dict(self.headers)})
+                server.seen.append({"path": self.path, "headers": self._headers()})
                 self._send(200, CANNED_MODELS, "application/json")
 
             def do_POST(self) -> None:
                 data = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                server.seen.append({"path": self.path, "headers": dict(self.headers),
+                server.seen.append({"path": self.path, "headers": self._headers(),
                                     "body": data})
                 if self.path.split("?")[0] == "/v1/embeddings":
                     self._send(200, CANNED_EMBEDDING, "application/json")
@@ -164,7 +167,8 @@ def tiny_model_folder(tmp_path_factory) -> Path:
 
     root = tmp_path_factory.mktemp("tracer-model")
     return build_tiny_model(root / "tiny", tokenizer_dir=default_model_dir(default_cache_dir()),
-                            seed=5)
+                            seed=5, num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
+                            head_dim=16)
 
 
 @pytest.fixture(scope="session")

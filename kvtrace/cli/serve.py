@@ -1,0 +1,159 @@
+"""`kvtrace serve` and `kvtrace record -- COMMAND`: the recording server, in the foreground
+or around one program. Each builds a `kvtrace.tracer.server.ChatServer` and runs it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import TYPE_CHECKING
+
+import typer
+
+from kvtrace.cli.app import app, store_url
+from kvtrace.errors import UsageError
+from kvtrace.paths import default_cache_dir
+from kvtrace.store import Store, open_store, validate_run_name
+
+if TYPE_CHECKING:
+    from kvtrace.tracer.server import ChatServer, RunStats
+
+UPSTREAM = typer.Option(
+    None, "--upstream",
+    help="Forward to this OpenAI-compatible server (its base URL, e.g. "
+    "https://api.openai.com/v1) instead of answering with the local engine.",
+)
+MODEL = typer.Option(
+    None, "--model",
+    help="Local mode: a transformers model folder (default: the embedded SmolLM2-135M-Instruct).",
+)
+RUN = typer.Option(
+    None, "--run",
+    help="Record into this run (default: a new run per start; the X-Kvtrace-Run header wins).",
+)
+UPSTREAM_KEY = typer.Option(
+    None, "--upstream-api-key", envvar="KVTRACE_UPSTREAM_API_KEY",
+    help="Bearer token sent to the upstream instead of the client's ($KVTRACE_UPSTREAM_API_KEY)."
+    " Never recorded.",
+)
+REDACT = typer.Option(
+    [], "--redact-header",
+    help="Another header whose value must never be stored (repeatable); Authorization, "
+    "api-key, x-api-key and cookies always are.",
+)
+MAX_QUEUE = typer.Option(
+    16, "--max-queue", help="Local mode: requests that may wait for the engine; past it, 429."
+)
+MAX_BODY = typer.Option(
+    16 * 1024 * 1024, "--max-body-bytes", help="Largest request body accepted (else 413)."
+)
+
+
+def _chat_server(store: Store, *, upstream: str | None, model: str | None, run: str | None,
+                 run_prefix: str, api_key: str | None, upstream_api_key: str | None,
+                 redact_headers: list[str], max_queue: int, max_body_bytes: int) -> ChatServer:
+    """Check the options (before any model loads), then build the server."""
+    from kvtrace.tracer.server import ChatServer, new_run_name
+
+    if upstream is not None and model is not None:
+        raise UsageError("--model is for local mode: with --upstream the upstream's model answers")
+    if upstream is not None and not upstream.startswith(("http://", "https://")):
+        raise UsageError(f"--upstream {upstream!r} must start with http:// or https://")
+    if max_queue < 0 or max_body_bytes < 1:
+        raise UsageError("--max-queue must be >= 0 and --max-body-bytes >= 1")
+    run = validate_run_name(run) if run is not None else new_run_name(store, run_prefix)
+    options = {"run": run, "api_key": api_key, "upstream_api_key": upstream_api_key,
+               "redact_headers": tuple(redact_headers), "max_body_bytes": max_body_bytes}
+    if upstream is not None:
+        return ChatServer(store, upstream=upstream, **options)  # type: ignore[arg-type]
+    from kvtrace.replay import open_local_backend
+    from kvtrace.tracer.local import LocalAnswerer
+
+    backend = open_local_backend(model, cache_dir=default_cache_dir())
+    return ChatServer(store, answerer=LocalAnswerer(backend, max_queue=max_queue),
+                      **options)  # type: ignore[arg-type]
+
+
+@app.command("serve")
+def serve_command(
+    upstream: str = UPSTREAM,
+    model: str = MODEL,
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (loopback only "
+                             "by default; 0.0.0.0 exposes the server to the network)."),
+    port: int = typer.Option(8000, "--port", help="Port to listen on (0: any free port)."),
+    run: str = RUN,
+    api_key: str = typer.Option(
+        None, "--api-key", envvar="KVTRACE_SERVE_API_KEY",
+        help="Require 'Authorization: Bearer KEY' from clients ($KVTRACE_SERVE_API_KEY).",
+    ),
+    upstream_api_key: str = UPSTREAM_KEY,
+    redact_header: list[str] = REDACT,
+    max_queue: int = MAX_QUEUE,
+    max_body_bytes: int = MAX_BODY,
+) -> None:
+    """An OpenAI-compatible server that records every call into a run (see docs/serve.md)."""
+    from kvtrace.tracer.runner import BackgroundServer
+
+    if not 0 <= port <= 65535:
+        raise UsageError(f"--port {port} is not a port number (0-65535)")
+    with open_store(store_url()) as store:
+        server = _chat_server(store, upstream=upstream, model=model, run=run, run_prefix="serve",
+                              api_key=api_key, upstream_api_key=upstream_api_key,
+                              redact_headers=redact_header, max_queue=max_queue,
+                              max_body_bytes=max_body_bytes)
+        running = BackgroundServer(server.app, host=host, port=port).start()
+        answering = (f"upstream {upstream}" if server.answerer is None
+                     else f"local model {server.answerer.model_name}")
+        typer.echo(f"kvtrace serve: {running.url} ({answering}), recording into run "
+                   f"'{server.default_run}' of {store.display_url}; Ctrl-C stops", err=True)
+        running.wait()
+    _print_summary(server.stats)
+
+
+@app.command("record", context_settings={"allow_interspersed_args": False})
+def record_command(
+    command: list[str] = typer.Argument(..., help="The program to run, after '--'."),
+    upstream: str = UPSTREAM,
+    model: str = MODEL,
+    run: str = RUN,
+    upstream_api_key: str = UPSTREAM_KEY,
+    redact_header: list[str] = REDACT,
+) -> None:
+    """Run COMMAND against a recording server on a free loopback port (OPENAI_BASE_URL)."""
+    from kvtrace.tracer.runner import BackgroundServer
+
+    with open_store(store_url()) as store:
+        server = _chat_server(store, upstream=upstream, model=model, run=run, run_prefix="record",
+                              api_key=None, upstream_api_key=upstream_api_key,
+                              redact_headers=redact_header, max_queue=MAX_QUEUE.default,
+                              max_body_bytes=MAX_BODY.default)
+        env = dict(os.environ, OPENAI_BASE_URL="", OPENAI_API_BASE="")
+        with BackgroundServer(server.app) as running:
+            env["OPENAI_BASE_URL"] = env["OPENAI_API_BASE"] = running.url
+            env.setdefault("OPENAI_API_KEY", "kvtrace")  # the SDK refuses to start without one
+            typer.echo(f"kvtrace record: run '{server.default_run}', {running.url}", err=True)
+            try:
+                code = subprocess.call(command, env=env)
+            except FileNotFoundError as exc:
+                raise UsageError(f"cannot run {command[0]!r}: no such program") from exc
+    _print_summary(server.stats, default=server.default_run)
+    raise typer.Exit(code)
+
+
+def _print_summary(stats: dict[str, RunStats], default: str | None = None) -> None:
+    """One line per run written to: calls, tokens, cached tokens (or unknown)."""
+    if not stats and default is not None:
+        typer.echo(f"kvtrace record: run '{default}': no model calls recorded", err=True)
+    for name, run in stats.items():
+        if run.unknown_cached == run.calls:
+            cached = "cached unknown"
+        else:
+            cached = f"{run.cached_tokens:,} cached"
+            if run.unknown_cached:
+                cached += f" ({run.unknown_cached} calls unknown)"
+        others = f", {run.other_steps} other requests" if run.other_steps else ""
+        typer.echo(f"recorded run '{name}': {run.calls} model call"
+                   f"{'' if run.calls == 1 else 's'}, {run.prompt_tokens:,} prompt tokens "
+                   f"({cached}), {run.completion_tokens:,} completion tokens{others}",
+                   err=True)
+    sys.stderr.flush()

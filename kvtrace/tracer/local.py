@@ -1,0 +1,164 @@
+"""Answering chat requests from the local engine, one at a time, through a bounded queue.
+
+The one engine computes one request at a time on one worker thread (the
+engine and its KV cache are not thread-safe, and two requests at once would
+each run at half speed anyway). Requests wait in a queue of `max_queue`;
+past it the server answers 429 at once, never queues without bound. Each
+request goes through replay's `LocalBackend`, so the prefix cache (memory
+then disk) serves every prefix an earlier request or replay computed:
+`usage.prompt_tokens_details.cached_tokens` is what it reused (the
+prompt's last token is always computed).
+
+Rendering: `engine.chat_tokens(messages, tools=...)` (kvtrace/rendering.py:
+the model's template when it renders tools, else the documented fallback),
+and the generated text is parsed back into `content` and `tool_calls` with
+`parse_assistant_text` when the request offers tools (and `tool_choice` is
+not "none"). Sampling is greedy unless the request sets `temperature > 0`
+(then a random seed is chosen when none is given, and recorded so `replay
+--mode verify` can reproduce it). `stop` strings cut the text after
+generation. Local streaming sends the answer as SSE once it is generated:
+the engine has no per-token callback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvtrace.errors import UsageError
+from kvtrace.replay.backend import CallRequest, SamplingParams
+from kvtrace.replay.recording import TOKEN_IDS_KEY
+from kvtrace.tracer.api import APIError, ChatRequest
+
+if TYPE_CHECKING:
+    from kvtrace.replay.local import LocalBackend
+
+DEFAULT_MAX_TOKENS = 256  # replay's default too, so an unset max_tokens replays alike
+
+
+@dataclass(frozen=True, slots=True)
+class LocalAnswer:
+    """A completion and what to record with it."""
+
+    completion: dict[str, Any]
+    params: dict[str, Any]
+    usage: dict[str, Any]
+    timings: dict[str, float]
+    is_seed_chosen: bool
+
+
+class LocalAnswerer:
+    """The engine behind the server: queue, prompt checks, generation, completion."""
+
+    def __init__(self, backend: LocalBackend, *, max_queue: int = 16) -> None:
+        if max_queue < 0:
+            raise ValueError("max_queue must be >= 0")
+        self._backend = backend
+        self._capacity = max_queue + 1  # the one running, and those waiting
+        self._in_flight = 0
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="kvtrace-engine")
+
+    @property
+    def model_name(self) -> str:
+        return self._backend.model
+
+    @property
+    def queue(self) -> dict[str, int]:
+        running = min(self._in_flight, 1)
+        return {"running": running, "waiting": self._in_flight - running,
+                "capacity": self._capacity}
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=True)
+
+    def check(self, request: ChatRequest) -> list[int]:
+        """The prompt's token ids, after the checks that do not need the engine's time."""
+        if request.model != self.model_name:
+            raise APIError(404, f"the model {request.model!r} does not exist here: this server "
+                           f"serves {self.model_name!r} (GET /v1/models)", param="model",
+                           code="model_not_found")
+        engine = self._backend.engine
+        try:
+            prompt = engine.chat_tokens(request.messages, tools=request.tools)
+        except UsageError as exc:
+            raise APIError(400, str(exc), param="messages", code="invalid_value") from exc
+        limit = engine.max_context_tokens
+        if limit is not None and len(prompt) >= limit:
+            raise APIError(400, f"this model's maximum context length is {limit} tokens; the "
+                           f"messages take {len(prompt)}: shorten them", param="messages",
+                           code="context_length_exceeded")
+        return prompt
+
+    async def answer(self, request: ChatRequest, prompt: list[int]) -> LocalAnswer:
+        """Queue for the engine (429 when the queue is full), then generate."""
+        if self._in_flight >= self._capacity:
+            raise APIError(429, f"the server is busy: {self._capacity - 1} requests already "
+                           "wait for the engine; retry later", kind="rate_limit_error",
+                           code="rate_limit_exceeded")
+        self._in_flight += 1
+        try:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._worker, self._generate, request, prompt)
+        finally:
+            self._in_flight -= 1
+
+    def _generate(self, request: ChatRequest, prompt: list[int]) -> LocalAnswer:
+        body = request.body
+        limit = self._backend.engine.max_context_tokens
+        max_new = request.max_tokens or DEFAULT_MAX_TOKENS
+        if limit is not None:
+            max_new = max(1, min(max_new, limit - len(prompt)))
+        temperature = float(body.get("temperature") or 0.0)
+        params = SamplingParams(
+            temperature=temperature,
+            top_p=float(body.get("top_p") or 1.0),
+            seed=body.get("seed") if temperature > 0 else None,
+            max_new_tokens=max_new,
+        )
+        started = time.perf_counter()
+        result = self._backend.generate(CallRequest(list(request.messages), prompt, params))
+        text, finish = result.text, result.finish_reason
+        for stop in request.stop:
+            if stop and stop in text:
+                text, finish = text[: text.index(stop)], "stop"
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if request.parses_tool_calls:
+            from kvtrace.rendering import parse_assistant_text
+
+            message = parse_assistant_text(text, id_seed=str(prompt[-64:]))
+            if message.get("tool_calls"):
+                finish = "tool_calls"
+        completion_tokens = len(result.output_ids or [])
+        usage: dict[str, Any] = {
+            "prompt_tokens": result.prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": result.prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": result.reused_tokens or 0},
+        }
+        completion = {
+            "id": f"chatcmpl-{uuid.uuid4().hex[:24]}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": [{"index": 0, "message": message, "finish_reason": finish,
+                         "logprobs": None}],
+            "usage": usage,
+        }
+        recorded_params = {k: v for k, v in body.items()
+                           if k not in ("messages", "tools", "model", "stream", "stream_options")}
+        is_seed_chosen = temperature > 0 and body.get("seed") is None and result.seed is not None
+        if is_seed_chosen:
+            recorded_params["seed"] = result.seed
+        recorded_usage = {
+            **usage,
+            "cached_tokens": result.reused_tokens,
+            "finish_reason": finish,
+            TOKEN_IDS_KEY: list(result.output_ids or []),
+        }
+        timings = {"total_s": round(time.perf_counter() - started, 6),
+                   "prefill_s": round(result.prefill_s, 6), "decode_s": round(result.decode_s, 6)}
+        return LocalAnswer(completion, recorded_params, recorded_usage, timings, is_seed_chosen)

@@ -1,0 +1,69 @@
+"""Running the server: in the foreground (`kvtrace serve`) or on a background thread.
+
+`BackgroundServer` binds a loopback socket first (port 0: the kernel picks a
+free one, so there is no race between choosing a port and listening on
+it), then runs uvicorn on a daemon thread and returns once it accepts
+connections. `kvtrace record`, the benchmark and the tests use it.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from typing import Any
+
+import uvicorn
+
+from kvtrace.errors import TracerError
+
+
+class BackgroundServer:
+    """An ASGI app served by uvicorn on a thread; `url` is its base URL (with /v1)."""
+
+    def __init__(self, app: Any, *, host: str = "127.0.0.1", port: int = 0) -> None:
+        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self._socket.bind((host, port))
+        except OSError as exc:
+            self._socket.close()
+            raise TracerError(f"cannot listen on {host}:{port} ({exc.strerror}): "
+                              "pick another --port") from exc
+        self.host, self.port = self._socket.getsockname()[:2]
+        config = uvicorn.Config(app, log_level="warning", lifespan="on", access_log=False)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run,
+                                        kwargs={"sockets": [self._socket]}, daemon=True,
+                                        name="kvtrace-serve")
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}/v1"
+
+    def start(self) -> BackgroundServer:
+        self._thread.start()
+        while not self._server.started:
+            if not self._thread.is_alive():
+                raise TracerError("the server stopped while starting (see the log above)")
+            self._thread.join(timeout=0.01)
+        return self
+
+    def wait(self) -> None:
+        """Block until the server stops (Ctrl-C stops it)."""
+        try:
+            while self._thread.is_alive():
+                self._thread.join(timeout=0.5)
+        except KeyboardInterrupt:
+            pass
+        self.stop()
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join()
+        self._socket.close()
+
+    def __enter__(self) -> BackgroundServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,118 @@
+"""`kvtrace serve` and `kvtrace record -- COMMAND` as a user runs them."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvtrace import open_store
+from kvtrace.cli import main
+from tests.tracer.conftest import SECRET_KEY, all_blob_bytes
+
+AGENT = textwrap.dedent("""
+    import sys
+    import openai
+
+    client = openai.OpenAI(max_retries=0)
+    model = client.models.list().data[0].id
+    reply = client.chat.completions.create(
+        model=model, max_tokens=3, messages=[{"role": "user", "content": "Weather in Paris?"}])
+    stream = client.chat.completions.create(
+        model=model, max_tokens=3, stream=True,
+        messages=[{"role": "user", "content": "Weather in Paris?"}])
+    print("chunks:", len(list(stream)))
+    sys.exit(int(sys.argv[1]))
+""")
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("KVTRACE_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("KVTRACE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("KVTRACE_STORE", raising=False)
+    monkeypatch.delenv("OPENAI_BASE_URL", raising=False)
+    (tmp_path / "agent.py").write_text(AGENT)
+    return tmp_path
+
+
+def kv(capfd, *argv: str) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exit_info:
+        main(list(argv))
+    out, err = capfd.readouterr()
+    return int(exit_info.value.code or 0), out, err
+
+
+def test_record_runs_the_command_against_the_local_engine_and_passes_its_exit_code(
+    home, capfd, tiny_model_folder
+):
+    code, out, err = kv(capfd, "record", "--model", str(tiny_model_folder), "--run", "recorded",
+                        "--", sys.executable, str(home / "agent.py"), "3")
+    assert code == 3
+    assert "chunks:" in out
+    assert "recorded run 'recorded': 2 model calls" in err
+    assert "cached" in err and "cached unknown" not in err
+    with open_store() as store:
+        steps = store.path("recorded")
+        assert [s.kind for s in steps] == ["model_call", "model_call"]
+        assert steps[1].meta["extra"]["http"]["stream"] is True
+
+
+def test_record_with_upstream_keeps_the_real_provider_and_names_a_new_run(
+    home, capfd, canned_upstream, monkeypatch
+):
+    monkeypatch.setenv("OPENAI_API_KEY", SECRET_KEY)
+    code, _, err = kv(capfd, "record", "--upstream", canned_upstream.url, "--",
+                      sys.executable, str(home / "agent.py"), "0")
+    assert code == 0
+    assert canned_upstream.seen[-1]["headers"]["authorization"] == f"Bearer {SECRET_KEY}"
+    with open_store() as store:
+        [run] = store.runs()
+        assert run.name.startswith("record-") and f"'{run.name}'" in err
+        assert run.depth == 2
+        assert not any(SECRET_KEY.encode() in blob for blob in all_blob_bytes(store))
+    assert "2 model calls, 82 prompt tokens (48 cached), 21 completion tokens" in err
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["record", "--upstream", "ftp://example.org", "--", "true"], "must start with http://"),
+    (["record", "--run", "bad..name", "--upstream", "http://127.0.0.1:9/v1", "--", "true"],
+     "invalid run name"),
+    (["record", "--upstream", "http://127.0.0.1:9/v1", "--", "no-such-program-kvtrace"],
+     "no such program"),
+    (["serve", "--port", "70000", "--upstream", "http://127.0.0.1:9/v1"], "not a port"),
+    (["serve", "--model", "m", "--upstream", "http://127.0.0.1:9/v1"], "--model is for local"),
+])
+def test_bad_options_print_one_error_line_and_exit_2(home, capfd, argv, message):
+    code, _, err = kv(capfd, *argv)
+    assert code == 2
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines[-1].startswith("error: ") and message in lines[-1]
+    assert not any(line.startswith("error: ") for line in lines[:-1])
+
+
+def test_serve_runs_until_interrupted_and_prints_what_it_recorded(home, canned_upstream):
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kvtrace", "serve", "--port", "0", "--run", "served",
+         "--upstream", canned_upstream.url],
+        stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+    try:
+        assert process.stderr is not None
+        banner = process.stderr.readline()
+        url = banner.split()[2]
+        assert url.startswith("http://127.0.0.1:") and "run 'served'" in banner
+        reply = httpx.post(f"{url}/chat/completions", json={
+            "model": "canned-model", "messages": [{"role": "user", "content": "hi"}]})
+        assert reply.status_code == 200
+    finally:
+        process.send_signal(signal.SIGINT)
+        _, rest = process.communicate(timeout=60)
+    assert "recorded run 'served': 1 model call" in rest
+    with open_store() as store:
+        assert store.show("served").kind == "model_call"

@@ -1,0 +1,224 @@
+"""`kvtrace serve` in local mode, driven by the official openai SDK over a loopback socket."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from kvtrace.replay import LocalBackend, replay
+from kvtrace.replay.oracle import common_prefix_length
+from kvtrace.replay.recording import TOKEN_IDS_KEY
+from tests.tracer.conftest import SERVER_KEY, all_blob_bytes, all_step_meta
+
+SYSTEM = {"role": "system", "content": "You are a terse assistant. " * 8}
+TOOLS = [{"type": "function", "function": {
+    "name": "lookup", "description": "Look a word up",
+    "parameters": {"type": "object", "properties": {"word": {"type": "string"}}},
+}}]
+
+
+def client(server, key: str = SERVER_KEY, **options) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url, api_key=key, max_retries=0, **options)
+
+
+def test_plain_streaming_and_tool_calling_requests_are_answered_and_recorded(
+    sqlite_store, serve_local, tiny_engine
+):
+    server = serve_local(sqlite_store, run="sdk", api_key=SERVER_KEY)
+    sdk = client(server)
+    model = sdk.models.list().data[0].id
+    messages = [SYSTEM, {"role": "user", "content": "Say hi."}]
+    plain = sdk.chat.completions.create(model=model, messages=messages, max_tokens=6)
+    assert plain.choices[0].message.role == "assistant"
+    assert plain.usage.completion_tokens == 6 and plain.choices[0].finish_reason == "length"
+    stream = sdk.chat.completions.create(model=model, messages=messages, max_tokens=6,
+                                         stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == plain.choices[0].message.content  # greedy: the same answer
+    assert chunks[-1].usage.prompt_tokens == plain.usage.prompt_tokens
+    with_tools = [*messages, {"role": "assistant", "content": None, "tool_calls": [{
+        "id": "call_1", "type": "function",
+        "function": {"name": "lookup", "arguments": '{"word": "hi"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "a greeting"}]
+    tooled = sdk.chat.completions.create(model=model, messages=with_tools, tools=TOOLS,
+                                         tool_choice="auto", max_tokens=6)
+    assert tooled.choices[0].finish_reason in ("length", "stop", "tool_calls")
+    steps = sqlite_store.path("sdk")
+    assert [s.kind for s in steps] == ["model_call"] * 3
+    assert steps[0].content["response"]["content"] == plain.choices[0].message.content
+    assert steps[1].meta["extra"]["http"]["stream"] is True
+    assert steps[2].content["tools"] == TOOLS
+    assert steps[2].content["messages"][-1]["tool_call_id"] == "call_1"
+    assert steps[2].meta["params"] == {"tool_choice": "auto", "max_tokens": 6}
+    assert len(steps[2].meta["usage"][TOKEN_IDS_KEY]) == 6
+
+
+def test_a_second_request_sharing_a_prefix_reports_the_reused_tokens_as_cached(
+    sqlite_store, serve_local, tiny_engine
+):
+    server = serve_local(sqlite_store, run="prefix")
+    sdk = client(server)
+    first_messages = [SYSTEM, {"role": "user", "content": "First question?"}]
+    first = sdk.chat.completions.create(model=tiny_engine.name, messages=first_messages,
+                                        max_tokens=5)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    second_messages = [*first_messages, first.choices[0].message.model_dump(exclude_none=True),
+                       {"role": "user", "content": "And a second one?"}]
+    second = sdk.chat.completions.create(model=tiny_engine.name, messages=second_messages,
+                                         max_tokens=5)
+    step = sqlite_store.path("prefix")[0]
+    cached_sequence = tiny_engine.chat_tokens(first_messages) + step.meta["usage"][TOKEN_IDS_KEY]
+    prompt = tiny_engine.chat_tokens(second_messages)
+    expected = min(common_prefix_length(prompt, cached_sequence), len(prompt) - 1)
+    assert expected > 60
+    assert second.usage.prompt_tokens == len(prompt)
+    assert second.usage.prompt_tokens_details.cached_tokens == expected
+
+
+def test_the_recorded_run_replays_at_the_oracle_bound(sqlite_store, serve_local, tiny_engine,
+                                                     tmp_path):
+    from kvtrace.engine import KVCache
+
+    server = serve_local(sqlite_store, run="conversation")
+    sdk = client(server)
+    messages = [SYSTEM]
+    for question in ("One?", "Two?", "Three?"):
+        messages.append({"role": "user", "content": question})
+        answer = sdk.chat.completions.create(model=tiny_engine.name, messages=messages,
+                                             max_tokens=8)
+        messages.append(answer.choices[0].message.model_dump(exclude_none=True))
+    backend = LocalBackend(tiny_engine, KVCache(tiny_engine, disk_dir=tmp_path / "fresh-kv"))
+    report = replay(sqlite_store, "conversation", backend, mode="verify")
+    assert report.is_match is True
+    assert report.total.reused_tokens == report.total.oracle_tokens > 0
+
+
+def test_no_blob_holds_the_bearer_token_or_api_keys(sqlite_store, serve_local, tiny_engine,
+                                                    tmp_path):
+    server = serve_local(sqlite_store, run="secrets", api_key=SERVER_KEY,
+                         redact_headers=("X-Org-Secret",))
+    response = httpx.post(f"{server.url}/chat/completions", headers={
+        "Authorization": f"Bearer {SERVER_KEY}", "api-key": SERVER_KEY,
+        "x-api-key": SERVER_KEY, "Cookie": f"session={SERVER_KEY}",
+        "X-Org-Secret": SERVER_KEY},
+        json={"model": tiny_engine.name, "messages": [{"role": "user", "content": "hi"}],
+              "max_tokens": 3})
+    assert response.status_code == 200
+    assert len(sqlite_store.path("secrets")) == 1
+    secret = SERVER_KEY.encode()
+    assert not any(secret in blob for blob in all_blob_bytes(sqlite_store))
+    assert not any(SERVER_KEY in meta for meta in all_step_meta(sqlite_store))
+    for path in tmp_path.glob("store.db*"):  # the database files themselves, WAL included
+        assert secret not in path.read_bytes()
+
+
+BAD_INPUTS = [
+    ("malformed JSON", b'{"model": "x", "messages": [', 400, None),
+    ("missing messages", {"model": "MODEL"}, 400, "messages"),
+    ("messages not a list", {"model": "MODEL", "messages": "hi"}, 400, "messages"),
+    ("a message without a role", {"model": "MODEL", "messages": [{"content": "hi"}]}, 400,
+     "messages"),
+    ("temperature a string", {"model": "MODEL", "messages": [{"role": "user", "content": "x"}],
+                              "temperature": "hot"}, 400, "temperature"),
+    ("max_tokens zero", {"model": "MODEL", "messages": [{"role": "user", "content": "x"}],
+                         "max_tokens": 0}, 400, "max_tokens"),
+    ("n of two", {"model": "MODEL", "messages": [{"role": "user", "content": "x"}], "n": 2},
+     400, "n"),
+    ("tools not a list", {"model": "MODEL", "messages": [{"role": "user", "content": "x"}],
+                          "tools": {"name": "f"}}, 400, "tools"),
+    ("unknown model", {"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}, 404,
+     "model"),
+    ("a prompt longer than the context", {"model": "MODEL", "messages": [
+        {"role": "user", "content": "word " * 9000}]}, 400, "messages"),
+]
+
+
+@pytest.mark.parametrize(("case", "body", "status", "param"), BAD_INPUTS,
+                         ids=[case[0] for case in BAD_INPUTS])
+def test_bad_input_is_a_4xx_with_an_openai_error_body_and_records_nothing(
+    sqlite_store, serve_local, tiny_engine, case, body, status, param
+):
+    server = serve_local(sqlite_store, run="bad")
+    if isinstance(body, dict):
+        body = json.dumps({**body, "model": tiny_engine.name} if body["model"] == "MODEL"
+                          else body).encode()
+    response = httpx.post(f"{server.url}/chat/completions", content=body,
+                          headers={"content-type": "application/json"})
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["message"] and error["type"] == "invalid_request_error"
+    assert error["param"] == param
+    assert sqlite_store.runs() == []
+
+
+def test_a_body_over_the_size_limit_is_a_413_and_records_nothing(sqlite_store, serve_local,
+                                                                 tiny_engine):
+    server = serve_local(sqlite_store, run="big", max_body_bytes=1000)
+    body = {"model": tiny_engine.name, "messages": [{"role": "user", "content": "x" * 2000}]}
+    response = httpx.post(f"{server.url}/chat/completions", json=body)
+    assert response.status_code == 413
+    assert response.json()["error"]["code"] == "request_too_large"
+    assert sqlite_store.runs() == []
+
+
+@pytest.mark.parametrize("authorization", [None, "Bearer wrong-key", f"Basic {SERVER_KEY}"])
+def test_a_missing_or_wrong_bearer_token_is_a_401(sqlite_store, serve_local, tiny_engine,
+                                                  authorization):
+    server = serve_local(sqlite_store, run="auth", api_key=SERVER_KEY)
+    headers = {"Authorization": authorization} if authorization else {}
+    response = httpx.post(f"{server.url}/chat/completions", headers=headers, json={
+        "model": tiny_engine.name, "messages": [{"role": "user", "content": "x"}]})
+    assert response.status_code == 401
+    assert response.json()["error"]["code"] == "invalid_api_key"
+    assert sqlite_store.runs() == []
+    with pytest.raises(openai.AuthenticationError):
+        client(server, key="wrong-key").models.list()
+
+
+def test_the_run_header_picks_the_run_and_a_bad_name_is_a_400(sqlite_store, serve_local,
+                                                              tiny_engine):
+    server = serve_local(sqlite_store)
+    sdk = client(server, default_headers={"X-Kvtrace-Run": "chosen"})
+    sdk.chat.completions.create(model=tiny_engine.name, max_tokens=2,
+                                messages=[{"role": "user", "content": "x"}])
+    assert [info.name for info in sqlite_store.runs()] == ["chosen"]
+    assert server.server.default_run.startswith("serve-")
+    bad = httpx.post(f"{server.url}/chat/completions", headers={"X-Kvtrace-Run": "a..b"},
+                     json={"model": tiny_engine.name,
+                           "messages": [{"role": "user", "content": "x"}]})
+    assert bad.status_code == 400 and "run name" in bad.json()["error"]["message"]
+
+
+def test_past_the_queue_a_request_gets_429_not_a_crash(sqlite_store, serve_local, tiny_engine):
+    server = serve_local(sqlite_store, run="queue", max_queue=0)
+    long_request = {"model": tiny_engine.name, "max_tokens": 1500, "temperature": 0,
+                    "messages": [{"role": "user", "content": "Write a long story."}]}
+    results: list[httpx.Response] = []
+    worker = threading.Thread(target=lambda: results.append(
+        httpx.post(f"{server.url}/chat/completions", json=long_request, timeout=600)))
+    worker.start()
+    while httpx.get(server.url.removesuffix("/v1") + "/health").json()["queue"]["running"] == 0:
+        time.sleep(0.01)  # wait until the engine is busy (a wait, not a timed assertion)
+    refused = httpx.post(f"{server.url}/chat/completions", json={
+        **long_request, "max_tokens": 2})
+    worker.join()
+    assert refused.status_code == 429
+    assert refused.json()["error"]["type"] == "rate_limit_error"
+    assert results[0].status_code == 200
+    assert len(sqlite_store.path("queue")) == 1
+
+
+def test_health_and_models(sqlite_store, serve_local, tiny_engine):
+    server = serve_local(sqlite_store, run="h")
+    health = httpx.get(server.url.removesuffix("/v1") + "/health").json()
+    assert health["status"] == "ok" and health["mode"] == "local" and health["run"] == "h"
+    models = httpx.get(f"{server.url}/models").json()
+    assert [m["id"] for m in models["data"]] == [tiny_engine.name]
+    missing = httpx.get(f"{server.url}/embeddings")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
