@@ -75,3 +75,31 @@ def bench_cache(
             repeats=repeats,
         )
     )
+
+
+@bench_app.command("serve")
+def bench_serve(
+    model: str = typer.Option(
+        None, "--model", help="Model folder (default: the embedded SmolLM2-135M-Instruct)."
+    ),
+    num_requests: int = typer.Option(
+        20, "--requests", help="Chat requests extending one conversation (local mode)."
+    ),
+    max_tokens: int = typer.Option(16, "--max-tokens", help="Tokens generated per request."),
+    num_overhead: int = typer.Option(
+        300, "--overhead-requests", help="Requests per side of the recording-overhead comparison."
+    ),
+    as_json: bool = typer.Option(
+        False, "--json", help="Print JSON (the default output is JSON too)."
+    ),
+) -> None:
+    """Latency and cached-token fraction through kvtrace serve, and recording's overhead."""
+    from kvtrace.bench.serve import run_serve_bench
+    from kvtrace.errors import UsageError
+    from kvtrace.paths import default_cache_dir
+
+    if num_requests < 1 or max_tokens < 1 or num_overhead < 1:
+        raise UsageError("--requests, --max-tokens and --overhead-requests must be >= 1")
+    print_json(run_serve_bench(cache_dir=default_cache_dir(), model=model,
+                               num_requests=num_requests, max_tokens=max_tokens,
+                               num_overhead_requests=num_overhead))
