@@ -17,7 +17,7 @@ chat template. Two cases:
       # Tools
       You may call one or more functions. Function signatures:
       <tools>
-      {"type": "function", "function": {...}}      (one JSON line per tool)
+      {"function": {...}, "type": "function"}      (one JSON line per tool, keys sorted)
       </tools>
       To call a function, reply with a JSON object inside <tool_call></tool_call>:
       <tool_call>
@@ -52,7 +52,8 @@ from typing import Any
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
-_BLOCK = re.compile(r"<tool_call>\s*(?P<body>.*?)\s*</tool_call>", re.S)
+# A block; the last one may lack its closing tag (a generation cut at its token limit).
+_BLOCK = re.compile(r"<tool_call>\s*(?P<body>.*?)\s*(?:</tool_call>|\Z)", re.S)
 _TOOLS_HEADER = (
     "# Tools\nYou may call one or more functions. Function signatures:\n<tools>\n"
 )
@@ -75,15 +76,18 @@ def chat_messages(
     native: bool,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """(messages, tools) to hand to the chat template (see the module docstring)."""
+    # Tools are rendered with sorted keys: the store keeps JSON canonically
+    # (sorted), so a live request and its recording must render alike.
+    listed: list[dict[str, Any]] | None = [_sorted(t) for t in tools] if tools else None
     if native:
-        return [_native_message(m) for m in messages], [dict(t) for t in tools] if tools else None
+        return [_native_message(m) for m in messages], listed
     plain = [
         {"role": str(m.get("role", "user")), "content": assistant_text(m)
          if m.get("role") == "assistant" else content_text(m.get("content"))}
         for m in messages
     ]
-    if tools:
-        listing = "".join(json.dumps(dict(t), ensure_ascii=False) + "\n" for t in tools)
+    if listed:
+        listing = "".join(json.dumps(t, ensure_ascii=False) + "\n" for t in listed)
         block = _TOOLS_HEADER + listing + _TOOLS_FOOTER
         if plain and plain[0]["role"] == "system":
             plain[0] = {"role": "system", "content": f"{plain[0]['content']}\n\n{block}"}
@@ -159,6 +163,15 @@ def parse_assistant_text(text: str, *, id_seed: str = "") -> dict[str, Any]:
     kept.append(text[last:])
     content = "".join(kept).strip()
     return {"role": "assistant", "content": content or None, "tool_calls": calls}
+
+
+def _sorted(value: Any) -> Any:
+    """`value` with every mapping's keys in sorted order (a deep copy)."""
+    if isinstance(value, Mapping):
+        return {key: _sorted(value[key]) for key in sorted(value)}
+    if isinstance(value, list):
+        return [_sorted(item) for item in value]
+    return value
 
 
 def _arguments(arguments: Any) -> Any:

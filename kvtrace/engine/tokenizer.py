@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from kvtrace.engine.folders import cache_root, model_folder
-from kvtrace.rendering import chat_messages, template_supports_tools
 from kvtrace.errors import ModelNotFoundError, UsageError
+from kvtrace.rendering import chat_messages, template_supports_tools
 
 
 class ChatTemplating:

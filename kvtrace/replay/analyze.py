@@ -32,8 +32,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from kvtrace.rendering import assistant_text
 from kvtrace.errors import ReplayError
+from kvtrace.rendering import assistant_text
 from kvtrace.replay.backend import Message, Tokenizer
 from kvtrace.replay.oracle import PrefixOracle, common_prefix_length
 from kvtrace.replay.recording import (

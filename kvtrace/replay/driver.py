@@ -28,8 +28,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from kvtrace.rendering import parse_assistant_text
 from kvtrace.errors import ReplayError, UsageError
+from kvtrace.rendering import parse_assistant_text
 from kvtrace.replay.backend import Backend, CallRequest, Message, SamplingParams, Tokenizer
 from kvtrace.replay.oracle import PrefixOracle, common_prefix_length
 from kvtrace.replay.recording import (

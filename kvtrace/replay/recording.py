@@ -21,8 +21,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvtrace.rendering import assistant_text, parse_assistant_text
 from kvtrace.errors import ReplayError
+from kvtrace.rendering import assistant_text, parse_assistant_text
 from kvtrace.replay.backend import CallResult, Message, SamplingParams, Tokenizer
 from kvtrace.store import Run, Step
 
@@ -73,9 +73,8 @@ def expected_output_ids(
     step: Step, tokenizer: Tokenizer, prompt_ids: Sequence[int]
 ) -> list[int]:
     """The output tokens of a recorded model call (see the module docstring)."""
-    text = response_text(step)
     recorded = _recorded_ids(step)
-    if recorded is not None and _decodes_to(tokenizer, recorded, text):
+    if recorded is not None and _decodes_to(tokenizer, recorded, step):
         return recorded
     return templated_output_ids(tokenizer, step_messages(step), response_message(step),
                                 prompt_ids, tools=step_tools(step))
@@ -171,5 +170,20 @@ def output_text(tokenizer: Tokenizer, ids: Sequence[int]) -> str:
     return tokenizer.decode(body)
 
 
-def _decodes_to(tokenizer: Tokenizer, ids: list[int], text: str) -> bool:
-    return output_text(tokenizer, ids) == text
+def _decodes_to(tokenizer: Tokenizer, ids: list[int], step: Step) -> bool:
+    """Whether recorded ids are this response's tokens in this tokenizer.
+
+    They are when they decode to the response's text, or, for a response with
+    tool calls, to a text that reads back as the same message (a model may
+    write text after its tool call, which the rendering puts first).
+    """
+    text = output_text(tokenizer, ids)
+    response = response_message(step)
+    if text == assistant_text(response):
+        return True
+    if not response.get("tool_calls"):
+        return False
+    parsed = parse_assistant_text(text)
+    return parsed.get("content") == response.get("content") and [
+        c["function"] for c in parsed.get("tool_calls", [])
+    ] == [c.get("function") for c in response["tool_calls"]]

@@ -6,9 +6,9 @@ one line per blob ``{"blob": ADDRESS, "data": BASE64}``, per step
 ``{"step": ID, "body": BODY, "recorded_at": T}`` (root first) and per note
 ``{"note": STEP_ID, "author", "text", "created_at"}``.
 
-A step whose payload has list fields (version-2 model calls, see lists.py)
-brings its list segments and their items as blob lines too. Bundles of
-version 1 (no list fields) still import.
+A step with list fields (version-2 model calls, see lists.py) brings its
+list items as blob lines too; the base steps its lists build on are its
+ancestors, so they are in the bundle. Bundles of version 1 still import.
 
 Import checks the shape of every line and recomputes every address and id
 before writing anything, so a modified or malformed bundle is refused whole;
@@ -53,12 +53,12 @@ def write_bundle(
     """Write the steps `chain` (root first) of run `name`; return the number of steps."""
     _line(file, {"format": FORMAT, "version": VERSION, "run": name, "head": head})
     written: set[str] = set()
-    fetch = lists.fetch_blobs(conn)
     for part in chunks(chain):
         rows = {r.id: r for r in conn.execute(sa.select(steps).where(steps.c.id.in_(part)))}
-        needs = {step_id: _blobs_of(fetch, bytes(row.body)) for step_id, row in rows.items()}
+        needs = {step_id: _blobs_of(bytes(row.body)) for step_id, row in rows.items()}
         wanted = sorted(set().union(*needs.values()) - written)
-        data = fetch(wanted)
+        query = sa.select(blobs.c.hash, blobs.c.data).where(blobs.c.hash.in_(wanted))
+        data = {address: blob for address, blob in conn.execute(query)}
         for step_id in part:
             row = rows[step_id]
             body = bytes(row.body)
@@ -90,13 +90,13 @@ def write_bundle(
     return len(chain)
 
 
-def _blobs_of(fetch: Any, body: bytes) -> list[str]:
-    """Every blob a step body needs, list segments and items included, in a stable order."""
+def _blobs_of(body: bytes) -> list[str]:
+    """Every blob a step body names (payload fields, then its own list items), in order."""
     value = json.loads(body)
-    list_fields = value.get("lists", [])
-    direct = [a for k, a in sorted(value["payload"].items()) if k not in list_fields]
-    segments = [value["payload"][k] for k in sorted(list_fields)]
-    return direct + sorted(lists.closure(fetch, segments)) if segments else direct
+    addresses = [a for _, a in sorted(value["payload"].items())]
+    for _, entry in sorted(lists.lists_of(value).items()):
+        addresses += entry["items"]
+    return list(dict.fromkeys(addresses))
 
 
 def read_bundle(conn: Connection, file: IO[bytes], name: str | None) -> RunInfo:
@@ -190,22 +190,17 @@ def _parse(file: IO[bytes]) -> Parsed:
             _parse_line(item, blob_rows, step_rows, note_rows, json_fields)
         except (KeyError, TypeError, ValueError, AttributeError, binascii.Error) as exc:
             raise UsageError(f"malformed bundle line {number}: {exc!r}") from exc
-    def fetch(addresses: list[str]) -> dict[str, bytes]:
-        return {a: blob_rows[a]["data"] for a in addresses if a in blob_rows}
-
-    segments: set[str] = set()
     for row in step_rows.values():
         value = json.loads(row["body"])
-        missing = {a for a in value["payload"].values() if a not in blob_rows}
+        missing = {a for a in _blobs_of(row["body"]) if a not in blob_rows}
         if missing:
             raise IntegrityError(f"bundle step {row['id'][:12]} refers to a missing blob")
-        segments.update(value["payload"][k] for k in value.get("lists", []))
-    resolved = lists.resolve(fetch, segments, {})
-    for _, items in resolved.values():
-        for address in items:
-            if address not in blob_rows:
-                raise IntegrityError(f"bundle list item {address[:12]} is missing")
-            json_fields.add(address)
+        for key, entry in lists.lists_of(value).items():
+            if entry["base"] is not None and entry["base"] not in step_rows:
+                raise IntegrityError(
+                    f"bundle step {row['id'][:12]} builds its {key!r} on a step outside the bundle"
+                )
+            json_fields.update(entry["items"])
     for address in json_fields:
         decode_json_blob(blob_rows[address]["data"])
     return header, list(blob_rows.values()), list(step_rows.values()), note_rows
@@ -230,10 +225,7 @@ def _parse_line(
         if hashlib.sha256(body).hexdigest() != item["step"]:
             raise IntegrityError(f"bundle step {str(item['step'])[:12]} does not match its id")
         value = decode_body(body)
-        json_fields.update(
-            a for k, a in value["payload"].items()
-            if k not in value["raw"] and k not in value.get("lists", [])
-        )
+        json_fields.update(a for k, a in value["payload"].items() if k not in value["raw"])
         step_rows[item["step"]] = {
             "id": item["step"],
             "parent_id": value["parent"],

@@ -13,9 +13,10 @@ produce an id that collides with an earlier one. Changing anything here changes
 ids: tests/store/test_encoding.py pins known ids.
 
 Versions: 1 had no ``"lists"`` field (every payload field was one blob).
-Version 2 adds ``"lists"``: the payload fields whose blob is a *list segment*
-(see lists.py), so that each item of a list (each chat message) is its own
-blob and a conversation's history is stored once. Steps written in version 1
+Version 2 adds ``"lists"``: fields whose value is a list stored item by item,
+``{FIELD: {"base": STEP_ID | null, "items": [ADDRESS, ...]}}`` (see
+lists.py), so that each chat message is its own blob and a conversation's
+history is stored once. Steps written in version 1
 keep their bodies and ids, and both versions decode.
 """
 
@@ -84,13 +85,13 @@ def step_body(
     payload: Mapping[str, str],
     raw: list[str],
     meta: Mapping[str, Any],
-    lists: list[str] | None = None,
+    lists: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> bytes:
     """The canonical body of a step (the current version); its SHA-256 is the step id.
 
     `payload` maps field names to blob addresses; `raw` names the fields whose
-    blob is raw bytes rather than canonical JSON, `lists` those whose blob is
-    a list segment.
+    blob is raw bytes rather than canonical JSON; `lists` maps list fields to
+    their entries (see lists.py).
     """
     return canonical_json(
         {
@@ -99,7 +100,7 @@ def step_body(
             "parent": parent,
             "payload": dict(payload),
             "raw": sorted(raw),
-            "lists": sorted(lists or []),
+            "lists": {key: dict(entry) for key, entry in (lists or {}).items()},
             "meta": dict(meta),
         }
     )
@@ -139,9 +140,15 @@ def is_address(value: Any) -> bool:
     return isinstance(value, str) and len(value) == 64 and _HEX.fullmatch(value) is not None
 
 
-def list_fields(body: Mapping[str, Any]) -> list[str]:
-    """The payload fields of a decoded body whose blob is a list segment."""
-    return list(body.get("lists", ()))
+def list_entry_problem(entry: Any) -> str | None:
+    """What is wrong with one list entry of a body, or None."""
+    if not isinstance(entry, dict) or set(entry) != {"base", "items"}:
+        return "a list needs exactly base and items"
+    if entry["base"] is not None and not is_address(entry["base"]):
+        return "a list's base must be a step id or null"
+    if not isinstance(entry["items"], list) or not all(is_address(a) for a in entry["items"]):
+        return "a list's items must be blob addresses"
+    return None
 
 
 def _shape_problem(value: dict[str, Any]) -> str | None:
@@ -161,11 +168,13 @@ def _shape_problem(value: dict[str, Any]) -> str | None:
         not set(raw) <= set(payload)
     ):
         return "raw must list payload fields"
-    lists = value.get("lists", [])
-    if not isinstance(lists, list) or not all(isinstance(f, str) for f in lists) or (
-        not set(lists) <= set(payload) or set(lists) & set(raw)
-    ):
-        return "lists must name payload fields that are not raw"
+    lists = value.get("lists", {})
+    if not isinstance(lists, dict) or set(lists) & set(payload):
+        return "lists must be an object of fields that are not payload fields"
+    for entry in lists.values():
+        problem = list_entry_problem(entry)
+        if problem:
+            return problem
     if not isinstance(value["meta"], dict):
         return "meta must be an object"
     return None

@@ -18,7 +18,7 @@ from sqlalchemy.engine import Connection
 from kvtrace.errors import IntegrityError
 from kvtrace.store import lists
 from kvtrace.store.encoding import decode_body, decode_json_blob
-from kvtrace.store.history import chunks, skip_in_memory
+from kvtrace.store.history import skip_in_memory
 from kvtrace.store.records import FsckReport
 from kvtrace.store.schema import blobs, notes, reflog, refs, steps
 
@@ -32,14 +32,20 @@ def check(conn: Connection) -> FsckReport:
     rows: dict[str, tuple[str | None, int, str | None, int | None]] = {}
     wanted: dict[str, str] = {}  # blob address -> "json" or "raw"
     payloads: dict[str, dict[str, str]] = {}
+    list_entries: dict[str, dict[str, Any]] = {}
     for row in stream.execute(sa.select(steps)):
         rows[row.id] = (row.parent_id, row.depth, row.skip_id, row.skip_depth)
         value = _check_body(row, problems)
         if value is not None:
-            payloads[row.id] = value["payload"]
+            payloads[row.id] = dict(value["payload"])
             for key, address in value["payload"].items():
-                use = "raw" if key in value["raw"] else "json"
-                wanted.setdefault(address, "list" if key in value.get("lists", ()) else use)
+                wanted.setdefault(address, "raw" if key in value["raw"] else "json")
+            list_entries[row.id] = lists.lists_of(value)
+            for key, entry in list_entries[row.id].items():
+                for index, address in enumerate(entry["items"]):
+                    payloads[row.id][f"{key}[{index}]"] = address
+                    wanted.setdefault(address, "json")
+    problems.extend(_check_lists(list_entries))
     problems.extend(_check_history(rows))
 
     blob_ids: set[str] = set()
@@ -50,8 +56,6 @@ def check(conn: Connection) -> FsckReport:
         for key, address in payload.items():
             if address not in blob_ids:
                 problems.append(f"step {step_id[:12]}: blob {address[:12]} ({key}) is missing")
-    segments = {a for a, use in wanted.items() if use == "list" and a in blob_ids}
-    problems.extend(_check_lists(conn, segments, blob_ids, wanted))
 
     num_refs = 0
     for name, head in conn.execute(sa.select(refs.c.name, refs.c.head)):
@@ -72,28 +76,20 @@ def check(conn: Connection) -> FsckReport:
     return FsckReport(len(blob_ids), len(rows), num_refs, num_notes, problems)
 
 
-def _check_lists(
-    conn: Connection, segments: set[str], blob_ids: set[str], wanted: dict[str, str]
-) -> list[str]:
-    """Every list segment resolves, and its items exist and are canonical JSON."""
+def _check_lists(list_entries: dict[str, dict[str, Any]]) -> list[str]:
+    """Every list's chain of base steps exists, has the list, and is short enough."""
     problems: list[str] = []
-    fetch = lists.fetch_blobs(conn)
-    resolved: dict[str, lists.Resolved] = {}
-    for address in sorted(segments):
-        try:
-            resolved.update(lists.resolve(fetch, [address], resolved))
-        except IntegrityError as exc:
-            problems.append(f"blob {address[:12]}: {exc}")
-    items = {item for _, chain in resolved.values() for item in chain}
-    unchecked = sorted(a for a in items if a in blob_ids and wanted.get(a) != "json")
-    for address in sorted(items - blob_ids):
-        problems.append(f"list item {address[:12]} is missing")
-    for part in chunks(unchecked):
-        for address, data in fetch(part).items():
+    resolved: dict[lists.ListKey, lists.Resolved] = {}
+
+    def fetch(ids: list[str]) -> dict[str, dict[str, Any]]:
+        return {i: list_entries[i] for i in ids if i in list_entries}
+
+    for step_id, entries in list_entries.items():
+        for field in entries:
             try:
-                decode_json_blob(data)
+                lists.resolve(fetch, [(step_id, field)], resolved)
             except IntegrityError as exc:
-                problems.append(f"list item {address[:12]}: {exc}")
+                problems.append(f"step {step_id[:12]}: list {field!r}: {exc}")
     return problems
 
 

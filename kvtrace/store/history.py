@@ -150,12 +150,12 @@ def chunks(items: list[str]) -> Iterable[list[str]]:
 def load_steps(
     conn: Connection,
     ids: list[str],
-    segments: MutableMapping[str, lists.Resolved] | None = None,
+    known_lists: MutableMapping[lists.ListKey, lists.Resolved] | None = None,
 ) -> list[Step]:
     """Steps with their content, in the order of `ids`.
 
-    List fields (a model call's messages) are resolved to their items;
-    `segments` caches resolved list segments across calls.
+    List fields (a model call's messages) are resolved to their items through
+    their base steps; `known_lists` caches resolutions across calls.
     """
     rows: dict[str, Any] = {}
     for part in chunks(ids):
@@ -165,18 +165,18 @@ def load_steps(
     if missing:
         raise StepNotFoundError(f"step {missing[0][:12]} is missing from the store")
     bodies = {i: json.loads(bytes(rows[i].body)) for i in ids}
-    list_addresses = {
-        body["payload"][field] for body in bodies.values() for field in body.get("lists", ())
-    }
-    resolved = lists.resolve(lists.fetch_blobs(conn), list_addresses,
-                             segments if segments is not None else {})
-    wanted = {
-        address
-        for body in bodies.values()
-        for field, address in body["payload"].items()
-        if field not in body.get("lists", ())
-    }
-    wanted.update(item for address in list_addresses for item in resolved[address][1])
+    keys = [(i, field) for i, body in bodies.items() for field in lists.lists_of(body)]
+    loaded = {i: lists.lists_of(body) for i, body in bodies.items()}
+    fetch_db = lists.fetch_lists(conn)
+
+    def fetch(step_ids: list[str]) -> dict[str, dict[str, Any]]:
+        found = {i: loaded[i] for i in step_ids if i in loaded}
+        rest = [i for i in step_ids if i not in loaded]
+        return {**found, **fetch_db(rest)} if rest else found
+
+    resolved = lists.resolve(fetch, keys, known_lists if known_lists is not None else {})
+    wanted = {address for body in bodies.values() for address in body["payload"].values()}
+    wanted.update(item for key in keys for item in resolved[key][1])
     data: dict[str, bytes] = {}
     for part in chunks(sorted(wanted)):
         for address, blob in conn.execute(
@@ -187,14 +187,15 @@ def load_steps(
 
 
 def _step(
-    row: Any, body: dict[str, Any], data: dict[str, bytes], resolved: Mapping[str, lists.Resolved]
+    row: Any,
+    body: dict[str, Any],
+    data: dict[str, bytes],
+    resolved: Mapping[lists.ListKey, lists.Resolved],
 ) -> Step:
     content: dict[str, Any] = {}
-    list_fields = body.get("lists", ())
+    for key in lists.lists_of(body):
+        content[key] = lists.item_values(resolved[(row.id, key)], data)
     for key, address in body["payload"].items():
-        if key in list_fields:
-            content[key] = lists.item_values(resolved, data, address)
-            continue
         if address not in data:
             raise IntegrityError(f"step {row.id[:12]} refers to missing blob {address[:12]}")
         blob = data[address]

