@@ -43,9 +43,11 @@ test-integration: $(STAMP) $(LLAMA_VENV)/.installed
 	KVTRACE_INTEGRATION=1 $(BIN)/pytest -q -rs tests/integration
 
 # The main job: record a real agent run with the default model, fork it,
-# continue the fork, replay both, print hit rates and the speed-up.
+# continue the fork, replay both, print hit rates and the speed-up; then record
+# an unchanged openai-SDK agent through RecordingTransport and re-run it offline.
 demo: $(STAMP)
 	$(BIN)/python examples/react_agent.py --store default
+	$(BIN)/python examples/openai_agent.py --transport
 
 # The trace store alone, through the Python API (a few seconds).
 tour: $(STAMP)
