@@ -6,10 +6,11 @@
    model; reports p50/p95 latency as the client sees it and
    `cached_tokens_fraction` (cached / prompt tokens, from each answer's
    `usage.prompt_tokens_details.cached_tokens`).
-2. Recording overhead: the same kind of requests through `--upstream` to a
-   fast local upstream (a canned answer, no model), once with recording and
-   once without, alternating request by request so machine noise hits both
-   alike; `record_overhead_ms_p50` is the difference of the medians.
+2. Recording overhead: the same conversation's requests, `num_rounds` times
+   (each round into a new run), through `--upstream` to a fast local upstream
+   (a canned answer, no model), once with recording and once without,
+   alternating request by request so machine noise hits both alike;
+   `record_overhead_ms_p50` is the difference of the medians.
 
 Every server and its store (a temporary SQLite file) is started here; the KV
 cache is a fresh temporary folder, so the first request starts cold.
@@ -93,29 +94,32 @@ def _local_mode(model: str | None, cache_dir: Path, tmp: Path, num_requests: int
     }
 
 
-def _record_overhead(tmp: Path, num_requests: int) -> dict[str, Any]:
+def _record_overhead(tmp: Path, num_requests: int, num_rounds: int) -> dict[str, Any]:
     store = open_store(f"sqlite:///{tmp / 'overhead.db'}")
+    times: dict[str, list[float]] = {"on": [], "off": []}
     with BackgroundServer(_fast_upstream()) as upstream:
         recording = ChatServer(store, upstream=upstream.url, run="bench-recorded")
         plain = ChatServer(store, upstream=upstream.url, run="bench-plain", is_recording=False)
         with BackgroundServer(recording.app) as on, BackgroundServer(plain.app) as off, \
                 httpx.Client() as client:
-            times: dict[str, list[float]] = {"on": [], "off": []}
-            messages: list[dict[str, Any]] = [{"role": "system", "content": _SYSTEM}]
-            for i in range(num_requests + 20):
-                messages.append({"role": "user", "content": _question(i)})
-                body = {"model": "fast", "messages": messages, "max_tokens": 16}
-                for key, server in (("on", on), ("off", off))[:: 1 if i % 2 else -1]:
-                    started = time.perf_counter()
-                    client.post(f"{server.url}/chat/completions", json=body).raise_for_status()
-                    if i >= 20:  # the first 20 pairs warm connections and caches
-                        times[key].append((time.perf_counter() - started) * 1000)
-                messages.append({"role": "assistant", "content": "Noted."})
-    recorded_steps = len(store.path("bench-recorded"))
+            for round_number in range(num_rounds + 1):  # round 0 warms connections and caches
+                headers = {"X-Kvtrace-Run": f"bench-recorded-{round_number}"}
+                messages: list[dict[str, Any]] = [{"role": "system", "content": _SYSTEM}]
+                for i in range(num_requests):
+                    messages.append({"role": "user", "content": _question(i)})
+                    body = {"model": "fast", "messages": messages, "max_tokens": 16}
+                    for key, server in (("on", on), ("off", off))[:: 1 if i % 2 else -1]:
+                        started = time.perf_counter()
+                        client.post(f"{server.url}/chat/completions", json=body,
+                                    headers=headers).raise_for_status()
+                        if round_number:
+                            times[key].append((time.perf_counter() - started) * 1000)
+                    messages.append({"role": "assistant", "content": "Noted."})
+    recorded_steps = sum(len(store.path(f"bench-recorded-{r}")) for r in range(num_rounds + 1))
     store.close()
     on_p50, off_p50 = statistics.median(times["on"]), statistics.median(times["off"])
     return {
-        "overhead_requests": num_requests,
+        "overhead_requests": len(times["on"]),
         "upstream_p50_ms_recording": round(on_p50, 3),
         "upstream_p50_ms_not_recording": round(off_p50, 3),
         "record_overhead_ms_p50": round(on_p50 - off_p50, 3),
@@ -124,10 +128,10 @@ def _record_overhead(tmp: Path, num_requests: int) -> dict[str, Any]:
 
 
 def run_serve_bench(*, cache_dir: Path, model: str | None = None, num_requests: int = 20,
-                    max_tokens: int = 16, num_overhead_requests: int = 300) -> dict[str, Any]:
+                    max_tokens: int = 16, num_rounds: int = 10) -> dict[str, Any]:
     """Both measurements (see the module docstring), as one JSON-ready dict."""
     with tempfile.TemporaryDirectory() as folder:
         tmp = Path(folder)
         result = _local_mode(model, cache_dir, tmp, num_requests, max_tokens)
-        result.update(_record_overhead(tmp, num_overhead_requests))
+        result.update(_record_overhead(tmp, num_requests, num_rounds))
     return result

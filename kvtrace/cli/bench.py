@@ -86,8 +86,8 @@ def bench_serve(
         20, "--requests", help="Chat requests extending one conversation (local mode)."
     ),
     max_tokens: int = typer.Option(16, "--max-tokens", help="Tokens generated per request."),
-    num_overhead: int = typer.Option(
-        300, "--overhead-requests", help="Requests per side of the recording-overhead comparison."
+    num_rounds: int = typer.Option(
+        10, "--rounds", help="Times the conversation is sent through --upstream, recording and not."
     ),
     as_json: bool = typer.Option(
         False, "--json", help="Print JSON (the default output is JSON too)."
@@ -98,8 +98,8 @@ def bench_serve(
     from kvtrace.errors import UsageError
     from kvtrace.paths import default_cache_dir
 
-    if num_requests < 1 or max_tokens < 1 or num_overhead < 1:
-        raise UsageError("--requests, --max-tokens and --overhead-requests must be >= 1")
+    if num_requests < 1 or max_tokens < 1 or num_rounds < 1:
+        raise UsageError("--requests, --max-tokens and --rounds must be >= 1")
     print_json(run_serve_bench(cache_dir=default_cache_dir(), model=model,
                                num_requests=num_requests, max_tokens=max_tokens,
-                               num_overhead_requests=num_overhead))
+                               num_rounds=num_rounds))
