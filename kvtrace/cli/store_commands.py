@@ -41,7 +41,13 @@ def summary(step: Step) -> str:
     if step.kind == "model_call":
         response = content.get("response")
         if isinstance(response, dict):
-            response = response.get("content") or response.get("tool_calls") or response
+            calls = [
+                f"{c['function'].get('name')}({c['function'].get('arguments', '')})"
+                for c in response.get("tool_calls") or [] if isinstance(c.get("function"), dict)
+            ]
+            text = response.get("content")
+            response = " ".join([*([_snippet(text, 40)] if text else []),
+                                 *(f"-> {call}" for call in calls)]) or response
         return f"{meta.get('model', '?')}: {_snippet(response)}"
     if step.kind == "tool_call":
         error = f" error={meta['error']}" if meta.get("error") else ""

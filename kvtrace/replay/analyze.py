@@ -408,7 +408,8 @@ def render_analysis(analysis: Analysis, console: Console | None = None) -> None:
         console.print(
             f"provider cache: reused {provider.cached_tokens} of {provider.prompt_tokens} prompt "
             f"tokens ({100 * provider.hit_rate:.1f}%) on the {_calls(provider.num_calls)} that "
-            f"report it; an exact-prefix cache could have reused "
+            f"{'reports' if provider.num_calls == 1 else 'report'} it; an exact-prefix cache "
+            "could have reused "
             f"{100 * provider.oracle_hit_rate:.1f}% (oracle bound, this tokenizer)"
         )
     for s in analysis.steps:
