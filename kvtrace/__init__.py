@@ -1,7 +1,8 @@
 """kvtrace: record agent runs in a Git-like trace store and replay them with KV reuse.
 
 The public surface is this short list; everything else is reachable through
-its subpackages (`kvtrace.store`, `kvtrace.engine`, `kvtrace.replay`).
+its subpackages (`kvtrace.store`, `kvtrace.engine`, `kvtrace.replay`,
+`kvtrace.tracer`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from kvtrace.errors import (
     UsageError,
 )
 from kvtrace.store import FsckReport, Note, ReflogEntry, Run, RunInfo, Step, Store, open_store
+from kvtrace.tracer import recording, tool
 
 __version__ = "0.1.0"
 
@@ -32,4 +34,6 @@ __all__ = [
     "UsageError",
     "__version__",
     "open_store",
+    "recording",
+    "tool",
 ]

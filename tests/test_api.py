@@ -22,6 +22,8 @@ def test_public_names_are_pinned():
             "UsageError",
             "__version__",
             "open_store",
+            "recording",
+            "tool",
         ]
     )
 

@@ -12,15 +12,37 @@
   records every call, answering from the local engine or an upstream.
 
 Layering: imports the store (and, for the server's local mode, the engine
-and replay's local backend); never the CLI.
+and replay's local backend); never the CLI. The transports load httpx on
+first use, so `import kvtrace` (which re-exports `recording` and `tool`)
+stays light.
 """
 
 from __future__ import annotations
 
-from kvtrace.tracer.cassette import AsyncReplayTransport, ReplayMode, ReplayTransport
+from typing import TYPE_CHECKING, Any
+
 from kvtrace.tracer.recorder import Recorder, current_recorder, recording
 from kvtrace.tracer.tools import tool
-from kvtrace.tracer.transport import AsyncRecordingTransport, RecordingTransport
+
+if TYPE_CHECKING:
+    from kvtrace.tracer.cassette import AsyncReplayTransport, ReplayMode, ReplayTransport
+    from kvtrace.tracer.transport import AsyncRecordingTransport, RecordingTransport
+
+_LAZY = {
+    "AsyncReplayTransport": "kvtrace.tracer.cassette",
+    "ReplayMode": "kvtrace.tracer.cassette",
+    "ReplayTransport": "kvtrace.tracer.cassette",
+    "AsyncRecordingTransport": "kvtrace.tracer.transport",
+    "RecordingTransport": "kvtrace.tracer.transport",
+}
+
+
+def __getattr__(name: str) -> Any:
+    import importlib
+
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'kvtrace.tracer' has no attribute {name!r}")
 
 __all__ = [
     "AsyncRecordingTransport",
