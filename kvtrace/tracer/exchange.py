@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+import httpx
+
 from kvtrace.errors import UsageError
 from kvtrace.tracer import sse
 from kvtrace.tracer.redact import Redactor
@@ -63,6 +65,17 @@ class Exchange:
             "content-type", ""
         )
         return content_type.startswith("text/event-stream")
+
+
+def decoded_body(headers: httpx.Headers, raw: bytes) -> bytes:
+    """A body without its content-encoding (gzip, br, ...), as httpx decodes it."""
+    if not headers.get("content-encoding"):
+        return raw
+    try:
+        return httpx.Response(200, headers={"content-encoding": headers["content-encoding"]},
+                              content=raw).content
+    except httpx.DecodingError:
+        return raw
 
 
 def is_chat_completions(method: str, url: str) -> bool:

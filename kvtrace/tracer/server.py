@@ -44,11 +44,10 @@ from kvtrace.errors import UsageError
 from kvtrace.store import Step, Store, validate_run_name
 from kvtrace.tracer import sse
 from kvtrace.tracer.api import APIError, ChatRequest, parse_chat_request
-from kvtrace.tracer.exchange import Exchange, record_exchange
+from kvtrace.tracer.exchange import Exchange, decoded_body, record_exchange
 from kvtrace.tracer.local import LocalAnswer, LocalAnswerer
 from kvtrace.tracer.recorder import Recorder
 from kvtrace.tracer.redact import Redactor
-from kvtrace.tracer.transport import _decoded
 
 T = TypeVar("T")
 RUN_HEADER = "x-kvtrace-run"
@@ -318,7 +317,7 @@ class ChatServer:
                 request_headers=tuple(request.headers.items()), request_body=body,
                 status=response.status_code,
                 response_headers=tuple(response.headers.multi_items()),
-                response_body=_decoded(response.headers, raw), is_complete=complete,
+                response_body=decoded_body(response.headers, raw), is_complete=complete,
                 total_s=time.perf_counter() - started, first_byte_s=first_byte_s,
             )
 

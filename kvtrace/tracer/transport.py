@@ -23,7 +23,7 @@ import httpx
 
 from kvtrace.store import Run
 from kvtrace.tracer import sse
-from kvtrace.tracer.exchange import Exchange, record_exchange
+from kvtrace.tracer.exchange import Exchange, decoded_body, record_exchange
 from kvtrace.tracer.recorder import Recorder, as_recorder
 from kvtrace.tracer.redact import Redactor
 
@@ -50,7 +50,7 @@ class _Capture:
             return None
         self._is_done = True
         raw = b"".join(self._chunks)
-        body = _decoded(self._response.headers, raw)
+        body = decoded_body(self._response.headers, raw)
         complete = exhausted or (
             self._response.headers.get("content-type", "").startswith("text/event-stream")
             and sse.is_finished(body)
@@ -176,14 +176,3 @@ class AsyncRecordingTransport(httpx.AsyncBaseTransport):
 
     async def aclose(self) -> None:
         await self.inner.aclose()
-
-
-def _decoded(headers: httpx.Headers, raw: bytes) -> bytes:
-    """The body without its content-encoding (gzip, br, ...), as httpx decodes it."""
-    if not headers.get("content-encoding"):
-        return raw
-    try:
-        return httpx.Response(200, headers={"content-encoding": headers["content-encoding"]},
-                              content=raw).content
-    except httpx.DecodingError:
-        return raw
