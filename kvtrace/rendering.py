@@ -139,9 +139,8 @@ def parse_assistant_text(text: str, *, id_seed: str = "") -> dict[str, Any]:
     kept: list[str] = []
     last = 0
     for match in _BLOCK.finditer(text):
-        try:
-            body = json.loads(match.group("body"))
-        except ValueError:
+        body = _block_json(match.group("body"))
+        if body is None:
             continue
         if not isinstance(body, dict) or not isinstance(body.get("name"), str):
             continue
@@ -163,6 +162,16 @@ def parse_assistant_text(text: str, *, id_seed: str = "") -> dict[str, Any]:
     kept.append(text[last:])
     content = "".join(kept).strip()
     return {"role": "assistant", "content": content or None, "tool_calls": calls}
+
+
+def _block_json(body: str) -> Any:
+    """The JSON value of a block's body; an unclosed last block may end in part of its tag."""
+    try:
+        value, end = json.JSONDecoder().raw_decode(body)
+    except ValueError:
+        return None
+    rest = body[end:].strip()
+    return value if not rest or TOOL_CALL_CLOSE.startswith(rest) else None
 
 
 def _sorted(value: Any) -> Any:

@@ -108,3 +108,6 @@ def test_a_final_block_cut_before_its_closing_tag_is_still_read():
     message = parse_assistant_text('<tool_call>\n{"name": "lookup", "arguments": {"city": "Rome"}}')
     assert message["tool_calls"][0]["function"]["name"] == "lookup"
     assert "tool_calls" not in parse_assistant_text('<tool_call>\n{"name": "lookup", "argu')
+    cut = parse_assistant_text('<tool_call>\n{"name": "lookup", "arguments": {}}\n</tool_')
+    assert cut["tool_calls"][0]["function"] == {"name": "lookup", "arguments": "{}"}
+    assert "tool_calls" not in parse_assistant_text('<tool_call>{"name": "x"} trailing</tool_call>')

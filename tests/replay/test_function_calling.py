@@ -240,3 +240,29 @@ def test_verify_of_a_generated_function_calling_run_and_of_an_edited_fork(
     assert [s.depth for s in bad] == [target.depth]
     assert bad[0].mismatch is not None and "arguments" in (bad[0].mismatch.tool_call or "")
     assert '"edited"' in bad[0].mismatch.tool_call
+
+
+@pytest.mark.slow
+def test_the_default_model_rebuilds_an_imported_function_calling_run_at_the_oracle_bound(
+    replay_store, default_engine, tmp_path
+):
+    assert not default_engine.supports_tools  # SmolLM2's template: the fallback rendering
+    _import(replay_store, TRAJECTORIES[1], "swe")
+    analysis = analyze(replay_store, "swe", default_engine)
+    backend = LocalBackend(default_engine, KVCache(default_engine, disk_dir=tmp_path / "kv"))
+    report = replay(replay_store, "swe", backend, mode="rebuild")
+    assert len(report.steps) >= 10
+    assert report.total.reused_tokens == report.total.oracle_tokens == analysis.oracle_tokens
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in DATA.glob("atif_*.json")))
+def test_imported_atif_trajectories_replay_at_the_oracle_bound(
+    replay_store, tiny_engine, tmp_path, name
+):
+    import_document(replay_store, json.loads((DATA / name).read_text()), format="atif",
+                    run="atif")
+    analysis = analyze(replay_store, "atif", tiny_engine)
+    backend = LocalBackend(tiny_engine, KVCache(tiny_engine, disk_dir=tmp_path / "kv"))
+    report = replay(replay_store, "atif", backend, mode="rebuild")
+    assert report.steps and report.total.reused_tokens == report.total.oracle_tokens
+    assert report.total.oracle_tokens == analysis.oracle_tokens
