@@ -10,6 +10,7 @@
     │   ├── StoreNotFoundError   no store at that path or URL (and the caller did not create one)
     │   └── ModelNotFoundError   a model file or folder is missing; says how to install it
     ├── ConflictError            a compare-and-swap on a ref lost: someone moved it first
+    │   └── RunPausedError       the run is paused by a supervisor: appends wait for a resume
     ├── IntegrityError           stored or imported bytes do not hash to their address
     ├── StoreError               the database failed (translated from SQLAlchemy)
     ├── CacheError               the KV cache cannot serve a request
@@ -65,6 +66,10 @@ class ModelNotFoundError(NotFoundError):
 
 class ConflictError(KvtraceError):
     """A ref moved under us: the compare-and-swap lost and nothing was written."""
+
+
+class RunPausedError(ConflictError):
+    """A supervisor paused the run; nothing was appended."""
 
 
 class IntegrityError(KvtraceError):

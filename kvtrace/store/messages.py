@@ -193,3 +193,18 @@ def _tool_call(call: Any, where: str) -> dict[str, Any]:
         "arguments": arguments,
     }
     return out
+
+
+def edited_content(kind: str, content: Mapping[str, Any], edit: Mapping[str, Any]) -> dict:
+    """A step's content with the fields of `edit` replaced, normalised as recording does."""
+    out = dict(content)
+    for key, value in edit.items():
+        if kind == "model_call" and key == "messages":
+            out[key] = normalize_messages(value)
+        elif kind == "model_call" and key == "response":
+            out[key] = normalize_response(value)
+        elif kind == "model_call" and key == "tools":
+            out[key] = normalize_tools(value)
+        else:
+            out[key] = to_plain(value)
+    return out

@@ -6,6 +6,13 @@ transaction, one reflog row recording old head, new head, reason and time.
 A lost swap raises ConflictError and writes nothing, so two writers can never
 silently lose a step. The reflog is append-only (database triggers), which is
 what makes every revert and reset undoable.
+
+A supervisor can **pause** a run: a `pause` reflog entry (head unchanged), and
+until a `resume` entry follows, an append to the run raises RunPausedError.
+The check runs after the swap has locked the ref's row, so a pause committed
+before the append takes the lock is always seen. On PostgreSQL every reflog
+entry also sends ``NOTIFY kvtrace_refs`` with the ref's name (delivered on
+commit), which `Store.watch` listens for instead of polling.
 """
 
 from __future__ import annotations
@@ -16,10 +23,12 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
-from kvtrace.errors import ConflictError
+from kvtrace.errors import ConflictError, RunPausedError
 from kvtrace.store.schema import reflog, refs
 
-REASONS = ("create", "append", "fork", "revert", "reset", "import")
+REASONS = ("create", "append", "fork", "revert", "reset", "import", "pause", "resume")
+PAUSE_REASONS = ("pause", "resume")
+NOTIFY_CHANNEL = "kvtrace_refs"
 
 # Built once: appending a step runs these on every call, and building
 # statements costs more than executing them on SQLite.
@@ -62,7 +71,11 @@ def move_ref(
     reason: str,
     message: str,
 ) -> None:
-    """Swap ref `name` from `old` to `new`, or raise ConflictError if it is not at `old`."""
+    """Swap ref `name` from `old` to `new`, or raise ConflictError if it is not at `old`.
+
+    An append to a paused run raises RunPausedError (a ConflictError); the
+    caller's transaction then writes nothing.
+    """
     result = conn.execute(_SWAP, {"ref_name": name, "old_head": old, "new_head": new})
     if result.rowcount != 1:
         current = conn.execute(sa.select(refs.c.head).where(refs.c.name == name)).scalar()
@@ -70,7 +83,35 @@ def move_ref(
             f"run {name!r} moved to {str(current)[:12]} while this writer expected "
             f"{str(old)[:12]}: reload the run (Store.run) and try again"
         )
+    if reason == "append":
+        pause = pause_entry(conn, name)
+        if pause is not None:
+            raise RunPausedError(
+                f"run {name!r} is paused ({pause}): wait for a resume (Store.resume), "
+                "then reload the run and go on"
+            )
     _log(conn, name, old, new, reason, message, time.time())
+
+
+def pause_entry(conn: Connection, name: str) -> str | None:
+    """The message of the pause in force on run `name`, or None when it is not paused."""
+    last = conn.execute(
+        sa.select(reflog.c.reason, reflog.c.message)
+        .where(reflog.c.ref == name, reflog.c.reason.in_(PAUSE_REASONS))
+        .order_by(reflog.c.id.desc())
+        .limit(1)
+    ).first()
+    return last.message if last is not None and last.reason == "pause" else None
+
+
+def set_paused(
+    conn: Connection, name: str, head: str | None, *, paused: bool, message: str
+) -> None:
+    """Pause or resume run `name` at `head` (a swap onto the same head, then the entry)."""
+    result = conn.execute(_SWAP, {"ref_name": name, "old_head": head, "new_head": head})
+    if result.rowcount != 1:
+        raise ConflictError(f"run {name!r} moved while pausing it: try again")
+    _log(conn, name, head, head, "pause" if paused else "resume", message, time.time())
 
 
 def _log(
@@ -95,3 +136,5 @@ def _log(
             "created_at": now,
         },
     )
+    if conn.dialect.name == "postgresql":
+        conn.execute(sa.select(sa.func.pg_notify(NOTIFY_CHANNEL, name)))

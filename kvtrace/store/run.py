@@ -36,6 +36,11 @@ class Run:
         """The head this writer last saw (None for an empty run)."""
         return self._head
 
+    @property
+    def paused(self) -> bool:
+        """Whether a supervisor paused this run (its appends then raise RunPausedError)."""
+        return self.store.is_paused(self.name)
+
     def refresh(self) -> Step | None:
         """Re-read the head from the store (after a conflict, say)."""
         self._head = self.store.head(self.name)

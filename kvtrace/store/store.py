@@ -27,7 +27,7 @@ from kvtrace.errors import (
     UsageError,
 )
 from kvtrace.store import encoding, history, resolve, views
-from kvtrace.store import lists as segments_module
+from kvtrace.store import lists as store_lists
 from kvtrace.store.backend import (
     insert_ignore,
     read_transaction,
@@ -46,11 +46,12 @@ from kvtrace.store.records import (
     RunInfo,
     Step,
 )
-from kvtrace.store.refs import create_ref, move_ref
+from kvtrace.store.refs import PAUSE_REASONS, create_ref, move_ref, pause_entry, set_paused
 from kvtrace.store.schema import blobs, notes, reflog, refs, steps
 
 if TYPE_CHECKING:
     from kvtrace.store.run import Run
+    from kvtrace.store.watch import WatchEvent
 
 _MAX_AUTHOR = 200
 _MAX_KNOWN = 200_000
@@ -70,7 +71,7 @@ class Store:
         self._known: dict[str, tuple[str | None, int, str | None]] = {}
         # Resolved list fields by (step id, field): steps never change, so this is
         # always right; a model call finds the history it extends here.
-        self._lists: dict[segments_module.ListKey, segments_module.Resolved] = {}
+        self._lists: dict[store_lists.ListKey, store_lists.Resolved] = {}
         self.url = url
 
     @property
@@ -182,17 +183,57 @@ class Store:
 
     # -- moving refs -----------------------------------------------------------
 
-    def fork(self, spec: str, new_name: str) -> Run:
-        """A new run `new_name` whose head is the step `spec` (O(1): one ref row)."""
+    def fork(
+        self, spec: str, new_name: str, *, edit: Mapping[str, Any] | None = None
+    ) -> Run:
+        """A new run `new_name` whose head is the step `spec` (O(1): one ref row).
+
+        With `edit`, the fork's head is instead a copy of that step with the
+        given content fields replaced (a tool's `result`, a model call's
+        `response` or `messages`, ...): an edited step under the original's
+        parent, with `meta.edit_of` naming the original. Nothing is copied
+        but that one step, and the original run is untouched.
+        """
         from kvtrace.store.run import Run
 
         validate_run_name(new_name)
+        if edit is not None:
+            return Run(self, new_name, self._fork_edited(spec, new_name, edit))
         with write_transaction(self._writer) as conn:
             step_id = resolve.step_id(conn, spec)
             message = f"fork from {spec} ({step_id[:12]})"
             create_ref(conn, new_name, step_id, reason="fork", message=message)
             head = history.load_steps(conn, [step_id], self._lists)[0]
         return Run(self, new_name, head)
+
+    def _fork_edited(self, spec: str, new_name: str, edit: Mapping[str, Any]) -> Step:
+        from kvtrace.store.messages import edited_content
+
+        if not isinstance(edit, Mapping) or not edit:
+            raise UsageError("edit must map content fields to their new values")
+        with read_transaction(self._reader) as conn:
+            original = history.load_steps(conn, [resolve.step_id(conn, spec)], self._lists)[0]
+            body = json.loads(bytes(conn.execute(
+                sa.select(steps.c.body).where(steps.c.id == original.id)).scalar_one()))
+            parent = (history.load_steps(conn, [original.parent_id], self._lists)[0]
+                      if original.parent_id else None)
+        unknown = sorted(set(edit) - set(original.content))
+        if unknown:
+            raise UsageError(f"step {original.short_id} has no field {unknown[0]!r} to edit "
+                             f"(its fields: {', '.join(sorted(original.content))})")
+        content = edited_content(original.kind, original.content, edit)
+        list_fields = set(store_lists.lists_of(body)) | (
+            {"messages"} if original.kind == "model_call" else set())
+        raw_fields = set(body["raw"])
+        meta = {**original.meta, "edit_of": original.id}
+        return self.append(
+            new_name, parent, original.kind,
+            {k: v for k, v in content.items() if k not in list_fields | raw_fields},
+            meta,
+            raw={k: v for k, v in content.items() if k in raw_fields},
+            lists={k: v for k, v in content.items() if k in list_fields},
+            new_run=f"fork from {spec} ({original.id[:12]}), edited: {', '.join(sorted(edit))}",
+        )
 
     def revert(self, name: str, *, to: str) -> Step:
         """Move run `name` back to `to`, an ancestor of its head.
@@ -230,7 +271,10 @@ class Store:
         with write_transaction(self._writer) as conn:
             head_id = resolve.head_id(conn, name)
             last = conn.execute(
-                sa.select(reflog).where(reflog.c.ref == name).order_by(reflog.c.id.desc()).limit(1)
+                sa.select(reflog)
+                .where(reflog.c.ref == name, reflog.c.reason.not_in(PAUSE_REASONS))
+                .order_by(reflog.c.id.desc())
+                .limit(1)
             ).first()
             if last is None or last.reason in ("create", "fork", "import"):
                 raise UsageError(f"run {name!r} has no move to undo")
@@ -249,6 +293,46 @@ class Store:
             ReflogEntry(r.id, r.ref, r.old_head, r.new_head, r.reason, r.message, r.created_at)
             for r in rows
         ]
+
+    # -- supervision -------------------------------------------------------------
+
+    def pause(self, name: str, *, reason: str = "paused by a supervisor") -> None:
+        """Pause run `name`: until `resume`, appends to it raise RunPausedError."""
+        self._set_paused(name, True, reason)
+
+    def resume(self, name: str, *, reason: str = "resumed") -> None:
+        """Let appends to run `name` go on again."""
+        self._set_paused(name, False, reason)
+
+    def is_paused(self, name: str) -> bool:
+        """Whether run `name` is paused."""
+        with read_transaction(self._reader) as conn:
+            resolve.head_id(conn, name)
+            return pause_entry(conn, name) is not None
+
+    def _set_paused(self, name: str, paused: bool, reason: str) -> None:
+        if not isinstance(reason, str) or not reason.strip():
+            raise UsageError("a pause or resume needs a reason (some text)")
+        with write_transaction(self._writer) as conn:
+            head_id = resolve.head_id(conn, name)
+            if (pause_entry(conn, name) is not None) == paused:
+                raise UsageError(f"run {name!r} is {'already' if paused else 'not'} paused")
+            set_paused(conn, name, head_id, paused=paused, message=reason)
+
+    def watch(
+        self,
+        name: str,
+        *,
+        since: int | None = None,
+        timeout: float | None = None,
+        poll_interval: float = 0.1,
+    ) -> Iterator[WatchEvent]:
+        """Yield what happens to run `name` as it happens, from any process (see watch.py)."""
+        from kvtrace.store.watch import watch
+
+        with read_transaction(self._reader) as conn:
+            resolve.head_id(conn, name)  # an unknown run fails here, not on first iteration
+        return watch(self, name, since=since, timeout=timeout, poll_interval=poll_interval)
 
     # -- notes -----------------------------------------------------------------
 
@@ -313,8 +397,13 @@ class Store:
         meta: Mapping[str, Any],
         raw: Mapping[str, bytes] | None = None,
         lists: Mapping[str, list[Any]] | None = None,
+        *,
+        new_run: str | None = None,
     ) -> Step:
         """Record a step after `parent` and move run `name` onto it, atomically.
+
+        With `new_run` (a reflog message), run `name` is created at the new
+        step instead (a fork whose head is an edited step).
 
         `payload` fields are JSON values stored one blob each, `raw` fields
         bytes, and `lists` fields lists stored item by item (see store/lists.py).
@@ -339,13 +428,13 @@ class Store:
         now = time.time()
         with write_transaction(self._writer) as conn:
             entries: dict[str, dict[str, Any]] = {}
-            resolutions: dict[str, segments_module.Resolved] = {}
+            resolutions: dict[str, store_lists.Resolved] = {}
             blob_rows = {addresses[key]: value for key, value in data.items()}
             for key, encoded in item_data.items():
                 item_addresses = [encoding.sha256_hex(item) for item in encoded]
                 blob_rows.update(zip(item_addresses, encoded, strict=True))
                 base = self._list_base(conn, parent_id, key)
-                entries[key], resolutions[key] = segments_module.entry_for(item_addresses, base)
+                entries[key], resolutions[key] = store_lists.entry_for(item_addresses, base)
             clean_meta = {key: value for key, value in meta.items() if value is not None}
             body = encoding.step_body(
                 kind=kind, parent=parent_id, payload=addresses, raw=list(raw),
@@ -380,7 +469,10 @@ class Store:
                 ],
                 "id",
             )
-            move_ref(conn, name, parent_id, step_id, reason="append", message=kind)
+            if new_run is not None:
+                create_ref(conn, name, step_id, reason="fork", message=new_run)
+            else:
+                move_ref(conn, name, parent_id, step_id, reason="append", message=kind)
         if len(self._known) >= _MAX_KNOWN:
             self._known.clear()
             self._lists.clear()
@@ -396,7 +488,7 @@ class Store:
 
     def _list_base(
         self, conn: Any, parent_id: str | None, field: str
-    ) -> tuple[str, segments_module.Resolved] | None:
+    ) -> tuple[str, store_lists.Resolved] | None:
         """(step id, resolved list) of `field` in the nearest ancestor that has it, or None.
 
         Looked up in memory first (a writer appending to its run finds it
@@ -409,11 +501,11 @@ class Store:
             current, hops = self._known[current][0], hops + 1
         if current is None or hops >= _LIST_BASE_SEARCH:
             return None
-        fetch = segments_module.fetch_lists(conn)
+        fetch = store_lists.fetch_lists(conn)
         chain = history.chain(conn, current, _LIST_BASE_SEARCH - hops)
         found = fetch(chain)
         for step_id in chain:
             if field in found.get(step_id, {}):
                 key = (step_id, field)
-                return step_id, segments_module.resolve(fetch, [key], self._lists)[key]
+                return step_id, store_lists.resolve(fetch, [key], self._lists)[key]
         return None
