@@ -1,5 +1,5 @@
 """Store commands: init, runs, log, show, fork, revert, reset, undo, reflog,
-note, fsck, export, import. Each is one call of the `kvtrace.store` API (import
+note, fsck, export, import, diff. Each is one call of the `kvtrace.store` API (import
 and export: of `kvtrace.formats`, which also reads and writes bundles)."""
 
 from __future__ import annotations
@@ -8,14 +8,15 @@ import datetime
 import json
 import sys
 from pathlib import Path
-from typing import Any
 
 import typer
 
 from kvtrace.cli.app import app, print_json, store_url
 from kvtrace.errors import UsageError
 from kvtrace.formats import Format, export_file, import_file
-from kvtrace.store import Step, Store, open_store
+from kvtrace.store import Store, open_store
+from kvtrace.store.compare import compare
+from kvtrace.store.summary import step_summary
 
 JSON = typer.Option(False, "--json", help="Print JSON for programs instead of text.")
 
@@ -27,33 +28,6 @@ def _store(*, create: bool = False) -> Store:
 
 def _when(timestamp: float) -> str:
     return datetime.datetime.fromtimestamp(timestamp).isoformat(timespec="seconds")
-
-
-def _snippet(value: Any, width: int = 60) -> str:
-    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
-    text = " ".join(text.split())
-    return text if len(text) <= width else text[: width - 1] + "…"
-
-
-def summary(step: Step) -> str:
-    """One line describing a step, as `log` prints it."""
-    content, meta = step.content, step.meta
-    if step.kind == "model_call":
-        response = content.get("response")
-        if isinstance(response, dict):
-            calls = [
-                f"{c['function'].get('name')}({c['function'].get('arguments', '')})"
-                for c in response.get("tool_calls") or [] if isinstance(c.get("function"), dict)
-            ]
-            text = response.get("content")
-            response = " ".join([*([_snippet(text, 40)] if text else []),
-                                 *(f"-> {call}" for call in calls)]) or response
-        return f"{meta.get('model', '?')}: {_snippet(response)}"
-    if step.kind == "tool_call":
-        error = f" error={meta['error']}" if meta.get("error") else ""
-        args = _snippet(content.get("arguments"), 30)
-        return f"{meta.get('tool', '?')}({args}) -> {_snippet(content.get('result'), 40)}{error}"
-    return _snippet({k: v for k, v in content.items() if not isinstance(v, bytes)})
 
 
 @app.command()
@@ -93,7 +67,7 @@ def log(
                 print_json([s.to_dict() for s in steps])
                 return
             for s in steps:
-                typer.echo(f"{s.depth:4} {s.short_id} {s.kind:10} {summary(s)}")
+                typer.echo(f"{s.depth:4} {s.short_id} {s.kind:10} {step_summary(s)}")
             if not steps:
                 typer.echo(f"{run} has no steps yet")
             return
@@ -106,7 +80,7 @@ def log(
     for row in rows:
         s = row.step
         refs = f" ({', '.join(row.heads)})" if row.heads else ""
-        typer.echo(f"* {s.depth:4} {s.short_id}{refs} {s.kind:10} {summary(s)}")
+        typer.echo(f"* {s.depth:4} {s.short_id}{refs} {s.kind:10} {step_summary(s)}")
         if row.num_branches:
             typer.echo(f"|\\  {_branches(row.num_branches, row.branch_runs)}")
 
@@ -128,26 +102,39 @@ def diff(
     b: str = typer.Argument(..., help="Another run or step address."),
     as_json: bool = JSON,
 ) -> None:
-    """Where two runs part: their last common step and the first step of each after it."""
+    """Where two runs part, and what differs at the first step whose content differs."""
     with _store() as store:
-        result = store.diverge(a, b)
+        result = compare(store, a, b)
     if as_json:
         print_json(result.to_dict())
         return
-    common = result.common
+    parted = result.divergence
+    common = parted.common
     typer.echo(
-        f"common: {common.depth} {common.short_id} {common.kind}" if common else "common: (none)"
+        f"common: {common.depth} {common.short_id} {common.kind}" if common
+        else "common: (none): unrelated runs, aligned step by step from the root"
     )
-    for label, step, count in (
-        (a, result.first_a, result.num_only_a),
-        (b, result.first_b, result.num_only_b),
-    ):
+    for label, step, count in ((a, parted.first_a, parted.num_only_a),
+                               (b, parted.first_b, parted.num_only_b)):
         if step is None:
             typer.echo(f"{label}: no steps after the common one")
         else:
-            typer.echo(
-                f"{label}: {count} more step(s), first {step.short_id} {step.kind} {summary(step)}"
-            )
+            typer.echo(f"{label}: {count} more step(s), first {step.short_id} {step.kind} "
+                       f"{step_summary(step)}")
+    if result.is_same_content:
+        typer.echo("same content at every position (only ids, timings or usage differ)")
+        return
+    typer.echo(f"first difference at @{result.position}"
+               + (f" (after {result.num_same_content} step(s) that differ only in timings or "
+                  "usage)" if result.num_same_content else "") + ":")
+    for label, step in ((a, result.step_a), (b, result.step_b)):
+        shown = (f"{step.short_id} {step.kind} {step_summary(step)}" if step
+                 else "(no step here: the run ends before)")
+        if step is not None and isinstance(step.meta.get("edit_of"), str):
+            shown += f" [edited copy of {step.meta['edit_of'][:12]}]"
+        typer.echo(f"  {label}@{result.position}: {shown}")
+    for change in result.changes:  # each diff names its field in its --- and +++ lines
+        typer.echo("\n".join(change.diff or [f"{change.field}: differs"]))
 
 
 @app.command()

@@ -1,0 +1,41 @@
+"""One line that describes a step, as `kvtrace log`, `diff` and the HTML report show it.
+
+Long values are cut to a few dozen characters and whitespace runs become
+one space, so a summary always fits on one line; the full content is what
+`Store.show` returns.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from kvtrace.store.records import Step
+
+
+def snippet(value: Any, width: int = 60) -> str:
+    """`value` (text, or any JSON value) on one line, cut to `width` characters."""
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def step_summary(step: Step) -> str:
+    """What a step did, in one line: model and response, tool and result, or its content."""
+    content, meta = step.content, step.meta
+    if step.kind == "model_call":
+        response = content.get("response")
+        if isinstance(response, dict):
+            calls = [
+                f"{c['function'].get('name')}({c['function'].get('arguments', '')})"
+                for c in response.get("tool_calls") or [] if isinstance(c.get("function"), dict)
+            ]
+            text = response.get("content")
+            response = " ".join([*([snippet(text, 40)] if text else []),
+                                 *(f"-> {call}" for call in calls)]) or response
+        return f"{meta.get('model', '?')}: {snippet(response)}"
+    if step.kind == "tool_call":
+        error = f" error={meta['error']}" if meta.get("error") else ""
+        args = snippet(content.get("arguments"), 30)
+        return f"{meta.get('tool', '?')}({args}) -> {snippet(content.get('result'), 40)}{error}"
+    return snippet({k: v for k, v in content.items() if not isinstance(v, bytes)})
