@@ -202,6 +202,66 @@ def continue_command(
                + (f"; final answer: {result.final_answer}" if result.is_finished else ""))
 
 
+@app.command("branch")
+def branch_command(
+    spec: str = typer.Argument(..., help="The step to branch from (RUN, RUN@N, RUN~K, id)."),
+    n: int = typer.Option(..., "--n", help="How many branches (runs) to fork and continue."),
+    steps: int = typer.Option(3, "--steps", help="At most this many model calls per branch."),
+    temperature: float = typer.Option(0.7, "--temperature", help="Sampling temperature."),
+    seed: int = typer.Option(0, "--seed", help="Branch i samples with seed S + i - 1."),
+    edit: str = typer.Option(
+        None, "--edit",
+        help="A JSON file mapping the step's content fields to new values (e.g. "
+        '{"result": "..."} for a tool call): branches start from the edited copy.',
+    ),
+    prefix: str = typer.Option(None, "--prefix", help="Branch runs are named PREFIX-1, ..."),
+    tools: str = typer.Option("none", "--tools", help="'demo' or 'none', as for continue."),
+    model: str = MODEL,
+    max_new_tokens: int = typer.Option(96, "--max-new-tokens", help="Tokens per response."),
+    as_json: bool = JSON,
+) -> None:
+    """Fork K runs from one step and continue each, sharing the prefix's KV; compare them."""
+    import json
+    from pathlib import Path
+
+    from kvtrace.replay import SamplingParams
+    from kvtrace.replay.branch import branch_out
+    from kvtrace.replay.tools import DEMO_TOOLS
+
+    if tools not in ("demo", "none"):
+        raise UsageError("--tools is 'demo' or 'none'")
+    changes = None
+    if edit is not None:
+        try:
+            changes = json.loads(Path(edit).read_text(encoding="utf-8"))
+        except ValueError as exc:
+            raise UsageError(f"--edit {edit}: not a JSON object ({exc})") from exc
+        if not isinstance(changes, dict):
+            raise UsageError(f"--edit {edit}: not a JSON object of fields")
+    params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens)
+    chosen = _backend("local", model)
+    with open_store(store_url()) as store:
+        report = branch_out(store, spec, chosen, n=n, prefix=prefix, steps=steps,
+                            tools=DEMO_TOOLS if tools == "demo" else {}, params=params,
+                            seed=seed, edit=changes)
+    if as_json:
+        print_json(report.to_dict())
+        return
+    typer.echo(f"{len(report.branches)} branches from {report.fork_step.short_id} "
+               f"(@{report.fork_step.depth}{', edited' if changes else ''}); prefix of "
+               f"{report.prefix_tokens} tokens computed once ({report.prefix_computed_tokens} "
+               "computed, the rest from the cache)")
+    typer.echo(f"{'run':<24} {'seed':>5} {'steps':>5} {'prompt':>7} {'computed':>8} "
+               f"{'output':>6} {'diverges':>8}  final output")
+    for branch in report.branches:
+        row = branch.to_dict()
+        where = "-" if row["diverged_at"] is None else f"@{row['diverged_at']}"
+        text = " ".join(str(row["output"]).split())
+        typer.echo(f"{row['run']:<24} {row['seed']!s:>5} {row['steps']:>5} "
+                   f"{row['prompt_tokens']:>7} {row['computed_tokens']!s:>8} "
+                   f"{row['output_tokens']:>6} {where:>8}  {text[:60]}")
+
+
 @app.command("analyze")
 def analyze_command(
     run: str = typer.Argument(..., help="The run (or step) to analyze."),

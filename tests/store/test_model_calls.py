@@ -110,7 +110,7 @@ def test_tool_calls_link_to_their_model_call(store):
     calls = tool_calling_conversation(2)
     run = store.run("link")
     _record(run, calls)
-    step = [s for s in store.path("link") if s.kind == "tool_call"][0]
+    step = next(s for s in store.path("link") if s.kind == "tool_call")
     asked = calls[0].response["tool_calls"][0]
     assert step.meta["call_id"] == asked["id"]
     assert step.meta["tool"] == asked["function"]["name"]

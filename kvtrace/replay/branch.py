@@ -1,0 +1,155 @@
+"""Branch out: fork K runs from one step and continue each, sharing the prefix's KV.
+
+The experiment researchers run: from one step (maybe edited: another tool
+result, another instruction), K continuations with other seeds, compared. A
+fork is one ref row, so the K runs share every step up to the fork point by
+id. Their KV is shared the same way: the prefix is rebuilt once (`checkout`
+of the first branch), and every branch's first prompt, identical up to its
+last token, is then a cache hit, so the prefix is computed once, not K times.
+`BranchReport.prefix_computed_tokens` and each branch's `computed_tokens`
+show it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from kvtrace.errors import UsageError
+from kvtrace.replay.backend import Backend, SamplingParams
+from kvtrace.replay.continuation import ContinueResult, Tool, continue_run
+from kvtrace.replay.driver import checkout
+from kvtrace.replay.recording import response_text
+from kvtrace.replay.report import Totals
+from kvtrace.store import Step, Store
+
+MAX_BRANCHES = 64
+
+
+@dataclass(frozen=True, slots=True)
+class Branch:
+    """One continuation of a branch-out."""
+
+    run: str
+    seed: int | None
+    result: ContinueResult
+    diverged_at: int | None  # depth of its first step unlike branch 1's (None: all alike)
+
+    @property
+    def totals(self) -> Totals:
+        return Totals.of(self.result.reports)
+
+    @property
+    def output(self) -> str:
+        """The final answer, else the text of the last response."""
+        if self.result.final_answer is not None:
+            return self.result.final_answer
+        calls = [s for s in self.result.new_steps if s.kind == "model_call"]
+        return response_text(calls[-1]) if calls else ""
+
+    def to_dict(self) -> dict[str, Any]:
+        totals = self.totals
+        return {
+            "run": self.run,
+            "seed": self.seed,
+            "steps": len(self.result.new_steps),
+            "model_calls": totals.steps,
+            "prompt_tokens": totals.prompt_tokens,
+            "reused_tokens": totals.reused_tokens,
+            "computed_tokens": totals.computed_tokens,
+            "output_tokens": totals.output_tokens,
+            "final_answer": self.result.final_answer,
+            "output": self.output,
+            "diverged_at": self.diverged_at,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class BranchReport:
+    """K branches from one fork point, and what their shared prefix cost."""
+
+    spec: str
+    fork_step: Step  # the step every branch starts from (the edited copy, with an edit)
+    prefix_tokens: int  # tokens of the prefix, rebuilt once
+    prefix_computed_tokens: int  # of those, computed (the rest came from the cache)
+    branches: list[Branch]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "spec": self.spec,
+            "fork_step": self.fork_step.id,
+            "fork_depth": self.fork_step.depth,
+            "edited": "edit_of" in self.fork_step.meta,
+            "prefix_tokens": self.prefix_tokens,
+            "prefix_computed_tokens": self.prefix_computed_tokens,
+            "branches": [b.to_dict() for b in self.branches],
+        }
+
+
+def branch_out(
+    store: Store,
+    spec: str,
+    backend: Backend,
+    *,
+    n: int,
+    prefix: str | None = None,
+    steps: int = 3,
+    tools: Mapping[str, Tool] | None = None,
+    params: SamplingParams | None = None,
+    seed: int | None = None,
+    edit: Mapping[str, Any] | None = None,
+) -> BranchReport:
+    """Fork `n` runs named `{prefix}-1` ... from step `spec` and continue each `steps` calls.
+
+    Branch i samples with seed `seed + i - 1` (`seed` None: 0), so the K
+    branches differ when `params.temperature` > 0 and are reproducible. With
+    `edit`, the branches start from a copy of the step at `spec` with those
+    content fields replaced (see Store.fork).
+    """
+    if not 1 <= n <= MAX_BRANCHES:
+        raise UsageError(f"branch needs --n between 1 and {MAX_BRANCHES}")
+    params = params or SamplingParams(temperature=0.7)
+    start = store.show(spec)  # fails at once on a bad spec
+    base = prefix or f"{spec.split('@')[0].split('~')[0]}-branch"
+    names = _free_names(store, base, n)
+    first = store.fork(spec, names[0], edit=edit) if edit else store.fork(spec, names[0])
+    fork_step = first.head or start
+    for name in names[1:]:
+        store.fork(fork_step.id, name)
+    warm = checkout(store, names[0], backend)
+    prefix_tokens = sum(s.prompt_tokens + s.output_tokens for s in warm.steps)
+    prefix_computed = sum((s.computed_tokens or 0) + s.output_tokens for s in warm.steps)
+    first_seed = 0 if seed is None else seed
+    branches: list[Branch] = []
+    for index, name in enumerate(names):
+        branch_params = replace(params, seed=first_seed + index)
+        result = continue_run(store, name, backend, steps=steps, tools=tools,
+                              params=branch_params)
+        reference = branches[0].result.new_steps if branches else result.new_steps
+        branches.append(Branch(name, branch_params.seed, result,
+                               _diverged_at(reference, result.new_steps)))
+    return BranchReport(spec, fork_step, prefix_tokens, prefix_computed, branches)
+
+
+def _free_names(store: Store, base: str, n: int) -> list[str]:
+    taken = {info.name for info in store.runs()}
+    names: list[str] = []
+    number = 1
+    while len(names) < n:
+        name = f"{base}-{number}"
+        if name not in taken:
+            names.append(name)
+        number += 1
+    return names
+
+
+def _diverged_at(reference: list[Step], steps: list[Step]) -> int | None:
+    """Depth of the first step whose content differs from the reference branch's."""
+    for mine, theirs in zip(steps, reference, strict=False):
+        if mine.kind != theirs.kind or mine.content != theirs.content:
+            return mine.depth
+    if len(steps) != len(reference):
+        shorter = min(len(steps), len(reference))
+        return (steps[shorter] if shorter < len(steps) else reference[shorter]).depth
+    return None

@@ -1,0 +1,75 @@
+"""Branch out: K forks of one step, continued, sharing the prefix's KV (tiny model, SQLite)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from kvtrace.engine import KVCache
+from kvtrace.replay import LocalBackend, SamplingParams
+from kvtrace.replay.branch import branch_out
+from kvtrace.replay.continuation import continue_run
+from kvtrace.replay.tools import DEMO_TOOLS, demo_messages
+
+
+def _recorded(store, engine, tmp_path):
+    backend = LocalBackend(engine, KVCache(engine, disk_dir=tmp_path / "kv-record"))
+    continue_run(store, "base", backend, steps=2, tools=DEMO_TOOLS,
+                 messages=demo_messages("What is 12 times 7?"),
+                 params=SamplingParams(max_new_tokens=8))
+    return store.path("base")
+
+
+def test_branch_out_computes_the_shared_prefix_once(replay_store, tiny_engine, tmp_path):
+    path = _recorded(replay_store, tiny_engine, tmp_path)
+    fresh = LocalBackend(tiny_engine, KVCache(tiny_engine, disk_dir=tmp_path / "kv"))
+    report = branch_out(replay_store, "base", fresh, n=4, steps=2, tools=DEMO_TOOLS,
+                        params=SamplingParams(temperature=1.0, max_new_tokens=8), seed=5)
+    assert [b.run for b in report.branches] == [f"base-branch-{i}" for i in range(1, 5)]
+    assert [b.seed for b in report.branches] == [5, 6, 7, 8]
+    ids = [s.id for s in path]
+    for branch in report.branches:
+        steps = replay_store.path(branch.run)
+        assert [s.id for s in steps[: len(ids)]] == ids  # the parent's own steps, shared
+        assert len(steps) > len(ids)
+    first_calls = [b.result.reports[0] for b in report.branches]
+    # Branch 1 computes what follows the checked-out prefix; branches 2-4 only the
+    # prompt's last token, which is always computed: the prefix was computed once.
+    assert first_calls[0].computed_tokens >= 1
+    assert all(call.computed_tokens == 1 for call in first_calls[1:])
+    assert 0 < report.prefix_computed_tokens <= report.prefix_tokens
+    outputs = {b.output for b in report.branches}
+    assert len(outputs) > 1  # other seeds, other continuations
+    assert any(b.diverged_at is not None for b in report.branches[1:])
+
+
+def test_branch_out_from_an_edited_step(replay_store, tiny_engine, tmp_path):
+    run = replay_store.run("base")
+    run.record_model_call(demo_messages("What is 6 times 7?"),
+                          "Action: calculator\nAction Input: 6*7", model="m")
+    tool_step = run.record_tool_call("calculator", "6*7", 41)
+    backend = LocalBackend(tiny_engine, KVCache(tiny_engine, disk_dir=tmp_path / "kv"))
+    report = branch_out(replay_store, tool_step.id, backend, n=2, steps=1, prefix="fixed",
+                        tools=DEMO_TOOLS, edit={"result": "42"},
+                        params=SamplingParams(temperature=0.0, max_new_tokens=8))
+    assert report.fork_step.meta["edit_of"] == tool_step.id
+    for branch in report.branches:
+        steps = replay_store.path(branch.run)
+        assert steps[tool_step.depth - 1].content["result"] == "42"
+        call = next(s for s in steps[tool_step.depth:] if s.kind == "model_call")
+        assert call.content["messages"][-1]["content"].endswith("42")
+    assert report.branches[0].output == report.branches[1].output  # greedy: alike
+    assert report.branches[1].diverged_at is None
+
+
+def test_branch_cli_rejects_bad_input_without_changing_anything(tmp_path):
+    env_store = f"sqlite:///{tmp_path / 'store.db'}"
+    for args, message in [
+        (["branch", "nowhere", "--n", "2"], "error:"),
+        (["branch", "x", "--n", "0"], "error:"),
+    ]:
+        result = subprocess.run([sys.executable, "-m", "kvtrace", "--store", env_store, *args],
+                                capture_output=True, text=True)
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.startswith(message) and len(result.stderr.strip().splitlines()) == 1
+
