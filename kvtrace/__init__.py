@@ -12,9 +12,11 @@ from kvtrace.errors import (
     IntegrityError,
     KvtraceError,
     NotFoundError,
+    RunPausedError,
     UsageError,
 )
 from kvtrace.store import FsckReport, Note, ReflogEntry, Run, RunInfo, Step, Store, open_store
+from kvtrace.store.watch import WatchEvent
 from kvtrace.tracer import recording, tool
 
 __version__ = "0.1.0"
@@ -29,9 +31,11 @@ __all__ = [
     "ReflogEntry",
     "Run",
     "RunInfo",
+    "RunPausedError",
     "Step",
     "Store",
     "UsageError",
+    "WatchEvent",
     "__version__",
     "open_store",
     "recording",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from kvtrace.replay.analyze import Analysis, PrefixBreaker, analyze
 from kvtrace.replay.backend import Backend, SamplingParams
+from kvtrace.replay.branch import BranchReport, branch_out
 from kvtrace.replay.continuation import ContinueResult, continue_run
 from kvtrace.replay.driver import checkout, replay
 from kvtrace.replay.local import LocalBackend, open_local_backend
@@ -20,6 +21,7 @@ from kvtrace.replay.report import ReplayReport, StepReport
 __all__ = [
     "Analysis",
     "Backend",
+    "BranchReport",
     "ContinueResult",
     "LocalBackend",
     "PrefixBreaker",
@@ -28,6 +30,7 @@ __all__ = [
     "SamplingParams",
     "StepReport",
     "analyze",
+    "branch_out",
     "checkout",
     "continue_run",
     "open_local_backend",
