@@ -10,8 +10,8 @@ import kvtrace.replay
 
 def test_public_names_are_pinned():
     assert sorted(kvtrace.replay.__all__) == sorted([
-        "Analysis", "Backend", "ContinueResult", "LocalBackend", "PrefixBreaker",
-        "RemoteBackend", "ReplayReport", "SamplingParams", "StepReport", "analyze", "checkout",
+        "Analysis", "Backend", "BranchReport", "ContinueResult", "LocalBackend", "PrefixBreaker",
+        "RemoteBackend", "ReplayReport", "SamplingParams", "StepReport", "analyze", "branch_out", "checkout",
         "continue_run", "open_local_backend", "replay",
     ])
     for name in kvtrace.replay.__all__:
