@@ -11,8 +11,8 @@ import kvtrace.replay
 def test_public_names_are_pinned():
     assert sorted(kvtrace.replay.__all__) == sorted([
         "Analysis", "Backend", "BranchReport", "ContinueResult", "LocalBackend", "PrefixBreaker",
-        "RemoteBackend", "ReplayReport", "SamplingParams", "StepReport", "analyze", "branch_out", "checkout",
-        "continue_run", "open_local_backend", "replay",
+        "RemoteBackend", "ReplayReport", "SamplingParams", "StepReport", "analyze",
+        "branch_out", "checkout", "continue_run", "open_local_backend", "replay",
     ])
     for name in kvtrace.replay.__all__:
         assert hasattr(kvtrace.replay, name), name
