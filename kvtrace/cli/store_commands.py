@@ -257,12 +257,20 @@ def export_run(
         None, "-o", "--output", help="File to write (refuses to overwrite); default: stdout."),
     fmt: Format = typer.Option(
         Format.BUNDLE, "--format", "-f",
-        help="bundle (kvtrace's own, lossless), openai (chat messages) or atif (Harbor ATIF)."),
+        help="bundle (kvtrace's own, lossless), openai (chat messages), atif (Harbor ATIF) "
+        "or otel (OpenTelemetry OTLP-JSON spans, GenAI conventions)."),
+    include_content: bool = typer.Option(
+        False, "--include-content",
+        help="otel: also put prompts, responses, tool arguments and results in the spans "
+        "(left out by default: they may hold secrets or personal data)."),
 ) -> None:
-    """Write a run to a file: a bundle (steps, blobs, notes), OpenAI messages or ATIF."""
+    """Write a run to a file: a bundle (steps, blobs, notes), OpenAI messages, ATIF or OTel."""
+    if include_content and fmt is not Format.OTEL:
+        raise UsageError("--include-content applies to --format otel only")
     if output is None:
         with _store() as store:
-            export_file(store, run, sys.stdout.buffer, format=fmt)
+            export_file(store, run, sys.stdout.buffer, format=fmt,
+                        include_content=include_content)
         sys.stdout.buffer.flush()
         return
     if output.exists():
@@ -272,7 +280,7 @@ def export_run(
     tmp = output.with_name(output.name + ".tmp")
     try:
         with _store() as store, tmp.open("wb") as file:
-            export_file(store, run, file, format=fmt)
+            export_file(store, run, file, format=fmt, include_content=include_content)
         tmp.replace(output)
     finally:
         tmp.unlink(missing_ok=True)

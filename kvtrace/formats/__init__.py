@@ -2,8 +2,9 @@
 
 One module per format, each converting a whole document to the store's
 records and back (`import_X(store, document, *, run)`, `export_X(store,
-spec)`): `openai.py` (a list of chat messages) and `atif.py` (Harbor's Agent
-Trajectory Interchange Format). Bundles, kvtrace's own lossless format, stay
+spec)`): `openai.py` (a list of chat messages), `atif.py` (Harbor's Agent
+Trajectory Interchange Format) and `otel.py` (OpenTelemetry OTLP-JSON spans
+with the GenAI conventions; export only). Bundles, kvtrace's own lossless format, stay
 in the store (`Store.export_run`, `Store.import_bundle`). This module picks
 one by name for the CLI and for programs; docs/formats.md has the mappings.
 """
@@ -18,6 +19,7 @@ from typing import IO, Any
 from kvtrace.errors import UsageError
 from kvtrace.formats.atif import atif_records, export_atif, import_atif
 from kvtrace.formats.openai import export_openai, import_openai, openai_records
+from kvtrace.formats.otel import export_otel
 from kvtrace.formats.records import parse_json
 from kvtrace.store import RunInfo, Store, validate_run_name
 
@@ -29,6 +31,7 @@ __all__ = [
     "export_document",
     "export_file",
     "export_openai",
+    "export_otel",
     "import_atif",
     "import_document",
     "import_file",
@@ -43,6 +46,7 @@ class Format(StrEnum):
     BUNDLE = "bundle"
     OPENAI = "openai"
     ATIF = "atif"
+    OTEL = "otel"
 
 
 _IMPORTERS: dict[Format, Callable[..., RunInfo]] = {
@@ -57,12 +61,25 @@ _EXPORTERS: dict[Format, Callable[[Store, str], Any]] = {
 
 def import_document(store: Store, document: Any, *, format: str, run: str) -> RunInfo:
     """Record a parsed JSON document of `format` (openai or atif) as the new run `run`."""
-    return _IMPORTERS[_document_format(format)](store, document, run=run)
+    kind = _document_format(format)
+    if kind not in _IMPORTERS:
+        raise UsageError(f"{kind.value} is an export format only: import openai or atif files")
+    return _IMPORTERS[kind](store, document, run=run)
 
 
-def export_document(store: Store, spec: str, *, format: str) -> Any:
-    """The run up to `spec` as a JSON document of `format` (openai or atif)."""
-    return _EXPORTERS[_document_format(format)](store, spec)
+def export_document(
+    store: Store, spec: str, *, format: str, include_content: bool = False
+) -> Any:
+    """The run up to `spec` as a JSON document of `format` (openai, atif or otel).
+
+    `include_content` puts prompts, responses, tool arguments and results
+    into OTel spans (they are left out by default); the other formats always
+    carry them.
+    """
+    kind = _document_format(format)
+    if kind is Format.OTEL:
+        return export_otel(store, spec, include_content=include_content)
+    return _EXPORTERS[kind](store, spec)
 
 
 def import_file(
@@ -85,13 +102,19 @@ def import_file(
     return import_document(store, parse_json(file.read(), source), format=kind, run=run)
 
 
-def export_file(store: Store, spec: str, file: IO[bytes], *, format: str = Format.BUNDLE) -> None:
+def export_file(
+    store: Store, spec: str, file: IO[bytes], *, format: str = Format.BUNDLE,
+    include_content: bool = False,
+) -> None:
     """Write the run `spec` in any format (a bundle takes a run name; the others any step)."""
     kind = Format(_known(format))
+    if include_content and kind is not Format.OTEL:
+        raise UsageError("include_content applies to the otel format only (the others always "
+                         "carry the content)")
     if kind is Format.BUNDLE:
         store.export_run(spec, file)
         return
-    document = export_document(store, spec, format=kind)
+    document = export_document(store, spec, format=kind, include_content=include_content)
     file.write(json.dumps(document, indent=2, ensure_ascii=False).encode("utf-8") + b"\n")
 
 

@@ -1,0 +1,323 @@
+"""OpenTelemetry traces: a run as OTLP-JSON spans with the GenAI semantic conventions.
+
+`export_otel(store, spec)` gives an `ExportTraceServiceRequest` in the OTLP
+JSON encoding (resourceSpans → scopeSpans → spans): one trace per run, one
+span per step, each span the child of its parent step's span, so the span
+tree is the step chain. Ids are derived, never random: the trace id is the
+first 16 bytes of SHA-256 over the run's name and root step id (exporting a
+run again, even after it grew, gives the same trace), a span id the first 8
+bytes over the trace id and the step id. Both are hex, as OTLP-JSON wants
+(not the base64 of protobuf's own JSON mapping); enums are integers and
+64-bit integers decimal strings.
+
+- model_call → span `chat {model}` (kind CLIENT): `gen_ai.operation.name`
+  chat, `gen_ai.provider.name` (recorded `extra.provider`, else guessed from
+  the recorded URL or model name, else "unknown"), `gen_ai.request.model`,
+  `gen_ai.response.finish_reasons` (recorded, else derived: tool_calls or
+  stop), `gen_ai.usage.input_tokens`, `gen_ai.usage.output_tokens`,
+  `gen_ai.usage.cache_read.input_tokens` (only when the provider reported
+  it: unknown is never 0), `gen_ai.conversation.id` (the run), sampling
+  parameters as `gen_ai.request.*`, `gen_ai.response.id`.
+- tool_call → span `execute_tool {tool}` (kind INTERNAL): `gen_ai.tool.name`,
+  `gen_ai.tool.call.id`, `gen_ai.tool.type` function; an error sets the
+  span status to ERROR and `error.type`.
+- any other kind → span named by the kind (INTERNAL).
+
+Content stays out unless `include_content` is set (the conventions make it
+opt-in: it may hold secrets or personal data): then tool spans carry
+`gen_ai.tool.call.arguments` and `gen_ai.tool.call.result`, and chat spans
+`gen_ai.input.messages`, `gen_ai.output.messages`, `gen_ai.system_instructions`
+and `gen_ai.tool.definitions`, as structured values. A span ends at the
+step's `recorded_at` and starts its recorded duration earlier (`timings`
+`total_s`, `duration_s`, or `prefill_s` + `decode_s`; zero when unknown).
+Every span also has `kvtrace.step.id` and `kvtrace.step.depth`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from importlib import metadata
+from typing import Any
+from urllib.parse import urlsplit
+
+from kvtrace.errors import UsageError
+from kvtrace.store import Step, Store
+from kvtrace.store.messages import text_of, tool_calls_of
+
+SPAN_KIND_INTERNAL = 1
+SPAN_KIND_CLIENT = 3
+STATUS_CODE_ERROR = 2
+SCOPE = "kvtrace"
+
+# Host names and model-name prefixes of the providers the conventions name (well-known values).
+_PROVIDER_HOSTS = {
+    "api.openai.com": "openai", "api.anthropic.com": "anthropic",
+    "generativelanguage.googleapis.com": "gcp.gemini", "aiplatform.googleapis.com":
+    "gcp.vertex_ai", "api.mistral.ai": "mistral_ai", "api.groq.com": "groq",
+    "api.deepseek.com": "deepseek", "api.x.ai": "x_ai", "api.perplexity.ai": "perplexity",
+    "api.cohere.com": "cohere",
+}
+_PROVIDER_MODELS = (
+    ("gpt-", "openai"), ("o1", "openai"), ("o3", "openai"), ("o4", "openai"),
+    ("claude", "anthropic"), ("gemini", "gcp.gen_ai"), ("mistral", "mistral_ai"),
+    ("deepseek", "deepseek"), ("grok", "x_ai"), ("command", "cohere"),
+)
+_REQUEST_PARAMS = {
+    "temperature": "gen_ai.request.temperature", "top_p": "gen_ai.request.top_p",
+    "top_k": "gen_ai.request.top_k", "max_tokens": "gen_ai.request.max_tokens",
+    "max_completion_tokens": "gen_ai.request.max_tokens",
+    "max_new_tokens": "gen_ai.request.max_tokens", "seed": "gen_ai.request.seed",
+    "frequency_penalty": "gen_ai.request.frequency_penalty",
+    "presence_penalty": "gen_ai.request.presence_penalty",
+    "stop": "gen_ai.request.stop_sequences",
+}
+_DOUBLES = frozenset({"gen_ai.request.temperature", "gen_ai.request.top_p",
+                      "gen_ai.request.top_k", "gen_ai.request.frequency_penalty",
+                      "gen_ai.request.presence_penalty"})
+
+
+def export_otel(store: Store, spec: str, *, include_content: bool = False) -> dict[str, Any]:
+    """The run up to `spec` as an OTLP-JSON ExportTraceServiceRequest (see the module docstring)."""
+    path = store.path(spec)
+    if not path:
+        raise UsageError(f"{spec} has no steps: there is nothing to export")
+    run = _run_name(store, spec, path[-1])
+    trace = trace_id(run, path[0].id)
+    spans = []
+    for step in path:
+        parent = span_id(trace, step.parent_id) if step.parent_id else ""
+        spans.append(_span(step, trace, parent, run, include_content))
+    return {"resourceSpans": [{
+        "resource": {"attributes": _attributes({
+            "service.name": "kvtrace", "kvtrace.run": run, "kvtrace.head": path[-1].id,
+        })},
+        "scopeSpans": [{"scope": {"name": SCOPE, "version": _version()}, "spans": spans}],
+    }]}
+
+
+def trace_id(run: str, root_id: str) -> str:
+    """The run's trace id: 16 bytes, hex, from its name and root step."""
+    return _derived(f"kvtrace/otel/trace\0{run}\0{root_id}", 16)
+
+
+def span_id(trace: str, step_id: str) -> str:
+    """A step's span id in the trace `trace`: 8 bytes, hex."""
+    return _derived(f"kvtrace/otel/span\0{trace}\0{step_id}", 8)
+
+
+def _derived(text: str, size: int) -> str:
+    digest = bytearray(hashlib.sha256(text.encode("utf-8")).digest()[:size])
+    if not any(digest):  # an all-zero id is invalid in OTLP
+        digest[-1] = 1
+    return digest.hex()
+
+
+def _run_name(store: Store, spec: str, head: Step) -> str:
+    """The run that `spec` names (RUN, RUN@N, RUN~K), else the head step's id."""
+    name = spec.split("@", 1)[0].split("~", 1)[0]
+    names = {info.name for info in store.runs()}
+    return name if name in names else head.id
+
+
+def _span(step: Step, trace: str, parent: str, run: str, include_content: bool) -> dict[str, Any]:
+    end = round(step.recorded_at * 1e9)
+    start = end - round(_duration_s(step.meta.get("timings")) * 1e9)
+    attributes: dict[str, Any] = {}
+    status: dict[str, Any] = {}
+    kind = SPAN_KIND_INTERNAL
+    if step.kind == "model_call":
+        name, kind = f"chat {step.meta.get('model', 'unknown')}", SPAN_KIND_CLIENT
+        attributes = _chat_attributes(step, run, include_content)
+    elif step.kind == "tool_call":
+        tool = str(step.meta.get("tool", "unknown"))
+        name = f"execute_tool {tool}"
+        attributes = {
+            "gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": tool,
+            "gen_ai.tool.call.id": step.meta.get("call_id"), "gen_ai.tool.type": "function",
+            "gen_ai.conversation.id": run,
+        }
+        if include_content:
+            attributes["gen_ai.tool.call.arguments"] = _structured(step.content.get("arguments"))
+            attributes["gen_ai.tool.call.result"] = _structured(step.content.get("result"))
+        error = step.meta.get("error")
+        if error:
+            attributes["error.type"] = "tool_error"
+            status = {"code": STATUS_CODE_ERROR, "message": str(error)}
+    else:
+        name = step.kind
+    attributes.update({"kvtrace.step.id": step.id, "kvtrace.step.kind": step.kind,
+                       "kvtrace.step.depth": step.depth})
+    span: dict[str, Any] = {
+        "traceId": trace, "spanId": span_id(trace, step.id), "parentSpanId": parent,
+        "name": name, "kind": kind, "startTimeUnixNano": str(max(0, start)),
+        "endTimeUnixNano": str(end), "attributes": _attributes(attributes),
+    }
+    if status:
+        span["status"] = status
+    return span
+
+
+def _chat_attributes(step: Step, run: str, include_content: bool) -> dict[str, Any]:
+    meta = step.meta
+    usage, params, extra = (_mapping(meta.get(key)) for key in ("usage", "params", "extra"))
+    response = step.content.get("response")
+    recorded = _mapping(extra.get("response"))
+    attributes: dict[str, Any] = {
+        "gen_ai.operation.name": "chat",
+        "gen_ai.provider.name": _provider(meta, extra),
+        "gen_ai.request.model": extra.get("request_model") or meta.get("model"),
+        "gen_ai.response.model": meta.get("model"),
+        "gen_ai.response.id": recorded.get("id"),
+        "gen_ai.response.finish_reasons": [_finish_reason(usage, response)],
+        "gen_ai.usage.input_tokens": _count(usage, "prompt_tokens", "input_tokens"),
+        "gen_ai.usage.output_tokens": _count(usage, "completion_tokens", "output_tokens"),
+        "gen_ai.usage.cache_read.input_tokens": _cached_tokens(usage),
+        "gen_ai.conversation.id": run,
+    }
+    for key, attribute in _REQUEST_PARAMS.items():
+        value = params.get(key)
+        if key == "stop" and isinstance(value, str):
+            value = [value]
+        elif attribute in _DOUBLES and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)  # the conventions type these as double: 0 is 0.0
+        if attributes.get(attribute) is None:
+            attributes[attribute] = value
+    if include_content:
+        messages = step.content.get("messages") or []
+        system = [m for m in messages if isinstance(m, Mapping) and m.get("role") == "system"]
+        attributes["gen_ai.system_instructions"] = [
+            {"type": "text", "content": text_of(m.get("content"))} for m in system] or None
+        attributes["gen_ai.input.messages"] = [
+            _message(m) for m in messages if m not in system]
+        output = _message(response) if isinstance(response, Mapping) else None
+        if output is not None:
+            output["finish_reason"] = attributes["gen_ai.response.finish_reasons"][0]
+        attributes["gen_ai.output.messages"] = [output] if output else None
+        attributes["gen_ai.tool.definitions"] = step.content.get("tools")
+    return attributes
+
+
+def _mapping(value: Any) -> Mapping[str, Any]:
+    return value if isinstance(value, Mapping) else {}
+
+
+def _message(message: Mapping[str, Any]) -> dict[str, Any]:
+    """A chat message in the conventions' shape: role and parts (text, tool_call, response)."""
+    parts: list[dict[str, Any]] = []
+    role = str(message.get("role", "user"))
+    if message.get("reasoning_content"):
+        parts.append({"type": "reasoning", "content": message["reasoning_content"]})
+    if role == "tool":
+        parts.append({"type": "tool_call_response", "id": message.get("tool_call_id"),
+                      "response": text_of(message.get("content"))})
+    elif message.get("content") is not None:
+        parts.append({"type": "text", "content": text_of(message.get("content"))})
+    for call in tool_calls_of(message):
+        function = call.get("function") or {}
+        parts.append({"type": "tool_call", "id": call.get("id"), "name": function.get("name"),
+                      "arguments": _parsed(function.get("arguments"))})
+    return {"role": role, "parts": parts}
+
+
+def _provider(meta: Mapping[str, Any], extra: Mapping[str, Any]) -> str:
+    if isinstance(extra.get("provider"), str) and extra["provider"]:
+        return str(extra["provider"])
+    http = extra.get("http")
+    if isinstance(http, Mapping) and isinstance(http.get("url"), str):
+        host = urlsplit(http["url"]).hostname or ""
+        if host in _PROVIDER_HOSTS:
+            return _PROVIDER_HOSTS[host]
+        if host.endswith(".openai.azure.com"):
+            return "azure.ai.openai"
+    model = str(meta.get("model", "")).lower().rsplit("/", 1)[-1]
+    return next((name for prefix, name in _PROVIDER_MODELS if model.startswith(prefix)),
+                "unknown")
+
+
+def _finish_reason(usage: Mapping[str, Any], response: Any) -> str:
+    recorded = usage.get("finish_reason")
+    if isinstance(recorded, str) and recorded:
+        return recorded
+    return "tool_calls" if tool_calls_of(response) else "stop"
+
+
+def _count(usage: Mapping[str, Any], *keys: str) -> int | None:
+    for key in keys:
+        if isinstance(usage.get(key), int) and not isinstance(usage.get(key), bool):
+            return int(usage[key])
+    return None
+
+
+def _cached_tokens(usage: Mapping[str, Any]) -> int | None:
+    """The provider's cached prompt tokens: flat, under prompt_tokens_details, or Anthropic's."""
+    details = usage.get("prompt_tokens_details")
+    for value in (usage.get("cached_tokens"),
+                  details.get("cached_tokens") if isinstance(details, Mapping) else None,
+                  usage.get("cache_read_input_tokens")):
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def _duration_s(timings: Any) -> float:
+    if not isinstance(timings, Mapping):
+        return 0.0
+    for key in ("total_s", "duration_s"):
+        if isinstance(timings.get(key), (int, float)):
+            return max(0.0, float(timings[key]))
+    parts = [timings.get(k) for k in ("prefill_s", "decode_s")]
+    return max(0.0, sum(float(p) for p in parts if isinstance(p, (int, float))))
+
+
+def _parsed(arguments: Any) -> Any:
+    """Tool-call arguments as an object when they are JSON text (as the conventions ask)."""
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except ValueError:
+            return arguments
+    return arguments
+
+
+def _structured(value: Any) -> Any:
+    """A tool's arguments or result: text holding a JSON object or array becomes that value."""
+    if isinstance(value, str) and value.lstrip()[:1] in ("{", "["):
+        return _parsed(value)
+    return value
+
+
+def _attributes(values: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """OTLP KeyValue list; None values are left out (unknown, not recorded)."""
+    return [{"key": key, "value": any_value(value)} for key, value in values.items()
+            if value is not None]
+
+
+def any_value(value: Any) -> dict[str, Any]:
+    """An OTLP AnyValue in JSON: strings, booleans, ints (decimal strings), doubles, lists, maps."""
+    if isinstance(value, bool):
+        return {"boolValue": value}
+    if isinstance(value, int):
+        return {"intValue": str(value)}
+    if isinstance(value, float):
+        return {"doubleValue": value}
+    if isinstance(value, str):
+        return {"stringValue": value}
+    if isinstance(value, bytes):
+        return {"stringValue": value.decode("utf-8", errors="replace")}
+    if isinstance(value, (list, tuple)):
+        return {"arrayValue": {"values": [any_value(item) for item in value]}}
+    if isinstance(value, Mapping):
+        return {"kvlistValue": {"values": [
+            {"key": str(key), "value": any_value(item)} for key, item in value.items()]}}
+    if value is None:
+        return {}
+    return {"stringValue": str(value)}
+
+
+def _version() -> str:
+    try:
+        return metadata.version("kvtrace")
+    except metadata.PackageNotFoundError:
+        return "0"

@@ -1,0 +1,159 @@
+"""OTel export: a run as OTLP-JSON spans (GenAI conventions), parsed by opentelemetry-proto."""
+
+from __future__ import annotations
+
+import base64
+import copy
+import io
+import json
+
+import pytest
+from google.protobuf.json_format import Parse
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+from kvtrace.cli import main
+from kvtrace.errors import UsageError
+from kvtrace.formats import export_document, export_file, import_document
+from kvtrace.formats.otel import span_id, trace_id
+from tests.agent_runs import record_calc_run
+
+SPAN_KIND_CLIENT, SPAN_KIND_INTERNAL = 3, 1
+
+
+def parse_otlp(document) -> ExportTraceServiceRequest:
+    """Parse OTLP-JSON as a collector does: ids are hex there, base64 in protobuf's JSON mapping."""
+    converted = copy.deepcopy(document)
+    for resource in converted["resourceSpans"]:
+        for scope in resource["scopeSpans"]:
+            for span in scope["spans"]:
+                for key in ("traceId", "spanId", "parentSpanId"):
+                    span[key] = base64.b64encode(bytes.fromhex(span[key])).decode()
+    return Parse(json.dumps(converted), ExportTraceServiceRequest())
+
+
+def attributes(span) -> dict:
+    def value(v):
+        kind = v.WhichOneof("value")
+        if kind == "array_value":
+            return [value(item) for item in v.array_value.values]
+        if kind == "kvlist_value":
+            return {kv.key: value(kv.value) for kv in v.kvlist_value.values}
+        return getattr(v, kind) if kind else None
+
+    return {kv.key: value(kv.value) for kv in span.attributes}
+
+
+@pytest.fixture
+def calc_store(store):
+    record_calc_run(store.run("main"))
+    store.run("main").record_tool_call("calc", {"expr": "1/0"}, None, error="ZeroDivisionError")
+    return store
+
+
+def test_the_file_parses_as_an_otlp_export_trace_service_request(calc_store):
+    buffer = io.BytesIO()
+    export_file(calc_store, "main", buffer, format="otel")
+    text = buffer.getvalue().decode()
+    Parse(text, ExportTraceServiceRequest())  # the file as written, through protobuf's parser
+    request = parse_otlp(json.loads(text))
+    spans = request.resource_spans[0].scope_spans[0].spans
+    assert len(spans) == 4  # one span per step
+    assert {len(s.trace_id) for s in spans} == {16} and {len(s.span_id) for s in spans} == {8}
+
+
+def test_spans_form_one_trace_whose_tree_is_the_step_chain(calc_store):
+    request = parse_otlp(export_document(calc_store, "main", format="otel"))
+    spans = request.resource_spans[0].scope_spans[0].spans
+    path = calc_store.path("main")
+    trace = trace_id("main", path[0].id)
+    assert {s.trace_id.hex() for s in spans} == {trace}
+    assert [s.span_id.hex() for s in spans] == [span_id(trace, step.id) for step in path]
+    assert spans[0].parent_span_id == b""
+    assert [s.parent_span_id for s in spans[1:]] == [s.span_id for s in spans[:-1]]
+    assert [s.name for s in spans] == ["chat gpt-4o", "execute_tool calc", "chat gpt-4o",
+                                       "execute_tool calc"]
+    assert [s.kind for s in spans] == [SPAN_KIND_CLIENT, SPAN_KIND_INTERNAL] * 2
+    # a span ends when its step was recorded and starts its recorded duration before
+    assert spans[0].end_time_unix_nano == round(path[0].recorded_at * 1e9)
+    assert spans[0].end_time_unix_nano - spans[0].start_time_unix_nano == 800_000_000
+
+
+def test_model_calls_carry_the_gen_ai_attributes(calc_store):
+    request = parse_otlp(export_document(calc_store, "main", format="otel"))
+    first, _, answer, _ = request.resource_spans[0].scope_spans[0].spans
+    found = attributes(answer)
+    assert found["gen_ai.operation.name"] == "chat"
+    assert found["gen_ai.provider.name"] == "openai"  # from the model name, none recorded
+    assert found["gen_ai.request.model"] == "gpt-4o"
+    assert found["gen_ai.response.finish_reasons"] == ["stop"]
+    assert found["gen_ai.usage.input_tokens"] == 80
+    assert found["gen_ai.usage.output_tokens"] == 7
+    assert found["gen_ai.usage.cache_read.input_tokens"] == 64
+    assert found["gen_ai.conversation.id"] == "main"
+    assert attributes(first)["gen_ai.response.finish_reasons"] == ["tool_calls"]
+    assert "gen_ai.input.messages" not in found  # content is opt-in
+
+
+def test_tool_calls_carry_name_and_call_id_and_content_only_when_asked(calc_store):
+    plain = parse_otlp(export_document(calc_store, "main", format="otel"))
+    tool = attributes(plain.resource_spans[0].scope_spans[0].spans[1])
+    assert tool["gen_ai.operation.name"] == "execute_tool"
+    assert tool["gen_ai.tool.name"] == "calc" and tool["gen_ai.tool.call.id"] == "call_1"
+    assert "gen_ai.tool.call.arguments" not in tool and "gen_ai.tool.call.result" not in tool
+
+    full = parse_otlp(export_document(calc_store, "main", format="otel", include_content=True))
+    spans = full.resource_spans[0].scope_spans[0].spans
+    tool = attributes(spans[1])
+    assert tool["gen_ai.tool.call.arguments"] == {"expr": "17 * 23"}
+    assert tool["gen_ai.tool.call.result"] == "391"
+    chat = attributes(spans[2])
+    assert chat["gen_ai.system_instructions"] == [
+        {"type": "text", "content": "You are a careful calculator."}]
+    asked, answered = chat["gen_ai.input.messages"][1], chat["gen_ai.input.messages"][2]
+    assert asked["parts"][0] == {"type": "tool_call", "id": "call_1", "name": "calc",
+                                 "arguments": {"expr": "17 * 23"}}
+    assert answered == {"role": "tool", "parts": [
+        {"type": "tool_call_response", "id": "call_1", "response": "391"}]}
+    assert chat["gen_ai.output.messages"][0]["parts"] == [
+        {"type": "text", "content": "The answer is 391."}]
+
+
+def test_a_failed_tool_call_is_an_error_span(calc_store):
+    request = parse_otlp(export_document(calc_store, "main", format="otel"))
+    failed = request.resource_spans[0].scope_spans[0].spans[3]
+    assert failed.status.code == 2 and failed.status.message == "ZeroDivisionError"
+    assert attributes(failed)["error.type"] == "tool_error"
+
+
+def test_exporting_again_gives_the_same_ids_and_a_fork_gets_its_own_trace(calc_store):
+    first = export_document(calc_store, "main", format="otel")
+    assert export_document(calc_store, "main", format="otel") == first
+    calc_store.fork("main@2", "fork")
+    fork = export_document(calc_store, "fork", format="otel")
+    fork_trace = fork["resourceSpans"][0]["scopeSpans"][0]["spans"][0]["traceId"]
+    assert fork_trace != first["resourceSpans"][0]["scopeSpans"][0]["spans"][0]["traceId"]
+
+
+def test_otel_is_export_only(calc_store):
+    with pytest.raises(UsageError, match="export format only"):
+        import_document(calc_store, {}, format="otel", run="back")
+
+
+def test_cli_export_otel_writes_the_file(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("KVTRACE_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("KVTRACE_STORE", raising=False)
+    from kvtrace import open_store
+
+    with open_store() as store:
+        record_calc_run(store.run("main"))
+    out = tmp_path / "main.otel.json"
+    for argv, code in ((["export", "main", "--format", "otel", "--include-content", "-o",
+                         str(out)], 0),
+                       (["export", "main", "--include-content"], 2)):
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert (exit_info.value.code or 0) == code
+    request = parse_otlp(json.loads(out.read_text()))
+    assert len(request.resource_spans[0].scope_spans[0].spans) == 3
+    err = capsys.readouterr().err
+    assert err.startswith("error: --include-content applies to --format otel only")
