@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 import openai
 
-QUESTION = "What is the weather in Paris, and what is 17 * 23?"
+QUESTION = "Weather in Oslo?"
 TOOLS = [
     {"type": "function", "function": {
         "name": "get_weather", "description": "Current weather in a city",
@@ -56,20 +56,34 @@ def calculate(expression: str) -> str:
 FUNCTIONS = {"get_weather": get_weather, "calculate": calculate}
 
 
+def _worked_example(city: str, weather: str, call_id: str) -> list[dict[str, Any]]:
+    """One earlier turn that used a tool: small models follow the pattern they are shown."""
+    return [
+        {"role": "user", "content": f"Weather in {city}?"},
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": call_id, "type": "function",
+            "function": {"name": "get_weather", "arguments": json.dumps({"city": city})}}]},
+        {"role": "tool", "tool_call_id": call_id, "content": weather},
+        {"role": "assistant", "content": f"It is {weather} in {city}."},
+    ]
+
+
 def run_agent(client: openai.OpenAI, model: str, *, max_turns: int = 4) -> str:
     """Ask, run every tool call the model makes, feed the results back, until it answers."""
     messages: list[dict[str, Any]] = [
-        {"role": "system", "content": "You are a helpful assistant. Use the tools."},
+        *_worked_example("Paris", "sunny", "call_ex1"),
+        *_worked_example("Rome", "rainy", "call_ex2"),
         {"role": "user", "content": QUESTION},
     ]
     for _ in range(max_turns):
         reply = client.chat.completions.create(model=model, messages=messages, tools=TOOLS,
-                                               temperature=0, max_tokens=96)
+                                               temperature=0, max_tokens=48)
         message = reply.choices[0].message
         messages.append(message.model_dump(exclude_none=True))
         if not message.tool_calls:
             return message.content or ""
         for call in message.tool_calls:
+            print(f"  tool call: {call.function.name}({call.function.arguments})")
             function = FUNCTIONS.get(call.function.name)
             try:
                 arguments = json.loads(call.function.arguments or "{}")
