@@ -222,3 +222,64 @@ def test_health_and_models(sqlite_store, serve_local, tiny_engine):
     assert [m["id"] for m in models["data"]] == [tiny_engine.name]
     missing = httpx.get(f"{server.url}/embeddings")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+
+
+def _weather_call(city: str, call_id: str) -> dict:
+    return {"role": "assistant", "content": None, "tool_calls": [{
+        "id": call_id, "type": "function",
+        "function": {"name": "get_weather", "arguments": f'{{"city": "{city}"}}'}}]}
+
+
+WEATHER_TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}]
+FEW_SHOT = [
+    {"role": "user", "content": "Weather in Paris?"}, _weather_call("Paris", "call_1"),
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    {"role": "assistant", "content": "It is sunny in Paris."},
+    {"role": "user", "content": "Weather in Rome?"}, _weather_call("Rome", "call_2"),
+    {"role": "tool", "tool_call_id": "call_2", "content": "rainy"},
+    {"role": "assistant", "content": "It is rainy in Rome."},
+    {"role": "user", "content": "Weather in Oslo?"},
+]
+
+
+@pytest.fixture(scope="module")
+def default_model_engine():
+    from kvtrace.engine import load_engine
+    from kvtrace.paths import default_cache_dir
+
+    return load_engine(None, cache_dir=default_cache_dir())
+
+
+@pytest.mark.slow
+def test_the_default_model_calls_a_tool_and_the_sdk_gets_tool_calls(
+    sqlite_store, tmp_path, default_model_engine
+):
+    from kvtrace.engine import KVCache
+    from kvtrace.tracer.local import LocalAnswerer
+    from kvtrace.tracer.runner import BackgroundServer
+    from kvtrace.tracer.server import ChatServer
+
+    backend = LocalBackend(default_model_engine,
+                           KVCache(default_model_engine, disk_dir=tmp_path / "kv"))
+    server = ChatServer(sqlite_store, answerer=LocalAnswerer(backend), run="tools")
+    with BackgroundServer(server.app) as running:
+        sdk = client(running)
+        reply = sdk.chat.completions.create(model=default_model_engine.name, messages=FEW_SHOT,
+                                            tools=WEATHER_TOOLS, max_tokens=40)
+        stream = sdk.chat.completions.create(model=default_model_engine.name, messages=FEW_SHOT,
+                                             tools=WEATHER_TOOLS, max_tokens=40, stream=True)
+        chunks = [c for c in stream if c.choices]
+    [call] = reply.choices[0].message.tool_calls
+    assert reply.choices[0].finish_reason == "tool_calls"
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Oslo"}
+    streamed = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+    assert streamed[0].id == call.id and streamed[0].function.arguments == call.function.arguments
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    recorded = sqlite_store.path("tools")
+    assert [s.content["response"]["tool_calls"][0]["function"]["name"] for s in recorded] == [
+        "get_weather", "get_weather"]
+    assert recorded[1].meta["usage"]["cached_tokens"] > 0  # the second prompt hit the first
