@@ -1,4 +1,4 @@
-"""Layers import one way: store -> formats, engine -> replay -> tracer -> cli (dulwich does too)."""
+"""Layers import one way: store -> formats, engine -> replay -> tracer, page -> cli (as dulwich)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,9 @@ ALLOWED = {
     "replay": {"replay", "store", "engine"},
     "formats": {"formats", "store"},
     "tracer": {"tracer", "store", "engine", "replay"},
+    "page": {"page", "store", "replay"},
     "bench": {"bench", "store", "engine", "replay", "formats", "tracer"},
-    "cli": {"cli", "store", "engine", "replay", "bench", "formats", "tracer"},
+    "cli": {"cli", "store", "engine", "replay", "bench", "formats", "tracer", "page"},
 }
 
 

@@ -15,6 +15,7 @@ import typer
 from kvtrace.cli import (  # noqa: F401  (registers commands)
     bench,
     cache,
+    page,
     replay,
     serve,
     store_commands,
