@@ -265,11 +265,12 @@ class ChatServer:
         url = self._redactor.url(str(request.url))
         model = self.answerer.model_name
 
-        def write(recorder: Recorder) -> Step:
+        def write(recorder: Recorder, *, complete: bool = True) -> Step:
             return recorder.record_model_call(
                 chat.messages, answer.completion, model=model,
                 tools=chat.tools, params=answer.params, usage=answer.usage,
-                timings=answer.timings, extra=_local_extra(answer, url, chat.is_stream),
+                timings=answer.timings,
+                extra=_local_extra(answer, url, chat.is_stream, complete=complete),
             )
 
         if not chat.is_stream:
@@ -277,10 +278,17 @@ class ChatServer:
             return JSONResponse(answer.completion)
 
         async def events() -> AsyncIterator[bytes]:
-            for event in sse.stream_events(answer.completion, include_usage=chat.includes_usage):
-                if event.startswith(b"data: " + sse.DONE):
-                    await self._in_store(run, write)
-                yield event
+            is_recorded = False
+            try:
+                for event in sse.stream_events(answer.completion,
+                                               include_usage=chat.includes_usage):
+                    if event.startswith(b"data: " + sse.DONE):
+                        await self._in_store(run, write)
+                        is_recorded = True
+                    yield event
+            finally:
+                if not is_recorded:  # the client left early: the answer, marked incomplete
+                    self._record_later(run, lambda recorder: write(recorder, complete=False))
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
@@ -362,10 +370,11 @@ class ChatServer:
         return StreamingResponse(relay(), status_code=response.status_code, headers=returned)
 
 
-def _local_extra(answer: LocalAnswer, url: str, is_stream: bool) -> dict[str, Any]:
+def _local_extra(answer: LocalAnswer, url: str, is_stream: bool, *,
+                 complete: bool) -> dict[str, Any]:
     completion = answer.completion
     extra: dict[str, Any] = {
-        "http": {"url": url, "status": 200, "stream": is_stream, "complete": True},
+        "http": {"url": url, "status": 200, "stream": is_stream, "complete": complete},
         "response": {"id": completion["id"], "created": completion["created"]},
         "served_by": "kvtrace serve (local)",
     }
