@@ -11,8 +11,10 @@ bytes over the trace id and the step id. Both are hex, as OTLP-JSON wants
 64-bit integers decimal strings.
 
 - model_call → span `chat {model}` (kind CLIENT): `gen_ai.operation.name`
-  chat, `gen_ai.provider.name` (recorded `extra.provider`, else guessed from
-  the recorded URL or model name, else "unknown"), `gen_ai.request.model`,
+  chat, `gen_ai.provider.name` (recorded `extra.provider`; "kvtrace" when
+  kvtrace's engine answered; else guessed from the recorded URL or model
+  name; else "unknown"), `server.address` and `server.port` of the recorded
+  URL, `gen_ai.request.model`,
   `gen_ai.response.finish_reasons` (recorded, else derived: tool_calls or
   stop), `gen_ai.usage.input_tokens`, `gen_ai.usage.output_tokens`,
   `gen_ai.usage.cache_read.input_tokens` (only when the provider reported
@@ -176,6 +178,9 @@ def _chat_attributes(step: Step, run: str, include_content: bool) -> dict[str, A
         "gen_ai.usage.cache_read.input_tokens": _cached_tokens(usage),
         "gen_ai.conversation.id": run,
     }
+    host, port = _server(extra)
+    if host:
+        attributes.update({"server.address": host, "server.port": port})
     for key, attribute in _REQUEST_PARAMS.items():
         value = params.get(key)
         if key == "stop" and isinstance(value, str):
@@ -224,16 +229,32 @@ def _message(message: Mapping[str, Any]) -> dict[str, Any]:
 def _provider(meta: Mapping[str, Any], extra: Mapping[str, Any]) -> str:
     if isinstance(extra.get("provider"), str) and extra["provider"]:
         return str(extra["provider"])
-    http = extra.get("http")
-    if isinstance(http, Mapping) and isinstance(http.get("url"), str):
-        host = urlsplit(http["url"]).hostname or ""
-        if host in _PROVIDER_HOSTS:
-            return _PROVIDER_HOSTS[host]
-        if host.endswith(".openai.azure.com"):
-            return "azure.ai.openai"
+    served_by = extra.get("served_by")
+    usage = _mapping(meta.get("usage"))
+    if (isinstance(served_by, str) and served_by.startswith("kvtrace")) or (
+            "completion_token_ids" in usage):
+        return "kvtrace"  # kvtrace's own engine answered (serve local, continue, branch)
+    host = _server(extra)[0]
+    if host in _PROVIDER_HOSTS:
+        return _PROVIDER_HOSTS[host]
+    if host and host.endswith(".openai.azure.com"):
+        return "azure.ai.openai"
     model = str(meta.get("model", "")).lower().rsplit("/", 1)[-1]
     return next((name for prefix, name in _PROVIDER_MODELS if model.startswith(prefix)),
                 "unknown")
+
+
+def _server(extra: Mapping[str, Any]) -> tuple[str | None, int | None]:
+    """(host, port) of the recorded request's URL, when the tracer recorded one."""
+    http = extra.get("http")
+    if not isinstance(http, Mapping) or not isinstance(http.get("url"), str):
+        return None, None
+    try:
+        parts = urlsplit(http["url"])
+        port = parts.port or {"http": 80, "https": 443}.get(parts.scheme)
+    except ValueError:  # a malformed URL names no server
+        return None, None
+    return parts.hostname, port
 
 
 def _finish_reason(usage: Mapping[str, Any], response: Any) -> str:

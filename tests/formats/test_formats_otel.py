@@ -157,3 +157,25 @@ def test_cli_export_otel_writes_the_file(tmp_path, monkeypatch, capsys):
     assert len(request.resource_spans[0].scope_spans[0].spans) == 3
     err = capsys.readouterr().err
     assert err.startswith("error: --include-content applies to --format otel only")
+
+
+def test_provider_server_and_request_parameters_come_from_what_was_recorded(store):
+    run = store.run("mixed")
+    run.record_model_call([{"role": "user", "content": "hi"}], "hello", model="my-model",
+                          params={"temperature": 0, "max_tokens": 64, "stop": "END"},
+                          extra={"http": {"url": "https://api.anthropic.com/v1/chat/completions"},
+                                 "response": {"id": "msg_1"}})
+    run.record_model_call([{"role": "user", "content": "hi"}], "hello again", model="SmolLM2",
+                          usage={"prompt_tokens": 9, "completion_token_ids": [1, 2]})
+    run.record_model_call([{"role": "user", "content": "hi"}], "and again", model="mystery")
+    request = parse_otlp(export_document(store, "mixed", format="otel"))
+    remote, local, unknown = (attributes(s) for s in request.resource_spans[0].scope_spans[0].spans)
+    assert remote["gen_ai.provider.name"] == "anthropic"  # from the URL, not the model name
+    assert (remote["server.address"], remote["server.port"]) == ("api.anthropic.com", 443)
+    assert remote["gen_ai.response.id"] == "msg_1"
+    assert isinstance(remote["gen_ai.request.temperature"], float)  # a double, as typed
+    assert remote["gen_ai.request.max_tokens"] == 64
+    assert remote["gen_ai.request.stop_sequences"] == ["END"]
+    assert local["gen_ai.provider.name"] == "kvtrace"  # kvtrace generated these tokens
+    assert unknown["gen_ai.provider.name"] == "unknown"
+    assert "gen_ai.usage.cache_read.input_tokens" not in unknown  # not reported: not 0
