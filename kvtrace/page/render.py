@@ -9,7 +9,8 @@ that are new since the run's previous model call (the rest are that
 call's), its response and tools; a tool call its arguments, result and
 error. Token bars, per model call, each as wide as the prompt: the oracle
 bound (tokens an exact-prefix cache could reuse, green, against tokens it
-must compute) and, where recorded, the provider's cached tokens.
+must compute) and, where recorded, the provider's cached tokens (blue) with
+a mark at the oracle bound's rate.
 
 Every recorded value (content, names, notes) goes through `html.escape`,
 and a Content-Security-Policy meta tag forbids loading anything: a recorded
@@ -76,6 +77,9 @@ summary .sum { flex: 1; overflow: hidden; text-overflow: ellipsis; white-space: 
        background: var(--rest); }
 .bar .reuse { background: var(--reuse); } .bar .compute { background: var(--compute); }
 .bar .cached { background: var(--cached); }
+.bar { position: relative; }
+.bar .mark { position: absolute; top: 0; bottom: 0; width: 2px; margin-left: -1px;
+             background: #1d2024; }
 .barlabel { font-size: 11px; color: #50565e; }
 .body { padding: 4px 12px 10px; border-top: 1px solid #eef0f2; }
 .body h4 { margin: 10px 0 2px; font-size: 13px; }
@@ -144,6 +148,10 @@ def render_html(page: Page) -> str:
         "<header><h1>kvtrace report</h1>",
         f'<p class="meta">runs: {_e(names)} · store: <code>{_e(page.store_url)}</code> · '
         f"{tokens} · written {_e(_when(datetime.datetime.now(datetime.UTC).timestamp()))}</p>",
+        '<p class="legend"><span><i class="dot" style="background:var(--reuse)"></i>reusable '
+        '(oracle bound)</span><span><i class="dot" style="background:var(--compute)"></i>'
+        'computed</span><span><i class="dot" style="background:var(--cached)"></i>provider '
+        "cached (the black mark: the oracle bound's rate)</span></p>",
         '<p><button id="expand-all" type="button">expand all</button>'
         '<button id="collapse-all" type="button">collapse all</button></p></header>',
         _graph(page),
@@ -273,8 +281,13 @@ def _bars(item: PageStep) -> str:
     if cached is not None and prompt:
         share = min(100.0, 100 * cached / prompt)
         label = f"provider cached {cached} of {prompt} prompt tokens (its own tokenizer)"
+        mark = ""
+        if tokens is not None and tokens.prompt_tokens:  # the bound, as a rate, for comparison
+            bound = 100 * tokens.oracle_tokens / tokens.prompt_tokens
+            label += f"; the mark is the oracle bound ({bound:.1f}%)"
+            mark = f'<span class="mark" style="left:{bound:.2f}%"></span>'
         rows.append(f'<span class="bar" title="{_e(label)}"><span class="cached" '
-                    f'style="width:{share:.2f}%"></span></span>')
+                    f'style="width:{share:.2f}%"></span>{mark}</span>')
     return f'<span class="bars">{"".join(rows)}</span>' if rows else ""
 
 
