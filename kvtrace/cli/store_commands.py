@@ -290,10 +290,12 @@ def export_run(
 @app.command("import")
 def import_run(
     file: Path = typer.Argument(
-        ..., help="File to import: a bundle, OpenAI chat messages or an ATIF trajectory."),
+        ..., help="File to import: a bundle, OpenAI chat messages, an ATIF trajectory or an "
+        "OTLP-JSON trace."),
     fmt: Format = typer.Option(
         Format.BUNDLE, "--format", "-f",
-        help="bundle (written by `kvtrace export`), openai or atif."),
+        help="bundle (written by `kvtrace export`), openai, atif or otel (OTLP-JSON spans "
+        "with content)."),
     name: str = typer.Option(
         None, "--run", "--as",
         help="Run to create (default: a bundle's own run, else the file name to its first dot)."),

@@ -3,10 +3,11 @@
 One module per format, each converting a whole document to the store's
 records and back (`import_X(store, document, *, run)`, `export_X(store,
 spec)`): `openai.py` (a list of chat messages), `atif.py` (Harbor's Agent
-Trajectory Interchange Format) and `otel.py` (OpenTelemetry OTLP-JSON spans
-with the GenAI conventions; export only). Bundles, kvtrace's own lossless format, stay
-in the store (`Store.export_run`, `Store.import_bundle`). This module picks
-one by name for the CLI and for programs; docs/formats.md has the mappings.
+Trajectory Interchange Format) and `otel.py` / `otel_import.py`
+(OpenTelemetry OTLP-JSON spans with the GenAI conventions). Bundles,
+kvtrace's own lossless format, stay in the store (`Store.export_run`,
+`Store.import_bundle`). This module picks one by name for the CLI and for
+programs; docs/formats.md has the mappings.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from kvtrace.errors import UsageError
 from kvtrace.formats.atif import atif_records, export_atif, import_atif
 from kvtrace.formats.openai import export_openai, import_openai, openai_records
 from kvtrace.formats.otel import export_otel
+from kvtrace.formats.otel_import import import_otel, otel_records
 from kvtrace.formats.records import parse_json
 from kvtrace.store import RunInfo, Store, validate_run_name
 
@@ -36,7 +38,9 @@ __all__ = [
     "import_document",
     "import_file",
     "import_openai",
+    "import_otel",
     "openai_records",
+    "otel_records",
 ]
 
 
@@ -52,6 +56,7 @@ class Format(StrEnum):
 _IMPORTERS: dict[Format, Callable[..., RunInfo]] = {
     Format.OPENAI: import_openai,
     Format.ATIF: import_atif,
+    Format.OTEL: import_otel,
 }
 _EXPORTERS: dict[Format, Callable[[Store, str], Any]] = {
     Format.OPENAI: export_openai,
@@ -60,11 +65,8 @@ _EXPORTERS: dict[Format, Callable[[Store, str], Any]] = {
 
 
 def import_document(store: Store, document: Any, *, format: str, run: str) -> RunInfo:
-    """Record a parsed JSON document of `format` (openai or atif) as the new run `run`."""
-    kind = _document_format(format)
-    if kind not in _IMPORTERS:
-        raise UsageError(f"{kind.value} is an export format only: import openai or atif files")
-    return _IMPORTERS[kind](store, document, run=run)
+    """Record a parsed JSON document of `format` (openai, atif or otel) as the new run `run`."""
+    return _IMPORTERS[_document_format(format)](store, document, run=run)
 
 
 def export_document(

@@ -33,6 +33,8 @@ and `gen_ai.tool.definitions`, as structured values. A span ends at the
 step's `recorded_at` and starts its recorded duration earlier (`timings`
 `total_s`, `duration_s`, or `prefill_s` + `decode_s`; zero when unknown).
 Every span also has `kvtrace.step.id` and `kvtrace.step.depth`.
+
+Import (the other way, otel_import.py) reads such a trace back.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ _PROVIDER_MODELS = (
     ("claude", "anthropic"), ("gemini", "gcp.gen_ai"), ("mistral", "mistral_ai"),
     ("deepseek", "deepseek"), ("grok", "x_ai"), ("command", "cohere"),
 )
-_REQUEST_PARAMS = {
+REQUEST_PARAMS = {
     "temperature": "gen_ai.request.temperature", "top_p": "gen_ai.request.top_p",
     "top_k": "gen_ai.request.top_k", "max_tokens": "gen_ai.request.max_tokens",
     "max_completion_tokens": "gen_ai.request.max_tokens",
@@ -181,7 +183,7 @@ def _chat_attributes(step: Step, run: str, include_content: bool) -> dict[str, A
     host, port = _server(extra)
     if host:
         attributes.update({"server.address": host, "server.port": port})
-    for key, attribute in _REQUEST_PARAMS.items():
+    for key, attribute in REQUEST_PARAMS.items():
         value = params.get(key)
         if key == "stop" and isinstance(value, str):
             value = [value]

@@ -36,6 +36,8 @@ class ModelCall:
     tools: list[dict[str, Any]] | None = None
     usage: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    params: dict[str, Any] | None = None
+    timings: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +48,8 @@ class ToolCall:
     arguments: Any
     result: Any
     call_id: str | None = None
+    error: str | None = None
+    timings: dict[str, Any] | None = None
 
 
 Record = ModelCall | ToolCall
@@ -66,10 +70,12 @@ def record(store: Store, run: str, records: Sequence[Record]) -> RunInfo:
         if isinstance(item, ModelCall):
             writer.record_model_call(
                 item.messages, item.response, model=item.model, tools=item.tools,
-                usage=item.usage, extra=item.extra or None,
+                usage=item.usage, extra=item.extra or None, params=item.params,
+                timings=item.timings,
             )
         else:
-            writer.record_tool_call(item.name, item.arguments, item.result, call_id=item.call_id)
+            writer.record_tool_call(item.name, item.arguments, item.result, call_id=item.call_id,
+                                    error=item.error, timings=item.timings)
     return next(info for info in store.runs() if info.name == run)
 
 

@@ -15,6 +15,7 @@ from kvtrace.cli import main
 from kvtrace.errors import UsageError
 from kvtrace.formats import export_document, export_file, import_document
 from kvtrace.formats.otel import span_id, trace_id
+from kvtrace.store.compare import compare
 from tests.agent_runs import record_calc_run
 
 SPAN_KIND_CLIENT, SPAN_KIND_INTERNAL = 3, 1
@@ -134,9 +135,28 @@ def test_exporting_again_gives_the_same_ids_and_a_fork_gets_its_own_trace(calc_s
     assert fork_trace != first["resourceSpans"][0]["scopeSpans"][0]["spans"][0]["traceId"]
 
 
-def test_otel_is_export_only(calc_store):
-    with pytest.raises(UsageError, match="export format only"):
-        import_document(calc_store, {}, format="otel", run="back")
+def test_a_trace_exported_with_content_imports_back_as_the_same_steps(calc_store):
+    document = export_document(calc_store, "main", format="otel", include_content=True)
+    import_document(calc_store, json.loads(json.dumps(document)), format="otel", run="back")
+    assert compare(calc_store, "main", "back").is_same_content  # every step, field by field
+    back = calc_store.path("back")
+    assert back[0].meta["usage"] == {"prompt_tokens": 52, "completion_tokens": 9,
+                                     "cached_tokens": 0, "finish_reason": "tool_calls"}
+    assert back[0].meta["timings"] == {"total_s": 0.8}
+    assert back[3].meta["error"] == "ZeroDivisionError"
+
+
+def test_a_trace_without_content_or_with_two_traces_is_refused_and_writes_nothing(calc_store):
+    plain = export_document(calc_store, "main", format="otel")
+    with pytest.raises(UsageError, match="--include-content"):
+        import_document(calc_store, plain, format="otel", run="back")
+    calc_store.fork("main@2", "fork")
+    two = export_document(calc_store, "fork", format="otel", include_content=True)
+    two["resourceSpans"] += export_document(calc_store, "main", format="otel",
+                                            include_content=True)["resourceSpans"]
+    with pytest.raises(UsageError, match="2 traces"):
+        import_document(calc_store, two, format="otel", run="back")
+    assert "back" not in {info.name for info in calc_store.runs()}
 
 
 def test_cli_export_otel_writes_the_file(tmp_path, monkeypatch, capsys):
@@ -157,6 +177,10 @@ def test_cli_export_otel_writes_the_file(tmp_path, monkeypatch, capsys):
     assert len(request.resource_spans[0].scope_spans[0].spans) == 3
     err = capsys.readouterr().err
     assert err.startswith("error: --include-content applies to --format otel only")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["import", str(out), "--format", "otel", "--run", "back"])
+    assert (exit_info.value.code or 0) == 0
+    assert capsys.readouterr().out.startswith("imported back (3 steps)")
 
 
 def test_provider_server_and_request_parameters_come_from_what_was_recorded(store):
