@@ -49,6 +49,7 @@ from urllib.parse import urlsplit
 from kvtrace.errors import UsageError
 from kvtrace.store import Step, Store
 from kvtrace.store.messages import text_of, tool_calls_of
+from kvtrace.store.usage import completion_tokens, provider_usage
 
 SPAN_KIND_INTERNAL = 1
 SPAN_KIND_CLIENT = 3
@@ -168,6 +169,7 @@ def _chat_attributes(step: Step, run: str, include_content: bool) -> dict[str, A
     usage, params, extra = (_mapping(meta.get(key)) for key in ("usage", "params", "extra"))
     response = step.content.get("response")
     recorded = _mapping(extra.get("response"))
+    prompt_tokens, cached_tokens = provider_usage(step)  # input tokens include cache reads
     attributes: dict[str, Any] = {
         "gen_ai.operation.name": "chat",
         "gen_ai.provider.name": _provider(meta, extra),
@@ -175,9 +177,9 @@ def _chat_attributes(step: Step, run: str, include_content: bool) -> dict[str, A
         "gen_ai.response.model": meta.get("model"),
         "gen_ai.response.id": recorded.get("id"),
         "gen_ai.response.finish_reasons": [_finish_reason(usage, response)],
-        "gen_ai.usage.input_tokens": _count(usage, "prompt_tokens", "input_tokens"),
-        "gen_ai.usage.output_tokens": _count(usage, "completion_tokens", "output_tokens"),
-        "gen_ai.usage.cache_read.input_tokens": _cached_tokens(usage),
+        "gen_ai.usage.input_tokens": prompt_tokens,
+        "gen_ai.usage.output_tokens": completion_tokens(step),
+        "gen_ai.usage.cache_read.input_tokens": cached_tokens,
         "gen_ai.conversation.id": run,
     }
     host, port = _server(extra)
@@ -264,24 +266,6 @@ def _finish_reason(usage: Mapping[str, Any], response: Any) -> str:
     if isinstance(recorded, str) and recorded:
         return recorded
     return "tool_calls" if tool_calls_of(response) else "stop"
-
-
-def _count(usage: Mapping[str, Any], *keys: str) -> int | None:
-    for key in keys:
-        if isinstance(usage.get(key), int) and not isinstance(usage.get(key), bool):
-            return int(usage[key])
-    return None
-
-
-def _cached_tokens(usage: Mapping[str, Any]) -> int | None:
-    """The provider's cached prompt tokens: flat, under prompt_tokens_details, or Anthropic's."""
-    details = usage.get("prompt_tokens_details")
-    for value in (usage.get("cached_tokens"),
-                  details.get("cached_tokens") if isinstance(details, Mapping) else None,
-                  usage.get("cache_read_input_tokens")):
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    return None
 
 
 def _duration_s(timings: Any) -> float:

@@ -14,10 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvtrace.errors import KvtraceError, UsageError
-from kvtrace.replay.analyze import StepAnalysis, analyze, provider_usage
+from kvtrace.replay.analyze import StepAnalysis, analyze
 from kvtrace.replay.backend import Tokenizer
 from kvtrace.store import Note, Step, Store
 from kvtrace.store.summary import step_summary
+from kvtrace.store.usage import provider_usage
 
 MAX_FORKS = 24  # forks drawn in the graph beyond the runs named (their steps are not listed)
 

@@ -46,6 +46,7 @@ from kvtrace.replay.recording import (
     templated_output_ids,
 )
 from kvtrace.store import Step, Store
+from kvtrace.store.usage import provider_usage
 
 _SNIPPET = 12  # tokens each side of a break
 _TIME = re.compile(
@@ -199,30 +200,6 @@ class ProviderCache:
             "hit_rate": round(self.hit_rate, 6),
             "oracle_hit_rate": round(self.oracle_hit_rate, 6),
         }
-
-
-def provider_usage(step: Step) -> tuple[int | None, int | None]:
-    """(prompt tokens, cached tokens) the provider reported for a model call, when it did.
-
-    Reads OpenAI's `prompt_tokens` and `cached_tokens` (flat, as kvtrace and
-    ATIF keep them, or under `prompt_tokens_details`) and Anthropic's
-    `input_tokens` + `cache_read_input_tokens`. A missing count is unknown,
-    never zero.
-    """
-    usage = step.meta.get("usage")
-    if not isinstance(usage, dict):
-        return None, None
-    details = usage.get("prompt_tokens_details")
-    cached = usage.get("cached_tokens")
-    if cached is None and isinstance(details, dict):
-        cached = details.get("cached_tokens")
-    prompt = usage.get("prompt_tokens")
-    if prompt is None and isinstance(usage.get("input_tokens"), int):
-        read = usage.get("cache_read_input_tokens")
-        prompt = usage["input_tokens"] + (read if isinstance(read, int) else 0)
-        cached = read if cached is None else cached
-    return (prompt if isinstance(prompt, int) else None,
-            cached if isinstance(cached, int) else None)
 
 
 def analyze(store: Store, spec: str, tokenizer: Tokenizer) -> Analysis:
