@@ -23,7 +23,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtrace.errors import MissingToolError, ReplayError, RunNotFoundError, UsageError
+from kvtrace.errors import (
+    ConflictError,
+    MissingToolError,
+    ReplayError,
+    RunNotFoundError,
+    UsageError,
+)
 from kvtrace.replay.backend import Backend, CallRequest, Message, SamplingParams
 from kvtrace.replay.driver import ProgressCallback
 from kvtrace.replay.oracle import PrefixOracle
@@ -80,6 +86,7 @@ def continue_run(
     user_message: str | None = None,
     params: SamplingParams | None = None,
     tool_definitions: list[Message] | None = None,
+    expected_head: str | None = None,
     on_step: ProgressCallback | None = None,
 ) -> ContinueResult:
     """Generate up to `steps` new model calls on `run_name`, running registered tools.
@@ -95,12 +102,19 @@ def continue_run(
     (rendering.parse_assistant_text), each is run and recorded with its
     call id, and its result goes back as a `tool` message; a response without
     tool calls is the final answer. Other runs continue in ReAct text.
+
+    Steps are appended after the head read at the start: if another writer
+    (a supervisor's revert, say) moves the run meanwhile, the next append
+    raises ConflictError and nothing is built on a history this call did not
+    read. `expected_head` makes the start itself a check: a worker passing the
+    id of the last step it recorded gets ConflictError when the run moved since.
     """
     if steps < 1:
         raise UsageError("continue needs --steps of at least 1")
     tools = dict(tools or {})
     params = params or SamplingParams()
     validate_run_name(run_name)
+    exists = True
     try:
         head = store.head(run_name)
     except RunNotFoundError:
@@ -108,8 +122,13 @@ def continue_run(
             raise RunNotFoundError(
                 f"no run named {run_name!r} (see `kvtrace runs`); a new run starts from messages"
             ) from None
-        head = None
-    path = store.path(run_name) if head is not None else []
+        head, exists = None, False
+    if expected_head is not None and (head.id if head else None) != expected_head:
+        raise ConflictError(
+            f"run {run_name!r} moved: its head is {head.short_id if head else 'empty'}, not "
+            f"{expected_head[:12]} (a revert or another writer?): read it again and go on"
+        )
+    path = store.path(head.id) if head is not None else []
     if messages is not None and path:
         raise UsageError(f"run {run_name!r} already has steps: continue it without messages")
     pending: list[Message] = []
@@ -125,7 +144,9 @@ def continue_run(
             conversation.append({"role": "user", "content": user_message})
     tokenizer = backend.tokenizer
     oracle = _seeded_oracle(path, backend)
-    run: Run | None = store.run(run_name) if pending else None  # else created on first answer
+    # Appends go after the head read above (a moved run is a conflict); a new
+    # run is created once its first call is answered.
+    run: Run | None = Run(store, run_name, head) if exists else None
     new_steps: list[Step] = []
     reports: list[StepReport] = []
     final_answer: str | None = None

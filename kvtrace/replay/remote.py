@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 
 from kvtrace.errors import BackendError, UsageError
+from kvtrace.rendering import assistant_text
 from kvtrace.replay.backend import Backend, CallRequest, CallResult, Tokenizer
 
 
@@ -88,6 +89,8 @@ class RemoteBackend:
     def _complete(self, request: CallRequest, body: dict[str, Any]) -> CallResult:
         model = self._model or request.model or "default"
         body = {"model": model, "stream": False, **body}
+        if request.tools:
+            body["tools"] = request.tools
         started = time.perf_counter()
         try:
             response = self._client.post("/chat/completions", json=body)
@@ -105,7 +108,9 @@ class RemoteBackend:
         try:
             data = response.json()
             choice = data["choices"][0]
-            text = choice["message"].get("content") or ""
+            # Tool calls as kvtrace renders them (rendering.py), so that
+            # verify and continue read them back like a local generation.
+            text = assistant_text(choice["message"])
             finish = str(choice.get("finish_reason") or "unknown")
             usage = data.get("usage") or {}
             prompt_tokens = int(usage["prompt_tokens"])

@@ -148,3 +148,36 @@ def test_a_new_run_exists_only_once_its_first_call_is_answered(replay_store):
         continue_run(replay_store, "fresh", RemoteBackend(f"http://127.0.0.1:{port}/v1"),
                      steps=1, messages=START)
     assert [r.name for r in replay_store.runs()] == []
+
+
+def test_a_run_moved_since_the_workers_last_step_is_a_conflict(replay_store, stand_in_server):
+    from kvtrace.errors import ConflictError
+
+    server = stand_in_server(_scripted("Action: calculator\nAction Input: 6*7", "Final Answer: 42"))
+    backend = RemoteBackend(server.url, model="stand-in")
+    first = continue_run(replay_store, "agent", backend, steps=1, messages=START,
+                         tools={"calculator": lambda expr: 41})
+    last = first.new_steps[-1]
+    replay_store.revert("agent", to="agent@1")  # a supervisor steps in
+    with pytest.raises(ConflictError, match="moved"):
+        continue_run(replay_store, "agent", backend, steps=1, expected_head=last.id,
+                     tools={"calculator": lambda expr: 41})
+    assert replay_store.head("agent").depth == 1  # nothing built on the reverted history
+
+
+def test_function_calling_runs_continue_with_tool_messages(replay_store, stand_in_server):
+    tools = [{"type": "function", "function": {"name": "calculator", "parameters": {}}}]
+    server = stand_in_server(_scripted(
+        '<tool_call>\n{"name": "calculator", "arguments": {"expression": "6*7"}}\n</tool_call>',
+        "It is 42."))
+    result = continue_run(replay_store, "fc", RemoteBackend(server.url, model="stand-in"),
+                          steps=3, messages=START, tool_definitions=tools,
+                          tools={"calculator": lambda args: 6 * 7})
+    assert [s.kind for s in result.new_steps] == ["model_call", "tool_call", "model_call"]
+    call = result.new_steps[0].content["response"]["tool_calls"][0]
+    assert result.new_steps[1].meta["call_id"] == call["id"]
+    sent = server.requests[1]
+    assert sent["tools"] == tools
+    assert sent["messages"][-1] == {"role": "tool", "tool_call_id": call["id"],
+                                    "name": "calculator", "content": "42"}
+    assert result.final_answer == "It is 42."
