@@ -58,10 +58,17 @@ Record = ModelCall | ToolCall
 def record(store: Store, run: str, records: Sequence[Record]) -> RunInfo:
     """Record `records` as the steps of run `run`, which must be new or empty.
 
-    Should another writer append to the run meanwhile, the first append loses
-    its compare-and-swap (ConflictError) and nothing is written.
+    Everything is written in one transaction (`Store.batch`): should the
+    database fail half-way, or another writer append to the run meanwhile
+    (the first append then loses its compare-and-swap), nothing is written.
     """
     validate_run_name(run)
+    with store.batch():
+        _record_all(store, run, records)
+    return next(info for info in store.runs() if info.name == run)
+
+
+def _record_all(store: Store, run: str, records: Sequence[Record]) -> None:
     writer = store.run(run)
     if writer.head is not None:
         raise UsageError(f"run {run!r} exists with {writer.head.depth} steps: "
@@ -76,7 +83,6 @@ def record(store: Store, run: str, records: Sequence[Record]) -> RunInfo:
         else:
             writer.record_tool_call(item.name, item.arguments, item.result, call_id=item.call_id,
                                     error=item.error, timings=item.timings)
-    return next(info for info in store.runs() if info.name == run)
 
 
 def check_storable(document: Any) -> None:

@@ -16,10 +16,11 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import IO, TYPE_CHECKING, Any
 
 import sqlalchemy as sa
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 
 from kvtrace.errors import (
     ConflictError,
@@ -72,6 +73,7 @@ class Store:
         # Resolved list fields by (step id, field): steps never change, so this is
         # always right; a model call finds the history it extends here.
         self._lists: dict[store_lists.ListKey, store_lists.Resolved] = {}
+        self._batch: Connection | None = None
         self.url = url
 
     @property
@@ -96,6 +98,32 @@ class Store:
         """The SQLAlchemy engine (for tools such as benchmarks and tests)."""
         return self._engine
 
+    @contextmanager
+    def batch(self) -> Iterator[None]:
+        """Run every write inside in one transaction: all of it lands, or none of it.
+
+        What an import needs: a document recorded as many steps appears whole
+        or not at all, even if the database fails half-way. Batches do not
+        nest, and a batch belongs to the thread that opened it.
+        """
+        if self._batch is not None:
+            raise UsageError("store batches do not nest")
+        with write_transaction(self._writer) as conn:
+            self._batch = conn
+            try:
+                yield
+            finally:
+                self._batch = None
+
+    @contextmanager
+    def _write(self) -> Iterator[Connection]:
+        """The batch's transaction when one is open, else a new write transaction."""
+        if self._batch is not None:
+            yield self._batch
+            return
+        with write_transaction(self._writer) as conn:
+            yield conn
+
     # -- runs ------------------------------------------------------------------
 
     def run(self, name: str) -> Run:
@@ -110,7 +138,7 @@ class Store:
                         if row.head else None)
                 return Run(self, name, head)
         try:
-            with write_transaction(self._writer) as conn:
+            with self._write() as conn:
                 create_ref(conn, name, None, reason="create", message="new run")
             return Run(self, name, None)
         except ConflictError:  # another writer created it since our read: continue it
@@ -199,7 +227,7 @@ class Store:
         validate_run_name(new_name)
         if edit is not None:
             return Run(self, new_name, self._fork_edited(spec, new_name, edit))
-        with write_transaction(self._writer) as conn:
+        with self._write() as conn:
             step_id = resolve.step_id(conn, spec)
             message = f"fork from {spec} ({step_id[:12]})"
             create_ref(conn, new_name, step_id, reason="fork", message=message)
@@ -241,7 +269,7 @@ class Store:
         The reverted steps stay in the store and in the reflog; `reset` to the
         old head (or `undo`) brings them back.
         """
-        with write_transaction(self._writer) as conn:
+        with self._write() as conn:
             head_id = resolve.head_id(conn, name)
             target = resolve.step_id(conn, to)
             if (
@@ -259,7 +287,7 @@ class Store:
 
     def reset(self, name: str, *, to: str) -> Step:
         """Move run `name` to any step `to` (e.g. a reverted head, to undo a revert)."""
-        with write_transaction(self._writer) as conn:
+        with self._write() as conn:
             head_id = resolve.head_id(conn, name)
             target = resolve.step_id(conn, to)
             message = f"reset to {to} ({target[:12]})"
@@ -268,7 +296,7 @@ class Store:
 
     def undo(self, name: str) -> Step | None:
         """Undo the last move of run `name` (itself recorded as a reset)."""
-        with write_transaction(self._writer) as conn:
+        with self._write() as conn:
             head_id = resolve.head_id(conn, name)
             last = conn.execute(
                 sa.select(reflog)
@@ -313,7 +341,7 @@ class Store:
     def _set_paused(self, name: str, paused: bool, reason: str) -> None:
         if not isinstance(reason, str) or not reason.strip():
             raise UsageError("a pause or resume needs a reason (some text)")
-        with write_transaction(self._writer) as conn:
+        with self._write() as conn:
             head_id = resolve.head_id(conn, name)
             if (pause_entry(conn, name) is not None) == paused:
                 raise UsageError(f"run {name!r} is {'already' if paused else 'not'} paused")
@@ -343,7 +371,7 @@ class Store:
         if author is not None and (not isinstance(author, str) or len(author) > _MAX_AUTHOR):
             raise UsageError(f"a note's author is a name of at most {_MAX_AUTHOR} characters")
         encoding.canonical_json([text, author])  # refuses text that is not valid Unicode
-        with write_transaction(self._writer) as conn:
+        with self._write() as conn:
             step_id = resolve.step_id(conn, spec)
             now = time.time()
             result = conn.execute(
@@ -383,7 +411,7 @@ class Store:
         """Import a bundle (verifying every hash) as run `name` (default: its own)."""
         from kvtrace.store.bundle import read_bundle
 
-        with write_transaction(self._writer) as conn:
+        with self._write() as conn:
             return read_bundle(conn, file, name)
 
     # -- appending (used by Run) -----------------------------------------------
@@ -426,7 +454,7 @@ class Store:
         parent_id = parent.id if parent else None
         depth = parent.depth + 1 if parent else 1
         now = time.time()
-        with write_transaction(self._writer) as conn:
+        with self._write() as conn:
             entries: dict[str, dict[str, Any]] = {}
             resolutions: dict[str, store_lists.Resolved] = {}
             blob_rows = {addresses[key]: value for key, value in data.items()}

@@ -210,3 +210,19 @@ def test_the_version_1_store_analyzes(tmp_path):
     assert len(analysis.steps) == 3 and analysis.oracle_tokens > 0
     assert not analysis.breakers  # v1 and v2 messages render the same
     store.close()
+
+
+def test_a_batch_lands_whole_or_not_at_all(store):
+    with pytest.raises(RuntimeError), store.batch():
+        run = store.run("half")
+        run.record_tool_call("t", {"i": 1}, 1)
+        run.record_model_call([{"role": "user", "content": "q"}], "a", model="m")
+        raise RuntimeError("the database went away half-way")
+    assert store.runs() == [] and not _blobs(store) and store.fsck().num_steps == 0
+    with store.batch():
+        run = store.run("whole")
+        run.record_tool_call("t", {"i": 1}, 1)
+        run.record_model_call([{"role": "user", "content": "q"}], "a", model="m")
+    assert store.head("whole").depth == 2 and store.fsck().is_ok
+    with pytest.raises(UsageError), store.batch(), store.batch():
+        pass
