@@ -11,6 +11,7 @@ from kvtrace.errors import (
     IntegrityError,
     KvtraceError,
     NotFoundError,
+    RetryableError,
     UsageError,
 )
 from kvtrace.store import FsckReport, Note, ReflogEntry, Run, RunInfo, Step, Store, open_store
@@ -25,6 +26,7 @@ __all__ = [
     "NotFoundError",
     "Note",
     "ReflogEntry",
+    "RetryableError",
     "Run",
     "RunInfo",
     "Step",

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvtrace.errors import UsageError
 from kvtrace.store import Store, open_store
 
 
@@ -34,6 +35,8 @@ def run_store_bench(
     url: str | None = None, *, num_appends: int = 2000, num_trials: int = 200
 ) -> dict[str, Any]:
     """Measure the store at `url` (default: a fresh SQLite file in a temp folder)."""
+    if num_appends < 1 or num_trials < 1:
+        raise UsageError("the store benchmark needs at least 1 append and 1 trial")
     with tempfile.TemporaryDirectory() as tmp:
         store = open_store(url or f"sqlite:///{Path(tmp) / 'bench.db'}")
         try:

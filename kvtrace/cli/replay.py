@@ -119,7 +119,7 @@ def replay_command(
     if no_draft and mode != "verify":
         raise UsageError("--no-draft applies to --mode verify only")
     chosen = _backend(backend, model, no_cache=no_cache, tokenizer=tokenizer, api_key=api_key)
-    with open_store(store_url()) as store:
+    with open_store(store_url(), create=False) as store:
         if as_json:
             report = replay(store, run, chosen, to=to, mode=mode,
                             compare_uncached=compare_uncached, use_drafts=not no_draft)
@@ -147,7 +147,7 @@ def checkout_command(
     from kvtrace.replay.report import progress_bar, render
 
     chosen = _backend("local", model)
-    with open_store(store_url()) as store:
+    with open_store(store_url(), create=False) as store:
         if as_json:
             print_json(checkout(store, spec, chosen).to_dict())
             return
@@ -187,7 +187,7 @@ def continue_command(
     params = SamplingParams(temperature=temperature, seed=seed, max_new_tokens=max_new_tokens)
     registered = DEMO_TOOLS if tools == "demo" else {}
     chosen = _backend(backend, model, api_key=api_key)
-    with open_store(store_url()) as store:
+    with open_store(store_url(), create=False) as store:
         result = continue_run(store, run, chosen, steps=steps, tools=registered, params=params)
     if as_json:
         print_json(result.to_dict())
@@ -219,7 +219,7 @@ def analyze_command(
     tokenizer = cast(
         "Tokenizer", _Lazy(lambda: load_tokenizer(model, cache_dir=default_cache_dir()))
     )
-    with open_store(store_url()) as store:
+    with open_store(store_url(), create=False) as store:
         analysis = analyze(store, run, tokenizer)
     if as_json:
         print_json(analysis.to_dict())
