@@ -97,7 +97,7 @@ def continue_run(
                 f"no run named {run_name!r} (see `kvtrace runs`); a new run starts from messages"
             ) from None
         head = None
-    path = store.path(run_name) if head is not None else []
+    path = store.path(head.id) if head is not None else []
     if messages is not None and path:
         raise UsageError(f"run {run_name!r} already has steps: continue it without messages")
     if messages is None:
@@ -110,7 +110,10 @@ def continue_run(
             conversation.append({"role": "user", "content": user_message})
     tokenizer = backend.tokenizer
     oracle = _seeded_oracle(path, backend)
-    run: Run | None = None  # a new run is created once its first call is answered
+    # Appends go after the head read above, so a run another writer moved in the
+    # meantime is a ConflictError, never silently built upon. A new run is
+    # created once its first call is answered.
+    run: Run | None = Run(store, run_name, head) if head is not None else None
     new_steps: list[Step] = []
     reports: list[StepReport] = []
     final_answer: str | None = None
@@ -118,7 +121,9 @@ def continue_run(
         prompt_ids = tokenizer.chat_tokens(conversation) if tokenizer is not None else None
         oracle_tokens = oracle.bound(prompt_ids) if prompt_ids is not None else None
         result = backend.generate(CallRequest(conversation, prompt_ids, params))
-        run = run or store.run(run_name)
+        if run is None:
+            store.run(run_name)  # create it if it does not exist yet
+            run = Run(store, run_name, None)
         model_step = record_generation(run, conversation, result, model=backend.model,
                                        params=params)
         new_steps.append(model_step)
