@@ -22,7 +22,7 @@ import unicodedata
 
 import pytest
 import sqlalchemy as sa
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from kvtrace import KvtraceError, UsageError
@@ -119,9 +119,11 @@ def test_a_json_payload_round_trips_exactly_or_is_a_usage_error(store, value, me
     try:
         step = run.record("x", {"value": value}, meta={"m": meta})
     except UsageError:
+        event("refused (UsageError)")
         assert not (_is_json_exact(value) and _is_json_exact(meta))
         assert store.head("main") == before
         return
+    event("recorded and read back")
     assert _is_json_exact(value) and _is_json_exact(meta)
     shown = store.show(step.id)
     assert shown.content == {"value": value}
@@ -185,7 +187,9 @@ def test_a_mutated_bundle_is_refused_whole_or_imports_soundly(store, exported, m
     name = f"copy{len(store.runs())}"  # a new name each time: a success is a real import
     try:
         store.import_bundle(io.BytesIO(bytes(data)), name=name)
-    except KvtraceError:
+    except KvtraceError as exc:
+        event(f"refused ({type(exc).__name__})")
         assert _dump_checksum(store) == before
         return
+    event("imported (a change outside the hashed content)")
     assert store.fsck().problems == []
