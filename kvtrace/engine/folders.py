@@ -92,7 +92,7 @@ def convert_gguf(gguf_path: Path, target: Path) -> Path:
         model = AutoModelForCausalLM.from_pretrained(
             folder, gguf_file=filename, dtype=torch.float32, local_files_only=True
         )
-    except (ValueError, OSError) as exc:  # transformers' words for "not a GGUF it can load"
+    except Exception as exc:  # the GGUF reader raises ValueError, struct.error, KeyError ...
         raise UsageError(f"cannot load {gguf_path} as a GGUF model: {exc}") from exc
     config = model.config
     if hasattr(config, "quantization_config"):
