@@ -19,7 +19,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from kvtrace.errors import IntegrityError
+from kvtrace.errors import IntegrityError, UsageError
 from kvtrace.store.encoding import decode_body, decode_json_blob
 from kvtrace.store.history import skip_in_memory
 from kvtrace.store.records import FsckReport
@@ -123,7 +123,7 @@ def _check_body(row: Any, problems: list[str]) -> dict[str, Any] | None:
         return None
     try:
         value = decode_body(body)
-    except IntegrityError as exc:
+    except (IntegrityError, UsageError) as exc:  # UsageError: nested past the limit
         problems.append(f"{label}: {exc}")
         return None
     if value["parent"] != row.parent_id or value["kind"] != row.kind:
@@ -167,6 +167,6 @@ def _check_blob(address: str, size: int, data: bytes, use: str | None) -> list[s
     if use == "json":
         try:
             decode_json_blob(data)
-        except IntegrityError as exc:
+        except (IntegrityError, UsageError) as exc:  # UsageError: nested past the limit
             return [f"{label}: {exc}"]
     return []

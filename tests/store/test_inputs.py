@@ -270,3 +270,26 @@ def test_composed_and_decomposed_names_are_one_run(store):
 def test_an_unknown_run_is_not_found_not_a_type_error(store):
     with pytest.raises(RunNotFoundError):
         store.reflog("nosuch")
+
+
+@pytest.mark.parametrize("depth", [300, 5000])
+def test_a_too_deep_value_stored_before_the_limit_is_reported_not_a_crash(store, depth):
+    from kvtrace.errors import IntegrityError
+    from kvtrace.store.schema import blobs, reflog, refs, steps
+
+    blob = b"[" * depth + b"1" + b"]" * depth
+    address = encoding.sha256_hex(blob)
+    body = encoding.step_body(kind="x", parent=None, payload={"v": address}, raw=[], meta={})
+    step_id = encoding.sha256_hex(body)
+    with store.engine.begin() as conn:  # what an older kvtrace let through
+        conn.execute(blobs.insert().values(hash=address, size=len(blob), data=blob))
+        conn.execute(steps.insert().values(id=step_id, parent_id=None, kind="x", depth=1,
+                                           body=body, recorded_at=1.0))
+        conn.execute(refs.insert().values(name="old", head=step_id, created_at=1.0))
+        conn.execute(reflog.insert().values(ref="old", old_head=None, new_head=step_id,
+                                            reason="create", message="old", created_at=1.0))
+    problems = store.fsck().problems
+    assert len(problems) == 1 and address[:12] in problems[0], problems
+    if depth > 1000:  # past what Python's parser can read back at all
+        with pytest.raises(IntegrityError):
+            store.show("old")
