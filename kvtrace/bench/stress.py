@@ -172,12 +172,14 @@ def run_kills(
             _spawn(url, "killed", 1_000_000, f"r{round_number}w{w}")
             for w in range(num_writers)
         ]
-        for process in processes:  # wait until each has appended at least once
-            _await_first_append(process, outcome)
-        time.sleep(rng.uniform(0.0, max_alive_s))
-        for process in processes:
-            process.send_signal(signal.SIGKILL)
-            outcome.num_kills += 1
+        try:
+            for process in processes:  # wait until each has appended at least once
+                _await_first_append(process, outcome)
+            time.sleep(rng.uniform(0.0, max_alive_s))
+        finally:  # never leave an endless writer behind, whatever happened here
+            for process in processes:
+                process.send_signal(signal.SIGKILL)
+                outcome.num_kills += 1
         for process in processes:
             _collect(outcome, "killed", process)
     return outcome
