@@ -12,6 +12,7 @@ from kvtrace.errors import (
     IntegrityError,
     KvtraceError,
     NotFoundError,
+    RetryableError,
     RunPausedError,
     UsageError,
 )
@@ -29,6 +30,7 @@ __all__ = [
     "NotFoundError",
     "Note",
     "ReflogEntry",
+    "RetryableError",
     "Run",
     "RunInfo",
     "RunPausedError",

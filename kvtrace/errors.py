@@ -13,6 +13,9 @@
     │   └── RunPausedError       the run is paused by a supervisor: appends wait for a resume
     ├── IntegrityError           stored or imported bytes do not hash to their address
     ├── StoreError               the database failed (translated from SQLAlchemy)
+    │   └── RetryableError       the database aborted a transaction to resolve a deadlock or a
+    │                            serialization failure (SQLSTATE 40P01, 40001); nothing was
+    │                            written, and the same call may simply be made again
     ├── CacheError               the KV cache cannot serve a request
     ├── ReplayError              replay or continue cannot proceed
     │   ├── MissingToolError     a continued run asked for a tool nobody registered
@@ -78,6 +81,14 @@ class IntegrityError(KvtraceError):
 
 class StoreError(KvtraceError):
     """The database failed; the message carries the backend's reason."""
+
+
+class RetryableError(StoreError):
+    """The database aborted the transaction (deadlock, serialization failure); retry it.
+
+    Nothing was written. Store methods that write retry this themselves a few
+    times; it reaches the caller only when every attempt was aborted.
+    """
 
 
 class CacheError(KvtraceError):

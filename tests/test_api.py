@@ -15,6 +15,7 @@ def test_public_names_are_pinned():
             "Note",
             "NotFoundError",
             "ReflogEntry",
+            "RetryableError",
             "Run",
             "RunInfo",
             "RunPausedError",

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvtrace.errors import UsageError
 from kvtrace.store import Store, open_store
 
 
@@ -34,6 +35,8 @@ def run_store_bench(
     url: str | None = None, *, num_appends: int = 2000, num_trials: int = 200
 ) -> dict[str, Any]:
     """Measure the store at `url` (default: a fresh SQLite file in a temp folder)."""
+    if num_appends < 1 or num_trials < 1:
+        raise UsageError("the store benchmark needs at least 1 append and 1 trial")
     with tempfile.TemporaryDirectory() as tmp:
         store = open_store(url or f"sqlite:///{Path(tmp) / 'bench.db'}")
         try:
@@ -164,3 +167,51 @@ def _stored_bytes(store: Store) -> int:
         body_bytes = conn.execute(
             sa.text("SELECT COALESCE(SUM(LENGTH(body)), 0) FROM steps")).scalar()
     return int(blob_bytes or 0) + int(body_bytes or 0)
+def run_append_comparison(
+    urls: list[str] | None = None, *, num_appends: int = 1000, round_size: int = 50
+) -> dict[str, Any]:
+    """Append latency on several stores side by side: like for like across durability settings.
+
+    The stores take turns, `round_size` appends each, so machine noise hits all
+    of them alike. Default: two fresh SQLite files in a temp folder, one with
+    `synchronous=normal` (the default) and one with `synchronous=full`.
+    """
+    if num_appends < 1 or round_size < 1:
+        raise UsageError("the append comparison needs at least 1 append per store")
+    with tempfile.TemporaryDirectory() as tmp:
+        urls = urls or [
+            f"sqlite:///{Path(tmp) / 'normal.db'}",
+            f"sqlite:///{Path(tmp) / 'full.db'}?synchronous=full",
+        ]
+        stores = [open_store(url) for url in urls]
+        try:
+            suffix = f"{time.time_ns()}"
+            runs = [store.run(f"bench-durability-{suffix}") for store in stores]
+            for run in runs:
+                for i in range(20):  # warm up connections and statement caches
+                    run.record_tool_call("warm", {"i": i}, i)
+            times: list[list[float]] = [[] for _ in stores]
+            done = 0
+            while done < num_appends:
+                count = min(round_size, num_appends - done)
+                for run, samples in zip(runs, times, strict=True):
+                    for i in range(done, done + count):
+                        samples.append(
+                            _time_ms(lambda i=i, r=run: r.record_tool_call("bench", {"i": i}, i))
+                        )
+                done += count
+            return {
+                "num_appends": num_appends,
+                "stores": [
+                    {
+                        "url": store.display_url,
+                        "append_ms_p50": round(statistics.median(samples), 4),
+                        "append_ms_p95": round(sorted(samples)[int(0.95 * len(samples))], 4),
+                        "append_per_s": round(1000 / statistics.mean(samples), 1),
+                    }
+                    for store, samples in zip(stores, times, strict=True)
+                ],
+            }
+        finally:
+            for store in stores:
+                store.close()

@@ -3,11 +3,14 @@
 Each command parses its arguments, makes one call of the API and prints the
 result (text by default, JSON with `--json`). Every `KvtraceError` and every
 usage mistake becomes one line on stderr and exit code 2; nothing is
-half-written because the API itself is transactional.
+half-written because the API itself is transactional. Anything else is a bug
+of kvtrace: the last line of defence prints it as one `error:` line naming
+the exception type, and exits 1 (`KVTRACE_DEBUG=1` shows the traceback).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 import typer
@@ -43,5 +46,12 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     except typer.Abort:
         print("aborted", file=sys.stderr)
+        sys.exit(1)
+    except Exception as exc:  # the last line of defence: a bug, but still one line
+        if os.environ.get("KVTRACE_DEBUG"):
+            raise
+        reason = " ".join(str(exc).split())[:500]
+        print(f"error: unexpected {type(exc).__name__}: {reason} (a bug in kvtrace: please "
+              "report it; KVTRACE_DEBUG=1 shows the traceback)", file=sys.stderr)
         sys.exit(1)
     sys.exit(result if isinstance(result, int) else 0)

@@ -28,6 +28,25 @@ def bench_store(
     print_json(run_store_bench(url, num_appends=num_appends))
 
 
+@bench_app.command("appends")
+def bench_appends(
+    urls: list[str] = typer.Argument(
+        None,
+        help="Store URLs to compare, e.g. sqlite:///a.db?synchronous=full or "
+        "postgresql://...?options=-csynchronous_commit%3Doff (default: two temp SQLite "
+        "files, synchronous=normal and synchronous=full).",
+    ),
+    num_appends: int = typer.Option(1000, "--appends", help="Appends to time per store."),
+    as_json: bool = typer.Option(
+        False, "--json", help="Print JSON (the default output is JSON too)."
+    ),
+) -> None:
+    """Append latency of several stores side by side, taking turns (one JSON object)."""
+    from kvtrace.bench.store import run_append_comparison
+
+    print_json(run_append_comparison(urls or None, num_appends=num_appends))
+
+
 @bench_app.command("replay")
 def bench_replay(
     model: str = typer.Option(

@@ -9,7 +9,8 @@ a fraction of a second instead of after a model load.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, cast
 
 import typer
@@ -56,6 +57,12 @@ class _Lazy:
             self._loaded = self._load()
         return getattr(self._loaded, name)
 
+    def close(self) -> None:
+        """Close what was loaded, if anything was and it can be (a remote backend's client)."""
+        close = getattr(self._loaded, "close", None)
+        if callable(close):
+            close()
+
 
 def _backend(
     backend: str, model: str | None, *, no_cache: bool = False,
@@ -81,6 +88,17 @@ def _backend(
         return RemoteBackend(backend, model=model, api_key=api_key, tokenizer=local_tokenizer)
 
     return cast("Backend", _Lazy(load))
+
+
+@contextmanager
+def _closing(backend: Backend) -> Iterator[Backend]:
+    """Use `backend`, then close it if it holds connections (RemoteBackend does)."""
+    try:
+        yield backend
+    finally:
+        close = getattr(backend, "close", None)
+        if callable(close):
+            close()
 
 
 @app.command("replay")
@@ -119,7 +137,7 @@ def replay_command(
     if no_draft and mode != "verify":
         raise UsageError("--no-draft applies to --mode verify only")
     chosen = _backend(backend, model, no_cache=no_cache, tokenizer=tokenizer, api_key=api_key)
-    with open_store(store_url()) as store:
+    with _closing(chosen), open_store(store_url(), create=False) as store:
         if as_json:
             report = replay(store, run, chosen, to=to, mode=mode,
                             compare_uncached=compare_uncached, use_drafts=not no_draft)
@@ -147,7 +165,7 @@ def checkout_command(
     from kvtrace.replay.report import progress_bar, render
 
     chosen = _backend("local", model)
-    with open_store(store_url()) as store:
+    with open_store(store_url(), create=False) as store:
         if as_json:
             print_json(checkout(store, spec, chosen).to_dict())
             return
@@ -187,7 +205,7 @@ def continue_command(
     params = SamplingParams(temperature=temperature, seed=seed, max_new_tokens=max_new_tokens)
     registered = DEMO_TOOLS if tools == "demo" else {}
     chosen = _backend(backend, model, api_key=api_key)
-    with open_store(store_url()) as store:
+    with _closing(chosen), open_store(store_url(), create=False) as store:
         result = continue_run(store, run, chosen, steps=steps, tools=registered, params=params)
     if as_json:
         print_json(result.to_dict())
@@ -279,7 +297,7 @@ def analyze_command(
     tokenizer = cast(
         "Tokenizer", _Lazy(lambda: load_tokenizer(model, cache_dir=default_cache_dir()))
     )
-    with open_store(store_url()) as store:
+    with open_store(store_url(), create=False) as store:
         analysis = analyze(store, run, tokenizer)
     if as_json:
         print_json(analysis.to_dict())

@@ -5,8 +5,11 @@ and export: of `kvtrace.formats`, which also reads and writes bundles)."""
 from __future__ import annotations
 
 import datetime
+import io
 import json
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 import typer
@@ -14,16 +17,16 @@ import typer
 from kvtrace.cli.app import app, print_json, store_url
 from kvtrace.errors import UsageError
 from kvtrace.formats import Format, export_file, import_file
-from kvtrace.store import Store, open_store
+from kvtrace.store import Store, import_into, init_store, open_store
 from kvtrace.store.compare import compare
 from kvtrace.store.summary import step_summary
 
 JSON = typer.Option(False, "--json", help="Print JSON for programs instead of text.")
 
 
-def _store(*, create: bool = False) -> Store:
-    """The store; only `init` and `import` create one where none exists."""
-    return open_store(store_url(), create=create)
+def _store() -> Store:
+    """The existing store; only `init` and a successful `import` create one."""
+    return open_store(store_url(), create=False)
 
 
 def _when(timestamp: float) -> str:
@@ -31,9 +34,13 @@ def _when(timestamp: float) -> str:
 
 
 @app.command()
-def init() -> None:
+def init(
+    force: bool = typer.Option(
+        False, "--force", help="Create the store even in a database that holds other tables."
+    ),
+) -> None:
     """Create the store (if missing) and print where it is."""
-    with _store(create=True) as store:
+    with init_store(store_url(), force=force) as store:
         typer.echo(f"kvtrace store ready at {store.display_url}")
 
 
@@ -188,7 +195,11 @@ def revert(
 @app.command()
 def reset(
     run: str = typer.Argument(..., help="Run to move."),
-    to: str = typer.Option(..., "--to", help="Any step (e.g. a reverted head)."),
+    to: str = typer.Option(
+        None, "--to",
+        help="Any step (e.g. a reverted head). Default: the head the run's reflog last "
+        "recorded, which restores a run deleted or moved behind kvtrace's back.",
+    ),
 ) -> None:
     """Move a run to any step (this is how a revert is undone)."""
     with _store() as store:
@@ -205,8 +216,16 @@ def undo(run: str = typer.Argument(..., help="Run whose last move to undo.")) ->
 
 
 @app.command()
-def reflog(run: str = typer.Argument(..., help="Run name."), as_json: bool = JSON) -> None:
+def reflog(
+    run: str = typer.Argument(None, help="Run name."),
+    every: bool = typer.Option(
+        False, "--all", help="Every run's moves, including runs whose ref is gone."
+    ),
+    as_json: bool = JSON,
+) -> None:
     """Every move of a run, newest first (nothing is ever lost)."""
+    if (run is None) == (not every):
+        raise UsageError("name a run, or pass --all (not both)")
     with _store() as store:
         entries = store.reflog(run)
     if as_json:
@@ -215,7 +234,8 @@ def reflog(run: str = typer.Argument(..., help="Run name."), as_json: bool = JSO
     for e in entries:
         old = e.old_head[:12] if e.old_head else "-"
         new = e.new_head[:12] if e.new_head else "-"
-        typer.echo(f"{_when(e.created_at)} {e.reason:7} {old:12} -> {new:12} {e.message}")
+        which = f"{e.ref} " if every else ""
+        typer.echo(f"{_when(e.created_at)} {which}{e.reason:7} {old:12} -> {new:12} {e.message}")
 
 
 @app.command()
@@ -277,11 +297,23 @@ def export_run(
         raise UsageError(f"{output} exists: choose a new file name")
     if not output.parent.is_dir():
         raise UsageError(f"folder {output.parent} does not exist")
-    tmp = output.with_name(output.name + ".tmp")
+    # A temporary file of our own in the target folder, linked into place
+    # without replacing anything: no file of the user's is ever touched.
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{output.name}.", suffix=".tmp", dir=output.parent)
+    tmp = Path(tmp_name)
     try:
-        with _store() as store, tmp.open("wb") as file:
+        with os.fdopen(fd, "wb") as file, _store() as store:
             export_file(store, run, file, format=fmt, include_content=include_content)
-        tmp.replace(output)
+            file.flush()
+            os.fsync(file.fileno())
+        try:
+            os.link(tmp, output)
+        except FileExistsError:
+            raise UsageError(f"{output} appeared while exporting: choose a new file name") from None
+        except OSError as exc:  # a file system without hard links: a plain rename, checked first
+            if output.exists():
+                raise UsageError(f"{output} appeared while exporting: choose a new name") from exc
+            os.replace(tmp, output)
     finally:
         tmp.unlink(missing_ok=True)
     typer.echo(f"exported {run} as {fmt.value} to {output}")
@@ -303,6 +335,7 @@ def import_run(
     """Import a file as a new run; a bad or modified file is refused whole, writing nothing."""
     if not file.is_file():
         raise UsageError(f"no such file: {file}")
-    with _store(create=True) as store, file.open("rb") as handle:
-        info = import_file(store, handle, format=fmt, run=name, filename=str(file))
+    data = file.read_bytes()
+    info = import_into(store_url(), lambda store: import_file(
+        store, io.BytesIO(data), format=fmt, run=name, filename=str(file)))
     typer.echo(f"imported {info.name} ({info.depth} steps)")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from kvtrace.engine.disk import BlockStore
+from kvtrace.engine.disk import BlockLayout, BlockStore
 from kvtrace.engine.model import Engine
 from kvtrace.engine.radix import KVSource, RadixNode, RadixTree
 from kvtrace.errors import UsageError
@@ -88,6 +88,10 @@ class KVCache:
         self.disk_bytes = disk_bytes
         self._disk_total: int | None = None
         self._lock = threading.RLock()
+        self._layout = BlockLayout(  # what a disk block must be to be used by this engine
+            engine.fingerprint, engine.dtype, engine.num_layers, engine.num_kv_heads,
+            engine.head_dim,
+        )
 
     # -- lookup ---------------------------------------------------------------
 
@@ -159,7 +163,7 @@ class KVCache:
                 if not self.disk.contains(key):
                     break
             else:
-                block = self.disk.read(key, tokens[j * b : end])
+                block = self.disk.read(key, tokens[j * b : end], self._layout)
                 if block is None:
                     break
                 device = self.engine.device

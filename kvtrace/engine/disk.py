@@ -14,7 +14,10 @@ and a SHA-256 checksum of the three tensors. Invariants:
 - files appear atomically (temporary file in the same folder, `os.replace`),
   so a reader sees a whole block or none; a restart needs no index;
 - a read compares the stored token ids with the requested ones (a hash
-  collision can never give a wrong hit) and re-checks the checksum; a block
+  collision can never give a wrong hit), the stored fingerprint, dtype and
+  KV shape (layers, KV heads, head dim) with the reader's `BlockLayout` (the
+  chain hash already depends on the fingerprint: this check does not trust
+  it), and re-checks the checksum; a block
   that fails to parse or check is deleted and reported as a miss, so the
   caller recomputes and rewrites it — corrupt KV is never used;
 - eviction (`gc`) removes only tails — blocks that no other block names as
@@ -50,6 +53,17 @@ class DiskBlock:
     key: str
     keys: torch.Tensor
     values: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class BlockLayout:
+    """What a reader's engine needs a block to be: its model and the shape of its KV."""
+
+    fingerprint: str
+    dtype: torch.dtype
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,8 +126,10 @@ class BlockStore:
 
     # -- read / write -------------------------------------------------------
 
-    def read(self, key: str, tokens: Sequence[int]) -> DiskBlock | None:
-        """The block at `key` if it holds exactly `tokens` and checks out, else None.
+    def read(
+        self, key: str, tokens: Sequence[int], layout: BlockLayout | None = None
+    ) -> DiskBlock | None:
+        """The block at `key` if it holds exactly `tokens`, fits `layout` and checks out.
 
         A file that exists but fails any check is deleted (and counted in
         `num_corrupt`) so that the recomputed block can replace it.
@@ -126,7 +142,7 @@ class BlockStore:
         except OSError:
             self._discard(path)
             return None
-        block = _parse_block(raw, key, tokens)
+        block = _parse_block(raw, key, tokens, layout)
         if block is None:
             self._discard(path)
             return None
@@ -265,7 +281,9 @@ def _checksum(token_ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor)
     return digest.hexdigest()
 
 
-def _parse_block(raw: bytes, key: str, tokens: Sequence[int]) -> DiskBlock | None:
+def _parse_block(
+    raw: bytes, key: str, tokens: Sequence[int], layout: BlockLayout | None = None
+) -> DiskBlock | None:
     """Decode and check a block file's bytes; None on any mismatch or damage."""
     from safetensors.torch import load
 
@@ -283,6 +301,14 @@ def _parse_block(raw: bytes, key: str, tokens: Sequence[int]) -> DiskBlock | Non
     if token_ids.tolist() != list(tokens):
         return None
     if keys.shape != values.shape or keys.dim() != 4 or keys.shape[2] != len(tokens):
+        return None
+    if layout is not None and (
+        meta.get("fingerprint") != layout.fingerprint
+        or keys.dtype != layout.dtype
+        or values.dtype != layout.dtype
+        or (keys.shape[0], keys.shape[1], keys.shape[3])
+        != (layout.num_layers, layout.num_kv_heads, layout.head_dim)
+    ):
         return None
     if meta.get("checksum") != _checksum(token_ids, keys, values):
         return None

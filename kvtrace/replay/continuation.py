@@ -158,7 +158,9 @@ def continue_run(
         oracle_tokens = oracle.bound(prompt_ids) if prompt_ids is not None else None
         result = backend.generate(CallRequest(conversation, prompt_ids, params,
                                               tools=definitions))
-        run = run or store.run(run_name)
+        if run is None:
+            store.run(run_name)  # create it if it does not exist yet
+            run = Run(store, run_name, None)
         model_step = record_generation(run, conversation, result, model=backend.model,
                                        params=params, tools=definitions)
         new_steps.append(model_step)

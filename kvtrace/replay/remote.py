@@ -62,7 +62,14 @@ class RemoteBackend:
         return self._tokenizer
 
     def close(self) -> None:
+        """Close the HTTP connections (the backend is then unusable)."""
         self._client.close()
+
+    def __enter__(self) -> RemoteBackend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def generate(self, request: CallRequest) -> CallResult:
         params = request.params

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
-from kvtrace.errors import StoreNotFoundError
+import sqlalchemy as sa
+
+from kvtrace.errors import StoreNotFoundError, UsageError
 from kvtrace.store.backend import create_db_engine, current_revision, migrate, safe_url
 from kvtrace.store.names import validate_run_name
 from kvtrace.store.records import (
@@ -30,6 +33,8 @@ __all__ = [
     "Step",
     "Store",
     "default_url",
+    "import_into",
+    "init_store",
     "open_store",
     "validate_run_name",
 ]
@@ -49,11 +54,9 @@ def open_store(url: str | None = None, *, create: bool = True) -> Store:
     With `create=False` a missing store is an error instead of being created,
     so that a read in the wrong folder changes nothing.
     """
-    url = url or default_url()
-    if url.startswith("postgresql://"):
-        url = "postgresql+psycopg://" + url[len("postgresql://") :]
-    if url.startswith("sqlite:///") and url != "sqlite:///:memory:":
-        path = Path(url[len("sqlite:///") :])
+    url = _full_url(url)
+    if url.startswith("sqlite:///") and _sqlite_path(url) != ":memory:":
+        path = Path(_sqlite_path(url))
         if not create and not path.is_file():
             raise StoreNotFoundError(f"no kvtrace store at {path}: run `kvtrace init` first")
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -63,3 +66,57 @@ def open_store(url: str | None = None, *, create: bool = True) -> Store:
         raise StoreNotFoundError(f"no kvtrace store at {safe_url(url)}: run `kvtrace init` first")
     migrate(engine)
     return Store(engine, url)
+
+
+def init_store(url: str | None = None, *, force: bool = False) -> Store:
+    """Create the store at `url` (or open it if it exists): what `kvtrace init` does.
+
+    A database that holds other tables but no kvtrace store is refused unless
+    `force`: kvtrace's tables would land beside someone else's data.
+    """
+    url = _full_url(url)
+    is_new_file = url.startswith("sqlite:///") and not Path(_sqlite_path(url)).is_file()
+    if not force and not is_new_file:
+        engine = create_db_engine(url)
+        try:
+            if current_revision(engine) is None:
+                others = sorted(sa.inspect(engine).get_table_names())
+                if others:
+                    raise UsageError(
+                        f"{safe_url(url)} holds other tables ({', '.join(others[:5])}) and no "
+                        "kvtrace store: pass --force to add kvtrace's tables beside them"
+                    )
+        finally:
+            engine.dispose()
+    return open_store(url)
+
+
+def import_into(url: str | None, load: Callable[[Store], RunInfo]) -> RunInfo:
+    """Run an import `load(store)` on the store at `url`, creating the store only if it succeeds.
+
+    When no store exists yet, the import first runs on a scratch store in a
+    temporary folder, which makes every check; a refused file leaves nothing
+    behind. `load` must be repeatable (read its input from bytes it holds).
+    """
+    import tempfile
+
+    try:
+        store = open_store(url, create=False)
+    except StoreNotFoundError:
+        with tempfile.TemporaryDirectory(prefix="kvtrace-import-") as folder:
+            with open_store(f"sqlite:///{Path(folder) / 'scratch.db'}") as scratch:
+                load(scratch)
+        store = open_store(url)
+    with store:
+        return load(store)
+
+
+def _full_url(url: str | None) -> str:
+    url = url or default_url()
+    if url.startswith("postgresql://"):
+        url = "postgresql+psycopg://" + url[len("postgresql://") :]
+    return url
+
+
+def _sqlite_path(url: str) -> str:
+    return url[len("sqlite:///") :].partition("?")[0]

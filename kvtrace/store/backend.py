@@ -2,9 +2,19 @@
 
 SQLite (embedded default) runs in WAL mode with a busy timeout, and write
 transactions start with ``BEGIN IMMEDIATE`` so two writers queue instead of
-failing when a read lock would have to be upgraded. PostgreSQL (psycopg 3)
+failing when a read lock would have to be upgraded. Durability is the URL's
+``?synchronous=`` (``normal`` by default: a committed step survives a crash of
+the process, not of the machine; ``full`` or ``extra``: it survives a power
+loss too, at an fsync per commit), see docs/store.md. PostgreSQL (psycopg 3)
 needs nothing special: a ref's compare-and-swap is one conditional UPDATE,
 which READ COMMITTED re-evaluates after a concurrent writer commits.
+
+PostgreSQL may still abort a transaction to break a deadlock or a
+serialization failure (SQLSTATE 40P01, 40001): that becomes RetryableError,
+and `retried` runs a whole store method again, which is safe because each
+method is one transaction and an aborted one wrote nothing. Rows that several
+writers may insert at once (blobs, steps) go in in key order, so two writers
+never wait on each other in a cycle in the first place.
 
 The schema is brought up to date by alembic migrations when a store opens,
 in one transaction; a store already at the expected revision skips alembic.
@@ -13,23 +23,30 @@ in one transaction; a store already at the expected revision skips alembic.
 from __future__ import annotations
 
 import functools
+import random
 import sqlite3
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy import event
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection, Engine
 
-from kvtrace.errors import StoreError
+from kvtrace.errors import RetryableError, StoreError
 from kvtrace.store.schema import SCHEMA_REVISION
 
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
 _WRITE = "kvtrace_write"
+# SQLSTATEs of a transaction the server aborted on purpose (nothing was written).
+RETRYABLE_SQLSTATES = frozenset({"40001", "40P01"})  # serialization_failure, deadlock_detected
+MAX_ATTEMPTS = 8
+SQLITE_SYNCHRONOUS = ("normal", "full", "extra")  # the first is the default; never "off"
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
 
 
 def safe_url(url: str) -> str:
@@ -43,11 +60,21 @@ def safe_url(url: str) -> str:
 def create_db_engine(url: str) -> Engine:
     """An engine for `url` with the per-dialect settings the store relies on."""
     try:
-        engine = sa.create_engine(url)
+        parsed = sa.engine.make_url(url)
+        synchronous = parsed.query.get("synchronous", SQLITE_SYNCHRONOUS[0])
+        if parsed.get_backend_name() == "sqlite":
+            parsed = parsed.difference_update_query(["synchronous"])
+        engine = sa.create_engine(parsed)
     except (sa.exc.ArgumentError, sa.exc.NoSuchModuleError, ImportError) as exc:
         raise StoreError(f"cannot use store URL {safe_url(url)!r}: {exc}") from exc
     if engine.dialect.name == "sqlite":
-        _configure_sqlite(engine)
+        if not isinstance(synchronous, str) or synchronous.lower() not in SQLITE_SYNCHRONOUS:
+            engine.dispose()
+            raise StoreError(
+                f"synchronous={synchronous!r} in {safe_url(url)!r}: use one of "
+                f"{', '.join(SQLITE_SYNCHRONOUS)}"
+            )
+        _configure_sqlite(engine, synchronous.upper())
     elif engine.dialect.name != "postgresql":
         raise StoreError(
             f"unsupported database {engine.dialect.name!r}: use sqlite:/// or postgresql+psycopg://"
@@ -70,7 +97,7 @@ def _set_wal(cursor: Any) -> None:
     cursor.execute("PRAGMA journal_mode=WAL")
 
 
-def _configure_sqlite(engine: Engine) -> None:
+def _configure_sqlite(engine: Engine, synchronous: str) -> None:
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_connection: Any, _record: Any) -> None:
         # Take transaction control from pysqlite so that BEGIN is ours to emit.
@@ -78,7 +105,7 @@ def _configure_sqlite(engine: Engine) -> None:
         cursor = dbapi_connection.cursor()
         cursor.execute("PRAGMA busy_timeout=30000")
         _set_wal(cursor)
-        cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.execute(f"PRAGMA synchronous={synchronous}")  # one of SQLITE_SYNCHRONOUS
         cursor.execute("PRAGMA foreign_keys=ON")
         cursor.close()
 
@@ -112,7 +139,7 @@ def write_transaction(engine: Engine) -> Iterator[Connection]:
         with engine.begin() as conn:
             yield conn
     except sa.exc.SQLAlchemyError as exc:
-        raise StoreError(f"database write failed: {_reason(exc)}") from exc
+        raise _translate(exc, "database write failed") from exc
 
 
 @contextmanager
@@ -122,7 +149,35 @@ def read_transaction(engine: Engine) -> Iterator[Connection]:
         with engine.begin() as conn:
             yield conn
     except sa.exc.SQLAlchemyError as exc:
-        raise StoreError(f"database read failed: {_reason(exc)}") from exc
+        raise _translate(exc, "database read failed") from exc
+
+
+def _translate(exc: sa.exc.SQLAlchemyError, what: str) -> StoreError:
+    if getattr(getattr(exc, "orig", None), "sqlstate", None) in RETRYABLE_SQLSTATES:
+        return RetryableError(
+            f"{what}: the database aborted the transaction ({_reason(exc)}); nothing was "
+            "written: make the same call again"
+        )
+    return StoreError(f"{what}: {_reason(exc)}")
+
+
+def retried(method: Callable[_P, _T]) -> Callable[_P, _T]:
+    """Run `method` (one store transaction) again when the database aborted it.
+
+    Up to MAX_ATTEMPTS calls with a short random back-off; the last
+    RetryableError reaches the caller.
+    """
+
+    @functools.wraps(method)
+    def call(*args: _P.args, **kwargs: _P.kwargs) -> _T:
+        for attempt in range(MAX_ATTEMPTS - 1):
+            try:
+                return method(*args, **kwargs)
+            except RetryableError:
+                time.sleep(random.uniform(0, 0.001 * 2**attempt))
+        return method(*args, **kwargs)
+
+    return call
 
 
 def _reason(exc: sa.exc.SQLAlchemyError) -> str:

@@ -37,6 +37,7 @@ from kvtrace.store.names import validate_run_name
 from kvtrace.store.records import RunInfo
 from kvtrace.store.refs import create_ref
 from kvtrace.store.schema import blobs, notes, refs, steps
+from kvtrace.store.validation import check_kind, check_note, check_timestamp
 
 FORMAT = "kvtrace-bundle"
 VERSION = 2
@@ -145,8 +146,9 @@ def read_bundle(conn: Connection, file: IO[bytes], name: str | None) -> RunInfo:
         raise ConflictError(
             f"run {run!r} exists with another head: import under a new name (--as NAME)"
         )
-    insert_ignore(conn, blobs, blob_rows, "hash")
-    insert_ignore(conn, steps, step_rows, "id")
+    # Key order, as in Store.append: concurrent writers never wait on each other in a cycle.
+    insert_ignore(conn, blobs, sorted(blob_rows, key=lambda row: row["hash"]), "hash")
+    insert_ignore(conn, steps, sorted(step_rows, key=lambda row: row["id"]), "id")
     for note in note_rows:
         duplicate = conn.execute(
             sa.select(notes.c.id).where(
@@ -172,6 +174,8 @@ def _parse(file: IO[bytes]) -> Parsed:
         lines = [json.loads(line) for line in file.read().decode("utf-8").splitlines() if line]
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise UsageError(f"not a kvtrace bundle: {exc}") from exc
+    except RecursionError as exc:
+        raise UsageError("not a kvtrace bundle: a line is nested too deeply") from exc
     if not lines or not isinstance(lines[0], dict) or lines[0].get("format") != FORMAT:
         raise UsageError("not a kvtrace bundle (bad or missing header line)")
     header = lines[0]
@@ -225,6 +229,7 @@ def _parse_line(
         if hashlib.sha256(body).hexdigest() != item["step"]:
             raise IntegrityError(f"bundle step {str(item['step'])[:12]} does not match its id")
         value = decode_body(body)
+        check_kind(value["kind"])
         json_fields.update(a for k, a in value["payload"].items() if k not in value["raw"])
         step_rows[item["step"]] = {
             "id": item["step"],
@@ -232,20 +237,19 @@ def _parse_line(
             "kind": value["kind"],
             "depth": 0,
             "body": body,
-            "recorded_at": float(item["recorded_at"]),
+            "recorded_at": check_timestamp(item["recorded_at"], "a bundle step's recorded_at"),
             "skip_id": None,
             "skip_depth": None,
         }
     elif "note" in item:
         text, author = item["text"], item.get("author")
-        if not isinstance(text, str) or not (author is None or isinstance(author, str)):
-            raise TypeError("a note's text and author must be strings")
+        check_note(text, author)  # the rules of Store.note, so both backends agree
         note_rows.append(
             {
                 "step_id": str(item["note"]),
                 "author": author,
                 "text": text,
-                "created_at": float(item["created_at"]),
+                "created_at": check_timestamp(item["created_at"], "a bundle note's created_at"),
             }
         )
     else:

@@ -34,31 +34,52 @@ from kvtrace.errors import IntegrityError, UsageError
 ENCODING_VERSION = 2
 KNOWN_VERSIONS = (1, 2)
 MAX_KIND_LENGTH = 64
+MAX_DEPTH = 256  # containers inside containers; Python's parser recurses per level
+MAX_INT_BITS = 1024
 _HEX = re.compile(r"[0-9a-f]+")
 
 
-def _check(value: Any, path: str) -> None:
-    """Reject anything that has no single canonical JSON spelling."""
-    if value is None or isinstance(value, (bool, int, str)):
+def _check(value: Any, path: str, enclosing: list[int] | None = None) -> None:
+    """Reject anything that has no single canonical JSON spelling.
+
+    Also refused, so that every stored value can be read back: nesting deeper
+    than MAX_DEPTH, a container inside itself, integers wider than
+    MAX_INT_BITS, and mappings that are not dicts.
+    """
+    if value is None or isinstance(value, (bool, str)):
+        return
+    if isinstance(value, int):
+        if value.bit_length() > MAX_INT_BITS:
+            raise UsageError(
+                f"{path} is an integer of {value.bit_length()} bits: at most {MAX_INT_BITS} "
+                "bits can be recorded (store larger numbers as strings)"
+            )
         return
     if isinstance(value, float):
         if not math.isfinite(value):
             raise UsageError(f"{path} is {value}: NaN and infinity have no canonical encoding")
         return
-    if isinstance(value, Mapping):
+    if not isinstance(value, (dict, list, tuple)):
+        hint = ": convert it to a dict" if isinstance(value, Mapping) else ""
+        raise UsageError(
+            f"{path} is a {type(value).__name__}: only JSON values (dict, list, str, "
+            f"int, float, bool, None) can be recorded{hint}"
+        )
+    enclosing = enclosing if enclosing is not None else []  # ids of the containers around value
+    if id(value) in enclosing:
+        raise UsageError(f"{path} contains itself: a recorded value must be a tree")
+    if len(enclosing) >= MAX_DEPTH:
+        raise UsageError(f"{path} is nested more than {MAX_DEPTH} levels deep")
+    enclosing.append(id(value))
+    if isinstance(value, dict):
         for key, item in value.items():
             if not isinstance(key, str):
                 raise UsageError(f"{path} has a non-string key {key!r}: use string keys")
-            _check(item, f"{path}.{key}")
-        return
-    if isinstance(value, (list, tuple)):
+            _check(item, f"{path}.{key}", enclosing)
+    else:
         for index, item in enumerate(value):
-            _check(item, f"{path}[{index}]")
-        return
-    raise UsageError(
-        f"{path} is a {type(value).__name__}: only JSON values (dict, list, str, "
-        "int, float, bool, None) can be recorded"
-    )
+            _check(item, f"{path}[{index}]", enclosing)
+    enclosing.pop()
 
 
 def canonical_json(value: Any) -> bytes:
@@ -108,10 +129,7 @@ def step_body(
 
 def decode_body(body: bytes) -> dict[str, Any]:
     """Parse a stored body and check it is canonical and of a known version."""
-    try:
-        value = json.loads(body.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise IntegrityError(f"step body is not valid JSON: {exc}") from exc
+    value = _loads(body, "step body")
     if not isinstance(value, dict) or type(value.get("v")) is not int or (
         value["v"] not in KNOWN_VERSIONS
     ):
@@ -126,13 +144,19 @@ def decode_body(body: bytes) -> dict[str, Any]:
 
 def decode_json_blob(data: bytes) -> Any:
     """Parse a JSON payload blob, which must be in canonical form."""
-    try:
-        value = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise IntegrityError(f"a JSON payload blob is not valid JSON: {exc}") from exc
+    value = _loads(data, "a JSON payload blob")
     if canonical_json(value) != data:
         raise IntegrityError("a JSON payload blob is not in canonical form")
     return value
+
+
+def _loads(data: bytes, what: str) -> Any:
+    try:
+        return json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:  # ValueError: JSON, or a huge integer
+        raise IntegrityError(f"{what} is not valid JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise UsageError(f"{what} is nested more than {MAX_DEPTH} levels deep") from exc
 
 
 def is_address(value: Any) -> bool:

@@ -4,7 +4,11 @@ Checks: each step's body is canonical, well formed, hashes to its id and
 agrees with its columns (parent, kind, depth, skip pointer); each parent and
 payload blob exists; each blob hashes to its address and has its recorded size,
 and a blob read as JSON is canonical JSON; each ref, reflog entry and note
-points at an existing step. It streams rows and never writes.
+points at an existing step; each ref's head is the new head of its last
+reflog entry, and each ref in the reflog still exists (refs are the one
+mutable table, so a move or a deletion behind kvtrace's back shows up here,
+and `Store.reset(name)` repairs it); every stored time is a sane timestamp.
+It streams rows and never writes.
 """
 
 from __future__ import annotations
@@ -15,12 +19,13 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from kvtrace.errors import IntegrityError
+from kvtrace.errors import IntegrityError, UsageError
 from kvtrace.store import lists
 from kvtrace.store.encoding import decode_body, decode_json_blob
 from kvtrace.store.history import skip_in_memory
 from kvtrace.store.records import FsckReport
 from kvtrace.store.schema import blobs, notes, reflog, refs, steps
+from kvtrace.store.validation import timestamp_problem
 
 _BATCH = 1000
 
@@ -35,6 +40,7 @@ def check(conn: Connection) -> FsckReport:
     list_entries: dict[str, dict[str, Any]] = {}
     for row in stream.execute(sa.select(steps)):
         rows[row.id] = (row.parent_id, row.depth, row.skip_id, row.skip_depth)
+        _check_time(f"step {row.id[:12]}: recorded_at", row.recorded_at, problems)
         value = _check_body(row, problems)
         if value is not None:
             payloads[row.id] = dict(value["payload"])
@@ -57,23 +63,64 @@ def check(conn: Connection) -> FsckReport:
             if address not in blob_ids:
                 problems.append(f"step {step_id[:12]}: blob {address[:12]} ({key}) is missing")
 
-    num_refs = 0
-    for name, head in conn.execute(sa.select(refs.c.name, refs.c.head)):
-        num_refs += 1
+    ref_heads: dict[str, str | None] = {}
+    for name, head, created_at in conn.execute(
+        sa.select(refs.c.name, refs.c.head, refs.c.created_at)
+    ):
+        ref_heads[name] = head
+        _check_time(f"run {name!r}: created_at", created_at, problems)
         if head is not None and head not in rows:
             problems.append(f"run {name!r}: head {head[:12]} is missing")
-    for entry_id, old, new in stream.execute(
-        sa.select(reflog.c.id, reflog.c.old_head, reflog.c.new_head)
+    logged_heads: dict[str, str | None] = {}
+    for entry_id, ref, old, new, created_at in stream.execute(
+        sa.select(
+            reflog.c.id, reflog.c.ref, reflog.c.old_head, reflog.c.new_head, reflog.c.created_at
+        ).order_by(reflog.c.id)
     ):
+        logged_heads[ref] = new
+        _check_time(f"reflog entry {entry_id}: created_at", created_at, problems)
         for head in (old, new):
             if head is not None and head not in rows:
                 problems.append(f"reflog entry {entry_id}: step {head[:12]} is missing")
+    problems.extend(_check_refs(ref_heads, logged_heads))
     num_notes = 0
-    for note_id, step_id in stream.execute(sa.select(notes.c.id, notes.c.step_id)):
+    for note_id, step_id, created_at in stream.execute(
+        sa.select(notes.c.id, notes.c.step_id, notes.c.created_at)
+    ):
         num_notes += 1
+        _check_time(f"note {note_id}: created_at", created_at, problems)
         if step_id not in rows:
             problems.append(f"note {note_id}: step {step_id[:12]} is missing")
-    return FsckReport(len(blob_ids), len(rows), num_refs, num_notes, problems)
+    return FsckReport(len(blob_ids), len(rows), len(ref_heads), num_notes, problems)
+
+
+def _check_time(label: str, value: Any, problems: list[str]) -> None:
+    problem = timestamp_problem(value)
+    if problem:
+        problems.append(f"{label} {problem}")
+
+
+def _check_refs(
+    ref_heads: dict[str, str | None], logged_heads: dict[str, str | None]
+) -> list[str]:
+    """Each ref where its reflog last put it; each logged ref still there."""
+    problems = []
+    for name, head in sorted(ref_heads.items()):
+        if name not in logged_heads:
+            problems.append(f"run {name!r} has no reflog: it was created behind kvtrace's back")
+        elif logged_heads[name] != head:
+            logged = str(logged_heads[name])[:12]
+            problems.append(
+                f"run {name!r}: head {str(head)[:12]} is not {logged}, where its reflog last "
+                f"moved it (moved behind kvtrace's back; `kvtrace reset {name}` puts it back)"
+            )
+    for name, head in sorted(logged_heads.items()):
+        if name not in ref_heads:
+            problems.append(
+                f"run {name!r} is missing but its reflog ends at {str(head)[:12]} (deleted "
+                f"behind kvtrace's back; `kvtrace reset {name}` restores it)"
+            )
+    return problems
 
 
 def _check_lists(list_entries: dict[str, dict[str, Any]]) -> list[str]:
@@ -101,7 +148,7 @@ def _check_body(row: Any, problems: list[str]) -> dict[str, Any] | None:
         return None
     try:
         value = decode_body(body)
-    except IntegrityError as exc:
+    except (IntegrityError, UsageError) as exc:  # UsageError: nested past the limit
         problems.append(f"{label}: {exc}")
         return None
     if value["parent"] != row.parent_id or value["kind"] != row.kind:
@@ -145,6 +192,6 @@ def _check_blob(address: str, size: int, data: bytes, use: str | None) -> list[s
     if use == "json":
         try:
             decode_json_blob(data)
-        except IntegrityError as exc:
+        except (IntegrityError, UsageError) as exc:  # UsageError: nested past the limit
             return [f"{label}: {exc}"]
     return []

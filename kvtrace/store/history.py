@@ -201,8 +201,10 @@ def _step(
         blob = data[address]
         try:
             content[key] = blob if key in body["raw"] else json.loads(blob)
-        except ValueError as exc:
-            raise IntegrityError(f"blob {address[:12]} of step {row.id[:12]} is not JSON") from exc
+        except (ValueError, RecursionError) as exc:
+            raise IntegrityError(
+                f"blob {address[:12]} of step {row.id[:12]} is not JSON a reader can load: {exc}"
+            ) from exc
     return Step(
         row.id,
         row.parent_id,

@@ -112,6 +112,18 @@ def set_paused(
     if result.rowcount != 1:
         raise ConflictError(f"run {name!r} moved while pausing it: try again")
     _log(conn, name, head, head, "pause" if paused else "resume", message, time.time())
+def last_logged(conn: Connection, name: str) -> tuple[int, str | None] | None:
+    """(id, new head) of the newest reflog entry of ref `name`, or None if it has none.
+
+    A ref agrees with this head unless it was changed behind kvtrace's back.
+    """
+    row = conn.execute(
+        sa.select(reflog.c.id, reflog.c.new_head)
+        .where(reflog.c.ref == name)
+        .order_by(reflog.c.id.desc())
+        .limit(1)
+    ).first()
+    return (int(row.id), row.new_head) if row is not None else None
 
 
 def _log(

@@ -16,12 +16,13 @@ from sqlalchemy.engine import Connection
 
 from kvtrace.errors import IntegrityError, RunNotFoundError, StepNotFoundError
 from kvtrace.store import history
-from kvtrace.store.names import Spec, parse_spec
+from kvtrace.store.names import Spec, normalize_run_name, parse_spec
 from kvtrace.store.schema import refs, steps
 
 
 def ref_row(conn: Connection, name: str) -> Any:
     """The ref row of run `name` (its `head` may be None), or None when there is no such run."""
+    name = normalize_run_name(name)
     return conn.execute(sa.select(refs.c.head).where(refs.c.name == name)).first()
 
 

@@ -13,6 +13,7 @@ bounded by the distance walked, never by the size of the store.
 
 from __future__ import annotations
 
+import io
 import json
 import time
 from collections.abc import Iterator, Mapping
@@ -27,17 +28,18 @@ from kvtrace.errors import (
     StepNotFoundError,
     UsageError,
 )
-from kvtrace.store import encoding, history, resolve, views
+from kvtrace.store import encoding, history, resolve, validation, views
 from kvtrace.store import lists as store_lists
 from kvtrace.store.backend import (
     insert_ignore,
     read_transaction,
     reader,
+    retried,
     safe_url,
     write_transaction,
     writer,
 )
-from kvtrace.store.names import validate_run_name
+from kvtrace.store.names import normalize_run_name, validate_run_name
 from kvtrace.store.records import (
     Divergence,
     FsckReport,
@@ -47,14 +49,20 @@ from kvtrace.store.records import (
     RunInfo,
     Step,
 )
-from kvtrace.store.refs import PAUSE_REASONS, create_ref, move_ref, pause_entry, set_paused
+from kvtrace.store.refs import (
+    PAUSE_REASONS,
+    create_ref,
+    last_logged,
+    move_ref,
+    pause_entry,
+    set_paused,
+)
 from kvtrace.store.schema import blobs, notes, reflog, refs, steps
 
 if TYPE_CHECKING:
     from kvtrace.store.run import Run
     from kvtrace.store.watch import WatchEvent
 
-_MAX_AUTHOR = 200
 _MAX_KNOWN = 200_000
 _LIST_BASE_SEARCH = 16  # steps back from a new step to look for its list's base
 
@@ -126,11 +134,12 @@ class Store:
 
     # -- runs ------------------------------------------------------------------
 
+    @retried
     def run(self, name: str) -> Run:
         """The run `name`, created empty if it does not exist yet."""
         from kvtrace.store.run import Run
 
-        validate_run_name(name)
+        name = validate_run_name(name)
         with read_transaction(self._reader) as conn:  # continuing a run needs no write lock
             row = resolve.ref_row(conn, name)
             if row is not None:
@@ -177,6 +186,7 @@ class Store:
 
         Errors (an unknown run, say) are raised here, not on first iteration.
         """
+        limit = validation.check_limit(limit)
         with read_transaction(self._reader) as conn:
             start = resolve.step_id_or_empty(conn, spec)
             chain = history.chain(conn, start, limit) if start else []
@@ -184,6 +194,7 @@ class Store:
 
     def graph(self, spec: str, *, limit: int | None = None) -> list[GraphRow]:
         """`log` plus, per step, the runs whose head it is and the branches (runs) leaving it."""
+        limit = validation.check_limit(limit)
         with read_transaction(self._reader) as conn:
             start = resolve.step_id_or_empty(conn, spec)
             return views.graph_rows(conn, history.chain(conn, start, limit) if start else [])
@@ -211,6 +222,7 @@ class Store:
 
     # -- moving refs -----------------------------------------------------------
 
+    @retried
     def fork(
         self, spec: str, new_name: str, *, edit: Mapping[str, Any] | None = None
     ) -> Run:
@@ -224,7 +236,7 @@ class Store:
         """
         from kvtrace.store.run import Run
 
-        validate_run_name(new_name)
+        new_name = validate_run_name(new_name)
         if edit is not None:
             return Run(self, new_name, self._fork_edited(spec, new_name, edit))
         with self._write() as conn:
@@ -263,12 +275,14 @@ class Store:
             new_run=f"fork from {spec} ({original.id[:12]}), edited: {', '.join(sorted(edit))}",
         )
 
+    @retried
     def revert(self, name: str, *, to: str) -> Step:
         """Move run `name` back to `to`, an ancestor of its head.
 
         The reverted steps stay in the store and in the reflog; `reset` to the
         old head (or `undo`) brings them back.
         """
+        name = normalize_run_name(name)
         with self._write() as conn:
             head_id = resolve.head_id(conn, name)
             target = resolve.step_id(conn, to)
@@ -285,17 +299,37 @@ class Store:
             move_ref(conn, name, head_id, target, reason="revert", message=message)
             return history.load_steps(conn, [target], self._lists)[0]
 
-    def reset(self, name: str, *, to: str) -> Step:
-        """Move run `name` to any step `to` (e.g. a reverted head, to undo a revert)."""
+    @retried
+    def reset(self, name: str, *, to: str | None = None) -> Step:
+        """Move run `name` to any step `to` (e.g. a reverted head, to undo a revert).
+
+        Without `to`, the run goes to the head its reflog last recorded: this
+        repairs a ref moved behind kvtrace's back and restores a deleted one
+        (fsck reports both).
+        """
+        name = normalize_run_name(name)
         with self._write() as conn:
-            head_id = resolve.head_id(conn, name)
-            target = resolve.step_id(conn, to)
-            message = f"reset to {to} ({target[:12]})"
-            move_ref(conn, name, head_id, target, reason="reset", message=message)
+            row = resolve.ref_row(conn, name)
+            last = last_logged(conn, name)
+            if row is None and last is None:
+                resolve.head_id(conn, name)  # raises RunNotFoundError
+            if to is None:
+                if last is None or last[1] is None:
+                    raise UsageError(f"run {name!r} has no reflog head to reset to: pass --to")
+                target, message = last[1], f"reset to its last reflog head ({last[1][:12]})"
+            else:
+                target = resolve.step_id(conn, to)
+                message = f"reset to {to} ({target[:12]})"
+            if row is None:  # deleted behind kvtrace's back: recreate it from the reflog
+                create_ref(conn, name, target, reason="reset", message=f"restore: {message}")
+            else:
+                move_ref(conn, name, row.head, target, reason="reset", message=message)
             return history.load_steps(conn, [target], self._lists)[0]
 
+    @retried
     def undo(self, name: str) -> Step | None:
         """Undo the last move of run `name` (itself recorded as a reset)."""
+        name = normalize_run_name(name)
         with self._write() as conn:
             head_id = resolve.head_id(conn, name)
             last = conn.execute(
@@ -310,13 +344,17 @@ class Store:
             move_ref(conn, name, head_id, target, reason="reset", message=f"undo {last.reason}")
             return history.load_steps(conn, [target], self._lists)[0] if target else None
 
-    def reflog(self, name: str) -> list[ReflogEntry]:
-        """Every move of run `name`, newest first."""
+    def reflog(self, name: str | None = None) -> list[ReflogEntry]:
+        """Every move of run `name`, newest first; without a name, of every run ever,
+        including runs whose ref was deleted behind kvtrace's back."""
+        query = sa.select(reflog).order_by(reflog.c.id.desc())
         with read_transaction(self._reader) as conn:
-            resolve.head_id(conn, name)
-            rows = conn.execute(
-                sa.select(reflog).where(reflog.c.ref == name).order_by(reflog.c.id.desc())
-            ).all()
+            if name is not None:
+                name = normalize_run_name(name)
+                if last_logged(conn, name) is None:
+                    resolve.head_id(conn, name)  # raises RunNotFoundError
+                query = query.where(reflog.c.ref == name)
+            rows = conn.execute(query).all()
         return [
             ReflogEntry(r.id, r.ref, r.old_head, r.new_head, r.reason, r.message, r.created_at)
             for r in rows
@@ -364,13 +402,10 @@ class Store:
 
     # -- notes -----------------------------------------------------------------
 
+    @retried
     def note(self, spec: str, text: str, author: str | None = None) -> Note:
         """Attach a note to a step; the step itself never changes."""
-        if not isinstance(text, str) or not text.strip():
-            raise UsageError("a note needs some text")
-        if author is not None and (not isinstance(author, str) or len(author) > _MAX_AUTHOR):
-            raise UsageError(f"a note's author is a name of at most {_MAX_AUTHOR} characters")
-        encoding.canonical_json([text, author])  # refuses text that is not valid Unicode
+        validation.check_note(text, author)
         with self._write() as conn:
             step_id = resolve.step_id(conn, spec)
             now = time.time()
@@ -409,13 +444,18 @@ class Store:
 
     def import_bundle(self, file: IO[bytes], *, name: str | None = None) -> RunInfo:
         """Import a bundle (verifying every hash) as run `name` (default: its own)."""
+        return self._import(file.read(), name)
+
+    @retried
+    def _import(self, data: bytes, name: str | None) -> RunInfo:
         from kvtrace.store.bundle import read_bundle
 
         with self._write() as conn:
-            return read_bundle(conn, file, name)
+            return read_bundle(conn, io.BytesIO(data), name)
 
     # -- appending (used by Run) -----------------------------------------------
 
+    @retried
     def append(
         self,
         name: str,
@@ -438,8 +478,8 @@ class Store:
         Fails with ConflictError, writing nothing, if the run's head is no
         longer `parent` (another writer appended or moved it first).
         """
-        if not kind or len(kind) > encoding.MAX_KIND_LENGTH or not kind.replace("_", "").isalnum():
-            raise UsageError(f"bad step kind {kind!r}: use letters, digits and '_'")
+        validation.check_kind(kind)
+        validation.check_record(payload, meta, raw)
         raw, list_items = raw or {}, lists or {}
         clash = (set(payload) & set(raw)) | (set(list_items) & (set(payload) | set(raw)))
         if clash:
@@ -474,7 +514,7 @@ class Store:
             insert_ignore(
                 conn,
                 blobs,
-                [
+                [  # in hash order: writers sharing blobs then never wait on each other in a cycle
                     {"hash": address, "size": len(value), "data": value}
                     for address, value in sorted(blob_rows.items())
                 ],

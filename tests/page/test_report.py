@@ -106,10 +106,12 @@ def test_the_page_opens_in_headless_chromium_without_errors_and_shows_every_step
             body = "#run-0 li.step:nth-child(2) .body"
             assert not page.is_visible(body)
             page.click("#run-0 li.step:nth-child(2) summary")
-            assert page.is_visible(body) and "suspicious:" in page.inner_text(body)
+            page.wait_for_selector(body, state="visible", timeout=10_000)
+            assert "suspicious:" in page.inner_text(body)
             assert HOSTILE in page.inner_text(body)  # shown as text
             page.click("#graph a[href='#r1-s2'] circle")
-            assert page.is_visible("#r1-s2 .body") and "392" in page.inner_text("#r1-s2 .body")
+            page.wait_for_selector("#r1-s2 .body", state="visible", timeout=10_000)
+            assert "392" in page.inner_text("#r1-s2 .body")
             page.click("#expand-all")
             shot = ARTIFACTS / "report.png"
             shot.parent.mkdir(exist_ok=True)

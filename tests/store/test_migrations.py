@@ -76,6 +76,13 @@ def test_skip_pointer_migration_fills_existing_steps(tmp_path):
             sa.text("INSERT INTO refs (name, head, created_at) VALUES ('old', :h, 0)"),
             {"h": parent},
         )
+        conn.execute(  # kvtrace logs every ref it creates; fsck checks that it did
+            sa.text(
+                "INSERT INTO reflog (ref, old_head, new_head, reason, message, created_at) "
+                "VALUES ('old', NULL, :h, 'create', 'old store', 0)"
+            ),
+            {"h": parent},
+        )
     engine.dispose()
     store = open_store(url)
     assert store.fsck().problems == []
