@@ -258,7 +258,7 @@ def branch_command(
             raise UsageError(f"--edit {edit}: not a JSON object of fields")
     params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens)
     chosen = _backend("local", model)
-    with open_store(store_url()) as store:
+    with open_store(store_url(), create=False) as store:
         report = branch_out(store, spec, chosen, n=n, prefix=prefix, steps=steps,
                             tools=DEMO_TOOLS if tools == "demo" else {}, params=params,
                             seed=seed, edit=changes)

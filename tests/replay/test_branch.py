@@ -72,4 +72,5 @@ def test_branch_cli_rejects_bad_input_without_changing_anything(tmp_path):
                                 capture_output=True, text=True)
         assert result.returncode == 2, result.stderr
         assert result.stderr.startswith(message) and len(result.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "store.db").exists()  # a refused command creates no store
 
