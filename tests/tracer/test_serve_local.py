@@ -283,3 +283,23 @@ def test_the_default_model_calls_a_tool_and_the_sdk_gets_tool_calls(
     assert [s.content["response"]["tool_calls"][0]["function"]["name"] for s in recorded] == [
         "get_weather", "get_weather"]
     assert recorded[1].meta["usage"]["cached_tokens"] > 0  # the second prompt hit the first
+
+
+def test_a_run_recorded_by_the_server_replays_offline_through_replay_transport(
+    sqlite_store, serve_local, tiny_engine
+):
+    from kvtrace.tracer import ReplayTransport
+
+    server = serve_local(sqlite_store, run="served")
+    messages = [SYSTEM, {"role": "user", "content": "Hello?"}]
+    live = client(server).chat.completions.create(model=tiny_engine.name, messages=messages,
+                                                  max_tokens=4, temperature=0.7)
+    offline = openai.OpenAI(base_url="http://127.0.0.1:9/v1", api_key="x", max_retries=0,
+                            http_client=httpx.Client(transport=ReplayTransport(
+                                sqlite_store.run("served"))))
+    again = offline.chat.completions.create(model=tiny_engine.name, messages=messages,
+                                            max_tokens=4, temperature=0.7)
+    assert again.choices[0].message.content == live.choices[0].message.content
+    assert again.usage.prompt_tokens == live.usage.prompt_tokens
+    step = sqlite_store.show("served")
+    assert isinstance(step.meta["params"]["seed"], int)  # chosen by the server, recorded
