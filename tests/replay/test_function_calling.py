@@ -266,3 +266,22 @@ def test_imported_atif_trajectories_replay_at_the_oracle_bound(
     report = replay(replay_store, "atif", backend, mode="rebuild")
     assert report.steps and report.total.reused_tokens == report.total.oracle_tokens
     assert report.total.oracle_tokens == analysis.oracle_tokens
+
+
+def test_a_store_of_the_version_1_encoding_replays_and_verifies(tiny_engine, tmp_path):
+    """Steps written before message-level storage load, replay and verify after migration."""
+    import shutil
+
+    from kvtrace import open_store
+
+    path = tmp_path / "old.db"
+    shutil.copy(Path(__file__).resolve().parent.parent / "store" / "data" / "store_v1.db", path)
+    store = open_store(f"sqlite:///{path}")
+    backend = LocalBackend(tiny_engine, KVCache(tiny_engine, disk_dir=tmp_path / "kv"))
+    rebuild = replay(store, "old", backend, mode="rebuild")
+    assert len(rebuild.steps) == 3
+    assert rebuild.total.reused_tokens == rebuild.total.oracle_tokens
+    verify = replay(store, "old", backend, mode="verify")
+    assert len(verify.steps) == 3 and all(s.is_match is not None for s in verify.steps)
+    assert store.fsck().is_ok
+    store.close()
