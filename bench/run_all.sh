@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Run every benchmark and keep its JSON in bench/results/ (see docs/benchmarks.md).
-# Usage: bash bench/run_all.sh [store|cache|replay ...]   (default: all three)
+# Usage: bash bench/run_all.sh [store|cache|replay|serve ...]   (default: all four)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 make install >/dev/null
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 mkdir -p bench/results
-for name in "${@:-store cache replay}"; do
+for name in "${@:-store cache replay serve}"; do
   for bench in $name; do
     echo "== kvtrace bench $bench" >&2
     .venv/bin/kvtrace bench "$bench" --json | tee "bench/results/$bench.json"
