@@ -203,8 +203,10 @@ def test_past_the_queue_a_request_gets_429_not_a_crash(sqlite_store, serve_local
     worker = threading.Thread(target=lambda: results.append(
         httpx.post(f"{server.url}/chat/completions", json=long_request, timeout=600)))
     worker.start()
-    while httpx.get(server.url.removesuffix("/v1") + "/health").json()["queue"]["running"] == 0:
+    health = server.url.removesuffix("/v1") + "/health"
+    while worker.is_alive() and httpx.get(health).json()["queue"]["running"] == 0:
         time.sleep(0.01)  # wait until the engine is busy (a wait, not a timed assertion)
+    assert worker.is_alive(), "the long request ended before the engine was seen busy"
     refused = httpx.post(f"{server.url}/chat/completions", json={
         **long_request, "max_tokens": 2})
     worker.join()
