@@ -1,11 +1,15 @@
 """Continue a run live: generate new model steps and record them on the run.
 
 The conversation to continue is rebuilt from the trace: the messages of the
-last model call on the run, its response, then one observation message per
-tool call recorded after it (an edited tool result on a fork, typically).
-Each new response is parsed as ReAct (toolcall.py); a tool call runs the
-Python callable registered under that name, and both the model call and the
-tool call are recorded on the run. The prompt of a continued step extends the
+last model call on the run, its response, then one message per tool call
+recorded after it (an edited tool result on a fork, typically): a `tool`
+message answering its call id in function-calling runs (model calls that
+carry `tools` or `tool_calls`: the tools are sent with every request and
+tool calls are read from the generated text, see rendering.py), an
+``Observation:`` user message in ReAct runs.
+A tool call (a ReAct action, toolcall.py, or a function call) runs the Python
+callable registered under that name, and both the model call and the tool
+call are recorded on the run. The prompt of a continued step extends the
 recorded context, so its prefix is reused from the cache: warm when the run
 was just recorded, replayed or checked out.
 
@@ -30,6 +34,7 @@ from kvtrace.errors import (
     RunNotFoundError,
     UsageError,
 )
+from kvtrace.rendering import content_text
 from kvtrace.replay.backend import Backend, CallRequest, Message, SamplingParams
 from kvtrace.replay.driver import ProgressCallback
 from kvtrace.replay.oracle import PrefixOracle
@@ -136,12 +141,12 @@ def continue_run(
         state = conversation_at(path, user_message)
         if state.final_answer is not None:
             return ContinueResult(run_name, [], [], state.final_answer)
-        conversation, pending, definitions = state.messages, state.pending, state.tools
+        conversation, pending = state.messages, state.pending
+        definitions = tool_definitions if tool_definitions is not None else state.tools
+        follow_up = state.follow_up
     else:
         conversation = [dict(m) for m in messages]
-        definitions = tool_definitions
-        if user_message is not None:
-            conversation.append({"role": "user", "content": user_message})
+        definitions, follow_up = tool_definitions, user_message
     tokenizer = backend.tokenizer
     oracle = _seeded_oracle(path, backend)
     # Appends go after the head read above (a moved run is a conflict); a new
@@ -150,8 +155,10 @@ def continue_run(
     new_steps: list[Step] = []
     reports: list[StepReport] = []
     final_answer: str | None = None
-    if run is not None:
+    if run is not None and pending:
         conversation += _run_tool_calls(run, pending, tools, head, new_steps)
+    if follow_up is not None:
+        conversation.append({"role": "user", "content": follow_up})
     for index in range(1, steps + 1):
         prompt_ids = (tokenizer.chat_tokens(conversation, tools=definitions)
                       if tokenizer is not None else None)
@@ -176,7 +183,7 @@ def continue_run(
         if definitions is not None:  # function calling
             calls = tool_calls_of(response)
             if not calls:
-                final_answer = str(response.get("content") or "")
+                final_answer = content_text(response.get("content"))
                 break
             conversation += _run_tool_calls(run, calls, tools, model_step, new_steps)
             continue
@@ -203,6 +210,7 @@ class ConversationState:
     final_answer: str | None = None
     pending: list[Message] = field(default_factory=list)  # tool calls asked, not yet answered
     tools: list[Message] | None = None  # the tool definitions (function-calling runs)
+    follow_up: str | None = None  # a user message to send after the pending calls' results
 
 
 def conversation_at(path: list[Step], user_message: str | None = None) -> ConversationState:
@@ -225,19 +233,22 @@ def conversation_at(path: list[Step], user_message: str | None = None) -> Conver
     calls = tool_calls_of(response)
     definitions = step_tools(model_step)
     if calls or definitions is not None:
-        answered = {s.meta.get("call_id") for s in tool_steps}
+        linked = any(s.meta.get("call_id") for s in tool_steps)
         for index, step in enumerate(tool_steps):
             call_id = step.meta.get("call_id") or (
-                calls[index]["id"] if index < len(calls) and "id" in calls[index] else None)
+                calls[index].get("id") if index < len(calls) else None)
             conversation.append(tool_message(call_id, step.meta.get("tool"),
                                              step.content.get("result"), step.meta.get("error")))
-        pending = [c for c in calls if c.get("id") not in answered][len(tool_steps):] if (
-            len(tool_steps) < len(calls)) else []
-        if user_message is not None:
-            conversation.append({"role": "user", "content": user_message})
-        elif not calls and not tool_steps:
-            return ConversationState([], final_answer=str(response.get("content") or ""))
-        return ConversationState(conversation, pending=pending, tools=definitions or [])
+        if linked:  # answered by id; else the tool steps answer the calls in order
+            answered = {s.meta.get("call_id") for s in tool_steps}
+            pending = [c for c in calls if c.get("id") not in answered]
+        else:
+            pending = calls[len(tool_steps):]
+        if user_message is None and not calls and not tool_steps:
+            return ConversationState([], final_answer=content_text(response.get("content")))
+        # The user's turn follows the results of pending calls, once they are run.
+        return ConversationState(conversation, pending=pending, tools=definitions or [],
+                                 follow_up=user_message)
     for step in tool_steps:
         conversation.append(observation_message(step.content.get("result"), step.meta.get("error")))
     if user_message is not None:

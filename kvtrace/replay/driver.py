@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from kvtrace.errors import ReplayError, UsageError
-from kvtrace.rendering import parse_assistant_text
+from kvtrace.rendering import content_text, parse_assistant_text
 from kvtrace.replay.backend import Backend, CallRequest, Message, SamplingParams, Tokenizer
 from kvtrace.replay.oracle import PrefixOracle, common_prefix_length
 from kvtrace.replay.recording import (
@@ -260,8 +260,8 @@ def _tool_call_difference(expected: Message, got_text: str) -> str | None:
         if not arguments_equal(str(a.get("arguments", "")), str(b.get("arguments", ""))):
             return (f"tool call {index} ({a.get('name')}): arguments {a.get('arguments')} "
                     f"recorded, {b.get('arguments')} regenerated")
-    if (expected.get("content") or "").strip() != (
-        parse_assistant_text(got_text).get("content") or ""
+    if content_text(expected.get("content")).strip() != content_text(
+        parse_assistant_text(got_text).get("content")
     ).strip():
         return "same tool calls, other text"
     return None

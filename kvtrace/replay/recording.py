@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvtrace.errors import ReplayError
-from kvtrace.rendering import assistant_text, parse_assistant_text
+from kvtrace.rendering import assistant_text, content_text, parse_assistant_text
 from kvtrace.replay.backend import CallResult, Message, SamplingParams, Tokenizer
 from kvtrace.store import Run, Step
 
@@ -125,8 +125,9 @@ def record_generation(
 ) -> Step:
     """Record a model call that a backend generated, with its exact token ids.
 
-    With `tools`, the text is read for tool calls (rendering.parse_assistant_text)
-    and recorded as an assistant message with `tool_calls`.
+    In a function-calling run (`tools` not None, maybe empty), the text is read
+    for tool calls (rendering.parse_assistant_text) and recorded as an
+    assistant message with `tool_calls`.
     """
     usage: dict[str, Any] = {
         "prompt_tokens": result.prompt_tokens,
@@ -139,12 +140,13 @@ def record_generation(
     recorded = params.to_dict()
     if recorded["seed"] is None and result.seed is not None:
         recorded["seed"] = result.seed  # a fresh random seed: keep it, or verify cannot work
-    response = parse_assistant_text(result.text) if tools else assistant_message(result.text)
+    response = (parse_assistant_text(result.text) if tools is not None
+                else assistant_message(result.text))
     return run.record_model_call(
         messages,
         response,
         model=model,
-        tools=tools,
+        tools=tools or None,
         params=recorded,
         usage={k: v for k, v in usage.items() if v is not None},
         timings=dict(timings) if timings else {
@@ -184,6 +186,6 @@ def _decodes_to(tokenizer: Tokenizer, ids: list[int], step: Step) -> bool:
     if not response.get("tool_calls"):
         return False
     parsed = parse_assistant_text(text)
-    return parsed.get("content") == response.get("content") and [
+    return content_text(parsed.get("content")) == content_text(response.get("content")) and [
         c["function"] for c in parsed.get("tool_calls", [])
     ] == [c.get("function") for c in response["tool_calls"]]

@@ -103,9 +103,10 @@ def import_into(url: str | None, load: Callable[[Store], RunInfo]) -> RunInfo:
     try:
         store = open_store(url, create=False)
     except StoreNotFoundError:
-        with tempfile.TemporaryDirectory(prefix="kvtrace-import-") as folder:
-            with open_store(f"sqlite:///{Path(folder) / 'scratch.db'}") as scratch:
-                load(scratch)
+        with tempfile.TemporaryDirectory(prefix="kvtrace-import-") as folder, open_store(
+            f"sqlite:///{Path(folder) / 'scratch.db'}"
+        ) as scratch:
+            load(scratch)
         store = open_store(url)
     with store:
         return load(store)

@@ -181,3 +181,22 @@ def test_function_calling_runs_continue_with_tool_messages(replay_store, stand_i
     assert sent["messages"][-1] == {"role": "tool", "tool_call_id": call["id"],
                                     "name": "calculator", "content": "42"}
     assert result.final_answer == "It is 42."
+
+
+def test_calls_a_response_still_owes_run_before_the_next_user_turn(replay_store, stand_in_server):
+    from kvtrace.replay.continuation import conversation_at
+
+    run = replay_store.run("owed")
+    run.record_model_call(START, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "calculator", "arguments": "{}"}},
+        {"id": "c2", "type": "function", "function": {"name": "calculator", "arguments": "{}"}},
+    ]}, model="m")
+    run.record_tool_call("calculator", {}, 1, call_id="c1")  # c2 was never answered
+    state = conversation_at(replay_store.path("owed"), "and now?")
+    assert [c["id"] for c in state.pending] == ["c2"] and state.follow_up == "and now?"
+    server = stand_in_server(_scripted("Done."))
+    continue_run(replay_store, "owed", RemoteBackend(server.url, model="stand-in"), steps=1,
+                 user_message="and now?", tools={"calculator": lambda args: 2})
+    sent = server.requests[0]["messages"]
+    assert [(m["role"], m.get("tool_call_id")) for m in sent[-3:]] == [
+        ("tool", "c1"), ("tool", "c2"), ("user", None)]
