@@ -29,7 +29,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from kvtrace.errors import ConflictError, IntegrityError, UsageError
-from kvtrace.store import lists
+from kvtrace.store import history, lists
 from kvtrace.store.backend import insert_ignore
 from kvtrace.store.encoding import decode_body, decode_json_blob, is_address
 from kvtrace.store.history import chunks, skip_in_memory
@@ -91,6 +91,35 @@ def write_bundle(
     return len(chain)
 
 
+def _check_list_bases(
+    conn: Connection, step_rows: list[dict[str, Any]], lookup: Any
+) -> None:
+    """Every list of the bundle builds on a strict ancestor that has that list."""
+    own = {row["id"]: lists.lists_of(json.loads(row["body"])) for row in step_rows}
+    from_db = lists.fetch_lists(conn)
+
+    def fetch(ids: list[str]) -> dict[str, dict[str, Any]]:
+        found = {i: own[i] for i in ids if i in own}
+        rest = [i for i in ids if i not in own]
+        return {**found, **from_db(rest)} if rest else found
+
+    lists.resolve(fetch, [(i, field) for i, entries in own.items() for field in entries], {})
+    for step_id, entries in own.items():
+        parent, depth, _ = lookup(step_id)
+        for field, entry in entries.items():
+            base = entry["base"]
+            if base is None:
+                continue
+            base_depth = lookup(base)[1]
+            if parent is None or base_depth >= depth or history.ancestor_in_memory(
+                parent, base_depth, lookup
+            ) != base:
+                raise IntegrityError(
+                    f"bundle step {step_id[:12]} builds its {field!r} on a step that is "
+                    "not one of its ancestors"
+                )
+
+
 def _blobs_of(body: bytes) -> list[str]:
     """Every blob a step body names (payload fields, then its own list items), in order."""
     value = json.loads(body)
@@ -137,6 +166,7 @@ def read_bundle(conn: Connection, file: IO[bytes], name: str | None) -> RunInfo:
             derived[step_id] = (parent, depth, skip_id)
     if head is not None and head not in by_id:
         raise IntegrityError("bundle head is not among its steps")
+    _check_list_bases(conn, step_rows, lookup)
     for note in note_rows:
         if note["step_id"] not in by_id:
             raise IntegrityError("bundle note is attached to a step outside the bundle")

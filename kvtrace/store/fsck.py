@@ -22,7 +22,7 @@ from sqlalchemy.engine import Connection
 from kvtrace.errors import IntegrityError, UsageError
 from kvtrace.store import lists
 from kvtrace.store.encoding import decode_body, decode_json_blob
-from kvtrace.store.history import skip_in_memory
+from kvtrace.store.history import ancestor_in_memory, skip_in_memory
 from kvtrace.store.records import FsckReport
 from kvtrace.store.schema import blobs, notes, reflog, refs, steps
 from kvtrace.store.validation import timestamp_problem
@@ -51,7 +51,7 @@ def check(conn: Connection) -> FsckReport:
                 for index, address in enumerate(entry["items"]):
                     payloads[row.id][f"{key}[{index}]"] = address
                     wanted.setdefault(address, "json")
-    problems.extend(_check_lists(list_entries))
+    problems.extend(_check_lists(list_entries, rows))
     problems.extend(_check_history(rows))
 
     blob_ids: set[str] = set()
@@ -123,9 +123,31 @@ def _check_refs(
     return problems
 
 
-def _check_lists(list_entries: dict[str, dict[str, Any]]) -> list[str]:
-    """Every list's chain of base steps exists, has the list, and is short enough."""
+def _check_lists(
+    list_entries: dict[str, dict[str, Any]],
+    rows: dict[str, tuple[str | None, int, str | None, int | None]],
+) -> list[str]:
+    """Every list builds on a strict ancestor that has the list, in a chain short enough."""
     problems: list[str] = []
+
+    def lookup(step_id: str) -> tuple[str | None, int, str | None]:
+        parent, depth, skip_id, _ = rows[step_id]
+        return parent, depth, skip_id
+
+    for step_id, entries in list_entries.items():
+        parent, depth = rows[step_id][0], rows[step_id][1]
+        for field, entry in entries.items():
+            base = entry["base"]
+            if base is None:
+                continue
+            try:
+                is_ancestor = base in rows and parent is not None and rows[base][1] < depth and (
+                    ancestor_in_memory(parent, rows[base][1], lookup) == base)
+            except KeyError:  # a broken parent chain, reported by _check_history
+                continue
+            if not is_ancestor:
+                problems.append(f"step {step_id[:12]}: list {field!r} builds on "
+                                f"{base[:12]}, which is not one of its ancestors")
     resolved: dict[lists.ListKey, lists.Resolved] = {}
 
     def fetch(ids: list[str]) -> dict[str, dict[str, Any]]:

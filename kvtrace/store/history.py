@@ -111,6 +111,22 @@ def skip_in_memory(
             raise IntegrityError(f"step {current[:12]} has no ancestor at depth {target}")
 
 
+def ancestor_in_memory(
+    start: str, target_depth: int, lookup: Callable[[str], tuple[str | None, int, str | None]]
+) -> str | None:
+    """The ancestor of `start` (or itself) at `target_depth`, walking rows given by
+    `lookup(id) -> (parent, depth, skip)` along skip pointers; None if there is none."""
+    current: str | None = start
+    while current is not None:
+        parent, depth, skip = lookup(current)
+        if depth <= target_depth:
+            return current if depth == target_depth else None
+        reach = skip_depth(depth)
+        current = skip if skip is not None and reach is not None and reach >= target_depth else (
+            parent)
+    return None
+
+
 def is_ancestor(conn: Connection, ancestor: str, descendant: str) -> bool:
     """Whether `ancestor` is a strict ancestor of `descendant`."""
     depths = dict(

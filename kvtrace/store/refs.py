@@ -23,7 +23,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
-from kvtrace.errors import ConflictError, RunPausedError
+from kvtrace.errors import ConflictError, RunPausedError, UsageError
 from kvtrace.store.schema import reflog, refs
 
 REASONS = ("create", "append", "fork", "revert", "reset", "import", "pause", "resume")
@@ -104,14 +104,24 @@ def pause_entry(conn: Connection, name: str) -> str | None:
     return last.message if last is not None and last.reason == "pause" else None
 
 
-def set_paused(
-    conn: Connection, name: str, head: str | None, *, paused: bool, message: str
-) -> None:
-    """Pause or resume run `name` at `head` (a swap onto the same head, then the entry)."""
-    result = conn.execute(_SWAP, {"ref_name": name, "old_head": head, "new_head": head})
-    if result.rowcount != 1:
-        raise ConflictError(f"run {name!r} moved while pausing it: try again")
-    _log(conn, name, head, head, "pause" if paused else "resume", message, time.time())
+def set_paused(conn: Connection, name: str, *, paused: bool, message: str) -> None:
+    """Pause or resume run `name`: lock its row, read its head, log the entry.
+
+    Locking and reading in one statement (an UPDATE onto the same head) means
+    a writer appending at that moment can neither slip in between nor make
+    the pause fail: it waits for the lock, then sees the pause.
+    """
+    head = conn.execute(
+        sa.update(refs).where(refs.c.name == name).values(head=refs.c.head)
+        .returning(refs.c.head)
+    ).first()
+    if head is None:
+        raise ConflictError(f"run {name!r} disappeared while pausing it")
+    if (pause_entry(conn, name) is not None) == paused:
+        raise UsageError(f"run {name!r} is {'already' if paused else 'not'} paused")
+    _log(conn, name, head.head, head.head, "pause" if paused else "resume", message, time.time())
+
+
 def last_logged(conn: Connection, name: str) -> tuple[int, str | None] | None:
     """(id, new head) of the newest reflog entry of ref `name`, or None if it has none.
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import io
 import json
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -81,7 +82,7 @@ class Store:
         # Resolved list fields by (step id, field): steps never change, so this is
         # always right; a model call finds the history it extends here.
         self._lists: dict[store_lists.ListKey, store_lists.Resolved] = {}
-        self._batch: Connection | None = None
+        self._batch: tuple[int, Connection] | None = None  # (thread, its transaction)
         self.url = url
 
     @property
@@ -112,12 +113,14 @@ class Store:
 
         What an import needs: a document recorded as many steps appears whole
         or not at all, even if the database fails half-way. Batches do not
-        nest, and a batch belongs to the thread that opened it.
+        nest, and a batch belongs to the thread that opened it. Inside a batch,
+        write through `Run` objects (which remember their head): reads open
+        their own transaction and do not see the batch's writes until it ends.
         """
         if self._batch is not None:
             raise UsageError("store batches do not nest")
         with write_transaction(self._writer) as conn:
-            self._batch = conn
+            self._batch = (threading.get_ident(), conn)
             try:
                 yield
             finally:
@@ -125,9 +128,14 @@ class Store:
 
     @contextmanager
     def _write(self) -> Iterator[Connection]:
-        """The batch's transaction when one is open, else a new write transaction."""
-        if self._batch is not None:
-            yield self._batch
+        """The batch's transaction in the thread that opened it, else a new write transaction.
+
+        Other threads never write through a batch: they wait for the database's
+        write lock (SQLite) or row locks (PostgreSQL) as with any writer.
+        """
+        batch = self._batch
+        if batch is not None and batch[0] == threading.get_ident():
+            yield batch[1]
             return
         with write_transaction(self._writer) as conn:
             yield conn
@@ -257,7 +265,8 @@ class Store:
                 sa.select(steps.c.body).where(steps.c.id == original.id)).scalar_one()))
             parent = (history.load_steps(conn, [original.parent_id], self._lists)[0]
                       if original.parent_id else None)
-        unknown = sorted(set(edit) - set(original.content))
+        optional = {"tools"} if original.kind == "model_call" else set()
+        unknown = sorted(set(edit) - set(original.content) - optional)
         if unknown:
             raise UsageError(f"step {original.short_id} has no field {unknown[0]!r} to edit "
                              f"(its fields: {', '.join(sorted(original.content))})")
@@ -265,7 +274,9 @@ class Store:
         list_fields = set(store_lists.lists_of(body)) | (
             {"messages"} if original.kind == "model_call" else set())
         raw_fields = set(body["raw"])
-        meta = {**original.meta, "edit_of": original.id}
+        # Measurements of the original call (usage, timings) do not describe the copy.
+        meta = {k: v for k, v in original.meta.items() if k not in ("usage", "timings")}
+        meta["edit_of"] = original.id
         return self.append(
             new_name, parent, original.kind,
             {k: v for k, v in content.items() if k not in list_fields | raw_fields},
@@ -376,14 +387,14 @@ class Store:
             resolve.head_id(conn, name)
             return pause_entry(conn, name) is not None
 
+    @retried
     def _set_paused(self, name: str, paused: bool, reason: str) -> None:
         if not isinstance(reason, str) or not reason.strip():
             raise UsageError("a pause or resume needs a reason (some text)")
+        name = normalize_run_name(name)
         with self._write() as conn:
-            head_id = resolve.head_id(conn, name)
-            if (pause_entry(conn, name) is not None) == paused:
-                raise UsageError(f"run {name!r} is {'already' if paused else 'not'} paused")
-            set_paused(conn, name, head_id, paused=paused, message=reason)
+            resolve.head_id(conn, name)  # an unknown run is an error
+            set_paused(conn, name, paused=paused, message=reason)
 
     def watch(
         self,
@@ -396,8 +407,12 @@ class Store:
         """Yield what happens to run `name` as it happens, from any process (see watch.py)."""
         from kvtrace.store.watch import watch
 
+        name = normalize_run_name(name)
         with read_transaction(self._reader) as conn:
             resolve.head_id(conn, name)  # an unknown run fails here, not on first iteration
+            if since is None:  # "from now on" means from this call, not the first next()
+                last = last_logged(conn, name)
+                since = last[0] if last is not None else 0
         return watch(self, name, since=since, timeout=timeout, poll_interval=poll_interval)
 
     # -- notes -----------------------------------------------------------------

@@ -226,3 +226,42 @@ def test_a_batch_lands_whole_or_not_at_all(store):
     assert store.head("whole").depth == 2 and store.fsck().is_ok
     with pytest.raises(UsageError), store.batch(), store.batch():
         pass
+
+
+def _forged_bundle(store, base_of_last: str) -> bytes:
+    """A bundle of run "b" whose last model call claims another base step (re-hashed)."""
+    import hashlib
+
+    buffer = io.BytesIO()
+    store.export_run("b", buffer)
+    lines = [json.loads(line) for line in buffer.getvalue().splitlines()]
+    steps = [line for line in lines if "step" in line]
+    last = steps[-1]
+    body = json.loads(last["body"])
+    body["lists"]["messages"]["base"] = base_of_last
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    new_id = hashlib.sha256(text.encode()).hexdigest()
+    last.update(step=new_id, body=text)
+    lines[0]["head"] = new_id
+    return b"\n".join(json.dumps(line).encode() for line in lines)
+
+
+@pytest.mark.parametrize("which", ["a note, which has no messages", "a step off the chain"])
+def test_a_bundle_whose_list_builds_on_a_non_ancestor_is_refused(store, store_urls, which):
+    run = store.run("b")
+    run.record_model_call([{"role": "user", "content": "q1"}], "a1", model="m")
+    note = run.record_note("between")
+    run.record_model_call([{"role": "user", "content": "q1"}, {"role": "assistant",
+                          "content": "a1"}, {"role": "user", "content": "q2"}], "a2", model="m")
+    other = store.run("elsewhere").record_model_call([{"role": "user", "content": "q1"}], "a1",
+                                                      model="other")
+    forged = _forged_bundle(store, note.id if which.startswith("a note") else other.id)
+    target = open_store(store_urls())
+    if not which.startswith("a note"):  # the off-chain step is in the target store
+        target.run("elsewhere").record_model_call([{"role": "user", "content": "q1"}], "a1",
+                                                   model="other")
+    before = target.runs()
+    with pytest.raises(IntegrityError):
+        target.import_bundle(io.BytesIO(forged), name="forged")
+    assert target.runs() == before
+    target.close()

@@ -167,3 +167,36 @@ def test_watch_on_postgresql_wakes_on_notify_not_on_polling(store_url):
     assert event.kind == "step" and time.monotonic() - started < 15
     del run
     store.close()
+
+
+def test_a_watch_starts_when_it_is_called_not_when_first_read(store):
+    store.run("w").record_tool_call("t", {}, 0)
+    events = store.watch("w", timeout=0.5)  # set up, then the worker starts
+    store.run("w").record_tool_call("t", {}, 1)
+    assert [e.step.content["result"] for e in events if e.kind == "step"] == [1]
+
+
+def test_an_edited_fork_drops_the_originals_measurements_and_may_add_tools(store):
+    run = store.run("u")
+    run.record_model_call([{"role": "user", "content": "q"}], "a", model="m",
+                          usage={"prompt_tokens": 9, "cached_tokens": 4}, timings={"s": 1.0})
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    head = store.fork("u", "u-edit", edit={"tools": tools}).head
+    assert head.content["tools"] == tools and head.meta["model"] == "m"
+    assert "usage" not in head.meta and "timings" not in head.meta
+
+
+def test_a_batch_is_its_threads_alone(store):
+    import threading
+
+    results: list[int] = []
+    with store.batch():
+        store.run("mine").record_tool_call("t", {}, 1)
+        worker = threading.Thread(target=lambda: results.append(
+            store.run("theirs").record_tool_call("t", {}, 2).depth))
+        worker.start()
+        worker.join(timeout=0.5)  # blocked on the write lock, not writing through the batch
+        assert results == [] or store.engine.dialect.name == "postgresql"
+    worker.join(timeout=30)
+    assert results == [1]
+    assert {r.name for r in store.runs()} == {"mine", "theirs"}
