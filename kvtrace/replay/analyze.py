@@ -11,7 +11,8 @@ sides, and names the likely cause by comparing the two calls' messages:
   system prompt), so everything after it misses;
 - ``changing_number``: some other number changed (a counter, an id);
 - ``reordered_list``: the same lines or items in another order (a tool list
-  built from an unordered set, say);
+  built from an unordered set, say), in a message or in the request's `tools`;
+- ``changed_tools``: the request's tool definitions changed between calls;
 - ``inserted_in_front``: new text or messages put before earlier context (a
   retrieved document inserted ahead of the conversation);
 - ``messages_removed``: earlier messages dropped (context trimming);
@@ -25,6 +26,7 @@ sides, and names the likely cause by comparing the two calls' messages:
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -267,6 +269,13 @@ def _cause(
     tokenizer: Tokenizer,
 ) -> tuple[str, str, int | None]:
     """Name why the prompt parts from the previous context (see the module docstring)."""
+    old_tools, new_tools = step_tools(prev_step) or [], step_tools(step) or []
+    if old_tools != new_tools and at < len(prev_prompt):
+        if sorted(map(_key, old_tools)) == sorted(map(_key, new_tools)):
+            return ("reordered_list", "the same tools in another order; sort the tool list so "
+                    "that it renders identically every call", None)
+        return ("changed_tools", "the request's tool definitions changed; keep the tool list "
+                "stable across calls (tools render at the start of the prompt)", None)
     now = step_messages(step)
     prev_response = response_message(prev_step)
     before = [*step_messages(prev_step), prev_response]
@@ -315,6 +324,10 @@ def _cause(
         return ("changing_number", f"a number in {where} changes between calls "
                 "(a counter or id?); keep the prefix stable", k)
     return ("changed_message", f"{where} differs from the previous call's", k)
+
+
+def _key(value: Any) -> str:
+    return json.dumps(value, sort_keys=True)
 
 
 def _calls(n: int) -> str:

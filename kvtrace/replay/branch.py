@@ -71,7 +71,7 @@ class BranchReport:
 
     spec: str
     fork_step: Step  # the step every branch starts from (the edited copy, with an edit)
-    prefix_tokens: int  # tokens of the prefix, rebuilt once
+    prefix_tokens: int  # prompt tokens of the prefix's model calls, rebuilt once
     prefix_computed_tokens: int  # of those, computed (the rest came from the cache)
     branches: list[Branch]
 
@@ -118,8 +118,8 @@ def branch_out(
     for name in names[1:]:
         store.fork(fork_step.id, name)
     warm = checkout(store, names[0], backend)
-    prefix_tokens = sum(s.prompt_tokens + s.output_tokens for s in warm.steps)
-    prefix_computed = sum((s.computed_tokens or 0) + s.output_tokens for s in warm.steps)
+    prefix_tokens = sum(s.prompt_tokens for s in warm.steps)
+    prefix_computed = sum(s.computed_tokens or 0 for s in warm.steps)
     first_seed = 0 if seed is None else seed
     branches: list[Branch] = []
     for index, name in enumerate(names):

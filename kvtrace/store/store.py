@@ -65,6 +65,7 @@ if TYPE_CHECKING:
     from kvtrace.store.watch import WatchEvent
 
 _MAX_KNOWN = 200_000
+_MAX_LISTS = 20_000  # resolved lists kept (each a tuple of its item addresses)
 _LIST_BASE_SEARCH = 16  # steps back from a new step to look for its list's base
 
 
@@ -189,6 +190,12 @@ class Store:
         with read_transaction(self._reader) as conn:
             return history.load_steps(conn, [resolve.step_id(conn, spec)], self._lists)[0]
 
+    def _lists_cache(self) -> dict[store_lists.ListKey, store_lists.Resolved]:
+        """The resolved-list cache, emptied when it grows past its bound (readers fill it)."""
+        if len(self._lists) >= _MAX_LISTS:
+            self._lists.clear()
+        return self._lists
+
     def log(self, spec: str, *, limit: int | None = None) -> Iterator[Step]:
         """Steps from `spec` (a run means its head) back to the root, head first.
 
@@ -198,7 +205,7 @@ class Store:
         with read_transaction(self._reader) as conn:
             start = resolve.step_id_or_empty(conn, spec)
             chain = history.chain(conn, start, limit) if start else []
-            return iter(history.load_steps(conn, chain, self._lists))
+            return iter(history.load_steps(conn, chain, self._lists_cache()))
 
     def graph(self, spec: str, *, limit: int | None = None) -> list[GraphRow]:
         """`log` plus, per step, the runs whose head it is and the branches (runs) leaving it."""
@@ -556,7 +563,7 @@ class Store:
                 create_ref(conn, name, step_id, reason="fork", message=new_run)
             else:
                 move_ref(conn, name, parent_id, step_id, reason="append", message=kind)
-        if len(self._known) >= _MAX_KNOWN:
+        if len(self._known) >= _MAX_KNOWN or len(self._lists) >= _MAX_LISTS:
             self._known.clear()
             self._lists.clear()
         self._known[step_id] = (parent_id, depth, skip_id)

@@ -285,3 +285,18 @@ def test_a_store_of_the_version_1_encoding_replays_and_verifies(tiny_engine, tmp
     assert len(verify.steps) == 3 and all(s.is_match is not None for s in verify.steps)
     assert store.fsck().is_ok
     store.close()
+
+
+@pytest.mark.parametrize(("second", "cause"), [("reversed", "reordered_list"),
+                                               ("changed", "changed_tools")])
+def test_analyze_names_a_tool_list_that_changes_between_calls(replay_store, byte_tokenizer,
+                                                             second, cause):
+    tools = [{"type": "function", "function": {"name": n}} for n in ("a", "b")]
+    later = list(reversed(tools)) if second == "reversed" else [tools[0]]
+    run = replay_store.run("t")
+    question = [{"role": "user", "content": "q"}]
+    first = run.record_model_call(question, "one", model="m", tools=tools)
+    run.record_model_call([*question, first.content["response"],
+                           {"role": "user", "content": "more"}], "two", model="m", tools=later)
+    (breaker,) = analyze(replay_store, "t", byte_tokenizer).breakers
+    assert breaker.cause == cause
