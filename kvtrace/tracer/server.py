@@ -1,8 +1,8 @@
 """`kvtrace serve`: an OpenAI-compatible server that records every call into a run.
 
 Routes: `POST /v1/chat/completions` (plain and SSE streaming, tools),
-`GET /v1/models`, `GET /health`; in upstream mode every other `/v1/...`
-request is forwarded too (and recorded as an http step).
+`GET /v1/models`, `GET /health`, `GET /openapi.json` (openapi.py); in upstream
+mode every other `/v1/...` request is forwarded too (and recorded as an http step).
 
 - **local** (`answerer`): the engine with its prefix cache answers (local.py).
 - **upstream** (`upstream="http://host:port/v1"`): the request goes on with
@@ -46,6 +46,7 @@ from kvtrace.tracer import sse
 from kvtrace.tracer.api import APIError, ChatRequest, parse_chat_request
 from kvtrace.tracer.exchange import Exchange, decoded_body, record_exchange
 from kvtrace.tracer.local import LocalAnswer, LocalAnswerer
+from kvtrace.tracer.openapi import chat_operation
 from kvtrace.tracer.recorder import Recorder
 from kvtrace.tracer.redact import Redactor
 
@@ -139,7 +140,8 @@ class ChatServer:
                 self._store_worker.shutdown(wait=True)
 
         app = FastAPI(title="kvtrace serve", lifespan=lifespan, docs_url=None, redoc_url=None,
-                      openapi_url=None)
+                      openapi_url="/openapi.json")
+        model = self.answerer.model_name if self.answerer is not None else None
 
         @app.exception_handler(APIError)
         async def api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -171,7 +173,7 @@ class ChatServer:
                 "owned_by": "kvtrace",
             }]})
 
-        @app.post("/v1/chat/completions")
+        @app.post("/v1/chat/completions", openapi_extra=chat_operation(model))
         async def chat(request: Request) -> Response:
             self._authorize(request)
             run = self._run_for(request)
