@@ -238,10 +238,14 @@ def _choose(
 ) -> int:
     if temperature == 0 or generator is None:
         return int(torch.argmax(logits).item())
-    probs = torch.softmax(logits / temperature, dim=-1)
+    # In float64 (1e-300 is 0 in float32) and shifted so the top logit is 0: a temperature
+    # near 0 then sends the others to -inf, not inf - inf = NaN (greedy, as in the limit).
+    shifted = logits.double() - logits.max().double()
+    probs = torch.softmax(shifted / temperature, dim=-1).to(logits.dtype)
     if top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
         keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < top_p
+        keep[..., 0] = True  # the top token always (a top_p of 1e-300 is 0 in float32)
         sorted_probs = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
         choice = torch.multinomial(sorted_probs, 1, generator=generator)
         return int(order[choice].item())

@@ -62,7 +62,7 @@ def normalize_message(message: Any, where: str = "message") -> dict[str, Any]:
     if not isinstance(plain, dict):
         raise UsageError(f"{where} must be an object with role and content")
     role = plain.get("role")
-    if role not in ROLES:
+    if not isinstance(role, str) or role not in ROLES:  # a list or dict is not hashable
         raise UsageError(f"{where}.role is {role!r}: use one of {', '.join(sorted(ROLES))}")
     out: dict[str, Any] = {key: value for key, value in plain.items() if value is not None}
     out["content"] = _content(plain.get("content"), f"{where}.content")
