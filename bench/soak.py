@@ -1,0 +1,290 @@
+"""Soak test of `kvtrace serve` (local mode): N concurrent clients for T seconds, on loopback.
+
+    .venv/bin/python bench/soak.py --clients 4 --seconds 60 [--model tiny|PATH]
+
+Starts the server in its own process (the same ChatServer and uvicorn runner
+as `kvtrace serve`, on 127.0.0.1, port chosen by the kernel) with a new
+SQLite store and KV folder in a temporary directory and explicit cache
+budgets; then N client threads (httpx) send chat requests in turn: plain,
+streamed (with usage), with tools and a tool turn, and extending one
+conversation the clients share (each answer appended, so prefixes are
+reused; it starts again past 24 messages). It prints one JSON object:
+requests served and errors (target 0), p50/p95 latency, the server's RSS
+after a warm-up request and at the end against the memory tier's budget,
+the disk tier's size against its budget, and the store's fsck after the
+server stopped, with the number of steps recorded (one per answered
+request). Exit code 1 when an error, a missing step, fsck problems or RSS
+growth past the memory budget shows up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+RUN = "soak"
+MAX_TOKENS = 12
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}]
+SYSTEM = {"role": "system", "content": "You are a helpful assistant. Answer briefly."}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", type=int, default=4)
+    parser.add_argument("--seconds", type=float, default=60.0)
+    parser.add_argument("--model", default=None,
+                        help="a model folder, 'tiny' (a random 2-layer model, for smoke "
+                        "tests), or the embedded default model when omitted")
+    parser.add_argument("--memory-mib", type=int, default=64, help="KV memory tier budget")
+    parser.add_argument("--disk-mib", type=int, default=256, help="KV disk tier budget")
+    parser.add_argument("--serve", metavar="FOLDER", help=argparse.SUPPRESS)  # the child
+    args = parser.parse_args(argv)
+    if args.serve:
+        return _serve(Path(args.serve), args)
+    if args.clients < 1 or args.seconds <= 0:
+        parser.error("--clients must be >= 1 and --seconds > 0")
+    with tempfile.TemporaryDirectory(prefix="kvtrace-soak-") as folder:
+        report = soak(Path(folder), args)
+    print(json.dumps(report, indent=2))
+    return 0 if report["ok"] else 1
+
+
+# -- the server process ---------------------------------------------------------------------
+
+
+def _serve(folder: Path, args: argparse.Namespace) -> int:
+    """Run the server until stdin closes; print its URL once it accepts connections."""
+    from kvtrace import open_store
+    from kvtrace.engine import KVCache, build_tiny_model, default_model_dir, load_engine
+    from kvtrace.paths import default_cache_dir
+    from kvtrace.replay.local import LocalBackend
+    from kvtrace.tracer.local import LocalAnswerer
+    from kvtrace.tracer.runner import BackgroundServer
+    from kvtrace.tracer.server import ChatServer
+
+    model: str | Path | None = args.model
+    if model == "tiny":
+        model = build_tiny_model(folder / "tiny-model", seed=5,
+                                 tokenizer_dir=default_model_dir(default_cache_dir()))
+    engine = load_engine(model, cache_dir=default_cache_dir())
+    cache = KVCache(engine, disk_dir=folder / "kv", memory_bytes=args.memory_mib * 2**20,
+                    disk_bytes=args.disk_mib * 2**20)
+    with open_store(f"sqlite:///{folder / 'store.db'}") as store:
+        server = ChatServer(store, run=RUN, answerer=LocalAnswerer(
+            LocalBackend(engine, cache), max_queue=max(16, args.clients)))
+        with BackgroundServer(server.app) as running:
+            print(json.dumps({"url": running.url, "model": engine.name}), flush=True)
+            sys.stdin.read()  # the parent closes it to stop us
+    return 0
+
+
+def _rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for process {pid}")
+
+
+def _folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+# -- the clients ----------------------------------------------------------------------------
+
+
+class Clients:
+    """N threads sending requests in turn until the deadline; results gathered here."""
+
+    def __init__(self, url: str, model: str) -> None:
+        self.url, self.model = url, model
+        self.latencies: list[float] = []
+        self.errors: list[str] = []
+        self.kinds: dict[str, int] = {}
+        self.num_streamed_done = 0
+        self._lock = threading.Lock()
+        self._conversation: list[dict[str, Any]] = [SYSTEM]
+
+    def run(self, num_clients: int, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        threads = [threading.Thread(target=self._client, args=(i, deadline))
+                   for i in range(num_clients)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+
+    def _client(self, index: int, deadline: float) -> None:
+        with httpx.Client(base_url=self.url, timeout=120) as http:
+            turn = index
+            while time.monotonic() < deadline:
+                kind = ("plain", "stream", "tools", "shared")[turn % 4]
+                turn += 1
+                started = time.perf_counter()
+                try:
+                    getattr(self, f"_{kind}")(http, index, turn)
+                except Exception as exc:  # every failure is counted and named, none stops us
+                    with self._lock:
+                        self.errors.append(f"{kind}: {type(exc).__name__}: {exc}"[:300])
+                    continue
+                with self._lock:
+                    self.latencies.append(time.perf_counter() - started)
+                    self.kinds[kind] = self.kinds.get(kind, 0) + 1
+
+    def _post(self, http: httpx.Client, messages: list[dict[str, Any]],
+              **options: Any) -> dict[str, Any]:
+        response = http.post("/chat/completions", json={
+            "model": self.model, "messages": messages, "max_tokens": MAX_TOKENS, **options})
+        if response.status_code != 200:
+            raise RuntimeError(f"HTTP {response.status_code}: {response.text[:200]}")
+        return dict(response.json())
+
+    def _plain(self, http: httpx.Client, index: int, turn: int) -> None:
+        self._post(http, [SYSTEM, {"role": "user", "content": f"Client {index}, turn {turn}: "
+                                   "name a colour."}])
+
+    def _stream(self, http: httpx.Client, index: int, turn: int) -> None:
+        body = {"model": self.model, "max_tokens": MAX_TOKENS, "stream": True,
+                "stream_options": {"include_usage": True},
+                "messages": [SYSTEM, {"role": "user", "content": f"Count to {turn % 7 + 2}."}]}
+        with http.stream("POST", "/chat/completions", json=body) as response:
+            if response.status_code != 200:
+                raise RuntimeError(f"HTTP {response.status_code}")
+            lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+        if not lines or lines[-1] != "data: [DONE]":
+            raise RuntimeError(f"the stream ended without [DONE] after {len(lines)} events")
+        with self._lock:
+            self.num_streamed_done += 1
+
+    def _tools(self, http: httpx.Client, index: int, turn: int) -> None:
+        city = ("Oslo", "Paris", "Lima", "Kyoto")[turn % 4]
+        messages: list[dict[str, Any]] = [
+            SYSTEM, {"role": "user", "content": f"What is the weather in {city}?"}]
+        if turn % 2:
+            messages += [
+                {"role": "assistant", "content": None, "tool_calls": [{
+                    "id": f"call_{index}_{turn}", "type": "function",
+                    "function": {"name": "get_weather", "arguments": json.dumps({"city": city})}}]},
+                {"role": "tool", "tool_call_id": f"call_{index}_{turn}", "content": "sunny, 21 C"},
+            ]
+        self._post(http, messages, tools=TOOLS, tool_choice="auto")
+
+    def _shared(self, http: httpx.Client, index: int, turn: int) -> None:
+        with self._lock:
+            if len(self._conversation) > 24:
+                self._conversation = [SYSTEM]
+            messages = [*self._conversation,
+                        {"role": "user", "content": f"Client {index} adds point {turn}."}]
+        answer = self._post(http, messages)["choices"][0]["message"]
+        with self._lock:
+            if len(self._conversation) == len(messages) - 1:  # nobody extended it meanwhile
+                self._conversation = [*messages, {"role": "assistant",
+                                                  "content": answer.get("content") or ""}]
+
+
+# -- the soak -------------------------------------------------------------------------------
+
+
+def soak(folder: Path, args: argparse.Namespace) -> dict[str, Any]:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    command = [sys.executable, __file__, "--serve", str(folder), "--clients", str(args.clients),
+               "--memory-mib", str(args.memory_mib), "--disk-mib", str(args.disk_mib)]
+    if args.model:
+        command += ["--model", args.model]
+    child = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+                             text=True)
+    try:
+        if child.stdout is None or child.stdin is None:
+            raise RuntimeError("the server's pipes are missing")
+        ready = child.stdout.readline()
+        if not ready:
+            raise RuntimeError(f"the server exited with {child.wait()} before it was ready")
+        started = json.loads(ready)
+        clients = Clients(started["url"], started["model"])
+        with httpx.Client(base_url=started["url"], timeout=120) as http:
+            clients._plain(http, -1, 0)  # warm-up: torch's first allocations are not growth
+        rss_start = _rss_bytes(child.pid)
+        rss_peak = rss_start
+        sampling = threading.Event()
+
+        def sample() -> None:
+            nonlocal rss_peak
+            while not sampling.wait(0.5):
+                rss_peak = max(rss_peak, _rss_bytes(child.pid))
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        began = time.monotonic()
+        clients.run(args.clients, args.seconds)
+        elapsed = time.monotonic() - began
+        sampling.set()
+        sampler.join()
+        rss_end = _rss_bytes(child.pid)
+        disk_bytes = _folder_bytes(folder / "kv")
+        child.stdin.close()
+        code = child.wait(timeout=120)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    return _report(folder, args, clients, elapsed=elapsed, code=code, rss=(rss_start, rss_end,
+                   rss_peak), disk_bytes=disk_bytes)
+
+
+def _report(folder: Path, args: argparse.Namespace, clients: Clients, *, elapsed: float,
+            code: int, rss: tuple[int, int, int], disk_bytes: int) -> dict[str, Any]:
+    from kvtrace import open_store
+
+    with open_store(f"sqlite:///{folder / 'store.db'}") as store:
+        fsck = store.fsck()
+        num_recorded = len(store.path(RUN))
+    served = len(clients.latencies)
+    latencies = sorted(clients.latencies)
+    memory_budget = args.memory_mib * 2**20
+    rss_start, rss_end, rss_peak = rss
+    is_rss_ok = rss_end - rss_start <= memory_budget
+    report = {
+        "command": f"bench/soak.py --clients {args.clients} --seconds {args.seconds:g}"
+                   + (f" --model {args.model}" if args.model else ""),
+        "model": clients.model, "clients": args.clients, "seconds": round(elapsed, 1),
+        "requests_served": served, "requests_by_kind": clients.kinds,
+        "streams_completed": clients.num_streamed_done,
+        "requests_per_s": round(served / elapsed, 2),
+        "errors": len(clients.errors), "first_errors": clients.errors[:5],
+        "latency_s": {
+            "p50": round(statistics.median(latencies), 3) if latencies else None,
+            "p95": round(latencies[int(0.95 * (len(latencies) - 1))], 3) if latencies else None,
+            "max": round(latencies[-1], 3) if latencies else None,
+        },
+        "steps_recorded": num_recorded - 1,  # less the warm-up request
+        "server_rss_mib": {"start": round(rss_start / 2**20, 1), "end": round(rss_end / 2**20, 1),
+                           "peak": round(rss_peak / 2**20, 1),
+                           "growth": round((rss_end - rss_start) / 2**20, 1)},
+        "kv_memory_budget_mib": args.memory_mib,
+        "rss_growth_within_memory_budget": is_rss_ok,
+        "kv_disk_mib": round(disk_bytes / 2**20, 1), "kv_disk_budget_mib": args.disk_mib,
+        "server_exit_code": code,
+        "fsck": fsck.to_dict(),
+    }
+    report["ok"] = (not clients.errors and served > 0 and num_recorded - 1 == served
+                    and fsck.is_ok and is_rss_ok and disk_bytes <= args.disk_mib * 2**20
+                    and code == 0)
+    return report
+
+
+if __name__ == "__main__":
+    sys.exit(main())
