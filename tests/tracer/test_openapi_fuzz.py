@@ -5,7 +5,7 @@ a loopback port; schemathesis loads `GET /openapi.json` from it and
 generates requests for every operation, valid ones and ones that break the
 schema. For each: no 5xx; a rejected request (4xx) leaves the store's steps
 as they were; an accepted chat completion adds exactly one step.
-KVTRACE_SCHEMATHESIS_EXAMPLES sets the number of requests (80).
+KVTRACE_SCHEMATHESIS_EXAMPLES sets the number of requests (60).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from kvtrace.store.schema import steps
 
 schemathesis = pytest.importorskip("schemathesis")
 
-EXAMPLES = int(os.environ.get("KVTRACE_SCHEMATHESIS_EXAMPLES", "80"))
+EXAMPLES = int(os.environ.get("KVTRACE_SCHEMATHESIS_EXAMPLES", "60"))
 
 
 def num_steps(store) -> int:
