@@ -19,4 +19,4 @@ def test_a_short_soak_serves_every_request_records_each_once_and_leaves_fsck_cle
     assert report["steps_recorded"] == report["requests_served"]
     assert report["streams_completed"] == report["requests_by_kind"].get("stream", 0)
     assert report["fsck"]["ok"] and report["fsck"]["problems"] == []
-    assert report["rss_growth_within_memory_budget"] and report["server_exit_code"] == 0
+    assert report["rss_growth_within_budget"] and report["server_exit_code"] == 0
