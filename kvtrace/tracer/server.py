@@ -183,7 +183,6 @@ class ChatServer:
                 return await self._forward(request, data, run=run)
             return await self._answer_locally(request, chat, run)
 
-        @app.api_route("/v1/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
         async def other(request: Request, path: str) -> Response:
             self._authorize(request)
             if self.answerer is not None:
@@ -192,6 +191,9 @@ class ChatServer:
             run = self._run_for(request)
             return await self._forward(request, await self._body(request), run=run)
 
+        for method in ("GET", "POST", "PUT", "PATCH", "DELETE"):  # one operationId each
+            app.add_api_route("/v1/{path:path}", other, methods=[method],
+                              operation_id=f"forward_{method.lower()}")
         return app
 
     # -- checks --------------------------------------------------------------------------

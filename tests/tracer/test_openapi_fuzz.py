@@ -50,6 +50,9 @@ def test_generated_requests_never_get_a_5xx_and_a_rejected_one_records_nothing(
     schema = schemathesis.openapi.from_url(f"{base}/openapi.json")
     paths = set(schema.raw_schema["paths"])
     assert {"/v1/chat/completions", "/v1/models", "/health"} <= paths
+    operation_ids = [operation["operationId"] for item in schema.raw_schema["paths"].values()
+                     for operation in item.values()]
+    assert len(operation_ids) == len(set(operation_ids))  # unique, as OpenAPI requires
     chat = schema["/v1/chat/completions"]["POST"]
     cases = st.one_of(chat.as_strategy(GenerationMode.POSITIVE),
                       chat.as_strategy(GenerationMode.NEGATIVE),
