@@ -128,6 +128,18 @@ def render_tool_call(call: Mapping[str, Any]) -> str:
     return f"{TOOL_CALL_OPEN}\n{json.dumps(body, ensure_ascii=False)}\n{TOOL_CALL_CLOSE}"
 
 
+def id_seed(messages: Sequence[Mapping[str, Any]]) -> str:
+    """What tool-call ids of a response to `messages` derive from: the conversation.
+
+    Every path that reads generated tool calls (the server, continue, branch)
+    seeds with it, so the same call in two turns of a conversation gets two
+    ids, and the same generation for the same conversation the same id.
+    """
+    text = json.dumps([dict(m) for m in messages], sort_keys=True, ensure_ascii=False,
+                      default=str)
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
 def parse_assistant_text(text: str, *, id_seed: str = "") -> dict[str, Any]:
     """A generated text as an assistant message, its ``<tool_call>`` blocks as `tool_calls`.
 

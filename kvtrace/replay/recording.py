@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvtrace.errors import ReplayError
-from kvtrace.rendering import assistant_text, content_text, parse_assistant_text
+from kvtrace.rendering import assistant_text, content_text, id_seed, parse_assistant_text
 from kvtrace.replay.backend import CallResult, Message, SamplingParams, Tokenizer
 from kvtrace.store import Run, Step
 
@@ -140,8 +140,8 @@ def record_generation(
     recorded = params.to_dict()
     if recorded["seed"] is None and result.seed is not None:
         recorded["seed"] = result.seed  # a fresh random seed: keep it, or verify cannot work
-    response = (parse_assistant_text(result.text) if tools is not None
-                else assistant_message(result.text))
+    response = (parse_assistant_text(result.text, id_seed=id_seed(messages))
+                if tools is not None else assistant_message(result.text))
     return run.record_model_call(
         messages,
         response,

@@ -127,9 +127,9 @@ class LocalAnswerer:
                 text, finish = text[: text.index(stop)], "stop"
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if request.parses_tool_calls:
-            from kvtrace.rendering import parse_assistant_text
+            from kvtrace.rendering import id_seed, parse_assistant_text
 
-            message = parse_assistant_text(text, id_seed=str(prompt[-64:]))
+            message = parse_assistant_text(text, id_seed=id_seed(request.messages))
             if message.get("tool_calls"):
                 finish = "tool_calls"
         completion_tokens = len(result.output_ids or [])
