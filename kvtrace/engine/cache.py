@@ -8,6 +8,17 @@ tail into the tree, and every full block not yet on disk. Both tiers are
 keyed by the engine fingerprint (the tree belongs to one engine; the disk
 chain is seeded with the fingerprint), so KV never crosses models.
 
+The live sequence: the last sequence prefill computed keeps its per-layer KV
+tensors (`keep_live`), as the DynamicCache held them. A lookup whose hit the
+live sequence covers hands those tensors out (`PrefixHit.live`) instead of
+the tree's pieces, so the prompt that extends the previous one (every call
+of an agent run) starts from views, with no copy. It changes no accounting:
+the hit is what the tiers hold, the live sequence only saves assembling it.
+Its tensors are never written in place (DynamicCache grows by `torch.cat`),
+so views handed out stay valid; a lookup that uses them lets go of the
+record, so the old tensors are freed as the new prefill replaces them, layer
+by layer.
+
 The cache never computes anything: `kvtrace.engine.prefill` calls it.
 """
 
@@ -24,7 +35,7 @@ import torch
 from kvtrace.engine.disk import BlockStore
 from kvtrace.engine.model import Engine
 from kvtrace.engine.radix import KVSource, RadixNode, RadixTree
-from kvtrace.errors import UsageError
+from kvtrace.errors import CacheError, UsageError
 
 DEFAULT_BLOCK_SIZE = 64
 DEFAULT_MEMORY_BYTES = 2 * 1024**3
@@ -46,6 +57,15 @@ class PrefixHit:
     num_disk_blocks: int
     pieces: tuple[tuple[torch.Tensor, torch.Tensor], ...]
     pinned: RadixNode | None
+    live: tuple[tuple[torch.Tensor, torch.Tensor], ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LiveSequence:
+    """The last computed sequence's KV, per layer `[1, kv_heads, >= n, head_dim]`."""
+
+    tokens: tuple[int, ...]
+    layers: tuple[tuple[torch.Tensor, torch.Tensor], ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +107,7 @@ class KVCache:
         self.disk = BlockStore(disk_dir, block_size=block_size) if disk_dir is not None else None
         self.disk_bytes = disk_bytes
         self._disk_total: int | None = None
+        self._live: LiveSequence | None = None
         self._lock = threading.RLock()
 
     # -- lookup ---------------------------------------------------------------
@@ -124,14 +145,52 @@ class KVCache:
             pinned = node if node is not self.memory.root else None
             if pinned is not None:
                 self.memory.pin(pinned)
+            num_tokens = num_memory + num_disk
+            live = self._take_live(tokens, num_tokens)
             return PrefixHit(
-                num_tokens=num_memory + num_disk,
+                num_tokens=num_tokens,
                 num_memory_tokens=num_memory,
                 num_disk_tokens=num_disk,
                 num_disk_blocks=num_disk_blocks,
-                pieces=tuple(pieces),
+                pieces=() if live is not None else tuple(pieces),
                 pinned=pinned,
+                live=live,
             )
+
+    def keep_live(
+        self, tokens: Sequence[int], layers: Sequence[tuple[torch.Tensor, torch.Tensor]]
+    ) -> None:
+        """Remember the KV of a sequence just computed (and inserted) as the live one.
+
+        `layers` are the DynamicCache's per-layer (keys, values), at least
+        `len(tokens)` rows each, canonical in their first `len(tokens)` rows.
+        """
+        for keys, values in layers:
+            if keys.shape[2] < len(tokens) or values.shape[2] < len(tokens):
+                raise CacheError("live KV is shorter than its tokens")
+        with self._lock:
+            self._live = LiveSequence(tuple(tokens), tuple(layers))
+
+    def drop_live(self) -> None:
+        """Forget the live sequence (its KV stays in the tiers)."""
+        with self._lock:
+            self._live = None
+
+    def _take_live(
+        self, tokens: Sequence[int], num_tokens: int
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor], ...] | None:
+        """The live sequence's layers when they cover `tokens[:num_tokens]`, taken out.
+
+        Taken, not shared: the caller builds the next sequence from them, and
+        the record would otherwise keep the old tensors alive beside the new.
+        """
+        live = self._live
+        if live is None or num_tokens == 0 or len(live.tokens) < num_tokens:
+            return None
+        if _common_prefix(live.tokens, tokens, num_tokens) < num_tokens:
+            return None
+        self._live = None
+        return live.layers
 
     def release(self, hit: PrefixHit) -> None:
         """Unpin what `lookup` pinned."""
@@ -205,9 +264,10 @@ class KVCache:
     # -- inventory --------------------------------------------------------------
 
     def clear_memory(self) -> None:
-        """Drop the memory tier (the disk tier is untouched)."""
+        """Drop the memory tier and the live sequence (the disk tier is untouched)."""
         with self._lock:
             self.memory.clear()
+            self._live = None
 
     def memory_stats(self) -> TierStats:
         return TierStats(
@@ -232,6 +292,17 @@ class KVCache:
     @property
     def disk_root(self) -> Path | None:
         return self.disk.root if self.disk is not None else None
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    """Length of the common prefix of `a` and `b`, up to `limit`."""
+    n = min(len(a), len(b), limit)
+    if list(a[:n]) == list(b[:n]):  # the usual case, at C speed
+        return n
+    i = 0
+    while a[i] == b[i]:
+        i += 1
+    return i
 
 
 def check_block_size(block_size: int) -> None:
