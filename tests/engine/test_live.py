@@ -84,7 +84,7 @@ def test_a_span_of_logits_is_bit_identical_whatever_the_reuse(tiny_engine, token
     """Draft checks keep every response position's logits; the split must not show."""
     sequence = tokens(130, seed=50)
     cache = KVCache(tiny_engine)
-    prefill(tiny_engine, cache, sequence[:offset] + [3])
+    prefill(tiny_engine, cache, [*sequence[:offset], 3])
 
     hot = prefill(tiny_engine, cache, sequence, logits_from=100)
     cold = prefill(tiny_engine, None, sequence, logits_from=100)
@@ -100,7 +100,7 @@ def test_clear_memory_drops_the_live_sequence(tiny_engine, tokens, make_cache):
     prefill(tiny_engine, cache, first)
     cache.clear_memory()
 
-    hit = cache.lookup(first + [5])
+    hit = cache.lookup([*first, 5])
     cache.release(hit)
 
     assert hit.live is None
@@ -115,7 +115,7 @@ def test_default_model_hits_of_any_length_are_bit_identical_to_cold(
     """Tails of 1 to ~650 rows, one forward or two, on the real model's GEMMs."""
     sequence = tokens(MAX_CHUNK_ROWS + 150, seed=52)
     cache = KVCache(default_engine)
-    prefill(default_engine, cache, sequence[:offset] + [7])
+    prefill(default_engine, cache, [*sequence[:offset], 7])
     prefill(default_engine, cache, sequence[: offset + 5])  # a tail of 5 rows
 
     hot = prefill(default_engine, cache, sequence)
