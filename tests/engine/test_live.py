@@ -121,6 +121,6 @@ def test_default_model_hits_of_any_length_are_bit_identical_to_cold(
     hot = prefill(default_engine, cache, sequence)
     cold = prefill(default_engine, None, sequence)
 
-    assert hot.num_memory_tokens == offset + 4
+    assert hot.num_memory_tokens == offset + 5
     assert torch.equal(hot.logits, cold.logits)
     assert kv_equal(hot, cold)
