@@ -172,11 +172,13 @@ def run_replay_bench(*, cache_dir: Path, model: str | None = None, fresh: bool =
             name = f"{AGENT_RECIPE}-{calls or NUM_CALLS}-{engine.fingerprint[:12]}"
             if name not in {r.name for r in store.runs()}:
                 with tempfile.TemporaryDirectory(prefix="kvtrace-bench-") as tmp:
-                    recorder = LocalBackend(engine, KVCache(engine, disk_dir=Path(tmp) / "kv"))
+                    recording = KVCache(engine, disk_dir=Path(tmp) / "kv", write_behind=True)
                     started = time.perf_counter()
-                    record_agent_run(store, name, recorder, num_calls=calls or NUM_CALLS)
+                    record_agent_run(store, name, LocalBackend(engine, recording),
+                                     num_calls=calls or NUM_CALLS)
                     record_s, recorded_now = time.perf_counter() - started, True
-                    del recorder
+                    recording.flush()
+                    del recording
         else:
             name = f"session-{RECIPE}-{engine.fingerprint[:12]}"
             recorded_now = name not in {r.name for r in store.runs()}
@@ -211,7 +213,7 @@ def _measure(store: Store, name: str, engine: Any, *, trials: int, warm: ReplayR
     memory_peak = 0
     for trial in range(max(1, trials)):
         with tempfile.TemporaryDirectory(prefix="kvtrace-bench-") as tmp:
-            cache = KVCache(engine, disk_dir=Path(tmp) / "rebuild")
+            cache = KVCache(engine, disk_dir=Path(tmp) / "rebuild", write_behind=True)
             with PeakRss() as peak:
                 cases["cold"].append(replay(store, name, LocalBackend(engine, cache),
                                             mode="rebuild"))
@@ -220,16 +222,20 @@ def _measure(store: Store, name: str, engine: Any, *, trials: int, warm: ReplayR
             if warm is None:
                 cases["warm"].append(replay(store, name, LocalBackend(engine, cache),
                                             mode="rebuild"))
+            cache.flush()
             del cache
             if trial < uncached_trials:
                 cases["uncached"].append(
                     replay(store, name, LocalBackend(engine, None), mode="rebuild"))
             if with_verify:
-                cases["verify"].append(replay(store, name, LocalBackend(engine, KVCache(
-                    engine, disk_dir=Path(tmp) / "verify")), mode="verify"))
-                decoding = LocalBackend(engine, KVCache(engine, disk_dir=Path(tmp) / "decode"))
-                cases["verify_decode"].append(
-                    replay(store, name, decoding, mode="verify", use_drafts=False))
+                checking = KVCache(engine, disk_dir=Path(tmp) / "verify", write_behind=True)
+                cases["verify"].append(replay(store, name, LocalBackend(engine, checking),
+                                              mode="verify"))
+                decoding = KVCache(engine, disk_dir=Path(tmp) / "decode", write_behind=True)
+                cases["verify_decode"].append(replay(store, name, LocalBackend(engine, decoding),
+                                                     mode="verify", use_drafts=False))
+                checking.flush()
+                decoding.flush()
         if with_verify:
             cases["bound"].append(lower_bound_seconds(store, name, engine))
         cases["feed_bound"].append(lower_bound_seconds(store, name, engine, decode=False))

@@ -19,6 +19,10 @@ so views handed out stay valid; a lookup that uses them lets go of the
 record, so the old tensors are freed as the new prefill replaces them, layer
 by layer.
 
+With `write_behind=True`, disk blocks are written by a background thread
+(writer.py): `insert` only queues copies, a lookup sees queued blocks as if
+written, and `flush` waits for them.
+
 The cache never computes anything: `kvtrace.engine.prefill` calls it.
 """
 
@@ -35,6 +39,7 @@ import torch
 from kvtrace.engine.disk import BlockStore
 from kvtrace.engine.model import Engine
 from kvtrace.engine.radix import KVSource, RadixNode, RadixTree
+from kvtrace.engine.writer import BlockWriter, PendingBlock, writer_for
 from kvtrace.errors import CacheError, UsageError
 
 DEFAULT_BLOCK_SIZE = 64
@@ -86,6 +91,8 @@ class KVCache:
     `gc` after writes that push the folder past it. `block_size` is both the
     disk block and the prefill chunk length (see prefill.py); it must be a
     multiple of 16 (smaller matmuls are not row-invariant on CPU).
+    `write_behind` writes disk blocks on a background thread (see writer.py;
+    call `flush` before reading the folder by other means).
     """
 
     def __init__(
@@ -96,6 +103,7 @@ class KVCache:
         memory_bytes: int = DEFAULT_MEMORY_BYTES,
         disk_bytes: int | None = None,
         block_size: int = DEFAULT_BLOCK_SIZE,
+        write_behind: bool = False,
     ) -> None:
         check_block_size(block_size)
         if memory_bytes < 0 or (disk_bytes is not None and disk_bytes < 0):
@@ -105,6 +113,9 @@ class KVCache:
         self.block_size = block_size
         self.memory = RadixTree(max_bytes=memory_bytes)
         self.disk = BlockStore(disk_dir, block_size=block_size) if disk_dir is not None else None
+        self._writer: BlockWriter | None = (
+            writer_for(self.disk) if self.disk is not None and write_behind else None
+        )
         self.disk_bytes = disk_bytes
         self._disk_total: int | None = None
         self._live: LiveSequence | None = None
@@ -215,14 +226,14 @@ class KVCache:
         for j, key in enumerate(keys):
             end = (j + 1) * b
             if end <= num_memory or j * b >= limit:
-                if not self.disk.contains(key):
+                if not self._on_disk(key):
                     break
             else:
-                block = self.disk.read(key, tokens[j * b : end])
-                if block is None:
+                kv = self._read_block(key, tokens[j * b : end])
+                if kv is None:
                     break
                 device = self.engine.device
-                loaded.append((block.keys.to(device), block.values.to(device)))
+                loaded.append((kv[0].to(device), kv[1].to(device)))
             count += 1
         return count, loaded
 
@@ -244,16 +255,58 @@ class KVCache:
             )
             written = 0
             for j in range(num_disk_blocks, len(keys)):
+                if self._writer is not None and self._writer.contains(keys[j]):
+                    parent = keys[j]
+                    continue  # skip copying the KV of a block already there
                 k, v = source(j * b, (j + 1) * b)
                 block_tokens = tokens[j * b : (j + 1) * b]
-                if self.disk.write(keys[j], parent, self.fingerprint, block_tokens, k, v):
+                if self._write_block(keys[j], parent, block_tokens, k, v):
                     written += k.numel() * k.element_size() * 2
                 parent = keys[j]
             self._enforce_disk_budget(written)
 
+    def flush(self) -> None:
+        """Wait until every block this cache queued is on disk (no-op when writing inline)."""
+        if self._writer is not None:
+            self._writer.flush()
+
+    def _on_disk(self, key: str) -> bool:
+        if self._writer is not None:
+            return self._writer.contains(key)
+        return self.disk is not None and self.disk.contains(key)
+
+    def _read_block(
+        self, key: str, tokens: Sequence[int]
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A block's KV if it holds exactly `tokens`: queued for writing, or read and verified."""
+        if self._writer is not None:
+            queued = self._writer.pending(key, tokens)
+            if queued is not None:
+                return queued.keys, queued.values
+        if self.disk is None:
+            return None
+        block = self.disk.read(key, tokens)
+        return (block.keys, block.values) if block is not None else None
+
+    def _write_block(
+        self,
+        key: str,
+        parent: str,
+        tokens: Sequence[int],
+        keys: torch.Tensor,
+        values: torch.Tensor,
+    ) -> bool:
+        if self._writer is not None:
+            block = PendingBlock(key, parent, self.fingerprint, tuple(tokens), keys, values)
+            return self._writer.submit(block)
+        if self.disk is None:
+            return False
+        return self.disk.write(key, parent, self.fingerprint, tokens, keys, values)
+
     def _enforce_disk_budget(self, written: int) -> None:
         if self.disk is None or self.disk_bytes is None or written == 0:
             return
+        self.flush()  # gc must see every block, or it could drop a queued block's parent
         if self._disk_total is None:
             self._disk_total = sum(info.num_bytes for info in self.disk.scan())
         else:
@@ -281,6 +334,7 @@ class KVCache:
         """Blocks of this engine's fingerprint (reads every block header)."""
         if self.disk is None:
             return TierStats(0, 0, 0, self.disk_bytes)
+        self.flush()
         mine = [info for info in self.disk.scan() if info.fingerprint == self.fingerprint]
         return TierStats(
             num_entries=len(mine),
