@@ -32,6 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvtrace.bench.agent import AGENT_RECIPE, NUM_CALLS, record_agent_run
+from kvtrace.bench.rss import PeakRss
 from kvtrace.replay import SamplingParams, replay
 from kvtrace.replay.local import LocalBackend
 from kvtrace.replay.oracle import common_prefix_length
@@ -129,58 +131,121 @@ def lower_bound_seconds(store: Store, spec: str, engine: Any, *,
     return seconds, computed
 
 
-def run_replay_bench(*, cache_dir: Path, model: str | None = None, fresh: bool = False,
-                     trials: int = 2) -> dict[str, Any]:
-    """Record (once) and replay a long agent run; one dict of measurements.
+SHAPES = ("session", "agent")
 
-    Every timed case runs `trials` times, the cases interleaved, and the
-    fastest trial counts: on a shared 2-core machine another process can slow
-    one trial several-fold, never speed one up.
+
+def run_replay_bench(*, cache_dir: Path, model: str | None = None, fresh: bool = False,
+                     trials: int = 2, shape: str = "session", run: str | None = None,
+                     store_url: str | None = None, calls: int | None = None,
+                     with_verify: bool = True) -> dict[str, Any]:
+    """Replay a long agent run side by side in every mode; one dict of measurements.
+
+    The run is `run` in the store at `store_url` (any recorded or imported
+    run), else the `shape` fixture, recorded once under `cache_dir/bench/replay`
+    and reused: "session" (the ReAct session above) or "agent"
+    (`kvtrace.bench.agent`, `calls` model calls). Every timed case runs
+    `trials` times, the cases interleaved, and the fastest trial counts: on a
+    shared 2-core machine another process can slow one trial several-fold,
+    never speed one up. The uncached rebuild, by far the slowest case, runs
+    once on the agent shape and on a given run.
     """
     from kvtrace.engine import KVCache, load_engine
 
+    if shape not in SHAPES:
+        from kvtrace.errors import UsageError
+
+        raise UsageError(f"unknown shape {shape!r}: use one of {', '.join(SHAPES)}")
     engine = load_engine(model, cache_dir=cache_dir)
     root = cache_dir / "bench" / "replay"
-    if fresh and root.exists():
+    if fresh and root.exists() and run is None:
         shutil.rmtree(root)
     root.mkdir(parents=True, exist_ok=True)
-    store = open_store(f"sqlite:///{root / 'store.db'}")
-    name = f"session-{RECIPE}-{engine.fingerprint[:12]}"
+    store = open_store(store_url) if run is not None else open_store(
+        f"sqlite:///{root / 'store.db'}")
     load_before = os.getloadavg()[0]
-    cases: dict[str, list[Any]] = {
-        "cold": [], "uncached": [], "verify": [], "verify_decode": [], "bound": [],
-        "feed_bound": [],
-    }
     try:
-        recorded_now = name not in {r.name for r in store.runs()}
-        recorder = LocalBackend(engine, KVCache(engine, disk_dir=root / "kv-recording"))
-        record_s = 0.0
-        if recorded_now:
-            started = time.perf_counter()
-            record_session(store, name, recorder)
-            record_s = time.perf_counter() - started
-        warm = replay(store, name, recorder, mode="rebuild")
-        for _ in range(max(1, trials)):
-            with tempfile.TemporaryDirectory(prefix="kvtrace-bench-") as tmp:
-                cases["cold"].append(replay(store, name, LocalBackend(engine, KVCache(
-                    engine, disk_dir=Path(tmp) / "rebuild")), mode="rebuild"))
-                cases["uncached"].append(
-                    replay(store, name, LocalBackend(engine, None), mode="rebuild"))
-                cases["verify"].append(replay(store, name, LocalBackend(engine, KVCache(
-                    engine, disk_dir=Path(tmp) / "verify")), mode="verify"))
-                decoding = LocalBackend(engine, KVCache(engine, disk_dir=Path(tmp) / "decode"))
-                cases["verify_decode"].append(
-                    replay(store, name, decoding, mode="verify", use_drafts=False))
-            cases["bound"].append(lower_bound_seconds(store, name, engine))
-            cases["feed_bound"].append(lower_bound_seconds(store, name, engine, decode=False))
+        recorded_now, record_s = False, 0.0
+        warm: ReplayReport | None = None
+        if run is not None:
+            name = run
+        elif shape == "agent":
+            name = f"{AGENT_RECIPE}-{calls or NUM_CALLS}-{engine.fingerprint[:12]}"
+            if name not in {r.name for r in store.runs()}:
+                with tempfile.TemporaryDirectory(prefix="kvtrace-bench-") as tmp:
+                    recording = KVCache(engine, disk_dir=Path(tmp) / "kv", write_behind=True)
+                    started = time.perf_counter()
+                    record_agent_run(store, name, LocalBackend(engine, recording),
+                                     num_calls=calls or NUM_CALLS)
+                    record_s, recorded_now = time.perf_counter() - started, True
+                    recording.flush()
+                    del recording
+        else:
+            name = f"session-{RECIPE}-{engine.fingerprint[:12]}"
+            recorded_now = name not in {r.name for r in store.runs()}
+            recorder = LocalBackend(engine, KVCache(engine, disk_dir=root / "kv-recording"))
+            if recorded_now:
+                started = time.perf_counter()
+                record_session(store, name, recorder)
+                record_s = time.perf_counter() - started
+            warm = replay(store, name, recorder, mode="rebuild")
+            del recorder
+        figures = _measure(store, name, engine, trials=trials, warm=warm,
+                           uncached_trials=trials if shape == "session" and run is None else 1,
+                           with_verify=with_verify)
     finally:
         store.close()
-    bound_s, bound_tokens = min(cases["bound"])
+    figures.update(shape=shape if run is None else "run", recorded_now=recorded_now,
+                   record_s=round(record_s, 3))
+    figures["load_avg_1m"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
+    return figures
+
+
+def _measure(store: Store, name: str, engine: Any, *, trials: int, warm: ReplayReport | None,
+             uncached_trials: int, with_verify: bool) -> dict[str, Any]:
+    """Every case on run `name`, interleaved trials; the figures of the fastest."""
+    from kvtrace.engine import KVCache
+
+    cases: dict[str, list[Any]] = {
+        "cold": [], "uncached": [], "verify": [], "verify_decode": [], "bound": [],
+        "feed_bound": [], "warm": [],
+    }
+    rss: list[tuple[float, float]] = []
+    memory_peak = 0
+    for trial in range(max(1, trials)):
+        with tempfile.TemporaryDirectory(prefix="kvtrace-bench-") as tmp:
+            cache = KVCache(engine, disk_dir=Path(tmp) / "rebuild", write_behind=True)
+            with PeakRss() as peak:
+                cases["cold"].append(replay(store, name, LocalBackend(engine, cache),
+                                            mode="rebuild"))
+            rss.append((peak.mb, peak.start_mb))
+            memory_peak = max(memory_peak, cache.memory_stats().num_bytes)
+            if warm is None:
+                cases["warm"].append(replay(store, name, LocalBackend(engine, cache),
+                                            mode="rebuild"))
+            cache.flush()
+            del cache
+            if trial < uncached_trials:
+                cases["uncached"].append(
+                    replay(store, name, LocalBackend(engine, None), mode="rebuild"))
+            if with_verify:
+                checking = KVCache(engine, disk_dir=Path(tmp) / "verify", write_behind=True)
+                cases["verify"].append(replay(store, name, LocalBackend(engine, checking),
+                                              mode="verify"))
+                decoding = KVCache(engine, disk_dir=Path(tmp) / "decode", write_behind=True)
+                cases["verify_decode"].append(replay(store, name, LocalBackend(engine, decoding),
+                                                     mode="verify", use_drafts=False))
+                checking.flush()
+                decoding.flush()
+        if with_verify:
+            cases["bound"].append(lower_bound_seconds(store, name, engine))
+        cases["feed_bound"].append(lower_bound_seconds(store, name, engine, decode=False))
+    cold = min(cases["cold"], key=_wall)
     figures = _figures(
-        engine, name, recorded_now, record_s, warm,
-        min(cases["cold"], key=_wall), min(cases["uncached"], key=_wall),
-        min(cases["verify"], key=_wall), min(cases["verify_decode"], key=_wall),
-        bound_s, bound_tokens, min(cases["feed_bound"])[0],
+        engine, name, warm if warm is not None else cases["warm"][0], cold,
+        min(cases["uncached"], key=_wall),
+        min(cases["verify"], key=_wall) if with_verify else None,
+        min(cases["verify_decode"], key=_wall) if with_verify else None,
+        min(cases["bound"]) if with_verify else None, min(cases["feed_bound"])[0],
     )
     figures["trials"] = len(cases["cold"])
     for case, key in (("cold", "rebuild_s_cached"), ("uncached", "rebuild_s_uncached"),
@@ -188,25 +253,48 @@ def run_replay_bench(*, cache_dir: Path, model: str | None = None, fresh: bool =
         figures[f"{key}_trials"] = [round(r.wall_s, 3) for r in cases[case]]
     figures["verify_lower_bound_s_trials"] = [round(b[0], 3) for b in cases["bound"]]
     figures["feed_lower_bound_s_trials"] = [round(b[0], 3) for b in cases["feed_bound"]]
-    figures["load_avg_1m"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
+    figures.update(_memory_figures(engine, cold, rss, memory_peak))
     return figures
+
+
+def _memory_figures(engine: Any, cold: ReplayReport, rss: list[tuple[float, float]],
+                    memory_peak: int) -> dict[str, Any]:
+    """Peak RSS of the cached rebuild against weights + 1.5 x longest KV + memory tier."""
+    mb = 1024 * 1024
+    weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    longest = max(s.prompt_tokens + s.output_tokens for s in cold.steps)
+    kv_longest = longest * engine.kv_bytes_per_token
+    peak, before = min(rss)
+    bound = (weights + 1.5 * kv_longest + memory_peak) / mb
+    return {
+        "peak_rss_mb": round(peak, 1),
+        "peak_rss_mb_trials": [round(x, 1) for x, _ in rss],
+        "rss_before_rebuild_mb": round(before, 1),
+        "weights_mb": round(weights / mb, 1),
+        "longest_sequence_tokens": longest,
+        "kv_longest_mb": round(kv_longest / mb, 1),
+        "memory_tier_peak_mb": round(memory_peak / mb, 1),
+        "rss_bound_mb": round(bound, 1),
+        "peak_rss_within_bound": peak <= bound,
+        # The bound leaves out what the process holds besides the model and
+        # KV (Python, torch, transformers): rss_before_rebuild_mb - weights_mb.
+        "peak_rss_growth_mb": round(peak - before, 1),
+    }
 
 
 def _wall(report: ReplayReport) -> float:
     return report.wall_s
 
 
-def _figures(engine: Any, name: str, recorded_now: bool, record_s: float,
-             warm: ReplayReport, cold: ReplayReport, uncached: ReplayReport,
-             verify: ReplayReport, verify_decode: ReplayReport, bound_s: float,
-             bound_tokens: int, feed_bound_s: float) -> dict[str, Any]:
+def _figures(engine: Any, name: str, warm: ReplayReport, cold: ReplayReport,
+             uncached: ReplayReport, verify: ReplayReport | None,
+             verify_decode: ReplayReport | None, bound: tuple[float, int] | None,
+             feed_bound_s: float) -> dict[str, Any]:
     total = cold.total
     prompts = [s.prompt_tokens for s in cold.steps]
-    return {
+    figures = {
         "model": engine.name,
         "run": name,
-        "recorded_now": recorded_now,
-        "record_s": round(record_s, 3),
         "steps": total.steps,
         "tool_steps": cold.tool_steps,
         "max_prompt_tokens": max(prompts),
@@ -219,11 +307,16 @@ def _figures(engine: Any, name: str, recorded_now: bool, record_s: float,
         "oracle_hit_rate": _r(total.oracle_hit_rate),
         "hit_rate_equals_oracle": total.reused_tokens == total.oracle_tokens,
         "warm_hit_rate": _r(warm.total.hit_rate),
-        "warm_source": "memory+disk (just recorded)" if recorded_now
-        else "disk tier left by an earlier recording",
         "rebuild_s_cached": round(cold.wall_s, 3),
         "rebuild_s_uncached": round(uncached.wall_s, 3),
         "rebuild_speedup": round(uncached.wall_s / cold.wall_s, 2),
+        "feed_lower_bound_s": round(feed_bound_s, 3),
+        "rebuild_ratio_to_feed_bound": round(cold.wall_s / feed_bound_s, 3),
+    }
+    if verify is None or verify_decode is None or bound is None:
+        return figures
+    bound_s, bound_tokens = bound
+    figures.update({
         "verify_s_cached": round(verify.wall_s, 3),
         "verify_matching_steps": verify.total.matching_steps,
         "verify_drafts_accepted": sum(s.draft == "accepted" for s in verify.steps),
@@ -235,10 +328,9 @@ def _figures(engine: Any, name: str, recorded_now: bool, record_s: float,
         "verify_decode_s_cached": round(verify_decode.wall_s, 3),
         "verify_decode_matching_steps": verify_decode.total.matching_steps,
         "verify_decode_ratio_to_lower_bound": round(verify_decode.wall_s / bound_s, 3),
-        "feed_lower_bound_s": round(feed_bound_s, 3),
-        "rebuild_ratio_to_feed_bound": round(cold.wall_s / feed_bound_s, 3),
         "verify_ratio_to_feed_bound": round(verify.wall_s / feed_bound_s, 3),
-    }
+    })
+    return figures
 
 
 def _r(value: float | None) -> float | None:

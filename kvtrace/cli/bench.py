@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import typer
 
-from kvtrace.cli.app import bench_app, print_json
+from kvtrace.cli.app import bench_app, print_json, store_url
 
 
 @bench_app.command("store")
@@ -56,16 +56,32 @@ def bench_replay(
         False, "--fresh", help="Record the benchmark run again instead of reusing it."
     ),
     trials: int = typer.Option(2, "--trials", help="Runs per timed case (the fastest counts)."),
+    shape: str = typer.Option(
+        "session", "--shape",
+        help="Fixture: session (14-call ReAct session) or agent (30 calls, 1.6k to 5k+ tokens).",
+    ),
+    run: str = typer.Option(
+        None, "--run", help="Measure this run of the store (--store) instead of a fixture."
+    ),
+    calls: int = typer.Option(
+        None, "--calls", min=1,
+        help="Model calls of the agent fixture (default 30; fewer is faster).",
+    ),
+    no_verify: bool = typer.Option(
+        False, "--no-verify", help="Skip the verify cases and their decoding bound."
+    ),
     as_json: bool = typer.Option(
         False, "--json", help="Print JSON (the default output is JSON too)."
     ),
 ) -> None:
-    """Replay a recorded 2,000+-token agent run: hit rate vs oracle, speed-up, lower bound."""
+    """Replay an agent run every way: hit rate vs oracle, speed-up, bounds, peak RSS."""
     from kvtrace.bench.replay import run_replay_bench
     from kvtrace.paths import default_cache_dir
 
     print_json(
-        run_replay_bench(cache_dir=default_cache_dir(), model=model, fresh=fresh, trials=trials)
+        run_replay_bench(cache_dir=default_cache_dir(), model=model, fresh=fresh, trials=trials,
+                         shape=shape, run=run, store_url=store_url(), calls=calls,
+                         with_verify=not no_verify)
     )
 
 

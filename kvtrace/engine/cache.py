@@ -8,6 +8,21 @@ tail into the tree, and every full block not yet on disk. Both tiers are
 keyed by the engine fingerprint (the tree belongs to one engine; the disk
 chain is seeded with the fingerprint), so KV never crosses models.
 
+The live sequence: the last sequence prefill computed keeps its per-layer KV
+tensors (`keep_live`), as the DynamicCache held them. A lookup whose hit the
+live sequence covers hands those tensors out (`PrefixHit.live`) instead of
+the tree's pieces, so the prompt that extends the previous one (every call
+of an agent run) starts from views, with no copy. It changes no accounting:
+the hit is what the tiers hold, the live sequence only saves assembling it.
+Its tensors are never written in place (DynamicCache grows by `torch.cat`),
+so views handed out stay valid; a lookup that uses them lets go of the
+record, so the old tensors are freed as the new prefill replaces them, layer
+by layer.
+
+With `write_behind=True`, disk blocks are written by a background thread
+(writer.py): `insert` only queues copies, a lookup sees queued blocks as if
+written, and `flush` waits for them.
+
 The cache never computes anything: `kvtrace.engine.prefill` calls it.
 """
 
@@ -24,7 +39,8 @@ import torch
 from kvtrace.engine.disk import BlockLayout, BlockStore
 from kvtrace.engine.model import Engine
 from kvtrace.engine.radix import KVSource, RadixNode, RadixTree
-from kvtrace.errors import UsageError
+from kvtrace.engine.writer import BlockWriter, PendingBlock, writer_for
+from kvtrace.errors import CacheError, UsageError
 
 DEFAULT_BLOCK_SIZE = 64
 DEFAULT_MEMORY_BYTES = 2 * 1024**3
@@ -46,6 +62,15 @@ class PrefixHit:
     num_disk_blocks: int
     pieces: tuple[tuple[torch.Tensor, torch.Tensor], ...]
     pinned: RadixNode | None
+    live: tuple[tuple[torch.Tensor, torch.Tensor], ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LiveSequence:
+    """The last computed sequence's KV, per layer `[1, kv_heads, >= n, head_dim]`."""
+
+    tokens: tuple[int, ...]
+    layers: tuple[tuple[torch.Tensor, torch.Tensor], ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +91,8 @@ class KVCache:
     `gc` after writes that push the folder past it. `block_size` is both the
     disk block and the prefill chunk length (see prefill.py); it must be a
     multiple of 16 (smaller matmuls are not row-invariant on CPU).
+    `write_behind` writes disk blocks on a background thread (see writer.py;
+    call `flush` before reading the folder by other means).
     """
 
     def __init__(
@@ -76,6 +103,7 @@ class KVCache:
         memory_bytes: int = DEFAULT_MEMORY_BYTES,
         disk_bytes: int | None = None,
         block_size: int = DEFAULT_BLOCK_SIZE,
+        write_behind: bool = False,
     ) -> None:
         check_block_size(block_size)
         if memory_bytes < 0 or (disk_bytes is not None and disk_bytes < 0):
@@ -85,8 +113,12 @@ class KVCache:
         self.block_size = block_size
         self.memory = RadixTree(max_bytes=memory_bytes)
         self.disk = BlockStore(disk_dir, block_size=block_size) if disk_dir is not None else None
+        self._writer: BlockWriter | None = (
+            writer_for(self.disk) if self.disk is not None and write_behind else None
+        )
         self.disk_bytes = disk_bytes
         self._disk_total: int | None = None
+        self._live: LiveSequence | None = None
         self._lock = threading.RLock()
         self._layout = BlockLayout(  # what a disk block must be to be used by this engine
             engine.fingerprint, engine.dtype, engine.num_layers, engine.num_kv_heads,
@@ -128,14 +160,52 @@ class KVCache:
             pinned = node if node is not self.memory.root else None
             if pinned is not None:
                 self.memory.pin(pinned)
+            num_tokens = num_memory + num_disk
+            live = self._take_live(tokens, num_tokens)
             return PrefixHit(
-                num_tokens=num_memory + num_disk,
+                num_tokens=num_tokens,
                 num_memory_tokens=num_memory,
                 num_disk_tokens=num_disk,
                 num_disk_blocks=num_disk_blocks,
-                pieces=tuple(pieces),
+                pieces=() if live is not None else tuple(pieces),
                 pinned=pinned,
+                live=live,
             )
+
+    def keep_live(
+        self, tokens: Sequence[int], layers: Sequence[tuple[torch.Tensor, torch.Tensor]]
+    ) -> None:
+        """Remember the KV of a sequence just computed (and inserted) as the live one.
+
+        `layers` are the DynamicCache's per-layer (keys, values), at least
+        `len(tokens)` rows each, canonical in their first `len(tokens)` rows.
+        """
+        for keys, values in layers:
+            if keys.shape[2] < len(tokens) or values.shape[2] < len(tokens):
+                raise CacheError("live KV is shorter than its tokens")
+        with self._lock:
+            self._live = LiveSequence(tuple(tokens), tuple(layers))
+
+    def drop_live(self) -> None:
+        """Forget the live sequence (its KV stays in the tiers)."""
+        with self._lock:
+            self._live = None
+
+    def _take_live(
+        self, tokens: Sequence[int], num_tokens: int
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor], ...] | None:
+        """The live sequence's layers when they cover `tokens[:num_tokens]`, taken out.
+
+        Taken, not shared: the caller builds the next sequence from them, and
+        the record would otherwise keep the old tensors alive beside the new.
+        """
+        live = self._live
+        if live is None or num_tokens == 0 or len(live.tokens) < num_tokens:
+            return None
+        if _common_prefix(live.tokens, tokens, num_tokens) < num_tokens:
+            return None
+        self._live = None
+        return live.layers
 
     def release(self, hit: PrefixHit) -> None:
         """Unpin what `lookup` pinned."""
@@ -160,14 +230,14 @@ class KVCache:
         for j, key in enumerate(keys):
             end = (j + 1) * b
             if end <= num_memory or j * b >= limit:
-                if not self.disk.contains(key):
+                if not self._on_disk(key):
                     break
             else:
-                block = self.disk.read(key, tokens[j * b : end], self._layout)
-                if block is None:
+                kv = self._read_block(key, tokens[j * b : end])
+                if kv is None:
                     break
                 device = self.engine.device
-                loaded.append((block.keys.to(device), block.values.to(device)))
+                loaded.append((kv[0].to(device), kv[1].to(device)))
             count += 1
         return count, loaded
 
@@ -189,16 +259,58 @@ class KVCache:
             )
             written = 0
             for j in range(num_disk_blocks, len(keys)):
+                if self._writer is not None and self._writer.contains(keys[j]):
+                    parent = keys[j]
+                    continue  # skip copying the KV of a block already there
                 k, v = source(j * b, (j + 1) * b)
                 block_tokens = tokens[j * b : (j + 1) * b]
-                if self.disk.write(keys[j], parent, self.fingerprint, block_tokens, k, v):
+                if self._write_block(keys[j], parent, block_tokens, k, v):
                     written += k.numel() * k.element_size() * 2
                 parent = keys[j]
             self._enforce_disk_budget(written)
 
+    def flush(self) -> None:
+        """Wait until every block this cache queued is on disk (no-op when writing inline)."""
+        if self._writer is not None:
+            self._writer.flush()
+
+    def _on_disk(self, key: str) -> bool:
+        if self._writer is not None:
+            return self._writer.contains(key)
+        return self.disk is not None and self.disk.contains(key)
+
+    def _read_block(
+        self, key: str, tokens: Sequence[int]
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A block's KV if it holds exactly `tokens`: queued for writing, or read and verified."""
+        if self._writer is not None:
+            queued = self._writer.pending(key, tokens)
+            if queued is not None:
+                return queued.keys, queued.values
+        if self.disk is None:
+            return None
+        block = self.disk.read(key, tokens, self._layout)
+        return (block.keys, block.values) if block is not None else None
+
+    def _write_block(
+        self,
+        key: str,
+        parent: str,
+        tokens: Sequence[int],
+        keys: torch.Tensor,
+        values: torch.Tensor,
+    ) -> bool:
+        if self._writer is not None:
+            block = PendingBlock(key, parent, self.fingerprint, tuple(tokens), keys, values)
+            return self._writer.submit(block)
+        if self.disk is None:
+            return False
+        return self.disk.write(key, parent, self.fingerprint, tokens, keys, values)
+
     def _enforce_disk_budget(self, written: int) -> None:
         if self.disk is None or self.disk_bytes is None or written == 0:
             return
+        self.flush()  # gc must see every block, or it could drop a queued block's parent
         if self._disk_total is None:
             self._disk_total = sum(info.num_bytes for info in self.disk.scan())
         else:
@@ -209,9 +321,10 @@ class KVCache:
     # -- inventory --------------------------------------------------------------
 
     def clear_memory(self) -> None:
-        """Drop the memory tier (the disk tier is untouched)."""
+        """Drop the memory tier and the live sequence (the disk tier is untouched)."""
         with self._lock:
             self.memory.clear()
+            self._live = None
 
     def memory_stats(self) -> TierStats:
         return TierStats(
@@ -225,6 +338,7 @@ class KVCache:
         """Blocks of this engine's fingerprint (reads every block header)."""
         if self.disk is None:
             return TierStats(0, 0, 0, self.disk_bytes)
+        self.flush()
         mine = [info for info in self.disk.scan() if info.fingerprint == self.fingerprint]
         return TierStats(
             num_entries=len(mine),
@@ -236,6 +350,17 @@ class KVCache:
     @property
     def disk_root(self) -> Path | None:
         return self.disk.root if self.disk is not None else None
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    """Length of the common prefix of `a` and `b`, up to `limit`."""
+    n = min(len(a), len(b), limit)
+    if list(a[:n]) == list(b[:n]):  # the usual case, at C speed
+        return n
+    i = 0
+    while a[i] == b[i]:
+        i += 1
+    return i
 
 
 def check_block_size(block_size: int) -> None:

@@ -35,8 +35,11 @@ from kvtrace.engine.folders import cache_root, model_folder
 from kvtrace.engine.tokenizer import ChatTemplating, context_length, stop_token_ids
 from kvtrace.errors import ModelNotFoundError, UsageError
 
-# Bump when prefill's chunking or the attention function changes: old KV on
-# disk then stops matching instead of being silently reused.
+# Bump when a change to prefill or the attention function changes the bits of
+# the KV it computes: old KV on disk then stops matching instead of being
+# silently reused. (Chunks padded to 16 rows instead of 64, starting at any
+# offset, give the same bits as before, so blocks written by either reuse
+# alike: tests/engine/test_live.py.)
 PREFILL_SCHEME = "kvtrace-prefill-v1:padded-block-chunks:tiled-attention-64"
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")

@@ -2,22 +2,27 @@
 
 Canonical prefill — what makes a cache hit bit-identical to a cold run:
 
-1. Chunks end at absolute multiples of `block_size` (a chunk starting at a
-   cached offset mid-block runs to the next boundary), on the cached and the
-   uncached path alike.
-2. Every chunk is padded to exactly `block_size` rows (the padding rows come
-   after the real ones, so causality hides them; their KV is cropped at
-   once). Every matmul therefore has the same shape whichever path computed a
-   row, and CPU GEMMs are row-invariant at a fixed shape (they are not when
-   the row count varies below ~12, which a 1-token tail would hit).
-3. Attention is `kvtrace.engine.attention.canonical_attention`, whose
-   reductions do not depend on how many keys follow a row.
+1. Every forward pass runs a number of rows that is a multiple of
+   `ROW_MULTIPLE` (16): the real rows, then padding rows (after the real
+   ones, so causality hides them; their KV is cropped at once). CPU GEMMs
+   give a row the same bits whatever the row count from 12 rows up; below
+   that (1-3, 5-7, 9-11 rows: a short tail) they do not, so no forward ever
+   runs fewer than 16 rows. Chunks start wherever the reuse ends and hold up
+   to `MAX_CHUNK_ROWS` real rows (a bound on attention temporaries, not a
+   numeric choice).
+2. Attention is `kvtrace.engine.attention.canonical_attention`, whose
+   reductions do not depend on how many keys follow a row, nor on how many
+   query rows share its forward.
 
 The result: a row's KV is a function of the tokens up to it only, so reusing
 cached rows at any offset, memory or disk, gives the same bits as
-recomputing them. The cost is at most `block_size - 1` padding rows per
-prefill. Logits come from the last real row (or, with `logits_from`, from
-every row from there on: how generate.py checks a draft).
+recomputing them, and a hit costs the rows it computes (at most 15 padding
+rows per forward). Logits come from the last real row (or, with
+`logits_from`, from every row from there on: how generate.py checks a draft).
+
+Reused KV is assembled once per prefill: from the live sequence (the last
+one computed, see cache.py) as views with no copy when it covers the hit,
+else concatenated from the tree's pieces and disk blocks.
 
 Rules kept here for every caller:
 - never reuse the whole sequence: the last token is always computed, since
@@ -25,8 +30,8 @@ Rules kept here for every caller:
   cache that covers the whole prompt);
 - only canonical KV is stored (generate.py re-prefills decoded output);
 - everything computed is stored: the new tail in memory, every full block not
-  yet on disk. "Feeding" recorded output (replay's rebuild) is
-  `prefill(engine, cache, prompt_ids + output_ids)`.
+  yet on disk; the sequence becomes the cache's live one. "Feeding" recorded
+  output (replay's rebuild) is `prefill(engine, cache, prompt_ids + output_ids)`.
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ from kvtrace.engine.radix import KVSource
 from kvtrace.errors import CacheError, UsageError
 
 _PAD_TOKEN = 0
+ROW_MULTIPLE = 16
+MAX_CHUNK_ROWS = 512
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,9 +88,9 @@ def prefill(
 ) -> PrefillResult:
     """Compute (or reuse) the KV of `token_ids` and the logits after the last one.
 
-    `cache=None` computes everything (the same canonical way); `block_size`
-    then sets the chunk length (default 64) and must equal the cache's block
-    size for results to match a cached run. `logits_from` asks for the logits
+    `cache=None` computes everything (the same canonical way). `block_size`
+    is checked (a multiple of 16; with a cache, equal to its block size) but
+    no longer shapes the chunks: any split gives the same bits. `logits_from` asks for the logits
     of every position from that index on (reuse stops there, so they are
     computed), one row each; `reduce_logits` maps each chunk's rows as they
     are computed, so a long span never holds vocabulary-wide rows in full.
@@ -102,10 +109,8 @@ def prefill(
             raise UsageError(f"block_size {block_size} differs from the cache's {cache.block_size}")
         if cache.fingerprint != engine.fingerprint:
             raise CacheError("this KV cache belongs to another engine (fingerprints differ)")
-        block = cache.block_size
     else:
-        block = block_size if block_size is not None else DEFAULT_BLOCK_SIZE
-        check_block_size(block)
+        check_block_size(block_size if block_size is not None else DEFAULT_BLOCK_SIZE)
     keep_from = len(tokens) - 1 if logits_from is None else logits_from
     if not 0 <= keep_from < len(tokens):
         raise UsageError(f"logits_from {logits_from} is outside the {len(tokens)} tokens")
@@ -116,15 +121,19 @@ def prefill(
     hit = cache.lookup(tokens, max_tokens=keep_from) if cache is not None else None
     try:
         reused = hit.num_tokens if hit is not None else 0
-        if hit is not None and hit.pieces:
+        if hit is not None and hit.live is not None:
+            _seed_cache(kv, [(k[:, :, :reused], v[:, :, :reused]) for k, v in hit.live])
+        elif hit is not None and hit.pieces:
             keys = _join([k for k, _ in hit.pieces])
             values = _join([v for _, v in hit.pieces])
             if keys.shape[3] != reused:
                 raise CacheError(f"cache returned {keys.shape[3]} KV rows for {reused} tokens")
-            _seed_cache(kv, keys, values)
-        logits = _compute(engine, kv, tokens, reused, block, keep_from, reduce_logits)
+            _seed_cache(kv, list(zip(keys.unbind(0), values.unbind(0), strict=True)))
+        span = logits_from is not None
+        logits = _compute(engine, kv, tokens, reused, keep_from, span, reduce_logits)
         if cache is not None and hit is not None:
             cache.insert(tokens, kv_rows(kv), num_disk_blocks=hit.num_disk_blocks)
+            cache.keep_live(tokens, _layers(kv))
     finally:
         if cache is not None and hit is not None:
             cache.release(hit)
@@ -144,14 +153,17 @@ def _compute(
     kv: object,
     tokens: list[int],
     start: int,
-    block: int,
     keep_from: int,
+    span: bool,
     reduce_logits: Callable[[torch.Tensor], torch.Tensor] | None,
 ) -> torch.Tensor:
     """Run tokens[start:] through the model in canonical padded chunks.
 
     Returns the logits of positions keep_from.. (one row each, float32,
-    mapped by `reduce_logits` chunk by chunk).
+    mapped by `reduce_logits` chunk by chunk). The last position alone goes
+    through the output layer as one row on every path; a `span` of rows is
+    widened to at least ROW_MULTIPLE rows per forward (then cut back), since
+    how the span splits into forwards depends on where the reuse ended.
     """
     n = len(tokens)
     pos = start
@@ -160,13 +172,17 @@ def _compute(
     try:
         with torch.inference_mode():
             while pos < n:
-                end = min(n, (pos // block + 1) * block)
+                end = min(n, pos + MAX_CHUNK_ROWS)
                 real = end - pos
-                chunk = torch.full((1, block), _PAD_TOKEN, dtype=torch.long, device=device)
+                width = -(-real // ROW_MULTIPLE) * ROW_MULTIPLE
+                chunk = torch.full((1, width), _PAD_TOKEN, dtype=torch.long, device=device)
                 chunk[0, :real] = torch.tensor(tokens[pos:end], dtype=torch.long, device=device)
-                positions = torch.arange(pos, pos + block, device=device).unsqueeze(0)
+                positions = torch.arange(pos, pos + width, device=device).unsqueeze(0)
                 if end > keep_from:
-                    keep = torch.arange(max(keep_from, pos) - pos, real, device=device)
+                    lo = max(keep_from, pos) - pos
+                    first = min(lo, width - ROW_MULTIPLE) if span else lo
+                    last = max(real, first + ROW_MULTIPLE) if span else real
+                    keep = torch.arange(first, last, device=device)
                     out = engine.model(
                         input_ids=chunk,
                         position_ids=positions,
@@ -174,14 +190,14 @@ def _compute(
                         use_cache=True,
                         logits_to_keep=keep,
                     )
-                    kept = out.logits[0].float()
+                    kept = out.logits[0, lo - first : real - first].float()
                     rows.append(reduce_logits(kept) if reduce_logits is not None else kept)
                 else:
                     engine.model.base_model(
                         input_ids=chunk, position_ids=positions, cache=kv, use_cache=True
                     )
-                if real < block:
-                    kv.crop(real - block)  # type: ignore[attr-defined]
+                if real < width:
+                    kv.crop(real - width)  # type: ignore[attr-defined]
                 pos = end
     except RuntimeError as exc:  # torch errors: out of memory, bad ids …
         raise CacheError(f"the model failed during prefill: {exc}") from exc
@@ -198,11 +214,15 @@ def _join(pieces: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([p.unsqueeze(1) for p in pieces], dim=3)
 
 
-def _seed_cache(kv: object, keys: torch.Tensor, values: torch.Tensor) -> None:
-    """Load reused KV into an empty DynamicCache without a second copy."""
-    for index, layer in enumerate(kv.layers):  # type: ignore[attr-defined]
-        layer.lazy_initialization(keys[index], values[index])
-        layer.keys, layer.values = keys[index], values[index]
+def _seed_cache(kv: object, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Load reused per-layer KV `[1, heads, n, dim]` into an empty DynamicCache, uncopied."""
+    for layer, (keys, values) in zip(kv.layers, layers, strict=True):  # type: ignore[attr-defined]
+        layer.lazy_initialization(keys, values)
+        layer.keys, layer.values = keys, values
+
+
+def _layers(kv: object) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(layer.keys, layer.values) for layer in kv.layers]  # type: ignore[attr-defined]
 
 
 def kv_rows(kv: object) -> KVSource:

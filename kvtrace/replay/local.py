@@ -143,7 +143,8 @@ def open_local_backend(
     if memory_bytes is not None:
         options["memory_bytes"] = memory_bytes
     disk_dir = kv_dir or default_kv_dir(cache_dir)
-    return LocalBackend(engine, KVCache(engine, disk_dir=disk_dir, **options))
+    # Write-behind: an agent's call writes a few blocks; the next call need not wait.
+    return LocalBackend(engine, KVCache(engine, disk_dir=disk_dir, write_behind=True, **options))
 
 
 def _prompt_ids(request: CallRequest) -> list[int]:

@@ -1,0 +1,126 @@
+"""The live sequence and free chunking: faster hits, the same bits as a cold prefill."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtrace.engine import KVCache, generate, prefill
+from kvtrace.engine.prefill import MAX_CHUNK_ROWS
+
+
+def test_a_prompt_extending_the_last_sequence_starts_from_its_live_kv(tiny_engine, tokens):
+    first = tokens(150, seed=40)
+    cache = KVCache(tiny_engine)
+    prefill(tiny_engine, cache, first)
+
+    hit = cache.lookup(first + tokens(20, seed=41))
+    cache.release(hit)
+
+    assert hit.num_memory_tokens == 150
+    assert hit.live is not None and hit.pieces == ()
+
+
+def test_live_reuse_is_bit_identical_to_cold(tiny_engine, tokens, kv_equal):
+    sequence = tokens(400, seed=42)
+    cache = KVCache(tiny_engine)
+    for end in (70, 130, 131, 260, 333):  # each call extends the last one, as an agent's do
+        prefill(tiny_engine, cache, sequence[:end])
+
+    hot = prefill(tiny_engine, cache, sequence)
+    cold = prefill(tiny_engine, None, sequence)
+
+    assert hot.num_memory_tokens == 333
+    assert torch.equal(hot.logits, cold.logits)
+    assert kv_equal(hot, cold)
+
+
+def test_a_prompt_on_another_branch_is_assembled_from_the_tree(tiny_engine, tokens, kv_equal):
+    shared = tokens(100, seed=43)
+    cache = KVCache(tiny_engine)
+    prefill(tiny_engine, cache, shared + tokens(50, seed=44))
+    prefill(tiny_engine, cache, tokens(80, seed=45))  # the live sequence moves elsewhere
+    prompt = shared + tokens(30, seed=46)
+
+    hit = cache.lookup(prompt)
+    cache.release(hit)
+    hot = prefill(tiny_engine, cache, prompt)
+    cold = prefill(tiny_engine, None, prompt)
+
+    assert hit.live is None and hit.num_memory_tokens == 100
+    assert torch.equal(hot.logits, cold.logits)
+    assert kv_equal(hot, cold)
+
+
+def test_decoding_on_a_prefill_leaves_the_live_kv_canonical(tiny_engine, tokens, kv_equal):
+    prompt = tokens(120, seed=47)
+    cache = KVCache(tiny_engine)
+    out = generate(tiny_engine, cache, prompt, max_new_tokens=9, stop_ids=[], insert_output=False)
+    sequence = prompt + list(out.token_ids) + tokens(12, seed=48)
+
+    hot = prefill(tiny_engine, cache, sequence)
+    cold = prefill(tiny_engine, None, sequence)
+
+    assert hot.num_memory_tokens == len(prompt)
+    assert torch.equal(hot.logits, cold.logits)
+    assert kv_equal(hot, cold)
+
+
+def test_a_tail_longer_than_one_chunk_is_bit_identical_to_cold(tiny_engine, tokens, kv_equal):
+    sequence = tokens(MAX_CHUNK_ROWS + 300, seed=49)
+    cache = KVCache(tiny_engine)
+    prefill(tiny_engine, cache, sequence[:37])
+
+    hot = prefill(tiny_engine, cache, sequence)
+    cold = prefill(tiny_engine, None, sequence)
+
+    assert hot.num_computed_tokens == len(sequence) - 37
+    assert torch.equal(hot.logits, cold.logits)
+    assert kv_equal(hot, cold)
+
+
+@pytest.mark.parametrize("offset", [1, 40, 99, 100, 101, 120])
+def test_a_span_of_logits_is_bit_identical_whatever_the_reuse(tiny_engine, tokens, offset):
+    """Draft checks keep every response position's logits; the split must not show."""
+    sequence = tokens(130, seed=50)
+    cache = KVCache(tiny_engine)
+    prefill(tiny_engine, cache, [*sequence[:offset], 3])
+
+    hot = prefill(tiny_engine, cache, sequence, logits_from=100)
+    cold = prefill(tiny_engine, None, sequence, logits_from=100)
+
+    assert hot.num_memory_tokens == min(offset, 100)
+    assert hot.logits.shape == cold.logits.shape == (30, len(tiny_engine.tokenizer))
+    assert torch.equal(hot.logits, cold.logits)
+
+
+def test_clear_memory_drops_the_live_sequence(tiny_engine, tokens, make_cache):
+    first = tokens(150, seed=51)
+    cache = make_cache(tiny_engine)
+    prefill(tiny_engine, cache, first)
+    cache.clear_memory()
+
+    hit = cache.lookup([*first, 5])
+    cache.release(hit)
+
+    assert hit.live is None
+    assert (hit.num_memory_tokens, hit.num_disk_tokens) == (0, 128)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("offset", [1, 9, 64, 117, 250])
+def test_default_model_hits_of_any_length_are_bit_identical_to_cold(
+    default_engine, tokens, kv_equal, offset
+):
+    """Tails of 1 to ~650 rows, one forward or two, on the real model's GEMMs."""
+    sequence = tokens(MAX_CHUNK_ROWS + 150, seed=52)
+    cache = KVCache(default_engine)
+    prefill(default_engine, cache, [*sequence[:offset], 7])
+    prefill(default_engine, cache, sequence[: offset + 5])  # a tail of 5 rows
+
+    hot = prefill(default_engine, cache, sequence)
+    cold = prefill(default_engine, None, sequence)
+
+    assert hot.num_memory_tokens == offset + 5
+    assert torch.equal(hot.logits, cold.logits)
+    assert kv_equal(hot, cold)
