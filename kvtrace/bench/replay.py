@@ -172,7 +172,7 @@ def run_replay_bench(*, cache_dir: Path, model: str | None = None, fresh: bool =
             name = f"{AGENT_RECIPE}-{calls or NUM_CALLS}-{engine.fingerprint[:12]}"
             if name not in {r.name for r in store.runs()}:
                 with tempfile.TemporaryDirectory(prefix="kvtrace-bench-") as tmp:
-                    recording = KVCache(engine, disk_dir=Path(tmp) / "kv", write_behind=True)
+                    recording = KVCache(engine, disk_dir=Path(tmp) / "kv")
                     started = time.perf_counter()
                     record_agent_run(store, name, LocalBackend(engine, recording),
                                      num_calls=calls or NUM_CALLS)
@@ -213,7 +213,7 @@ def _measure(store: Store, name: str, engine: Any, *, trials: int, warm: ReplayR
     memory_peak = 0
     for trial in range(max(1, trials)):
         with tempfile.TemporaryDirectory(prefix="kvtrace-bench-") as tmp:
-            cache = KVCache(engine, disk_dir=Path(tmp) / "rebuild", write_behind=True)
+            cache = KVCache(engine, disk_dir=Path(tmp) / "rebuild")
             with PeakRss() as peak:
                 cases["cold"].append(replay(store, name, LocalBackend(engine, cache),
                                             mode="rebuild"))
@@ -228,10 +228,10 @@ def _measure(store: Store, name: str, engine: Any, *, trials: int, warm: ReplayR
                 cases["uncached"].append(
                     replay(store, name, LocalBackend(engine, None), mode="rebuild"))
             if with_verify:
-                checking = KVCache(engine, disk_dir=Path(tmp) / "verify", write_behind=True)
+                checking = KVCache(engine, disk_dir=Path(tmp) / "verify")
                 cases["verify"].append(replay(store, name, LocalBackend(engine, checking),
                                               mode="verify"))
-                decoding = KVCache(engine, disk_dir=Path(tmp) / "decode", write_behind=True)
+                decoding = KVCache(engine, disk_dir=Path(tmp) / "decode")
                 cases["verify_decode"].append(replay(store, name, LocalBackend(engine, decoding),
                                                      mode="verify", use_drafts=False))
                 checking.flush()
