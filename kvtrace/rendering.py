@@ -124,7 +124,7 @@ def assistant_text(message: Mapping[str, Any] | str) -> str:
 def render_tool_call(call: Mapping[str, Any]) -> str:
     """One tool call as a ``<tool_call>`` block, arguments as a JSON object when they parse."""
     function = call.get("function") or {}
-    body = {"name": function.get("name"), "arguments": _arguments(function.get("arguments"))}
+    body = {"name": function.get("name"), "arguments": parse_arguments(function.get("arguments"))}
     return f"{TOOL_CALL_OPEN}\n{json.dumps(body, ensure_ascii=False)}\n{TOOL_CALL_CLOSE}"
 
 
@@ -195,7 +195,9 @@ def _sorted(value: Any) -> Any:
     return value
 
 
-def _arguments(arguments: Any) -> Any:
+def parse_arguments(arguments: Any) -> Any:
+    """Tool-call arguments as a JSON value: the string parsed (kept as text when it is
+    not JSON), null as an empty object, anything else as it is."""
     if isinstance(arguments, str):
         try:
             return json.loads(arguments)
@@ -211,7 +213,7 @@ def _native_message(message: Mapping[str, Any]) -> dict[str, Any]:
     if out.get("tool_calls"):
         out["tool_calls"] = [
             {**call, "function": {**(call.get("function") or {}),
-                                  "arguments": _arguments((call.get("function") or {})
+                                  "arguments": parse_arguments((call.get("function") or {})
                                                           .get("arguments"))}}
             for call in out["tool_calls"]
         ]

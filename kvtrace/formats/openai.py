@@ -33,11 +33,11 @@ from kvtrace.formats.records import (
     check_storable,
     content_text,
     keep,
-    parse_arguments,
     record,
     restore,
     tools,
 )
+from kvtrace.rendering import parse_arguments
 from kvtrace.store import RunInfo, Step, Store
 from kvtrace.store.messages import normalize_message, normalize_response
 

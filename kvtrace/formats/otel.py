@@ -47,8 +47,9 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from kvtrace.errors import UsageError
+from kvtrace.rendering import content_text
 from kvtrace.store import Step, Store
-from kvtrace.store.messages import text_of, tool_calls_of
+from kvtrace.store.messages import tool_calls_of
 from kvtrace.store.usage import completion_tokens, provider_usage
 
 SPAN_KIND_INTERNAL = 1
@@ -197,7 +198,7 @@ def _chat_attributes(step: Step, run: str, include_content: bool) -> dict[str, A
         messages = step.content.get("messages") or []
         system = [m for m in messages if isinstance(m, Mapping) and m.get("role") == "system"]
         attributes["gen_ai.system_instructions"] = [
-            {"type": "text", "content": text_of(m.get("content"))} for m in system] or None
+            {"type": "text", "content": content_text(m.get("content"))} for m in system] or None
         attributes["gen_ai.input.messages"] = [
             _message(m) for m in messages if m not in system]
         output = _message(response) if isinstance(response, Mapping) else None
@@ -220,9 +221,9 @@ def _message(message: Mapping[str, Any]) -> dict[str, Any]:
         parts.append({"type": "reasoning", "content": message["reasoning_content"]})
     if role == "tool":
         parts.append({"type": "tool_call_response", "id": message.get("tool_call_id"),
-                      "response": text_of(message.get("content"))})
+                      "response": content_text(message.get("content"))})
     elif message.get("content") is not None:
-        parts.append({"type": "text", "content": text_of(message.get("content"))})
+        parts.append({"type": "text", "content": content_text(message.get("content"))})
     for call in tool_calls_of(message):
         function = call.get("function") or {}
         parts.append({"type": "tool_call", "id": call.get("id"), "name": function.get("name"),

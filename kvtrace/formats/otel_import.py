@@ -28,8 +28,9 @@ from kvtrace.formats.records import (
     check_storable,
     record,
 )
+from kvtrace.rendering import content_text
 from kvtrace.store import RunInfo, Store
-from kvtrace.store.messages import normalize_message, normalize_response, text_of
+from kvtrace.store.messages import normalize_message, normalize_response
 
 _MAPPED = frozenset({
     "gen_ai.operation.name", "gen_ai.request.model", "gen_ai.response.model",
@@ -199,7 +200,7 @@ def _tool_call(span: dict[str, Any], attributes: dict[str, Any], where: str) -> 
 
 def _part_text(part: Any) -> str:
     """The text of a conventions part ({"type": "text", "content": ...}) or of plain text."""
-    return text_of(part.get("content")) if isinstance(part, dict) else text_of(part)
+    return content_text(part.get("content")) if isinstance(part, dict) else content_text(part)
 
 
 def _message_of(message: Any, where: str) -> dict[str, Any]:

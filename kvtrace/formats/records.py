@@ -153,11 +153,3 @@ def content_text(result: Any) -> Any:
     if isinstance(result, list) and all(isinstance(p, dict) and "type" in p for p in result):
         return result
     return json.dumps(result, ensure_ascii=False)
-
-
-def parse_arguments(arguments: str) -> Any:
-    """Tool-call arguments as a JSON value (the text itself when it is not JSON)."""
-    try:
-        return json.loads(arguments)
-    except ValueError:
-        return arguments

@@ -27,9 +27,10 @@ from pathlib import Path
 from typing import Any
 
 from kvtrace.page.contents import GraphNode, Page, PageRun, PageStep, gather
+from kvtrace.rendering import content_text
 from kvtrace.replay.backend import Tokenizer
 from kvtrace.store import Store
-from kvtrace.store.messages import text_of, tool_calls_of
+from kvtrace.store.messages import tool_calls_of
 
 MAX_TEXT = 200_000  # characters of one value shown; `kvtrace show` has the rest
 LANE, ROW, MARGIN = 22, 22, 14  # graph geometry in pixels
@@ -358,7 +359,7 @@ def _message(message: Any) -> str:
         parts.append(f"<pre>[reasoning] {_e(_cut(message['reasoning_content'], MAX_TEXT))}</pre>")
     content = message.get("content")
     if content is not None:
-        text = text_of(content) if isinstance(content, (str, list)) else content
+        text = content_text(content) if isinstance(content, (str, list)) else content
         parts.append(_pre(text))
     for call in tool_calls_of(message):
         function = call.get("function") if isinstance(call, dict) else None

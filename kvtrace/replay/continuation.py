@@ -34,7 +34,7 @@ from kvtrace.errors import (
     RunNotFoundError,
     UsageError,
 )
-from kvtrace.rendering import content_text
+from kvtrace.rendering import content_text, parse_arguments
 from kvtrace.replay.backend import Backend, CallRequest, Message, SamplingParams
 from kvtrace.replay.driver import ProgressCallback
 from kvtrace.replay.oracle import PrefixOracle
@@ -286,7 +286,7 @@ def _run_tool_calls(
     for call in calls:
         function = call.get("function") or {}
         name = str(function.get("name"))
-        arguments = _parse_arguments(function.get("arguments"))
+        arguments = parse_arguments(function.get("arguments"))
         tool = _tool(tools, name, asked_by)
         result, error = _call(tool, arguments)
         new_steps.append(run.record_tool_call(name, arguments, result, error=error,
@@ -305,15 +305,6 @@ def _tool(tools: Mapping[str, Tool], name: str, asked_by: Step | None) -> Tool:
             f"registered (registered: {known}); register it and continue the run again"
         )
     return tool
-
-
-def _parse_arguments(arguments: Any) -> Any:
-    if isinstance(arguments, str):
-        try:
-            return json.loads(arguments)
-        except ValueError:
-            return arguments
-    return arguments
 
 
 def _seeded_oracle(path: list[Step], backend: Backend) -> PrefixOracle:

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from itertools import zip_longest
 from typing import Any
 
-from kvtrace.store.messages import text_of, tool_calls_of
+from kvtrace.rendering import content_text
+from kvtrace.store.messages import tool_calls_of
 from kvtrace.store.records import Divergence, Step
 from kvtrace.store.store import Store
 
@@ -189,7 +190,7 @@ def _part(message: Any, key: str) -> str | None:
         return message if key == "content" else None
     if not isinstance(message, dict) or message.get(key) is None:
         return None
-    return text_of(message[key])
+    return content_text(message[key])
 
 
 def _message_text(message: Any) -> str | None:
@@ -206,7 +207,7 @@ def _message_text(message: Any) -> str | None:
     if message.get("reasoning_content"):
         lines.append(f"[reasoning] {message['reasoning_content']}")
     content = message.get("content")
-    lines.append(text_of(content) if isinstance(content, (str, list)) or content is None
+    lines.append(content_text(content) if isinstance(content, (str, list)) or content is None
                  else _pretty(content) or "")
     lines.extend(_call_text(call) or "" for call in tool_calls_of(message))
     return "\n".join(lines)

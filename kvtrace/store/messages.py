@@ -138,20 +138,6 @@ def tool_calls_of(message: Mapping[str, Any] | Any) -> list[dict[str, Any]]:
     return list(calls) if isinstance(calls, list) else []
 
 
-def text_of(content: Any) -> str:
-    """The text of a message's content: a string, null, or a list of parts."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(
-            str(part.get("text", "")) if isinstance(part, Mapping) else str(part)
-            for part in content
-        )
-    return str(content)
-
-
 def arguments_equal(a: str, b: str) -> bool:
     """Whether two tool-call argument strings are equal as JSON (else as text)."""
     try:

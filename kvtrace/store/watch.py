@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import sqlalchemy as sa
 
 from kvtrace.store import history
-from kvtrace.store.backend import read_transaction
+from kvtrace.store.backend import read_transaction, reader
 from kvtrace.store.records import Step
 from kvtrace.store.refs import NOTIFY_CHANNEL
 from kvtrace.store.schema import reflog
@@ -79,14 +79,12 @@ def watch(
 
     Ends once `timeout` seconds have passed since it started (None: never).
     """
-    engine = store.engine
-    reader = engine.execution_options(isolation_level="REPEATABLE READ") if (
-        engine.dialect.name == "postgresql") else engine
+    snapshots = reader(store.engine)
     deadline = None if timeout is None else time.monotonic() + timeout
-    cursor = since if since is not None else _last_entry(reader, name)
+    cursor = since if since is not None else _last_entry(snapshots, name)
     with _listener(store) as wait:
         while True:
-            events = _events_after(store, reader, name, cursor)
+            events = _events_after(store, snapshots, name, cursor)
             for event in events:
                 cursor = event.cursor
                 yield event

@@ -37,8 +37,9 @@ from urllib.parse import urlsplit
 import httpx
 
 from kvtrace.errors import UnrecordedRequestError, UsageError
+from kvtrace.rendering import content_text
 from kvtrace.store import Run, Step
-from kvtrace.store.messages import normalize_messages, normalize_tools, text_of
+from kvtrace.store.messages import normalize_messages, normalize_tools
 from kvtrace.tracer import sse
 from kvtrace.tracer.exchange import chat_request, is_chat_completions, request_params
 from kvtrace.tracer.recorder import Recorder, as_recorder
@@ -199,7 +200,7 @@ def _difference(request: _Key, recorded: _Key) -> str:
 
 def _describe(message_json: str) -> str:
     message = json.loads(message_json)
-    text = text_of(message.get("content"))
+    text = content_text(message.get("content"))
     if message.get("tool_calls"):
         names = [c.get("function", {}).get("name") for c in message["tool_calls"]]
         text = f"{text} tool_calls={names}".strip()
