@@ -29,7 +29,12 @@ real rows, and whether the kv length ends just after it or a tile later.
 The parity tests in tests/engine hold this line.
 
 Cost: the same FLOPs as plain attention, plus a few temporary tensors of
-`kv_heads * tiles * rows * TILE` floats. Decode steps (one query row) go to
+`kv_heads * tiles * rows * TILE` floats. Those are bounded: a forward whose
+scores would pass `SCORE_BYTES` is split into blocks of query rows (a
+multiple of 16 each), each block attending to the keys up to its last row.
+That is the same computation as a prefill chunk ending there, which gives a
+row the same bits by the rules above (at 5k tokens of context a 430-row
+forward's scores alone would be ~80 MB per layer call). Decode steps (one query row) go to
 torch's `scaled_dot_product_attention` instead: their KV is not canonical and
 is never stored (see generate.py), and the cached and uncached paths decode
 identically from identical KV, so greedy tokens still match bit for bit.
@@ -45,6 +50,8 @@ import torch.nn.functional as F
 
 ATTN_IMPLEMENTATION = "kvtrace_canonical"
 TILE = 64
+SCORE_BYTES = 32 * 1024**2
+_QUERY_BLOCK_MULTIPLE = 16
 
 _registered = False
 
@@ -67,9 +74,8 @@ def canonical_attention(
     implementations): causality is rebuilt from positions, which holds because
     kvtrace never left-pads or batches sequences.
     """
-    batch, num_heads, q_len, head_dim = query.shape
+    q_len, head_dim = query.shape[2], query.shape[3]
     num_kv_heads, kv_len = key.shape[1], key.shape[2]
-    groups = num_heads // num_kv_heads
     scale = scaling if scaling is not None else head_dim**-0.5
     if q_len == 1:
         # A decode step: its KV is never stored and both the cached and the
@@ -77,10 +83,9 @@ def canonical_attention(
         # (Tiling here would copy all of K and V per layer per token.)
         single = F.scaled_dot_product_attention(query, key, value, scale=scale, enable_gqa=True)
         return single.transpose(1, 2).contiguous(), None
+    batch, num_heads = query.shape[0], query.shape[1]
+    groups = num_heads // num_kv_heads
     num_tiles = -(-kv_len // TILE)
-    # Query heads h = kv_head * groups + g share kv_head (as repeat_kv does);
-    # folding the group into rows avoids copying K and V per query head.
-    rows = (query * scale).reshape(batch, num_kv_heads, 1, groups * q_len, head_dim)
     key_tiles = F.pad(key, (0, 0, 0, num_tiles * TILE - kv_len)).reshape(
         batch, num_kv_heads, num_tiles, TILE, head_dim
     )
@@ -90,19 +95,49 @@ def canonical_attention(
     value_tiles[:, :, :kv_len, :head_dim] = value
     value_tiles[:, :, :kv_len, head_dim] = 1
     value_tiles = value_tiles.view(batch, num_kv_heads, num_tiles, TILE, head_dim + 1)
+    start = kv_len - q_len
+    block = _query_block(q_len, num_tiles, num_kv_heads, groups, query.element_size())
+    outs = []
+    for lo in range(0, q_len, block):
+        # Queries lo..hi see keys up to start + hi: the tiles holding them.
+        # Keys a tile holds past that are masked, contributing exact zeros.
+        hi = min(q_len, lo + block)
+        tiles = -(-(start + hi) // TILE)
+        rows = (query[:, :, lo:hi] * scale).reshape(
+            batch, num_kv_heads, 1, groups * (hi - lo), head_dim
+        )
+        total = _attend(rows, key_tiles[:, :, :tiles], value_tiles[:, :, :tiles],
+                        start + lo, hi - lo, groups)
+        outs.append((total[..., :head_dim] / total[..., head_dim:]).reshape(
+            batch, num_heads, hi - lo, head_dim))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+    return out.transpose(1, 2).contiguous(), None
 
+
+def _query_block(q_len: int, num_tiles: int, num_kv_heads: int, groups: int,
+                 element_size: int) -> int:
+    """Query rows per block, a multiple of 16, so that one block's scores fit SCORE_BYTES."""
+    per_row = num_kv_heads * num_tiles * groups * TILE * element_size
+    fits = SCORE_BYTES // per_row // _QUERY_BLOCK_MULTIPLE * _QUERY_BLOCK_MULTIPLE
+    return min(q_len, max(_QUERY_BLOCK_MULTIPLE, fits))
+
+
+def _attend(rows: torch.Tensor, key_tiles: torch.Tensor, value_tiles: torch.Tensor,
+            first_query: int, q_len: int, groups: int) -> torch.Tensor:
+    """Sum over tiles of softmax numerators, with the denominator last: `[b, kvh, rows, dim+1]`.
+
+    `rows` hold the queries at absolute positions `first_query …` (times
+    `groups`); the tiles cover every key up to the last of them.
+    """
     scores = torch.matmul(rows, key_tiles.transpose(-1, -2))  # [b, kvh, tiles, rows, TILE]
     # Keys after a query can only lie in the tiles from the first query's own on.
-    first = (kv_len - q_len) // TILE
-    scores[:, :, first:].masked_fill_(
-        _causal_mask(q_len, kv_len, groups, query.device)[first:], float("-inf")
-    )
+    first = first_query // TILE
+    mask = _causal_mask(first_query, q_len, key_tiles.shape[2], groups, rows.device)
+    scores[:, :, first:].masked_fill_(mask, float("-inf"))
     row_max = scores.amax(dim=-1).amax(dim=2)  # max is exact in any order
     probs = scores.sub_(row_max[:, :, None, :, None]).exp_()
     partial = torch.matmul(probs, value_tiles)  # [b, kvh, tiles, rows, dim + 1]
-    total = _fold_tiles(partial)
-    out = (total[..., :head_dim] / total[..., head_dim:]).reshape(batch, num_heads, q_len, head_dim)
-    return out.transpose(1, 2).contiguous(), None
+    return _fold_tiles(partial)
 
 
 def _fold_tiles(partial: torch.Tensor) -> torch.Tensor:
@@ -131,15 +166,18 @@ def _fold_tiles(partial: torch.Tensor) -> torch.Tensor:
     return partial[:, :, 0]
 
 
-@functools.lru_cache(maxsize=8)
-def _causal_mask(q_len: int, kv_len: int, groups: int, device: torch.device) -> torch.Tensor:
-    """True where a key lies after the query: `[tiles, groups * q_len, TILE]`.
+@functools.lru_cache(maxsize=32)
+def _causal_mask(
+    first_query: int, q_len: int, num_tiles: int, groups: int, device: torch.device
+) -> torch.Tensor:
+    """True where a key lies after the query, over the tiles from the first query's on.
 
-    Cached: every layer of one forward pass asks for the same mask.
+    `[num_tiles - first_query // TILE, groups * q_len, TILE]`; small (a few
+    tiles), and cached: every layer of one forward asks for the same masks.
     """
-    num_tiles = -(-kv_len // TILE)
-    query_pos = (torch.arange(q_len, device=device) + (kv_len - q_len)).repeat(groups)
-    key_pos = torch.arange(num_tiles * TILE, device=device).view(num_tiles, TILE)
+    first = first_query // TILE
+    query_pos = (torch.arange(q_len, device=device) + first_query).repeat(groups)
+    key_pos = torch.arange(first * TILE, num_tiles * TILE, device=device).view(-1, TILE)
     return key_pos[:, None, :] > query_pos[None, :, None]
 
 

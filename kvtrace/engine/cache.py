@@ -19,6 +19,17 @@ so views handed out stay valid; a lookup that uses them lets go of the
 record, so the old tensors are freed as the new prefill replaces them, layer
 by layer.
 
+Deferred output (`defer`): a generation's decoded tokens have no canonical
+KV (1-row forwards), and storing them canonically costs a forward of their
+own. Instead the cache remembers prompt + output as owed; the next lookup of
+a sequence that contains them reports them (`PrefixHit.num_deferred_tokens`)
+and prefill computes them in the same forward as that prompt's new tokens.
+They count as reused there: the cost was the earlier call's, which a cache
+storing its output at once pays in full, so `hit_rate == oracle_hit_rate`
+still holds. Owed outputs live in this process only (at most
+`MAX_DEFERRED`, the oldest forgotten first); one that no later prompt
+contains is never stored.
+
 With `write_behind=True`, disk blocks are written by a background thread
 (writer.py): `insert` only queues copies, a lookup sees queued blocks as if
 written, and `flush` waits for them.
@@ -45,6 +56,7 @@ from kvtrace.errors import CacheError, UsageError
 DEFAULT_BLOCK_SIZE = 64
 DEFAULT_MEMORY_BYTES = 2 * 1024**3
 MIN_BLOCK_SIZE = 16
+MAX_DEFERRED = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +66,8 @@ class PrefixHit:
     `pieces` are KV tensors `[layers, kv_heads, n, head_dim]` covering tokens
     `0 … num_tokens` in order. `num_disk_blocks` counts the leading blocks
     known to be on disk (so `insert` skips rewriting them).
+    `num_deferred_tokens` follow the hit: an earlier generation's output,
+    owed to the cache (module docstring), which the caller computes now.
     """
 
     num_tokens: int
@@ -63,6 +77,7 @@ class PrefixHit:
     pieces: tuple[tuple[torch.Tensor, torch.Tensor], ...]
     pinned: RadixNode | None
     live: tuple[tuple[torch.Tensor, torch.Tensor], ...] | None = None
+    num_deferred_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +134,7 @@ class KVCache:
         self.disk_bytes = disk_bytes
         self._disk_total: int | None = None
         self._live: LiveSequence | None = None
+        self._deferred: list[tuple[tuple[int, ...], int]] = []  # (tokens, canonical), oldest first
         self._lock = threading.RLock()
         self._layout = BlockLayout(  # what a disk block must be to be used by this engine
             engine.fingerprint, engine.dtype, engine.num_layers, engine.num_kv_heads,
@@ -163,6 +179,7 @@ class KVCache:
             num_tokens = num_memory + num_disk
             live = self._take_live(tokens, num_tokens)
             return PrefixHit(
+                num_deferred_tokens=self._take_deferred(tokens, num_tokens, limit),
                 num_tokens=num_tokens,
                 num_memory_tokens=num_memory,
                 num_disk_tokens=num_disk,
@@ -185,6 +202,39 @@ class KVCache:
                 raise CacheError("live KV is shorter than its tokens")
         with self._lock:
             self._live = LiveSequence(tuple(tokens), tuple(layers))
+
+    def defer(self, tokens: Sequence[int], num_canonical: int) -> None:
+        """Owe the cache `tokens[num_canonical:]`, decoded after the cached prompt before it.
+
+        The next lookup of a sequence containing them reports them as
+        deferred (module docstring).
+        """
+        if not 0 <= num_canonical <= len(tokens):
+            raise CacheError("deferred output must follow its cached prompt")
+        if num_canonical == len(tokens):
+            return
+        with self._lock:
+            self._deferred.append((tuple(tokens), num_canonical))
+            del self._deferred[:-MAX_DEFERRED]
+
+    def _take_deferred(self, tokens: Sequence[int], num_tokens: int, limit: int) -> int:
+        """Owed tokens that `tokens` holds right after its hit of `num_tokens`; taken.
+
+        Only output right after its cached prompt counts (the hit reaches
+        the prompt's end): a prompt the tiers lost is a miss, whatever
+        follows it. Any owed output the sequence covers is settled by this
+        prefill (it computes those rows canonically, or they were cached).
+        """
+        best = 0
+        for entry in list(self._deferred):
+            owed, canonical = entry
+            common = _common_prefix(owed, tokens, limit)
+            if common <= canonical:
+                continue
+            self._deferred.remove(entry)
+            if num_tokens >= canonical:
+                best = max(best, common - num_tokens)
+        return best
 
     def drop_live(self) -> None:
         """Forget the live sequence (its KV stays in the tiers)."""
@@ -321,10 +371,11 @@ class KVCache:
     # -- inventory --------------------------------------------------------------
 
     def clear_memory(self) -> None:
-        """Drop the memory tier and the live sequence (the disk tier is untouched)."""
+        """Drop the memory tier, the live sequence and owed output (the disk tier is untouched)."""
         with self._lock:
             self.memory.clear()
             self._live = None
+            self._deferred.clear()
 
     def memory_stats(self) -> TierStats:
         return TierStats(

@@ -5,7 +5,10 @@ Those rows are not canonical (a 1-row forward does not give the bits of a
 padded 64-row chunk), so after generation the output is re-prefilled
 canonically on top of the cached prompt (`insert_output=True`): the next
 prompt, which contains it, then hits it in full with the bits a cold
-computation would give.
+computation would give. With `defer_output=True` that re-prefill is not run
+here: the cache owes the output (`KVCache.defer`), and the next prompt that
+contains it computes it canonically in its own forward, one forward fewer per
+call, still counted as reused there.
 
 Checking a draft (replay's verify): when the caller already holds the
 response it expects, the recorded one, `generate(..., draft_ids=ids)` runs
@@ -99,6 +102,7 @@ def generate(
     insert_output: bool = True,
     block_size: int | None = None,
     draft_ids: Sequence[int] | None = None,
+    defer_output: bool = False,
 ) -> GenerateResult:
     """Prefill `prompt_ids`, then decode up to `max_new_tokens` tokens.
 
@@ -110,6 +114,8 @@ def generate(
     generation is greedy in fp32, the output is to be cached, and the draft could be
     a whole generation (no stop token inside, ending on one or at
     `max_new_tokens`); the result is what decoding gives either way.
+    `defer_output` leaves a decoded output owed to the cache instead of
+    re-prefilling it (module docstring); it changes no token.
     """
     if max_new_tokens < 0:
         raise UsageError("max_new_tokens must be >= 0")
@@ -172,9 +178,12 @@ def generate(
     decode_seconds = time.perf_counter() - started + check_seconds
     insert_seconds = 0.0
     if insert_output and cache is not None and out:
-        # Store prompt + output canonically: the prompt is cached (it was
-        # just prefilled), so only the output tokens are computed.
-        insert_seconds = prefill(engine, cache, [*prompt_ids, *out]).seconds
+        if defer_output:
+            cache.defer([*prompt_ids, *out], len(prompt_ids))
+        else:
+            # Store prompt + output canonically: the prompt is cached (it was
+            # just prefilled), so only the output tokens are computed.
+            insert_seconds = prefill(engine, cache, [*prompt_ids, *out]).seconds
     return GenerateResult(
         token_ids=tuple(out),
         text=engine.decode(out),

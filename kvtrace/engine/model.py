@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import tempfile
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,7 @@ from kvtrace.engine.attention import register_canonical_attention
 from kvtrace.engine.folders import cache_root, model_folder
 from kvtrace.engine.tokenizer import ChatTemplating, context_length, stop_token_ids
 from kvtrace.errors import ModelNotFoundError, UsageError
+from kvtrace.numerics import MKL_SETTING, rows_are_invariant
 
 # Bump when a change to prefill or the attention function changes the bits of
 # the KV it computes: old KV on disk then stops matching instead of being
@@ -120,6 +122,13 @@ def _load_folder(folder: Path, cache_dir: Path, device: torch.device, dtype: tor
     model.to(device)  # type: ignore[arg-type]
     model.eval()
     model.requires_grad_(False)
+    if not rows_are_invariant(model):
+        warnings.warn(
+            f"{folder.name}: matrix products here give a row other bits depending on how many "
+            f"rows share it, so cache hits may differ from cold runs in the last bits; set "
+            f"{MKL_SETTING[0]}={MKL_SETTING[1]} before anything uses torch (kvtrace/numerics.py)",
+            stacklevel=3,
+        )
     config = model.config
     if getattr(config, "sliding_window", None) or getattr(config, "is_encoder_decoder", False):
         raise UsageError(

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -71,6 +71,7 @@ class PrefillResult:
     num_disk_tokens: int
     num_computed_tokens: int
     seconds: float
+    num_deferred_tokens: int = 0
 
     @property
     def num_cached_tokens(self) -> int:
@@ -129,6 +130,12 @@ def prefill(
             if keys.shape[3] != reused:
                 raise CacheError(f"cache returned {keys.shape[3]} KV rows for {reused} tokens")
             _seed_cache(kv, list(zip(keys.unbind(0), values.unbind(0), strict=True)))
+            del keys, values
+        if hit is not None:
+            # Only the DynamicCache holds the reused KV now: each layer's old
+            # tensors are freed as its first forward replaces them, instead
+            # of a second copy of the whole prefix living until the end.
+            hit = replace(hit, live=None, pieces=())
         span = logits_from is not None
         logits = _compute(engine, kv, tokens, reused, keep_from, span, reduce_logits)
         if cache is not None and hit is not None:
@@ -145,6 +152,7 @@ def prefill(
         num_disk_tokens=hit.num_disk_tokens if hit is not None else 0,
         num_computed_tokens=len(tokens) - reused,
         seconds=time.perf_counter() - started,
+        num_deferred_tokens=hit.num_deferred_tokens if hit is not None else 0,
     )
 
 

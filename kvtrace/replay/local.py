@@ -11,6 +11,14 @@ Verify hands the engine the recorded output as a draft, checked in one
 prefill of prompt + draft, with a fallback to decoding when it is rejected (see
 `kvtrace.engine.generate`).
 
+A generated output is not re-prefilled at once: the cache owes it
+(`defer_output`, see `kvtrace.engine.generate`), and the next prompt that
+contains it computes it in its own forward. Those tokens are reported as
+memory reuse of that prompt, as they would be had the output been stored
+straight away (and the oracle counts them so). `defer_output=False` stores
+each output before returning, for callers whose next request may be another
+process's or never come (the server).
+
 Rebuild feeds the prompt and the recorded output in ONE prefill: no decoding
 loop, and the cache ends up holding exactly the sequence a generation would
 have left. Its accounting is split at the prompt's end: reuse counts for the
@@ -36,9 +44,11 @@ if TYPE_CHECKING:  # the engine imports torch: load it only when a backend is bu
 class LocalBackend:
     """The engine, with a KV cache (or none: every token computed)."""
 
-    def __init__(self, engine: Engine, cache: KVCache | None) -> None:
+    def __init__(self, engine: Engine, cache: KVCache | None, *,
+                 defer_output: bool = True) -> None:
         self._engine = engine
         self._cache = cache
+        self._defer_output = defer_output
 
     @property
     def name(self) -> str:
@@ -60,8 +70,12 @@ class LocalBackend:
     def cache(self) -> KVCache | None:
         return self._cache
 
+    def storing_output(self) -> LocalBackend:
+        """This backend with each generated output stored before `generate` returns."""
+        return LocalBackend(self._engine, self._cache, defer_output=False)
+
     def without_cache(self) -> Backend:
-        return LocalBackend(self._engine, None)
+        return LocalBackend(self._engine, None, defer_output=self._defer_output)
 
     def generate(self, request: CallRequest) -> CallResult:
         from kvtrace.engine import generate
@@ -77,6 +91,7 @@ class LocalBackend:
             top_p=params.top_p,
             seed=params.seed,
             draft_ids=request.draft_ids,
+            defer_output=self._defer_output,
         )
         ids = list(out.token_ids)
         memory, disk = _prompt_reuse(out.prefill, len(prompt))
@@ -158,9 +173,10 @@ def _prompt_reuse(stats: PrefillResult, prompt_len: int) -> tuple[int, int]:
     """(memory, disk) tokens reused for the prompt, capped at ``prompt_len - 1``.
 
     Disk blocks come first in a lookup (they hold a prefix from the root), then
-    memory continues; the cap takes from the end, i.e. from memory first.
+    memory continues, then owed output (module docstring), counted as memory;
+    the cap takes from the end, i.e. from memory first.
     """
     limit = max(prompt_len - 1, 0)
     disk = min(stats.num_disk_tokens, limit)
-    memory = min(stats.num_memory_tokens, limit - disk)
+    memory = min(stats.num_memory_tokens + stats.num_deferred_tokens, limit - disk)
     return memory, disk

@@ -57,7 +57,10 @@ class LocalAnswerer:
     def __init__(self, backend: LocalBackend, *, max_queue: int = 16) -> None:
         if max_queue < 0:
             raise ValueError("max_queue must be >= 0")
-        self._backend = backend
+        # Each answer's output is stored before the reply: the next request
+        # may come from another client, or never, and `cached_tokens` must
+        # count only KV the cache held (no deferred output, see replay/local.py).
+        self._backend = backend.storing_output()
         self._capacity = max_queue + 1  # the one running, and those waiting
         self._in_flight = 0
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="kvtrace-engine")

@@ -124,3 +124,18 @@ def test_default_model_hits_of_any_length_are_bit_identical_to_cold(
     assert hot.num_memory_tokens == offset + 5
     assert torch.equal(hot.logits, cold.logits)
     assert kv_equal(hot, cold)
+
+
+@pytest.mark.slow
+def test_default_model_attention_in_query_blocks_is_bit_identical(
+    default_engine, tokens, kv_equal, monkeypatch
+):
+    """The real model's GQA groups (3 query heads per KV head) in blocks of 16 query rows."""
+    from kvtrace.engine import attention
+
+    sequence = tokens(400, seed=53)
+    whole = prefill(default_engine, None, sequence, logits_from=380)
+    monkeypatch.setattr(attention, "SCORE_BYTES", 1)
+    split = prefill(default_engine, None, sequence, logits_from=380)
+    assert torch.equal(whole.logits, split.logits)
+    assert kv_equal(whole, split)

@@ -134,3 +134,19 @@ def test_default_model_hits_are_bit_identical_to_cold(default_engine, make_cache
     assert torch.equal(from_memory.prefill.logits, cold.prefill.logits)
     assert torch.equal(from_disk.prefill.logits, cold.prefill.logits)
     assert from_memory.token_ids == cold.token_ids == from_disk.token_ids
+
+
+@pytest.mark.parametrize("score_bytes", [1, 300_000])
+def test_attention_split_into_query_blocks_is_bit_identical(
+    tiny_engine, tokens, kv_equal, monkeypatch, score_bytes
+):
+    """Bounding the attention temporaries (blocks of 16, or of a few dozen rows) changes no bit."""
+    from kvtrace.engine import attention
+
+    prompt = tokens(700, seed=13)
+    whole = prefill(tiny_engine, None, prompt, logits_from=600)
+    monkeypatch.setattr(attention, "SCORE_BYTES", score_bytes)
+    assert attention._query_block(512, 11, 2, 2, 4) < 512  # 512 rows over 700 keys: split
+    split = prefill(tiny_engine, None, prompt, logits_from=600)
+    assert torch.equal(whole.logits, split.logits)
+    assert kv_equal(whole, split)

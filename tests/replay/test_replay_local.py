@@ -60,13 +60,23 @@ def test_verify_without_drafts_decodes_and_agrees(
     _record_linear_run(replay_store, tiny_engine, local_backend_factory, calls=4)
     drafted = replay(replay_store, "linear",
                      local_backend_factory(tiny_engine, kv_dir=tmp_path / "a"), mode="verify")
-    decoded = replay(replay_store, "linear",
-                     local_backend_factory(tiny_engine, kv_dir=tmp_path / "b"), mode="verify",
-                     use_drafts=False)
+    decoding = local_backend_factory(tiny_engine, kv_dir=tmp_path / "b")
+    decoded = replay(replay_store, "linear", decoding, mode="verify", use_drafts=False)
     assert [s.draft for s in decoded.steps] == [None] * 4
     assert decoded.is_match is True and drafted.is_match is True
     assert [s.reused_tokens for s in decoded.steps] == [s.reused_tokens for s in drafted.steps]
     assert [s.reused_tokens for s in decoded.steps] == [s.oracle_tokens for s in decoded.steps]
+    # Decoded outputs are owed to the cache and computed by the next prompt; storing
+    # each at once instead reuses the same tokens and generates the same ones.
+    backend = local_backend_factory(tiny_engine, kv_dir=tmp_path / "c")
+    stored = replay(replay_store, "linear", backend.storing_output(), mode="verify",
+                    use_drafts=False)
+    assert stored.is_match is True
+    assert [s.reused_tokens for s in stored.steps] == [s.reused_tokens for s in decoded.steps]
+    # The last output, which no later prompt computed, is not stored (nor are output
+    # tokens a later prompt does not hold as they were generated).
+    owed = decoded.steps[-1].output_tokens
+    assert backend.cache.memory.num_tokens >= decoding.cache.memory.num_tokens + owed > owed
 
 
 def test_a_replay_in_a_fresh_process_hits_the_disk_tier(

@@ -1,0 +1,69 @@
+"""The numeric setting bit-identical reuse needs: GEMM rows that do not depend on the row count.
+
+Canonical prefill (prefill.py) gives a cached row the bits a cold run gives
+it only if a matrix product computes each row the same way however many
+rows it multiplies at once. Intel MKL, which torch's CPU build uses for
+`F.linear`, does not promise that: with 2 threads on an AVX-512 Xeon
+(2026-11-30, torch 2.13), a `[m, 1536] x [1536, 576]` product (the MLP's
+down projection of the default model) gives rows other bits for m = 64-192
+than for m <= 48 or m >= 208, because for those shapes MKL splits the
+reduction over K between the threads. On an AVX2 path, m = 16 and 32 differ
+instead. MKL's Conditional Numerical Reproducibility in strict mode
+(`MKL_CBWR=AUTO,STRICT`) turns such splits off; measured on that machine it
+makes every m from 16 to 600 agree, costs nothing on 512-row products, and
+makes 1-row products (decoding) ~1.5x slower.
+
+MKL reads the setting once, at its first computation in the process, so
+`kvtrace/__init__.py` sets it (unless the environment already does; this
+module imports no torch) before anything of kvtrace computes, and
+`load_engine` checks the property itself on the model's own layer shapes
+(`rows_are_invariant`), warning when it does not hold (e.g. when torch
+computed something before kvtrace was imported).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch-free at import: `import kvtrace` loads this module first
+    import torch
+
+MKL_SETTING = ("MKL_CBWR", "AUTO,STRICT")
+# Row counts (multiples of 16) checked against the same rows of a larger product.
+_CHECKED_ROWS = (16, 48, 64, 128, 192, 208)
+_REFERENCE_ROWS = 256
+
+
+def request_reproducible_gemm() -> None:
+    """Ask MKL for strict reproducibility, unless the user's environment says otherwise."""
+    os.environ.setdefault(*MKL_SETTING)
+
+
+def rows_are_invariant(model: torch.nn.Module) -> bool:
+    """Whether each linear shape of the model's first layer computes rows independently of m.
+
+    A few milliseconds: random inputs, `_CHECKED_ROWS` against the first rows
+    of a `_REFERENCE_ROWS`-row product, per distinct weight shape.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    first = next((m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")), None)
+    if first is None:
+        return True
+    generator = torch.Generator().manual_seed(0)
+    shapes: dict[tuple[int, ...], torch.nn.Linear] = {}
+    for module in first.modules():
+        if isinstance(module, torch.nn.Linear):
+            shapes.setdefault(tuple(module.weight.shape), module)
+    with torch.inference_mode():
+        for linear in shapes.values():
+            weight = linear.weight
+            rows = torch.randn(_REFERENCE_ROWS, weight.shape[1], generator=generator)
+            rows = rows.to(device=weight.device, dtype=weight.dtype)
+            reference = F.linear(rows, weight)
+            for m in _CHECKED_ROWS:
+                if not torch.equal(F.linear(rows[:m], weight), reference[:m]):
+                    return False
+    return True
