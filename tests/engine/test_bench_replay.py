@@ -1,0 +1,22 @@
+"""`kvtrace bench replay --shape agent` end to end on a tiny model (figures, not speed)."""
+
+from __future__ import annotations
+
+from kvtrace.bench.replay import run_replay_bench
+
+
+def test_agent_bench_reports_every_figure_and_hits_the_oracle(tiny_folder, tmp_path):
+    figures = run_replay_bench(cache_dir=tmp_path, model=str(tiny_folder), shape="agent",
+                               calls=3, trials=1)
+    assert figures["steps"] == 3 and figures["tool_steps"] == 3
+    assert figures["max_prompt_tokens"] > 1500
+    assert figures["hit_rate_equals_oracle"] is True and figures["hit_rate"] > 0.5
+    assert figures["verify_matching_steps"] == figures["verify_decode_matching_steps"] == 3
+    # The resident model is measured before the rebuild, and both RSS bounds are stated.
+    assert figures["rss_before_rebuild_mb"] > figures["weights_mb"] > 0
+    assert figures["peak_rss_mb"] >= figures["rss_before_rebuild_mb"]
+    assert figures["rss_bound_over_resident_mb"] > figures["rss_before_rebuild_mb"]
+    assert isinstance(figures["peak_rss_within_bound_over_resident"], bool)
+    again = run_replay_bench(cache_dir=tmp_path, model=str(tiny_folder), shape="agent",
+                             calls=3, trials=1, with_verify=False)
+    assert again["recorded_now"] is False and "verify_s_cached" not in again
