@@ -237,6 +237,7 @@ def _measure(store: Store, name: str, engine: Any, *, trials: int, warm: ReplayR
                                                      mode="verify", use_drafts=False))
                 checking.flush()
                 decoding.flush()
+                del checking, decoding  # or their trees would count in the next trial's RSS
         if with_verify:
             cases["bound"].append(lower_bound_seconds(store, name, engine))
         cases["feed_bound"].append(lower_bound_seconds(store, name, engine, decode=False))
