@@ -16,12 +16,9 @@ from kvtrace.errors import (
     RunPausedError,
     UsageError,
 )
-from kvtrace.numerics import request_reproducible_gemm
 from kvtrace.store import FsckReport, Note, ReflogEntry, Run, RunInfo, Step, Store, open_store
 from kvtrace.store.watch import WatchEvent
 from kvtrace.tracer import recording, tool
-
-request_reproducible_gemm()  # before torch computes anything: MKL reads it once (numerics.py)
 
 __version__ = "0.1.0"
 

@@ -9,16 +9,19 @@ down projection of the default model) gives rows other bits for m = 64-192
 than for m <= 48 or m >= 208, because for those shapes MKL splits the
 reduction over K between the threads. On an AVX2 path, m = 16 and 32 differ
 instead. MKL's Conditional Numerical Reproducibility in strict mode
-(`MKL_CBWR=AUTO,STRICT`) turns such splits off; measured on that machine it
-makes every m from 16 to 600 agree, costs nothing on 512-row products, and
-makes 1-row products (decoding) ~1.5x slower.
+(`MKL_CBWR=AUTO,STRICT`) turns such splits off; measured on that machine
+every linear shape of the model then agrees for m = 1-12 and every multiple
+of 16 up to 600, 512-row products cost the same, and 1-row products
+(decoding) ~1.5x more. Prefill still pads forwards to 16 rows: without the
+padding the tiny models' parity tests fail even in strict mode.
 
 MKL reads the setting once, at its first computation in the process, so
-`kvtrace/__init__.py` sets it (unless the environment already does; this
-module imports no torch) before anything of kvtrace computes, and
-`load_engine` checks the property itself on the model's own layer shapes
-(`rows_are_invariant`), warning when it does not hold (e.g. when torch
-computed something before kvtrace was imported).
+importing `kvtrace.engine` sets it (unless the environment already does;
+this module imports no torch, and `import kvtrace` alone, e.g. to trace an
+agent, leaves the process's MKL as it was) before the engine computes
+anything, and `load_engine` checks the property on the model's own layer
+shapes (`rows_are_invariant`), warning when it does not hold (e.g. when
+torch computed something before `kvtrace.engine` was imported).
 """
 
 from __future__ import annotations
@@ -43,8 +46,10 @@ def request_reproducible_gemm() -> None:
 def rows_are_invariant(model: torch.nn.Module) -> bool:
     """Whether each linear shape of the model's first layer computes rows independently of m.
 
-    A few milliseconds: random inputs, `_CHECKED_ROWS` against the first rows
-    of a `_REFERENCE_ROWS`-row product, per distinct weight shape.
+    Random inputs, `_CHECKED_ROWS` against the first rows of a
+    `_REFERENCE_ROWS`-row product (past the 64-192-row band seen to differ),
+    per distinct weight shape: ~4 GFLOP, tens of milliseconds, for the
+    default model; it grows with the layer width (seconds for a 7B model).
     """
     import torch
     import torch.nn.functional as F

@@ -11,10 +11,13 @@ on kvtrace.store, kvtrace.replay or kvtrace.cli.
 
 from kvtrace.engine.cache import DEFAULT_BLOCK_SIZE, KVCache, PrefixHit, TierStats
 from kvtrace.engine.folders import build_tiny_model, default_model_dir
-from kvtrace.engine.generate import GenerateResult, generate
+from kvtrace.engine.generate import GenerateResult, generate, settle
 from kvtrace.engine.model import Engine, load_engine
 from kvtrace.engine.prefill import PrefillResult, prefill
 from kvtrace.engine.tokenizer import ChatTokenizer, load_tokenizer
+from kvtrace.numerics import request_reproducible_gemm
+
+request_reproducible_gemm()  # before the engine computes anything (importing computes nothing)
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
@@ -31,4 +34,5 @@ __all__ = [
     "load_engine",
     "load_tokenizer",
     "prefill",
+    "settle",
 ]

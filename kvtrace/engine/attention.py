@@ -116,7 +116,10 @@ def canonical_attention(
 
 def _query_block(q_len: int, num_tiles: int, num_kv_heads: int, groups: int,
                  element_size: int) -> int:
-    """Query rows per block, a multiple of 16, so that one block's scores fit SCORE_BYTES."""
+    """Query rows per block: a multiple of 16 whose scores fit SCORE_BYTES, at least 16.
+
+    Prefill's forwards are multiples of 16 rows, so every block is too.
+    """
     per_row = num_kv_heads * num_tiles * groups * TILE * element_size
     fits = SCORE_BYTES // per_row // _QUERY_BLOCK_MULTIPLE * _QUERY_BLOCK_MULTIPLE
     return min(q_len, max(_QUERY_BLOCK_MULTIPLE, fits))

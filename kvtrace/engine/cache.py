@@ -26,9 +26,11 @@ a sequence that contains them reports them (`PrefixHit.num_deferred_tokens`)
 and prefill computes them in the same forward as that prompt's new tokens.
 They count as reused there: the cost was the earlier call's, which a cache
 storing its output at once pays in full, so `hit_rate == oracle_hit_rate`
-still holds. Owed outputs live in this process only (at most
-`MAX_DEFERRED`, the oldest forgotten first); one that no later prompt
-contains is never stored.
+still holds (as long as the working set fits, as for the tiers, and at most
+`MAX_DEFERRED` outputs are owed at once, the oldest forgotten first). A
+prompt that holds only the start of an owed output settles that part; the
+rest stays owed. Owed outputs live in this process only: `generate.settle`
+stores them before a process may end.
 
 With `write_behind=True`, disk blocks are written by a background thread
 (writer.py): `insert` only queues copies, a lookup sees queued blocks as if
@@ -210,7 +212,7 @@ class KVCache:
         deferred (module docstring).
         """
         if not 0 <= num_canonical <= len(tokens):
-            raise CacheError("deferred output must follow its cached prompt")
+            raise UsageError("deferred output must follow its cached prompt")
         if num_canonical == len(tokens):
             return
         with self._lock:
@@ -222,19 +224,25 @@ class KVCache:
 
         Only output right after its cached prompt counts (the hit reaches
         the prompt's end): a prompt the tiers lost is a miss, whatever
-        follows it. Any owed output the sequence covers is settled by this
-        prefill (it computes those rows canonically, or they were cached).
+        follows it. What the sequence covers of an owed output is settled by
+        this prefill (it computes those rows canonically, or they were
+        cached); the rest of that output stays owed after them.
         """
         best = 0
-        for entry in list(self._deferred):
-            owed, canonical = entry
-            common = _common_prefix(owed, tokens, limit)
-            if common <= canonical:
+        for index, (owed, canonical) in enumerate(list(self._deferred)):
+            held = _common_prefix(owed, tokens, len(tokens))  # all of it is computed
+            if held <= canonical:
                 continue
-            self._deferred.remove(entry)
+            self._deferred[index] = (owed, held)
             if num_tokens >= canonical:
-                best = max(best, common - num_tokens)
+                best = max(best, min(held, limit) - num_tokens)
+        self._deferred = [(owed, done) for owed, done in self._deferred if done < len(owed)]
         return best
+
+    def owed(self) -> list[tuple[int, ...]]:
+        """The sequences whose output is still owed (oldest first): see `defer`."""
+        with self._lock:
+            return [owed for owed, _ in self._deferred]
 
     def drop_live(self) -> None:
         """Forget the live sequence (its KV stays in the tiers)."""

@@ -8,7 +8,7 @@ prompt, which contains it, then hits it in full with the bits a cold
 computation would give. With `defer_output=True` that re-prefill is not run
 here: the cache owes the output (`KVCache.defer`), and the next prompt that
 contains it computes it canonically in its own forward, one forward fewer per
-call, still counted as reused there.
+call, still counted as reused there. `settle` stores what is still owed.
 
 Checking a draft (replay's verify): when the caller already holds the
 response it expects, the recorded one, `generate(..., draft_ids=ids)` runs
@@ -195,6 +195,19 @@ def generate(
         seed=used_seed,
         draft="rejected" if checked is not None else None,
     )
+
+
+def settle(engine: Engine, cache: KVCache | None) -> float:
+    """Store every output the cache is owed (`defer_output`); returns the seconds it took.
+
+    For the end of a session whose next prompt may come from another process
+    (or never): what a later process will find on disk.
+    """
+    started = time.perf_counter()
+    if cache is not None:
+        for tokens in cache.owed():
+            prefill(engine, cache, tokens)
+    return time.perf_counter() - started
 
 
 def _could_end_as(engine: Engine, draft: list[int], stops: frozenset[int], limit: int) -> bool:

@@ -28,7 +28,8 @@ Rules kept here for every caller:
 - never reuse the whole sequence: the last token is always computed, since
   its logits are the output (transformers 5.x silently misbehaves given a
   cache that covers the whole prompt);
-- only canonical KV is stored (generate.py re-prefills decoded output);
+- only canonical KV is stored (a decoded output is re-prefilled, at once or,
+  deferred, by the next prompt's prefill: generate.py);
 - everything computed is stored: the new tail in memory, every full block not
   yet on disk; the sequence becomes the cache's live one. "Feeding" recorded
   output (replay's rebuild) is `prefill(engine, cache, prompt_ids + output_ids)`.
@@ -62,6 +63,9 @@ class PrefillResult:
     logits, or with `logits_from` one row per position from there to the
     end (each passed through `reduce_logits` when one was given). `kv` is
     None in a result kept only for its counts (a rejected draft's).
+    `num_deferred_tokens` are part of `num_computed_tokens` (and not of
+    `num_cached_tokens`): an earlier generation's output that the cache
+    owed, computed here (see `KVCache.defer`); replay counts them as reused.
     """
 
     logits: torch.Tensor
@@ -132,9 +136,10 @@ def prefill(
             _seed_cache(kv, list(zip(keys.unbind(0), values.unbind(0), strict=True)))
             del keys, values
         if hit is not None:
-            # Only the DynamicCache holds the reused KV now: each layer's old
-            # tensors are freed as its first forward replaces them, instead
-            # of a second copy of the whole prefix living until the end.
+            # Only the DynamicCache holds the reused KV now: the live
+            # sequence's old tensors are freed layer by layer as the first
+            # forward replaces them (a joined prefix once every layer has),
+            # instead of a second copy of the prefix living until the end.
             hit = replace(hit, live=None, pieces=())
         span = logits_from is not None
         logits = _compute(engine, kv, tokens, reused, keep_from, span, reduce_logits)

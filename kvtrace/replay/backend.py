@@ -161,3 +161,7 @@ class Backend(Protocol):
     def without_cache(self) -> Backend:
         """The same backend with caching off (for --compare-uncached)."""
         ...
+
+    def settle(self) -> None:
+        """Store what the backend's cache is still owed (deferred output) before a session ends."""
+        ...

@@ -199,6 +199,7 @@ def continue_run(
         new_steps.append(run.record_tool_call(parsed.call.name, parsed.call.arguments,
                                               tool_result, error=error))
         conversation.append(observation_message(tool_result, error))
+    backend.settle()  # the last output on disk, for a continue in another process
     return ContinueResult(run_name, new_steps, reports, final_answer)
 
 

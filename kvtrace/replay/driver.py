@@ -175,6 +175,7 @@ def _replay_path(
         reports.append(step_report)
         if on_step is not None:
             on_step(index, len(model_steps), step_report)
+    backend.settle()  # what verify's last output left owed: on disk, as the rest
     wall = time.perf_counter() - started
     return ReplayReport(spec, path[-1].id, mode, backend.name, backend.model, reports,
                         tool_steps, wall, notes=notes)

@@ -17,7 +17,9 @@ contains it computes it in its own forward. Those tokens are reported as
 memory reuse of that prompt, as they would be had the output been stored
 straight away (and the oracle counts them so). `defer_output=False` stores
 each output before returning, for callers whose next request may be another
-process's or never come (the server).
+process's or never come (the server). `settle()` stores what is still owed:
+replay, continue and branch call it as they finish, so the disk tier holds
+every output, as without deferral.
 
 Rebuild feeds the prompt and the recorded output in ONE prefill: no decoding
 loop, and the cache ends up holding exactly the sequence a generation would
@@ -74,6 +76,12 @@ class LocalBackend:
         """This backend with each generated output stored before `generate` returns."""
         return LocalBackend(self._engine, self._cache, defer_output=False)
 
+    def settle(self) -> None:
+        """Store owed outputs (module docstring), so a later process finds them on disk."""
+        from kvtrace.engine import settle
+
+        settle(self._engine, self._cache)
+
     def without_cache(self) -> Backend:
         return LocalBackend(self._engine, None, defer_output=self._defer_output)
 
@@ -94,7 +102,9 @@ class LocalBackend:
             defer_output=self._defer_output,
         )
         ids = list(out.token_ids)
-        memory, disk = _prompt_reuse(out.prefill, len(prompt))
+        # A backend that stores its output reports only KV the cache held,
+        # even on a cache another backend owes output to.
+        memory, disk = _prompt_reuse(out.prefill, len(prompt), credit_owed=self._defer_output)
         return CallResult(
             prompt_tokens=len(prompt),
             reused_tokens=memory + disk,
@@ -105,7 +115,8 @@ class LocalBackend:
             finish_reason=out.finish_reason,
             prefill_s=out.prefill_seconds,
             # Storing the output canonically (so the next prompt hits it) is
-            # part of the cost of generating with a cache.
+            # part of the cost of generating with a cache (0 when deferred: the
+            # next prompt's prefill pays it).
             decode_s=out.decode_seconds + out.insert_seconds,
             seed=out.seed,
             draft=out.draft,
@@ -169,7 +180,8 @@ def _prompt_ids(request: CallRequest) -> list[int]:
     return list(request.prompt_ids)
 
 
-def _prompt_reuse(stats: PrefillResult, prompt_len: int) -> tuple[int, int]:
+def _prompt_reuse(stats: PrefillResult, prompt_len: int, *,
+                  credit_owed: bool = True) -> tuple[int, int]:
     """(memory, disk) tokens reused for the prompt, capped at ``prompt_len - 1``.
 
     Disk blocks come first in a lookup (they hold a prefix from the root), then
@@ -178,5 +190,6 @@ def _prompt_reuse(stats: PrefillResult, prompt_len: int) -> tuple[int, int]:
     """
     limit = max(prompt_len - 1, 0)
     disk = min(stats.num_disk_tokens, limit)
-    memory = min(stats.num_memory_tokens + stats.num_deferred_tokens, limit - disk)
+    owed = stats.num_deferred_tokens if credit_owed else 0
+    memory = min(stats.num_memory_tokens + owed, limit - disk)
     return memory, disk

@@ -87,6 +87,9 @@ class RemoteBackend:
         body = {"messages": request.messages, "max_tokens": 1, "temperature": 0.0}
         return self._complete(request, body)
 
+    def settle(self) -> None:
+        """Nothing to do: the server keeps its own cache."""
+
     def without_cache(self) -> Backend:
         raise UsageError(
             "a remote server's prefix cache cannot be switched off from here: "

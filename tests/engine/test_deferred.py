@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvtrace.engine import KVCache, generate, prefill
+from kvtrace.engine import KVCache, generate, prefill, settle
 from kvtrace.engine.cache import MAX_DEFERRED
 
 
@@ -52,9 +52,24 @@ def test_owed_output_counts_only_where_the_prompt_follows_it(tiny_engine, tokens
     other = [t + 1 for t in out[3:]]
     hot = prefill(tiny_engine, cache, prompt + out[:3] + other + tokens(4, seed=5))
     assert (hot.num_memory_tokens, hot.num_deferred_tokens) == (len(prompt), 3)
-    # Settled: the same output is not owed twice.
+    # The 3 are settled; the other 5 are still owed, after them.
     again = prefill(tiny_engine, cache, prompt + out + tokens(4, seed=6))
-    assert (again.num_memory_tokens, again.num_deferred_tokens) == (len(prompt) + 3, 0)
+    assert (again.num_memory_tokens, again.num_deferred_tokens) == (len(prompt) + 3, 5)
+    assert cache.owed() == []
+
+
+def test_settle_stores_what_is_owed(tiny_engine, tokens, kv_equal):
+    prompt = tokens(70, seed=14)
+    cache = KVCache(tiny_engine)
+    out = list(generate(tiny_engine, cache, prompt, max_new_tokens=7, stop_ids=[],
+                        defer_output=True).token_ids)
+    assert cache.owed() == [tuple(prompt + out)]
+    settle(tiny_engine, cache)
+    assert cache.owed() == [] and cache.memory.num_tokens == len(prompt) + 7
+    sequence = prompt + out + tokens(3, seed=15)
+    hot = prefill(tiny_engine, cache, sequence)
+    assert (hot.num_memory_tokens, hot.num_deferred_tokens) == (len(prompt) + 7, 0)
+    assert kv_equal(hot, prefill(tiny_engine, None, sequence))
 
 
 def test_a_prompt_on_another_branch_leaves_the_owed_output(tiny_engine, tokens):

@@ -136,7 +136,7 @@ def test_default_model_hits_are_bit_identical_to_cold(default_engine, make_cache
     assert from_memory.token_ids == cold.token_ids == from_disk.token_ids
 
 
-@pytest.mark.parametrize("score_bytes", [1, 300_000])
+@pytest.mark.parametrize("score_bytes", [1, 300_000, 400_000])  # 400k: blocks of 48, last 32
 def test_attention_split_into_query_blocks_is_bit_identical(
     tiny_engine, tokens, kv_equal, monkeypatch, score_bytes
 ):
