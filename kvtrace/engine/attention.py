@@ -34,10 +34,11 @@ scores would pass `SCORE_BYTES` is split into blocks of query rows (a
 multiple of 16 each), each block attending to the keys up to its last row.
 That is the same computation as a prefill chunk ending there, which gives a
 row the same bits by the rules above (at 5k tokens of context a 430-row
-forward's scores alone would be ~80 MB per layer call). Decode steps (one query row) go to
-torch's `scaled_dot_product_attention` instead: their KV is not canonical and
-is never stored (see generate.py), and the cached and uncached paths decode
-identically from identical KV, so greedy tokens still match bit for bit.
+forward's scores alone would be ~80 MB per layer call). Decode steps (one
+query row) go to torch's `scaled_dot_product_attention` instead: their KV
+is not canonical and is never stored (see generate.py), and the cached and
+uncached paths decode identically from identical KV, so greedy tokens still
+match bit for bit.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ import torch.nn.functional as F
 ATTN_IMPLEMENTATION = "kvtrace_canonical"
 TILE = 64
 SCORE_BYTES = 32 * 1024**2
-_QUERY_BLOCK_MULTIPLE = 16
+_QUERY_BLOCK_MULTIPLE = 16  # prefill's ROW_MULTIPLE: blocks are row counts a forward may have
 
 _registered = False
 

@@ -19,18 +19,8 @@ so views handed out stay valid; a lookup that uses them lets go of the
 record, so the old tensors are freed as the new prefill replaces them, layer
 by layer.
 
-Deferred output (`defer`): a generation's decoded tokens have no canonical
-KV (1-row forwards), and storing them canonically costs a forward of their
-own. Instead the cache remembers prompt + output as owed; the next lookup of
-a sequence that contains them reports them (`PrefixHit.num_deferred_tokens`)
-and prefill computes them in the same forward as that prompt's new tokens.
-They count as reused there: the cost was the earlier call's, which a cache
-storing its output at once pays in full, so `hit_rate == oracle_hit_rate`
-still holds (as long as the working set fits, as for the tiers, and at most
-`MAX_DEFERRED` outputs are owed at once, the oldest forgotten first). A
-prompt that holds only the start of an owed output settles that part; the
-rest stays owed. Owed outputs live in this process only: `generate.settle`
-stores them before a process may end.
+Deferred output (`defer`, owed.py): a generation's decoded output that the
+next prompt's prefill stores; a lookup reports it (`num_deferred_tokens`).
 
 With `write_behind=True`, disk blocks are written by a background thread
 (writer.py): `insert` only queues copies, a lookup sees queued blocks as if
@@ -51,14 +41,14 @@ import torch
 
 from kvtrace.engine.disk import BlockLayout, BlockStore
 from kvtrace.engine.model import Engine
-from kvtrace.engine.radix import KVSource, RadixNode, RadixTree
+from kvtrace.engine.owed import OwedOutputs
+from kvtrace.engine.radix import KVSource, RadixNode, RadixTree, common_prefix
 from kvtrace.engine.writer import BlockWriter, PendingBlock, writer_for
 from kvtrace.errors import CacheError, UsageError
 
 DEFAULT_BLOCK_SIZE = 64
 DEFAULT_MEMORY_BYTES = 2 * 1024**3
 MIN_BLOCK_SIZE = 16
-MAX_DEFERRED = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +59,7 @@ class PrefixHit:
     `0 … num_tokens` in order. `num_disk_blocks` counts the leading blocks
     known to be on disk (so `insert` skips rewriting them).
     `num_deferred_tokens` follow the hit: an earlier generation's output,
-    owed to the cache (module docstring), which the caller computes now.
+    owed to the cache (owed.py), which the caller computes now.
     """
 
     num_tokens: int
@@ -136,7 +126,7 @@ class KVCache:
         self.disk_bytes = disk_bytes
         self._disk_total: int | None = None
         self._live: LiveSequence | None = None
-        self._deferred: list[tuple[tuple[int, ...], int]] = []  # (tokens, canonical), oldest first
+        self._owed = OwedOutputs()
         self._lock = threading.RLock()
         self._layout = BlockLayout(  # what a disk block must be to be used by this engine
             engine.fingerprint, engine.dtype, engine.num_layers, engine.num_kv_heads,
@@ -180,8 +170,9 @@ class KVCache:
                 self.memory.pin(pinned)
             num_tokens = num_memory + num_disk
             live = self._take_live(tokens, num_tokens)
+            deferred = self._owed.take(tokens, num_tokens, limit)
             return PrefixHit(
-                num_deferred_tokens=self._take_deferred(tokens, num_tokens, limit),
+                num_deferred_tokens=deferred,
                 num_tokens=num_tokens,
                 num_memory_tokens=num_memory,
                 num_disk_tokens=num_disk,
@@ -208,41 +199,15 @@ class KVCache:
     def defer(self, tokens: Sequence[int], num_canonical: int) -> None:
         """Owe the cache `tokens[num_canonical:]`, decoded after the cached prompt before it.
 
-        The next lookup of a sequence containing them reports them as
-        deferred (module docstring).
+        The next lookup of a sequence holding them reports them (owed.py).
         """
-        if not 0 <= num_canonical <= len(tokens):
-            raise UsageError("deferred output must follow its cached prompt")
-        if num_canonical == len(tokens):
-            return
         with self._lock:
-            self._deferred.append((tuple(tokens), num_canonical))
-            del self._deferred[:-MAX_DEFERRED]
-
-    def _take_deferred(self, tokens: Sequence[int], num_tokens: int, limit: int) -> int:
-        """Owed tokens that `tokens` holds right after its hit of `num_tokens`; taken.
-
-        Only output right after its cached prompt counts (the hit reaches
-        the prompt's end): a prompt the tiers lost is a miss, whatever
-        follows it. What the sequence covers of an owed output is settled by
-        this prefill (it computes those rows canonically, or they were
-        cached); the rest of that output stays owed after them.
-        """
-        best = 0
-        for index, (owed, canonical) in enumerate(list(self._deferred)):
-            held = _common_prefix(owed, tokens, len(tokens))  # all of it is computed
-            if held <= canonical:
-                continue
-            self._deferred[index] = (owed, held)
-            if num_tokens >= canonical:
-                best = max(best, min(held, limit) - num_tokens)
-        self._deferred = [(owed, done) for owed, done in self._deferred if done < len(owed)]
-        return best
+            self._owed.add(tokens, num_canonical)
 
     def owed(self) -> list[tuple[int, ...]]:
         """The sequences whose output is still owed (oldest first): see `defer`."""
         with self._lock:
-            return [owed for owed, _ in self._deferred]
+            return self._owed.sequences()
 
     def drop_live(self) -> None:
         """Forget the live sequence (its KV stays in the tiers)."""
@@ -260,7 +225,7 @@ class KVCache:
         live = self._live
         if live is None or num_tokens == 0 or len(live.tokens) < num_tokens:
             return None
-        if _common_prefix(live.tokens, tokens, num_tokens) < num_tokens:
+        if common_prefix(live.tokens, tokens, num_tokens) < num_tokens:
             return None
         self._live = None
         return live.layers
@@ -383,7 +348,7 @@ class KVCache:
         with self._lock:
             self.memory.clear()
             self._live = None
-            self._deferred.clear()
+            self._owed.clear()
 
     def memory_stats(self) -> TierStats:
         return TierStats(
@@ -409,17 +374,6 @@ class KVCache:
     @property
     def disk_root(self) -> Path | None:
         return self.disk.root if self.disk is not None else None
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
-    """Length of the common prefix of `a` and `b`, up to `limit`."""
-    n = min(len(a), len(b), limit)
-    if list(a[:n]) == list(b[:n]):  # the usual case, at C speed
-        return n
-    i = 0
-    while a[i] == b[i]:
-        i += 1
-    return i
 
 
 def check_block_size(block_size: int) -> None:

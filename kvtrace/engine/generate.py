@@ -197,17 +197,15 @@ def generate(
     )
 
 
-def settle(engine: Engine, cache: KVCache | None) -> float:
-    """Store every output the cache is owed (`defer_output`); returns the seconds it took.
+def settle(engine: Engine, cache: KVCache | None) -> None:
+    """Store every output the cache is owed (`defer_output`).
 
     For the end of a session whose next prompt may come from another process
     (or never): what a later process will find on disk.
     """
-    started = time.perf_counter()
     if cache is not None:
         for tokens in cache.owed():
             prefill(engine, cache, tokens)
-    return time.perf_counter() - started
 
 
 def _could_end_as(engine: Engine, draft: list[int], stops: frozenset[int], limit: int) -> bool:

@@ -241,6 +241,17 @@ class RadixTree:
         return leaves
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    """Length of the common prefix of `a` and `b`, up to `limit`."""
+    n = min(len(a), len(b), limit)
+    if list(a[:n]) == list(b[:n]):  # the usual case, at C speed
+        return n
+    i = 0
+    while a[i] == b[i]:
+        i += 1
+    return i
+
+
 def _common_length(segment: Sequence[int], tokens: Sequence[int], start: int, limit: int) -> int:
     n = min(len(segment), limit - start)
     i = 0
