@@ -8,16 +8,15 @@ tail into the tree, and every full block not yet on disk. Both tiers are
 keyed by the engine fingerprint (the tree belongs to one engine; the disk
 chain is seeded with the fingerprint), so KV never crosses models.
 
-The live sequence: the last sequence prefill computed keeps its per-layer KV
-tensors (`keep_live`), as the DynamicCache held them. A lookup whose hit the
-live sequence covers hands those tensors out (`PrefixHit.live`) instead of
-the tree's pieces, so the prompt that extends the previous one (every call
-of an agent run) starts from views, with no copy. It changes no accounting:
-the hit is what the tiers hold, the live sequence only saves assembling it.
-Its tensors are never written in place (DynamicCache grows by `torch.cat`),
-so views handed out stay valid; a lookup that uses them lets go of the
-record, so the old tensors are freed as the new prefill replaces them, layer
-by layer.
+The live sequence: the last sequence prefill computed keeps its KV layers
+(`keep_live`, kvbuffer.py), as the DynamicCache held them. A lookup whose
+hit the live sequence covers hands those layers out (`PrefixHit.live`)
+instead of the tree's pieces, and the next prefill takes their buffers over,
+writing after the reused rows in place: the prompt that extends the previous
+one (every call of an agent run) starts with no copy and no reallocation. It
+changes no accounting: the hit is what the tiers hold, the live sequence
+only saves assembling it. A lookup that uses it lets go of the record (only
+one prefill may write into those buffers).
 
 Deferred output (`defer`, owed.py): a generation's decoded output that the
 next prompt's prefill stores; a lookup reports it (`num_deferred_tokens`).
@@ -40,6 +39,7 @@ from pathlib import Path
 import torch
 
 from kvtrace.engine.disk import BlockLayout, BlockStore
+from kvtrace.engine.kvbuffer import GrowingLayer
 from kvtrace.engine.model import Engine
 from kvtrace.engine.owed import OwedOutputs
 from kvtrace.engine.radix import KVSource, RadixNode, RadixTree, common_prefix
@@ -68,16 +68,16 @@ class PrefixHit:
     num_disk_blocks: int
     pieces: tuple[tuple[torch.Tensor, torch.Tensor], ...]
     pinned: RadixNode | None
-    live: tuple[tuple[torch.Tensor, torch.Tensor], ...] | None = None
+    live: tuple[GrowingLayer, ...] | None = None
     num_deferred_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class LiveSequence:
-    """The last computed sequence's KV, per layer `[1, kv_heads, >= n, head_dim]`."""
+    """The last computed sequence's KV layers (each holding at least its tokens' rows)."""
 
     tokens: tuple[int, ...]
-    layers: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+    layers: tuple[GrowingLayer, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,17 +182,14 @@ class KVCache:
                 live=live,
             )
 
-    def keep_live(
-        self, tokens: Sequence[int], layers: Sequence[tuple[torch.Tensor, torch.Tensor]]
-    ) -> None:
+    def keep_live(self, tokens: Sequence[int], layers: Sequence[GrowingLayer]) -> None:
         """Remember the KV of a sequence just computed (and inserted) as the live one.
 
-        `layers` are the DynamicCache's per-layer (keys, values), at least
-        `len(tokens)` rows each, canonical in their first `len(tokens)` rows.
+        `layers` are the DynamicCache's, at least `len(tokens)` rows each,
+        canonical in their first `len(tokens)` rows.
         """
-        for keys, values in layers:
-            if keys.shape[2] < len(tokens) or values.shape[2] < len(tokens):
-                raise CacheError("live KV is shorter than its tokens")
+        if any(layer.get_seq_length() < len(tokens) for layer in layers):
+            raise CacheError("live KV is shorter than its tokens")
         with self._lock:
             self._live = LiveSequence(tuple(tokens), tuple(layers))
 
@@ -214,9 +211,7 @@ class KVCache:
         with self._lock:
             self._live = None
 
-    def _take_live(
-        self, tokens: Sequence[int], num_tokens: int
-    ) -> tuple[tuple[torch.Tensor, torch.Tensor], ...] | None:
+    def _take_live(self, tokens: Sequence[int], num_tokens: int) -> tuple[GrowingLayer, ...] | None:
         """The live sequence's layers when they cover `tokens[:num_tokens]`, taken out.
 
         Taken, not shared: the caller builds the next sequence from them, and

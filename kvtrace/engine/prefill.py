@@ -44,6 +44,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kvtrace.engine.cache import DEFAULT_BLOCK_SIZE, KVCache, check_block_size
+from kvtrace.engine.kvbuffer import growing_cache
 from kvtrace.engine.model import Engine
 from kvtrace.engine.radix import KVSource
 from kvtrace.errors import CacheError, UsageError
@@ -120,32 +121,28 @@ def prefill(
     if not 0 <= keep_from < len(tokens):
         raise UsageError(f"logits_from {logits_from} is outside the {len(tokens)} tokens")
     started = time.perf_counter()
-    from transformers import DynamicCache
-
-    kv = DynamicCache(config=engine.model.config)
+    kv = growing_cache(engine.model.config)
     hit = cache.lookup(tokens, max_tokens=keep_from) if cache is not None else None
     try:
         reused = hit.num_tokens if hit is not None else 0
         if hit is not None and hit.live is not None:
-            _seed_cache(kv, [(k[:, :, :reused], v[:, :, :reused]) for k, v in hit.live])
+            for layer, live in zip(kv.layers, hit.live, strict=True):  # type: ignore[attr-defined]
+                layer.adopt(live, reused)
         elif hit is not None and hit.pieces:
-            keys = _join([k for k, _ in hit.pieces])
-            values = _join([v for _, v in hit.pieces])
-            if keys.shape[3] != reused:
-                raise CacheError(f"cache returned {keys.shape[3]} KV rows for {reused} tokens")
-            _seed_cache(kv, list(zip(keys.unbind(0), values.unbind(0), strict=True)))
-            del keys, values
+            rows = sum(int(k.shape[2]) for k, _ in hit.pieces)
+            if rows != reused:
+                raise CacheError(f"cache returned {rows} KV rows for {reused} tokens")
+            for i, layer in enumerate(kv.layers):  # type: ignore[attr-defined]
+                layer.seed([(k[i].unsqueeze(0), v[i].unsqueeze(0)) for k, v in hit.pieces])
         if hit is not None:
-            # Only the DynamicCache holds the reused KV now: the live
-            # sequence's old tensors are freed layer by layer as the first
-            # forward replaces them (a joined prefix once every layer has),
-            # instead of a second copy of the prefix living until the end.
+            # Only the DynamicCache holds the reused KV now (the tree's
+            # pieces were copied into its buffers, the live ones taken over).
             hit = replace(hit, live=None, pieces=())
         span = logits_from is not None
         logits = _compute(engine, kv, tokens, reused, keep_from, span, reduce_logits)
         if cache is not None and hit is not None:
             cache.insert(tokens, kv_rows(kv), num_disk_blocks=hit.num_disk_blocks)
-            cache.keep_live(tokens, _layers(kv))
+            cache.keep_live(tokens, kv.layers)  # type: ignore[attr-defined]
     finally:
         if cache is not None and hit is not None:
             cache.release(hit)
@@ -217,25 +214,6 @@ def _compute(
     if not rows:
         raise CacheError("prefill computed no token (the cache covered the whole sequence)")
     return torch.cat(rows) if len(rows) > 1 else rows[0]
-
-
-def _join(pieces: list[torch.Tensor]) -> torch.Tensor:
-    """Concatenate `[layers, heads, n, dim]` pieces into `[layers, 1, heads, N, dim]`.
-
-    One copy, already in the per-layer layout DynamicCache holds.
-    """
-    return torch.cat([p.unsqueeze(1) for p in pieces], dim=3)
-
-
-def _seed_cache(kv: object, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Load reused per-layer KV `[1, heads, n, dim]` into an empty DynamicCache, uncopied."""
-    for layer, (keys, values) in zip(kv.layers, layers, strict=True):  # type: ignore[attr-defined]
-        layer.lazy_initialization(keys, values)
-        layer.keys, layer.values = keys, values
-
-
-def _layers(kv: object) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(layer.keys, layer.values) for layer in kv.layers]  # type: ignore[attr-defined]
 
 
 def kv_rows(kv: object) -> KVSource:
