@@ -51,7 +51,7 @@ import torch.nn.functional as F
 
 ATTN_IMPLEMENTATION = "kvtrace_canonical"
 TILE = 64
-SCORE_BYTES = 8 * 1024**2
+SCORE_BYTES = 32 * 1024**2
 _QUERY_BLOCK_MULTIPLE = 16  # prefill's ROW_MULTIPLE: blocks are row counts a forward may have
 
 _registered = False

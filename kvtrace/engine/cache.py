@@ -8,15 +8,17 @@ tail into the tree, and every full block not yet on disk. Both tiers are
 keyed by the engine fingerprint (the tree belongs to one engine; the disk
 chain is seeded with the fingerprint), so KV never crosses models.
 
-The live sequence: the last sequence prefill computed keeps its KV layers
-(`keep_live`, kvbuffer.py), as the DynamicCache held them. A lookup whose
-hit the live sequence covers hands those layers out (`PrefixHit.live`)
-instead of the tree's pieces, and the next prefill takes their buffers over,
-writing after the reused rows in place: the prompt that extends the previous
-one (every call of an agent run) starts with no copy and no reallocation. It
-changes no accounting: the hit is what the tiers hold, the live sequence
-only saves assembling it. A lookup that uses it lets go of the record (only
-one prefill may write into those buffers).
+The live sequence: the last sequence prefill computed keeps its per-layer KV
+buffers (`store`, kvbuffer.py), and the memory tree borrows that sequence's
+rows from them rather than holding a copy (radix.py, loans). A lookup whose
+hit the live sequence covers hands the buffers out (`PrefixHit.live`), and
+the next prefill takes them over, writing after the reused rows in place:
+the prompt that extends the previous one (every call of an agent run)
+starts with no copy, and the run's KV exists once in memory. Loans that
+reach rows about to be overwritten, or buffers about to be let go, are
+repaid (copied into the tree) first. It changes no accounting: the hit is
+what the tiers hold, and a loan counts in the memory budget as the copy it
+stands for.
 
 Deferred output (`defer`, owed.py): a generation's decoded output that the
 next prompt's prefill stores; a lookup reports it (`num_deferred_tokens`).
@@ -39,7 +41,7 @@ from pathlib import Path
 import torch
 
 from kvtrace.engine.disk import BlockLayout, BlockStore
-from kvtrace.engine.kvbuffer import GrowingLayer
+from kvtrace.engine.kvbuffer import GrowingLayer, KVBuffer, buffer_rows
 from kvtrace.engine.model import Engine
 from kvtrace.engine.owed import OwedOutputs
 from kvtrace.engine.radix import KVSource, RadixNode, RadixTree, common_prefix
@@ -68,16 +70,16 @@ class PrefixHit:
     num_disk_blocks: int
     pieces: tuple[tuple[torch.Tensor, torch.Tensor], ...]
     pinned: RadixNode | None
-    live: tuple[GrowingLayer, ...] | None = None
+    live: tuple[KVBuffer, ...] | None = None
     num_deferred_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class LiveSequence:
-    """The last computed sequence's KV layers (each holding at least its tokens' rows)."""
+    """The last computed sequence's per-layer KV buffers (each keeping its tokens' rows)."""
 
     tokens: tuple[int, ...]
-    layers: tuple[GrowingLayer, ...]
+    buffers: tuple[KVBuffer, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +128,7 @@ class KVCache:
         self.disk_bytes = disk_bytes
         self._disk_total: int | None = None
         self._live: LiveSequence | None = None
+        self._lent: tuple[KVBuffer, ...] | None = None  # the buffers the tree borrows from
         self._owed = OwedOutputs()
         self._lock = threading.RLock()
         self._layout = BlockLayout(  # what a disk block must be to be used by this engine
@@ -144,19 +147,21 @@ class KVCache:
         with self._lock:
             match = self.memory.match(tokens, max_tokens=limit)
             num_memory = match.num_tokens
-            pieces = list(match.pieces)
             num_disk_blocks, disk_pieces = self._walk_disk(tokens, num_memory, limit)
             disk_end = min(num_disk_blocks * self.block_size, limit)
-            num_disk = 0
+            num_disk = disk_end - num_memory if disk_end > num_memory and disk_pieces else 0
+            num_tokens = num_memory + num_disk
+            from_live = self._live_covers(tokens, num_tokens)
+            pieces = [] if from_live else list(match.pieces())  # before an insert splits nodes
             node = match.node
-            if disk_end > num_memory and disk_pieces:
+            if num_disk:
                 keys = torch.cat([k for k, _ in disk_pieces], dim=2)
                 values = torch.cat([v for _, v in disk_pieces], dim=2)
                 base = (num_memory // self.block_size) * self.block_size
                 lo, hi = num_memory - base, disk_end - base
                 keys, values = keys[:, :, lo:hi], values[:, :, lo:hi]
-                pieces.append((keys, values))
-                num_disk = disk_end - num_memory
+                if not from_live:
+                    pieces.append((keys, values))
 
                 def source(start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
                     return keys[:, :, start - num_memory : end - num_memory].clone(), values[
@@ -168,8 +173,7 @@ class KVCache:
             pinned = node if node is not self.memory.root else None
             if pinned is not None:
                 self.memory.pin(pinned)
-            num_tokens = num_memory + num_disk
-            live = self._take_live(tokens, num_tokens)
+            live = self._take_live(num_tokens) if from_live else None
             deferred = self._owed.take(tokens, num_tokens, limit)
             return PrefixHit(
                 num_deferred_tokens=deferred,
@@ -177,21 +181,37 @@ class KVCache:
                 num_memory_tokens=num_memory,
                 num_disk_tokens=num_disk,
                 num_disk_blocks=num_disk_blocks,
-                pieces=() if live is not None else tuple(pieces),
+                pieces=tuple(pieces),
                 pinned=pinned,
                 live=live,
             )
 
-    def keep_live(self, tokens: Sequence[int], layers: Sequence[GrowingLayer]) -> None:
-        """Remember the KV of a sequence just computed (and inserted) as the live one.
+    def store(
+        self, tokens: Sequence[int], layers: Sequence[GrowingLayer], *, num_disk_blocks: int = 0
+    ) -> None:
+        """Store a sequence prefill just computed, and keep it as the live one.
 
-        `layers` are the DynamicCache's, at least `len(tokens)` rows each,
-        canonical in their first `len(tokens)` rows.
+        `layers` are its DynamicCache's, canonical in their first
+        `len(tokens)` rows, which they must keep (`GrowingLayer.freeze`).
+        The tree borrows the new rows from their buffers instead of copying
+        them; disk blocks are copies. `num_disk_blocks` leading blocks are
+        known to be on disk already.
         """
-        if any(layer.get_seq_length() < len(tokens) for layer in layers):
+        n = len(tokens)
+        if any(layer.get_seq_length() < n for layer in layers):
             raise CacheError("live KV is shorter than its tokens")
         with self._lock:
-            self._live = LiveSequence(tuple(tokens), tuple(layers))
+            buffers = tuple(layer.freeze(n) for layer in layers)
+            if self._lent is not None and any(
+                a is not b for a, b in zip(self._lent, buffers, strict=True)
+            ):
+                self.memory.repay()  # the tree's loans are from buffers about to be let go
+            self._lent = buffers
+            self._live = LiveSequence(tuple(tokens), buffers)
+            self.insert(
+                tokens, buffer_rows(buffers), num_disk_blocks=num_disk_blocks,
+                loan_bytes=self.engine.kv_bytes_per_token,
+            )
 
     def defer(self, tokens: Sequence[int], num_canonical: int) -> None:
         """Owe the cache `tokens[num_canonical:]`, decoded after the cached prompt before it.
@@ -207,23 +227,30 @@ class KVCache:
             return self._owed.sequences()
 
     def drop_live(self) -> None:
-        """Forget the live sequence (its KV stays in the tiers)."""
+        """Forget the live sequence (its KV stays in the tiers: the tree copies its loans)."""
         with self._lock:
+            self.memory.repay()
             self._live = None
+            self._lent = None
 
-    def _take_live(self, tokens: Sequence[int], num_tokens: int) -> tuple[GrowingLayer, ...] | None:
-        """The live sequence's layers when they cover `tokens[:num_tokens]`, taken out.
-
-        Taken, not shared: the caller builds the next sequence from them, and
-        the record would otherwise keep the old tensors alive beside the new.
-        """
+    def _live_covers(self, tokens: Sequence[int], num_tokens: int) -> bool:
         live = self._live
         if live is None or num_tokens == 0 or len(live.tokens) < num_tokens:
+            return False
+        return common_prefix(live.tokens, tokens, num_tokens) == num_tokens
+
+    def _take_live(self, num_tokens: int) -> tuple[KVBuffer, ...] | None:
+        """The live sequence's buffers, taken out for a prefill that writes from `num_tokens` on.
+
+        Loans reaching those rows are repaid first; only one prefill may
+        write into the buffers, so the record lets go of them.
+        """
+        live = self._live
+        if live is None:
             return None
-        if common_prefix(live.tokens, tokens, num_tokens) < num_tokens:
-            return None
+        self.memory.repay(num_tokens)
         self._live = None
-        return live.layers
+        return live.buffers
 
     def release(self, hit: PrefixHit) -> None:
         """Unpin what `lookup` pinned."""
@@ -261,13 +288,21 @@ class KVCache:
 
     # -- insert ---------------------------------------------------------------
 
-    def insert(self, tokens: Sequence[int], source: KVSource, *, num_disk_blocks: int = 0) -> None:
+    def insert(
+        self,
+        tokens: Sequence[int],
+        source: KVSource,
+        *,
+        num_disk_blocks: int = 0,
+        loan_bytes: int | None = None,
+    ) -> None:
         """Store `tokens` (whose KV `source` yields) in memory and on disk.
 
-        `num_disk_blocks` leading blocks are known to be on disk already.
+        `num_disk_blocks` leading blocks are known to be on disk already;
+        with `loan_bytes` the tree borrows its rows from `source` (radix.py).
         """
         with self._lock:
-            self.memory.insert(tokens, source)
+            self.memory.insert(tokens, source, loan_bytes=loan_bytes)
             if self.disk is None:
                 return
             b = self.block_size
@@ -343,6 +378,7 @@ class KVCache:
         with self._lock:
             self.memory.clear()
             self._live = None
+            self._lent = None
             self._owed.clear()
 
     def memory_stats(self) -> TierStats:

@@ -8,13 +8,23 @@ about 1.6x the KV it actually held (docs/benchmarks.md). A `GrowingLayer`
 writes new rows into spare capacity of its buffer and reallocates only when
 that runs out, by an eighth more at least (a few dozen times over a run).
 
-Sharing without copies: the cache's live sequence (cache.py) hands its
-layers' buffers to the next prefill (`adopt`), which writes from the reused
-length on, in place. Only one layer owns a buffer's tail at a time; a layer
-that is not the owner copies its rows into a buffer of its own before it
-writes. A layer whose rows the owner has since overwritten (an earlier
-prefill's result, used after a later prefill on the same cache took the
-buffer over) raises `CacheError` instead of computing on KV not its own.
+Sharing without copies: the cache's live sequence (cache.py) keeps its
+layers' buffers; the memory tree borrows the rows of that sequence from them
+instead of copying (radix.py, `Loan`), and the next prefill that extends it
+takes them over (`adopt`), writing after the reused rows in place. So an
+agent run's growing prompt exists once in memory, not twice. Rules that
+keep every reader right:
+
+- only one layer owns a buffer (may write into it) at a time;
+- nobody writes below `frozen`, the rows the tree may borrow: a layer that
+  would (not the owner, or cropped below them) first copies its rows into
+  a buffer of its own;
+- an owner that runs out of room swaps in bigger tensors inside the same
+  `KVBuffer`, so borrowed rows follow the move (read them through the
+  buffer, `buffer_rows`, never through a view kept from before);
+- a layer whose rows a later owner has overwritten (an earlier prefill's
+  result, used after a later prefill on the same cache took the buffer
+  over) raises `CacheError` instead of computing on KV not its own.
 """
 
 from __future__ import annotations
@@ -24,22 +34,24 @@ from collections.abc import Sequence
 import torch
 from transformers.cache_utils import DynamicLayer
 
+from kvtrace.engine.radix import KVSource
 from kvtrace.errors import CacheError
 
 MIN_SPARE_ROWS = 256
 ROW_ALIGN = 64
 
 
-class _Buffer:
-    """Keys and values `[1, kv_heads, capacity, head_dim]`, and who may write past whom."""
+class KVBuffer:
+    """One layer's keys and values `[1, kv_heads, capacity, head_dim]`, and who may write where."""
 
-    __slots__ = ("cuts", "keys", "owner", "values")
+    __slots__ = ("cuts", "frozen", "keys", "owner", "values")
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         self.keys = keys
         self.values = values
         self.owner: GrowingLayer | None = None
         self.cuts: list[int] = []  # the row from which each new owner writes, in order
+        self.frozen = 0  # rows below this are read by others (the cache): never overwritten
 
     @property
     def capacity(self) -> int:
@@ -51,7 +63,7 @@ class GrowingLayer(DynamicLayer):
 
     def __init__(self) -> None:
         super().__init__()
-        self._buffer: _Buffer | None = None
+        self._buffer: KVBuffer | None = None
         self._length = 0
         self._epoch = 0  # how many of the buffer's cuts this layer's rows have survived
 
@@ -63,8 +75,10 @@ class GrowingLayer(DynamicLayer):
         self._check_intact()
         end = self._length + key_states.shape[2]
         buffer = self._buffer
-        if buffer is None or buffer.owner is not self or end > buffer.capacity:
-            buffer = self._move(end, like=key_states)
+        if buffer is None or buffer.owner is not self or self._length < buffer.frozen:
+            buffer = self._detach(end, like=key_states)
+        elif end > buffer.capacity:
+            self._grow(buffer, end)
         buffer.keys[:, :, self._length : end].copy_(key_states)
         buffer.values[:, :, self._length : end].copy_(value_states)
         return self._set_length(end)
@@ -98,7 +112,7 @@ class GrowingLayer(DynamicLayer):
             return
         self.lazy_initialization(keys[0], pieces[0][1])
         total = sum(int(k.shape[2]) for k in keys)
-        buffer = self._allocate(total, like=keys[0])
+        buffer = self._own(self._allocate(total, like=keys[0]))
         row = 0
         for k, v in pieces:
             n = int(k.shape[2])
@@ -107,40 +121,62 @@ class GrowingLayer(DynamicLayer):
             row += n
         self._set_length(total)
 
-    def adopt(self, other: GrowingLayer, length: int) -> None:
-        """Start from `other`'s first `length` rows, taking its buffer over (no copy).
+    def adopt(self, buffer: KVBuffer, length: int) -> None:
+        """Start from the first `length` rows of `buffer`, taking it over (no copy).
 
-        From here on this layer writes after row `length`; `other`, should it
-        be used again, finds out whether those writes reached its rows.
+        From here on this layer writes after row `length`: the caller vouches
+        that nobody borrows rows past it any more (`frozen` drops to it).
+        Earlier layers on the buffer find out, should they be used again,
+        whether those writes reached their rows.
         """
-        other._check_intact()
-        buffer = other._buffer
-        if buffer is None or length > other._length:
-            raise CacheError("cannot adopt KV rows a layer does not hold")
+        if length > buffer.frozen:
+            raise CacheError("cannot adopt KV rows the buffer does not keep")
         self.lazy_initialization(buffer.keys, buffer.values)
         buffer.cuts.append(length)
         buffer.owner = self
+        buffer.frozen = length
         self._buffer = buffer
         self._epoch = len(buffer.cuts)
         self._set_length(length)
 
-    def _move(self, rows: int, *, like: torch.Tensor) -> _Buffer:
+    def freeze(self, length: int) -> KVBuffer:
+        """Keep the first `length` rows as they are (the cache borrows them); return the buffer."""
+        buffer = self._buffer
+        if buffer is None or buffer.owner is not self or length > self._length:
+            raise CacheError("only the owner of KV rows can keep them")
+        buffer.frozen = length
+        return buffer
+
+    def _detach(self, rows: int, *, like: torch.Tensor) -> KVBuffer:
         """A buffer of this layer's own with room for `rows`, its current rows copied in."""
         old = self._buffer
-        buffer = self._allocate(rows, like=like)
+        buffer = self._own(self._allocate(rows, like=like))
         if old is not None and self._length:
             buffer.keys[:, :, : self._length].copy_(old.keys[:, :, : self._length])
             buffer.values[:, :, : self._length].copy_(old.values[:, :, : self._length])
         return buffer
 
-    def _allocate(self, rows: int, *, like: torch.Tensor) -> _Buffer:
+    def _grow(self, buffer: KVBuffer, rows: int) -> None:
+        """Bigger tensors for the same buffer (so rows borrowed from it follow), rows copied."""
+        bigger = self._allocate(rows, like=buffer.keys)
+        n = self._length
+        bigger.keys[:, :, :n].copy_(buffer.keys[:, :, :n])
+        bigger.values[:, :, :n].copy_(buffer.values[:, :, :n])
+        buffer.keys, buffer.values = bigger.keys, bigger.values
+
+    @staticmethod
+    def _allocate(rows: int, *, like: torch.Tensor) -> KVBuffer:
+        """A new buffer with room for `rows` and spare rows after."""
         spare = max(MIN_SPARE_ROWS, rows // 16)
         capacity = -(-(rows + spare) // ROW_ALIGN) * ROW_ALIGN
         shape = (like.shape[0], like.shape[1], capacity, like.shape[3])
-        buffer = _Buffer(
+        buffer = KVBuffer(
             torch.empty(shape, dtype=like.dtype, device=like.device),
             torch.empty(shape, dtype=like.dtype, device=like.device),
         )
+        return buffer
+
+    def _own(self, buffer: KVBuffer) -> KVBuffer:
         buffer.owner = self
         self._buffer = buffer
         self._epoch = 0
@@ -178,3 +214,17 @@ def growing_cache(config: object) -> object:
             raise CacheError(f"unsupported KV layer type {type(layer).__name__}")
         layers[i] = GrowingLayer()
     return kv
+
+
+def buffer_rows(buffers: Sequence[KVBuffer]) -> KVSource:
+    """A KVSource over per-layer buffers: stacked copies of rows [start, end).
+
+    Reads through each buffer, so it stays right when an owner grows one.
+    """
+
+    def source(start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        keys = torch.stack([buffer.keys[0, :, start:end] for buffer in buffers])
+        values = torch.stack([buffer.values[0, :, start:end] for buffer in buffers])
+        return keys, values
+
+    return source

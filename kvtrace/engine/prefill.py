@@ -20,9 +20,10 @@ recomputing them, and a hit costs the rows it computes (at most 15 padding
 rows per forward). Logits come from the last real row (or, with
 `logits_from`, from every row from there on: how generate.py checks a draft).
 
-Reused KV is assembled once per prefill: from the live sequence (the last
-one computed, see cache.py) as views with no copy when it covers the hit,
-else concatenated from the tree's pieces and disk blocks.
+Reused KV is assembled once per prefill: when the live sequence (the last
+one computed, see cache.py) covers the hit, its buffers are taken over with
+no copy (kvbuffer.py); else each layer's buffer is filled from the tree's
+pieces and disk blocks.
 
 Rules kept here for every caller:
 - never reuse the whole sequence: the last token is always computed, since
@@ -30,8 +31,9 @@ Rules kept here for every caller:
   cache that covers the whole prompt);
 - only canonical KV is stored (a decoded output is re-prefilled, at once or,
   deferred, by the next prompt's prefill: generate.py);
-- everything computed is stored: the new tail in memory, every full block not
-  yet on disk; the sequence becomes the cache's live one. "Feeding" recorded
+- everything computed is stored: the new tail in memory (borrowed from the
+  live buffers, radix.py), every full block not yet on disk; the sequence
+  becomes the cache's live one. "Feeding" recorded
   output (replay's rebuild) is `prefill(engine, cache, prompt_ids + output_ids)`.
 """
 
@@ -126,8 +128,8 @@ def prefill(
     try:
         reused = hit.num_tokens if hit is not None else 0
         if hit is not None and hit.live is not None:
-            for layer, live in zip(kv.layers, hit.live, strict=True):  # type: ignore[attr-defined]
-                layer.adopt(live, reused)
+            for layer, buffer in zip(kv.layers, hit.live, strict=True):  # type: ignore[attr-defined]
+                layer.adopt(buffer, reused)
         elif hit is not None and hit.pieces:
             rows = sum(int(k.shape[2]) for k, _ in hit.pieces)
             if rows != reused:
@@ -141,8 +143,8 @@ def prefill(
         span = logits_from is not None
         logits = _compute(engine, kv, tokens, reused, keep_from, span, reduce_logits)
         if cache is not None and hit is not None:
-            cache.insert(tokens, kv_rows(kv), num_disk_blocks=hit.num_disk_blocks)
-            cache.keep_live(tokens, kv.layers)  # type: ignore[attr-defined]
+            layers = kv.layers  # type: ignore[attr-defined]
+            cache.store(tokens, layers, num_disk_blocks=hit.num_disk_blocks)
     finally:
         if cache is not None and hit is not None:
             cache.release(hit)

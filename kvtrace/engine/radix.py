@@ -12,7 +12,16 @@ the concatenation of the segments along the path. Invariants:
 - eviction removes least-recently-used leaves only (an inner node's KV is
   the prefix of its children's) and never a pinned node; pins count
   upward so a pinned node keeps its whole path;
-- `num_bytes` is the exact sum of the KV tensor sizes held.
+- `num_bytes` is the exact sum of the KV tensor sizes held (a loan counts
+  as the copy it stands for).
+
+Loans: a node may borrow its rows from the cache's live sequence instead of
+holding a copy (`insert(..., loan_bytes=...)`): the rows of the sequence an
+agent run keeps extending then exist once, in the live buffers
+(kvbuffer.py). Its rows are rows `start … start + n` of the sequence, read
+through the lender (`Loan.source`) when someone needs them as tensors. The
+owner of the buffers tells the tree, before it overwrites rows or lets them
+go, to `repay` the loans reaching them: those nodes copy their rows then.
 
 The tree is not thread-safe; `KVCache` serialises access.
 """
@@ -31,10 +40,21 @@ import torch
 KVSource = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
 
 
+@dataclass(frozen=True, slots=True)
+class Loan:
+    """Rows `start …` of a sequence that a node borrows from `source` instead of copying."""
+
+    source: KVSource
+    start: int
+    bytes_per_token: int
+
+
 class RadixNode:
     """One segment of a cached token sequence (internal to the tree)."""
 
-    __slots__ = ("children", "keys", "last_access", "num_pins", "parent", "tokens", "values")
+    __slots__ = (
+        "children", "keys", "last_access", "loan", "num_pins", "parent", "tokens", "values",
+    )
 
     def __init__(
         self,
@@ -42,34 +62,60 @@ class RadixNode:
         tokens: tuple[int, ...],
         keys: torch.Tensor | None,
         values: torch.Tensor | None,
+        loan: Loan | None = None,
     ) -> None:
         self.parent = parent
         self.tokens = tokens
         self.keys = keys
         self.values = values
+        self.loan = loan
         self.children: dict[int, RadixNode] = {}
         self.num_pins = 0
         self.last_access = 0
 
     @property
     def num_bytes(self) -> int:
+        if self.loan is not None:
+            return len(self.tokens) * self.loan.bytes_per_token
         if self.keys is None or self.values is None:
             return 0
         return _tensor_bytes(self.keys) + _tensor_bytes(self.values)
 
+    def kv(self, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The KV of this node's first `end` tokens (all by default): views, or a loan's copy."""
+        n = len(self.tokens) if end is None else end
+        if self.loan is not None:
+            return self.loan.source(self.loan.start, self.loan.start + n)
+        if self.keys is None or self.values is None:  # only the root has no KV
+            raise RuntimeError("radix node without KV")
+        if n == len(self.tokens):
+            return self.keys, self.values
+        return self.keys[:, :, :n], self.values[:, :, :n]
+
+    def repay(self) -> None:
+        """Copy the borrowed rows: the node holds its KV from here on."""
+        if self.loan is not None:
+            keys, values = self.kv()
+            self.keys, self.values, self.loan = keys.contiguous(), values.contiguous(), None
+
 
 @dataclass(frozen=True, slots=True)
 class RadixMatch:
-    """The longest cached prefix of a sequence, as KV pieces in order.
+    """The longest cached prefix of a sequence: the nodes it runs through.
 
-    `node` is the deepest node touched (pin it to keep the pieces' nodes
-    alive in the tree); `pieces` hold views of node tensors, the last one
-    possibly cut inside its segment.
+    `node` is the deepest node touched (pin it to keep the path alive in the
+    tree); `path` holds each node with how many of its tokens match (the
+    last one possibly cut inside its segment). Read `pieces()` before the
+    tree changes: an insert may split a node of the path.
     """
 
     num_tokens: int
     node: RadixNode
-    pieces: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+    path: tuple[tuple[RadixNode, int], ...]
+
+    def pieces(self) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+        """The KV of the match in order: views of node tensors, copies of borrowed rows."""
+        return tuple(node.kv(used) for node, used in self.path)
 
 
 class RadixTree:
@@ -85,40 +131,38 @@ class RadixTree:
         self.num_tokens = 0
         self.num_evicted_tokens = 0
         self._clock = itertools.count(1)
+        self._loans: set[RadixNode] = set()  # nodes whose rows are borrowed
 
     def match(self, tokens: Sequence[int], *, max_tokens: int | None = None) -> RadixMatch:
         """Longest cached prefix of `tokens[:max_tokens]`; refreshes its LRU time."""
         limit = len(tokens) if max_tokens is None else min(max_tokens, len(tokens))
         node, pos = self.root, 0
-        pieces: list[tuple[torch.Tensor, torch.Tensor]] = []
+        path: list[tuple[RadixNode, int]] = []
         now = next(self._clock)
         while pos < limit:
             child = node.children.get(tokens[pos])
             if child is None:
                 break
-            seg = child.tokens
-            common = _common_length(seg, tokens, pos, limit)
+            common = _common_length(child.tokens, tokens, pos, limit)
             child.last_access = now
-            keys, values = child.keys, child.values
-            if keys is None or values is None:  # only the root has no tensors
-                raise RuntimeError("radix node without KV")
-            if common < len(seg):
-                pieces.append((keys[:, :, :common], values[:, :, :common]))
-                pos += common
-                node = child
-                break
-            pieces.append((keys, values))
+            path.append((child, common))
             pos += common
             node = child
+            if common < len(child.tokens):
+                break
         self._touch_path(node, now)
-        return RadixMatch(num_tokens=pos, node=node, pieces=tuple(pieces))
+        return RadixMatch(num_tokens=pos, node=node, path=tuple(path))
 
-    def insert(self, tokens: Sequence[int], source: KVSource) -> int:
+    def insert(
+        self, tokens: Sequence[int], source: KVSource, *, loan_bytes: int | None = None
+    ) -> int:
         """Make all of `tokens` cached, asking `source` only for the missing rows.
 
-        Returns the number of tokens newly stored. May evict other leaves to
-        stay under the budget (never pinned nodes, never the new leaf's path
-        while it is referenced by a pin).
+        With `loan_bytes` (bytes per token) the new leaf borrows its rows
+        from `source` instead of copying them (module docstring). Returns the
+        number of tokens newly stored. May evict other leaves to stay under
+        the budget (never pinned nodes, never the new leaf's path while it is
+        referenced by a pin).
         """
         node, pos = self.root, 0
         now = next(self._clock)
@@ -135,10 +179,15 @@ class RadixTree:
             node = child
         added = 0
         if pos < n:
-            keys, values = source(pos, n)
-            if keys.shape[2] != n - pos or values.shape[2] != n - pos:
-                raise ValueError("KV source returned the wrong number of rows")
-            leaf = RadixNode(node, tuple(tokens[pos:]), keys.contiguous(), values.contiguous())
+            if loan_bytes is not None:
+                loan = Loan(source, pos, loan_bytes)
+                leaf = RadixNode(node, tuple(tokens[pos:]), None, None, loan)
+                self._loans.add(leaf)
+            else:
+                keys, values = source(pos, n)
+                if keys.shape[2] != n - pos or values.shape[2] != n - pos:
+                    raise ValueError("KV source returned the wrong number of rows")
+                leaf = RadixNode(node, tuple(tokens[pos:]), keys.contiguous(), values.contiguous())
             leaf.last_access = now
             node.children[tokens[pos]] = leaf
             self.num_bytes += leaf.num_bytes
@@ -166,6 +215,15 @@ class RadixTree:
             walk.num_pins -= 1
             walk = walk.parent
 
+    def repay(self, from_row: int = 0) -> None:
+        """Copy the rows of every loan reaching row `from_row` or past it (all by default).
+
+        For the lender, before it overwrites those rows or lets them go.
+        """
+        for node in [n for n in self._loans if n.loan and n.loan.start + len(n.tokens) > from_row]:
+            node.repay()
+            self._loans.discard(node)
+
     def evict(self, max_bytes: int) -> int:
         """Drop LRU unpinned leaves until at most `max_bytes` remain; return bytes freed."""
         if self.num_bytes <= max_bytes:
@@ -185,8 +243,9 @@ class RadixTree:
             self.num_tokens -= len(leaf.tokens)
             self.num_evicted_tokens += len(leaf.tokens)
             freed += size
-            leaf.keys = leaf.values = None
+            leaf.keys = leaf.values = leaf.loan = None
             leaf.parent = None
+            self._loans.discard(leaf)
             if parent is not self.root and not parent.children and parent.num_pins == 0:
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
         return freed
@@ -195,6 +254,7 @@ class RadixTree:
         """Forget everything, pinned or not (the caller must hold no pins)."""
         self.root = RadixNode(None, (), None, None)
         self.num_bytes = self.num_nodes = self.num_tokens = 0
+        self._loans.clear()
 
     def _split(self, child: RadixNode, at: int) -> RadixNode:
         """Cut `child` after `at` tokens; return the new upper node.
@@ -204,20 +264,26 @@ class RadixTree:
         half runs through it.
         """
         parent = child.parent
-        if parent is None or child.keys is None or child.values is None:
+        if parent is None:
             raise RuntimeError("cannot split the root")
-        upper = RadixNode(
-            parent,
-            child.tokens[:at],
-            child.keys[:, :, :at].clone(),
-            child.values[:, :, :at].clone(),
-        )
+        if child.loan is not None:  # both halves borrow: no copy
+            loan = child.loan
+            upper = RadixNode(parent, child.tokens[:at], None, None, loan)
+            child.loan = Loan(loan.source, loan.start + at, loan.bytes_per_token)
+            self._loans.add(upper)
+        elif child.keys is None or child.values is None:
+            raise RuntimeError("radix node without KV")
+        else:
+            upper = RadixNode(
+                parent, child.tokens[:at], child.keys[:, :, :at].clone(),
+                child.values[:, :, :at].clone(),
+            )
+            child.keys = child.keys[:, :, at:].clone()
+            child.values = child.values[:, :, at:].clone()
         upper.num_pins = child.num_pins
         upper.last_access = child.last_access
         parent.children[child.tokens[0]] = upper
         child.tokens = child.tokens[at:]
-        child.keys = child.keys[:, :, at:].clone()
-        child.values = child.values[:, :, at:].clone()
         child.parent = upper
         upper.children[child.tokens[0]] = child
         self.num_nodes += 1

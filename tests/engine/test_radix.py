@@ -27,7 +27,7 @@ def _insert(tree, tokens):
 
 
 def _rows(match):
-    return [int(x) for k, _ in match.pieces for x in k[0, 0, :, 0].tolist()]
+    return [int(x) for k, _ in match.pieces() for x in k[0, 0, :, 0].tolist()]
 
 
 def _recount(tree):
