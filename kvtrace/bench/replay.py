@@ -88,17 +88,20 @@ def lower_bound_seconds(store: Store, spec: str, engine: Any, *,
     """Seconds to compute only the tokens no cache could hold, and their count.
 
     One DynamicCache lives across the whole run: each prompt crops it to the
-    prefix it shares with it and computes the rest in one forward. With
+    prefix it shares with it and computes the rest in one forward. Its layers
+    grow in place (kvbuffer.py), as kvtrace's do: transformers' own grow by
+    copying the whole KV at every call, a cost the bound should not pay. With
     `decode`, the output is then fed one token per forward, as decoding does
     (the last token's forward is not counted: generation never runs it);
     without, it goes in the same forward as the prompt, as rebuild feeds it
     (the floor for rebuild and for verify with accepted drafts).
     """
     import torch
-    from transformers import DynamicCache
+
+    from kvtrace.engine.kvbuffer import growing_cache
 
     model, device = engine.model, engine.device
-    kv = DynamicCache(config=model.config)
+    kv = growing_cache(model.config)
 
     def forward(ids: list[int]) -> None:
         model(input_ids=torch.tensor([ids], device=device), cache=kv, use_cache=True,

@@ -2,11 +2,10 @@
 
 Why not transformers' `DynamicLayer`: it grows by `torch.cat`, so every call
 of an agent run allocates each layer's whole KV anew, a few rows longer than
-the last, and frees the old. glibc's allocator rarely fits the next, larger
-block into the freed ones: on a 30-call, 5k-token replay the process grew by
-about 1.6x the KV it actually held (docs/benchmarks.md). A `GrowingLayer`
-writes new rows into spare capacity of its buffer and reallocates only when
-that runs out, by an eighth more at least (a few dozen times over a run).
+the last, copies it, and frees the old. A `GrowingLayer` writes new rows
+into spare capacity of its buffer and reallocates only when that runs out,
+by 256 rows or a sixteenth more at least (a dozen times over a 5k-token
+run). Decoding appends in place as well.
 
 Sharing without copies: the cache's live sequence (cache.py) keeps its
 layers' buffers; the memory tree borrows the rows of that sequence from them
@@ -29,15 +28,17 @@ keep every reader right:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from kvtrace.engine.radix import KVSource
 from kvtrace.errors import CacheError
 
 MIN_SPARE_ROWS = 256
+_SERIALS = itertools.count(1)
 ROW_ALIGN = 64
 
 
@@ -49,7 +50,9 @@ class KVBuffer:
     def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         self.keys = keys
         self.values = values
-        self.owner: GrowingLayer | None = None
+        # The owning layer's serial, not the layer: a reference back would make
+        # a cycle, and megabytes of KV would wait for the cyclic collector.
+        self.owner = 0
         self.cuts: list[int] = []  # the row from which each new owner writes, in order
         self.frozen = 0  # rows below this are read by others (the cache): never overwritten
 
@@ -63,6 +66,7 @@ class GrowingLayer(DynamicLayer):
 
     def __init__(self) -> None:
         super().__init__()
+        self._serial = next(_SERIALS)
         self._buffer: KVBuffer | None = None
         self._length = 0
         self._epoch = 0  # how many of the buffer's cuts this layer's rows have survived
@@ -75,7 +79,7 @@ class GrowingLayer(DynamicLayer):
         self._check_intact()
         end = self._length + key_states.shape[2]
         buffer = self._buffer
-        if buffer is None or buffer.owner is not self or self._length < buffer.frozen:
+        if buffer is None or buffer.owner != self._serial or self._length < buffer.frozen:
             buffer = self._detach(end, like=key_states)
         elif end > buffer.capacity:
             self._grow(buffer, end)
@@ -92,7 +96,8 @@ class GrowingLayer(DynamicLayer):
         self._check_intact()
         length = max(0, self._length + tokens_to_remove)
         buffer = self._buffer
-        if buffer is not None and buffer.owner is self and buffer.cuts and length < buffer.cuts[-1]:
+        owns = buffer is not None and buffer.owner == self._serial
+        if buffer is not None and owns and buffer.cuts and length < buffer.cuts[-1]:
             buffer.cuts.append(length)  # below where it took over: rows others may hold
             self._epoch = len(buffer.cuts)
         self._set_length(length)
@@ -133,7 +138,7 @@ class GrowingLayer(DynamicLayer):
             raise CacheError("cannot adopt KV rows the buffer does not keep")
         self.lazy_initialization(buffer.keys, buffer.values)
         buffer.cuts.append(length)
-        buffer.owner = self
+        buffer.owner = self._serial
         buffer.frozen = length
         self._buffer = buffer
         self._epoch = len(buffer.cuts)
@@ -142,7 +147,7 @@ class GrowingLayer(DynamicLayer):
     def freeze(self, length: int) -> KVBuffer:
         """Keep the first `length` rows as they are (the cache borrows them); return the buffer."""
         buffer = self._buffer
-        if buffer is None or buffer.owner is not self or length > self._length:
+        if buffer is None or buffer.owner != self._serial or length > self._length:
             raise CacheError("only the owner of KV rows can keep them")
         buffer.frozen = length
         return buffer
@@ -177,7 +182,7 @@ class GrowingLayer(DynamicLayer):
         return buffer
 
     def _own(self, buffer: KVBuffer) -> KVBuffer:
-        buffer.owner = self
+        buffer.owner = self._serial
         self._buffer = buffer
         self._epoch = 0
         return buffer
@@ -194,7 +199,7 @@ class GrowingLayer(DynamicLayer):
 
     def _check_intact(self) -> None:
         buffer = self._buffer
-        if buffer is None or buffer.owner is self:
+        if buffer is None or buffer.owner == self._serial:
             return
         later = buffer.cuts[self._epoch :]
         if later and min(later) < self._length:
@@ -203,10 +208,8 @@ class GrowingLayer(DynamicLayer):
             )
 
 
-def growing_cache(config: object) -> object:
+def growing_cache(config: object) -> DynamicCache:
     """An empty transformers `DynamicCache` for `config` whose layers are `GrowingLayer`s."""
-    from transformers import DynamicCache
-
     kv = DynamicCache(config=config)  # type: ignore[arg-type]
     layers = kv.layers
     for i, layer in enumerate(layers):
@@ -214,6 +217,14 @@ def growing_cache(config: object) -> object:
             raise CacheError(f"unsupported KV layer type {type(layer).__name__}")
         layers[i] = GrowingLayer()
     return kv
+
+
+def growing_layers(kv: DynamicCache) -> list[GrowingLayer]:
+    """The layers of a `growing_cache`, typed as such."""
+    layers = [layer for layer in kv.layers if isinstance(layer, GrowingLayer)]
+    if len(layers) != len(kv.layers):
+        raise CacheError("this DynamicCache was not made by growing_cache")
+    return layers
 
 
 def buffer_rows(buffers: Sequence[KVBuffer]) -> KVSource:

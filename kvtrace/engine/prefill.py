@@ -46,7 +46,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kvtrace.engine.cache import DEFAULT_BLOCK_SIZE, KVCache, check_block_size
-from kvtrace.engine.kvbuffer import growing_cache
+from kvtrace.engine.kvbuffer import growing_cache, growing_layers
 from kvtrace.engine.model import Engine
 from kvtrace.engine.radix import KVSource
 from kvtrace.errors import CacheError, UsageError
@@ -124,17 +124,18 @@ def prefill(
         raise UsageError(f"logits_from {logits_from} is outside the {len(tokens)} tokens")
     started = time.perf_counter()
     kv = growing_cache(engine.model.config)
+    layers = growing_layers(kv)
     hit = cache.lookup(tokens, max_tokens=keep_from) if cache is not None else None
     try:
         reused = hit.num_tokens if hit is not None else 0
         if hit is not None and hit.live is not None:
-            for layer, buffer in zip(kv.layers, hit.live, strict=True):  # type: ignore[attr-defined]
+            for layer, buffer in zip(layers, hit.live, strict=True):
                 layer.adopt(buffer, reused)
         elif hit is not None and hit.pieces:
             rows = sum(int(k.shape[2]) for k, _ in hit.pieces)
             if rows != reused:
                 raise CacheError(f"cache returned {rows} KV rows for {reused} tokens")
-            for i, layer in enumerate(kv.layers):  # type: ignore[attr-defined]
+            for i, layer in enumerate(layers):
                 layer.seed([(k[i].unsqueeze(0), v[i].unsqueeze(0)) for k, v in hit.pieces])
         if hit is not None:
             # Only the DynamicCache holds the reused KV now (the tree's
@@ -143,7 +144,6 @@ def prefill(
         span = logits_from is not None
         logits = _compute(engine, kv, tokens, reused, keep_from, span, reduce_logits)
         if cache is not None and hit is not None:
-            layers = kv.layers  # type: ignore[attr-defined]
             cache.store(tokens, layers, num_disk_blocks=hit.num_disk_blocks)
     finally:
         if cache is not None and hit is not None:

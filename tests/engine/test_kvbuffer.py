@@ -85,3 +85,57 @@ def test_a_layer_grows_by_at_least_an_eighth():
     assert torch.equal(layer.keys[:, :, 1000:], torch.ones(1, 2, 100, 4))
     layer.crop(-60)
     assert layer.get_seq_length() == 1040 and layer.keys.shape[2] == 1040
+
+
+def _borrowed(cache) -> tuple[int, int]:
+    """(nodes borrowing their rows, nodes holding a copy) in the memory tree."""
+    lent = owned = 0
+    stack = list(cache.memory.root.children.values())
+    while stack:
+        node = stack.pop()
+        lent, owned = (lent + 1, owned) if node.loan is not None else (lent, owned + 1)
+        stack.extend(node.children.values())
+    return lent, owned
+
+
+def test_an_agent_run_holds_its_kv_once_and_a_branch_copies_it(tiny_engine, tokens, kv_equal):
+    sequence = tokens(900, seed=70)
+    cache = KVCache(tiny_engine)
+    for end in (150, 300, 480, 700):  # the buffers grow past their first capacity on the way
+        prefill(tiny_engine, cache, sequence[:end])
+
+    assert _borrowed(cache) == (4, 0)  # every row lives in the live buffers only
+    assert cache.memory_stats().num_bytes == 700 * tiny_engine.kv_bytes_per_token
+
+    branch = sequence[:333] + tokens(40, seed=71)  # takes the buffers over at 333
+    hot_branch = prefill(tiny_engine, cache, branch)
+    lent, owned = _borrowed(cache)
+    assert owned >= 1  # rows past 333 were copied into the tree before being overwritten
+    assert lent >= 1  # the branch's own rows are borrowed from the buffers it took over
+
+    back = sequence[:700] + tokens(25, seed=72)  # the first line, now from the tree's copies
+    hot = prefill(tiny_engine, cache, back)
+    assert hot.num_memory_tokens == 700 and hot_branch.num_memory_tokens == 333
+    for result, seq in ((hot_branch, branch), (hot, back)):
+        cold = prefill(tiny_engine, None, seq)
+        assert torch.equal(result.logits, cold.logits)
+        assert kv_equal(result, cold)
+
+
+def test_a_result_cropped_below_the_borrowed_rows_writes_into_a_buffer_of_its_own(
+    tiny_engine, tokens, kv_equal
+):
+    sequence = tokens(200, seed=73)
+    cache = KVCache(tiny_engine)
+    result = prefill(tiny_engine, cache, sequence)
+    result.kv.crop(-50)
+    with torch.inference_mode():  # rows 150.. of the result: other tokens than the tree's
+        tiny_engine.model(input_ids=torch.tensor([tokens(20, seed=74)]), cache=result.kv,
+                          use_cache=True)
+    cache.drop_live()  # the tree copies its loans now, from the untouched buffers
+
+    hot = prefill(tiny_engine, cache, sequence + tokens(10, seed=75))
+    cold = prefill(tiny_engine, None, sequence + tokens(10, seed=75))
+    assert hot.num_memory_tokens == 200
+    assert torch.equal(hot.logits, cold.logits)
+    assert kv_equal(hot, cold)

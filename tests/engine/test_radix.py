@@ -109,3 +109,43 @@ def test_pins_survive_a_split_of_the_pinned_node():
     tree.unpin(match.node)
     tree.evict(0)
     assert tree.num_bytes == 0 and tree.num_nodes == 0
+
+
+def _lend(tree, tokens, calls):
+    """Insert `tokens` as a loan from a source that counts the rows it is asked for."""
+    inner = _source(tokens)
+
+    def source(start, end):
+        calls.append((start, end))
+        return inner(start, end)
+
+    return tree.insert(tokens, source, loan_bytes=BYTES_PER_TOKEN)
+
+
+def test_a_borrowed_leaf_reads_its_rows_only_when_asked_and_splits_without_copying():
+    tree, calls = RadixTree(max_bytes=10**9), []
+    _lend(tree, [1, 2, 3, 4, 5, 6], calls)
+    assert calls == []  # nothing copied at insertion
+    assert tree.num_bytes == _recount(tree) == 6 * BYTES_PER_TOKEN
+
+    _insert(tree, [1, 2, 3, 9])  # splits the borrowed leaf after 3 tokens
+    assert calls == [] and tree.num_bytes == _recount(tree) == 7 * BYTES_PER_TOKEN
+    assert _rows(tree.match([1, 2, 3, 4, 5, 6])) == [1, 2, 3, 4, 5, 6]
+    assert calls == [(0, 3), (3, 6)]  # each half reads its own rows of the sequence
+
+
+def test_repay_copies_only_the_loans_reaching_the_given_row():
+    tree, calls = RadixTree(max_bytes=10**9), []
+    _lend(tree, [1, 2, 3, 4], calls)
+    _lend(tree, [1, 2, 3, 4, 5, 6, 7], calls)  # a second leaf, rows 4..7
+
+    tree.repay(from_row=5)
+    assert calls == [(4, 7)]  # the first leaf (rows 0..4) stays borrowed
+    calls.clear()
+    assert _rows(tree.match([1, 2, 3, 4, 5, 6, 7])) == [1, 2, 3, 4, 5, 6, 7]
+    assert calls == [(0, 4)]  # the repaid leaf holds its own copy now
+
+    tree.repay()
+    calls.clear()
+    tree.match([1, 2, 3, 4, 5, 6, 7]).pieces()
+    assert calls == [] and tree.num_bytes == _recount(tree) == 7 * BYTES_PER_TOKEN
