@@ -3,8 +3,8 @@
 `lookup` finds the longest token-exact cached prefix of a sequence: first in
 the memory tree (any offset), then by walking disk blocks from the root
 (whole blocks only, verified on read). Disk rows beyond what memory held are
-promoted into the tree. `insert` stores a freshly computed sequence: the new
-tail into the tree, and every full block not yet on disk. Both tiers are
+promoted into the tree. `store` keeps a freshly computed sequence: the new
+tail in the tree, and every full block not yet on disk. Both tiers are
 keyed by the engine fingerprint (the tree belongs to one engine; the disk
 chain is seeded with the fingerprint), so KV never crosses models.
 
@@ -57,9 +57,11 @@ MIN_BLOCK_SIZE = 16
 class PrefixHit:
     """The reusable prefix of a sequence; release it with `KVCache.release`.
 
-    `pieces` are KV tensors `[layers, kv_heads, n, head_dim]` covering tokens
-    `0 … num_tokens` in order. `num_disk_blocks` counts the leading blocks
-    known to be on disk (so `insert` skips rewriting them).
+    Either `live` holds the live sequence's per-layer buffers, handed over to
+    the caller, who takes them over from row `num_tokens` (`pieces` is then
+    empty), or `pieces` are KV tensors `[layers, kv_heads, n, head_dim]`
+    covering tokens `0 … num_tokens` in order. `num_disk_blocks` counts the
+    leading blocks known to be on disk (so `store` skips rewriting them).
     `num_deferred_tokens` follow the hit: an earlier generation's output,
     owed to the cache (owed.py), which the caller computes now.
     """
@@ -102,6 +104,11 @@ class KVCache:
     multiple of 16 (smaller matmuls are not row-invariant on CPU).
     `write_behind` writes disk blocks on a background thread (see writer.py;
     call `flush` before reading the folder by other means).
+
+    One thread at a time: the lock keeps the tiers consistent, but a
+    prefill's result shares buffers with the cache (decoding on it writes in
+    place), so a cache and the results of its prefills belong to one thread
+    (the server runs one engine worker).
     """
 
     def __init__(
@@ -141,7 +148,10 @@ class KVCache:
     def lookup(self, tokens: Sequence[int], *, max_tokens: int | None = None) -> PrefixHit:
         """Longest cached prefix of `tokens`, reusing at most `max_tokens` of them.
 
-        The hit is pinned in memory; pass it to `release` when done.
+        The hit is pinned in memory; pass it to `release` when done. When the
+        live sequence covers it, the hit takes the live buffers out (loans
+        reaching past it are repaid first): a lookup is for a prefill that
+        computes the rest, as `prefill` does.
         """
         limit = len(tokens) if max_tokens is None else max(0, min(max_tokens, len(tokens)))
         with self._lock:
@@ -170,10 +180,10 @@ class KVCache:
 
                 self.memory.insert(tokens[:disk_end], source)  # promote
                 node = self.memory.match(tokens, max_tokens=disk_end).node
+            live = self._take_live(num_tokens) if from_live else None  # may copy: before pinning
             pinned = node if node is not self.memory.root else None
             if pinned is not None:
                 self.memory.pin(pinned)
-            live = self._take_live(num_tokens) if from_live else None
             deferred = self._owed.take(tokens, num_tokens, limit)
             return PrefixHit(
                 num_deferred_tokens=deferred,
@@ -208,7 +218,7 @@ class KVCache:
                 self.memory.repay()  # the tree's loans are from buffers about to be let go
             self._lent = buffers
             self._live = LiveSequence(tuple(tokens), buffers)
-            self.insert(
+            self._insert(
                 tokens, buffer_rows(buffers), num_disk_blocks=num_disk_blocks,
                 loan_bytes=self.engine.kv_bytes_per_token,
             )
@@ -288,7 +298,14 @@ class KVCache:
 
     # -- insert ---------------------------------------------------------------
 
-    def insert(
+    def insert(self, tokens: Sequence[int], source: KVSource, *, num_disk_blocks: int = 0) -> None:
+        """Store `tokens` (whose KV `source` yields) in memory and on disk, copied.
+
+        `num_disk_blocks` leading blocks are known to be on disk already.
+        """
+        self._insert(tokens, source, num_disk_blocks=num_disk_blocks)
+
+    def _insert(
         self,
         tokens: Sequence[int],
         source: KVSource,
@@ -296,10 +313,9 @@ class KVCache:
         num_disk_blocks: int = 0,
         loan_bytes: int | None = None,
     ) -> None:
-        """Store `tokens` (whose KV `source` yields) in memory and on disk.
+        """`insert`; with `loan_bytes` the tree borrows the new rows from `source`.
 
-        `num_disk_blocks` leading blocks are known to be on disk already;
-        with `loan_bytes` the tree borrows its rows from `source` (radix.py).
+        Loans only from the live buffers (`store`), which the cache repays.
         """
         with self._lock:
             self.memory.insert(tokens, source, loan_bytes=loan_bytes)

@@ -62,7 +62,13 @@ class KVBuffer:
 
 
 class GrowingLayer(DynamicLayer):
-    """A `DynamicLayer` whose `update` writes in place into a buffer with spare rows."""
+    """A `DynamicLayer` whose `update` writes in place into a buffer with spare rows.
+
+    One sequence (no batch, no beams). `keys`/`values` are views of the
+    buffer: read them before the next prefill on the same cache, which may
+    take the buffer over and write past the rows it reuses (`update` and
+    `crop` check; a plain read cannot).
+    """
 
     def __init__(self) -> None:
         super().__init__()
@@ -78,13 +84,16 @@ class GrowingLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         self._check_intact()
         end = self._length + key_states.shape[2]
-        buffer = self._buffer
-        if buffer is None or buffer.owner != self._serial or self._length < buffer.frozen:
-            buffer = self._detach(end, like=key_states)
-        elif end > buffer.capacity:
-            self._grow(buffer, end)
-        buffer.keys[:, :, self._length : end].copy_(key_states)
-        buffer.values[:, :, self._length : end].copy_(value_states)
+        # Inside inference mode whoever calls: the buffers are inference tensors
+        # (made in prefill's), which may only be written there.
+        with torch.inference_mode():
+            buffer = self._buffer
+            if buffer is None or buffer.owner != self._serial or self._length < buffer.frozen:
+                buffer = self._detach(end, like=key_states)
+            elif end > buffer.capacity:
+                self._grow(buffer, end)
+            buffer.keys[:, :, self._length : end].copy_(key_states)
+            buffer.values[:, :, self._length : end].copy_(value_states)
         return self._set_length(end)
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -109,6 +118,15 @@ class GrowingLayer(DynamicLayer):
 
     def get_seq_length(self) -> int:
         return self._length if self.is_initialized else 0
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise CacheError("kvtrace's KV layers hold one sequence: no beams")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise CacheError("kvtrace's KV layers hold one sequence: no batches")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise CacheError("kvtrace's KV layers hold one sequence: no batches")
 
     def seed(self, pieces: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Start from the rows of `pieces` (each `[1, kv_heads, n, head_dim]`), copied once."""

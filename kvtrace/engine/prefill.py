@@ -61,11 +61,13 @@ class PrefillResult:
     """Logits (of the last position, or of a span), KV of every position, and their source.
 
     `kv` is a transformers `DynamicCache` covering all `num_tokens` tokens,
-    ready for decoding. `num_memory_tokens + num_disk_tokens +
-    num_computed_tokens == num_tokens`. `logits` is the last position's
-    logits, or with `logits_from` one row per position from there to the
-    end (each passed through `reduce_logits` when one was given). `kv` is
-    None in a result kept only for its counts (a rejected draft's).
+    ready for decoding; its rows are views of buffers the cache shares, valid
+    until the next prefill on the same cache (kvbuffer.py). `kv` is None in
+    a result kept only for its counts (a rejected draft's).
+    `num_memory_tokens + num_disk_tokens + num_computed_tokens ==
+    num_tokens`. `logits` is the last position's logits, or with
+    `logits_from` one row per position from there to the end (each passed
+    through `reduce_logits` when one was given).
     `num_deferred_tokens` are part of `num_computed_tokens` (and not of
     `num_cached_tokens`): an earlier generation's output that the cache
     owed, computed here (see `KVCache.defer`); replay counts them as reused.
@@ -138,8 +140,9 @@ def prefill(
             for i, layer in enumerate(layers):
                 layer.seed([(k[i].unsqueeze(0), v[i].unsqueeze(0)) for k, v in hit.pieces])
         if hit is not None:
-            # Only the DynamicCache holds the reused KV now (the tree's
-            # pieces were copied into its buffers, the live ones taken over).
+            # Drop the hit's references: the tree's pieces were copied into
+            # the buffers, the live ones taken over (the tree still borrows
+            # their rows below `reused`, which nothing overwrites).
             hit = replace(hit, live=None, pieces=())
         span = logits_from is not None
         logits = _compute(engine, kv, tokens, reused, keep_from, span, reduce_logits)

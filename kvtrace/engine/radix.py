@@ -8,7 +8,8 @@ the concatenation of the segments along the path. Invariants:
 - children of a node start with distinct tokens (keyed by first token id);
 - lookups are token-exact and may end inside a segment (a partial node);
 - insertion splits a node where a new sequence diverges, and the two halves
-  get their own copies of the tensors so each half can be freed alone;
+  get their own copies of the tensors so each half can be freed alone (or,
+  borrowed, each borrows its own rows);
 - eviction removes least-recently-used leaves only (an inner node's KV is
   the prefix of its children's) and never a pinned node; pins count
   upward so a pinned node keeps its whole path;
@@ -221,6 +222,9 @@ class RadixTree:
         For the lender, before it overwrites those rows or lets them go.
         """
         for node in [n for n in self._loans if n.loan and n.loan.start + len(n.tokens) > from_row]:
+            if node.loan is not None and node.loan.start < from_row:
+                # Rows below `from_row` stay borrowed: split there (no copy), repay the rest.
+                self._split(node, from_row - node.loan.start)
             node.repay()
             self._loans.discard(node)
 
@@ -252,6 +256,12 @@ class RadixTree:
 
     def clear(self) -> None:
         """Forget everything, pinned or not (the caller must hold no pins)."""
+        stack = list(self.root.children.values())
+        while stack:  # unlink: parent and child refer to each other, a cycle the GC would wait on
+            node = stack.pop()
+            stack.extend(node.children.values())
+            node.children, node.parent = {}, None
+            node.keys = node.values = node.loan = None
         self.root = RadixNode(None, (), None, None)
         self.num_bytes = self.num_nodes = self.num_tokens = 0
         self._loans.clear()

@@ -71,7 +71,7 @@ def test_deferred_output_computed_by_the_next_prompt_in_the_same_buffer(
     assert kv_equal(hot, cold)
 
 
-def test_a_layer_grows_by_at_least_an_eighth():
+def test_a_layer_writes_in_place_until_its_spare_rows_run_out():
     layer = GrowingLayer()
     rows = torch.zeros(1, 2, 1000, 4)
     layer.update(rows, rows)
@@ -139,3 +139,11 @@ def test_a_result_cropped_below_the_borrowed_rows_writes_into_a_buffer_of_its_ow
     assert hot.num_memory_tokens == 200
     assert torch.equal(hot.logits, cold.logits)
     assert kv_equal(hot, cold)
+
+
+def test_decoding_on_a_result_outside_inference_mode(tiny_engine, tokens):
+    prompt = tokens(60, seed=76)
+    result = prefill(tiny_engine, KVCache(tiny_engine), prompt)
+    with torch.no_grad():  # not inference mode: the buffers were made in prefill's
+        out = tiny_engine.model(input_ids=torch.tensor([[9]]), cache=result.kv, use_cache=True)
+    assert out.logits.shape[1] == 1 and result.kv.layers[0].get_seq_length() == 61

@@ -134,16 +134,17 @@ def test_a_borrowed_leaf_reads_its_rows_only_when_asked_and_splits_without_copyi
     assert calls == [(0, 3), (3, 6)]  # each half reads its own rows of the sequence
 
 
-def test_repay_copies_only_the_loans_reaching_the_given_row():
+def test_repay_copies_only_the_rows_from_the_given_one():
     tree, calls = RadixTree(max_bytes=10**9), []
     _lend(tree, [1, 2, 3, 4], calls)
     _lend(tree, [1, 2, 3, 4, 5, 6, 7], calls)  # a second leaf, rows 4..7
 
     tree.repay(from_row=5)
-    assert calls == [(4, 7)]  # the first leaf (rows 0..4) stays borrowed
+    assert calls == [(5, 7)]  # the second leaf is split at 5 (no copy), its rest repaid
     calls.clear()
     assert _rows(tree.match([1, 2, 3, 4, 5, 6, 7])) == [1, 2, 3, 4, 5, 6, 7]
-    assert calls == [(0, 4)]  # the repaid leaf holds its own copy now
+    assert calls == [(0, 4), (4, 5)]  # rows below 5 are still borrowed
+    assert tree.num_bytes == _recount(tree) == 7 * BYTES_PER_TOKEN
 
     tree.repay()
     calls.clear()
