@@ -256,15 +256,26 @@ class RadixTree:
 
     def clear(self) -> None:
         """Forget everything, pinned or not (the caller must hold no pins)."""
+        self._unlink()
+        self.root = RadixNode(None, (), None, None)
+        self.num_bytes = self.num_nodes = self.num_tokens = 0
+        self._loans.clear()
+
+    def __del__(self) -> None:
+        self._unlink()
+
+    def _unlink(self) -> None:
+        """Free every node's KV now.
+
+        A parent and its children refer to each other: left alone, a dropped
+        tree's KV would wait for the cyclic collector.
+        """
         stack = list(self.root.children.values())
-        while stack:  # unlink: parent and child refer to each other, a cycle the GC would wait on
+        while stack:
             node = stack.pop()
             stack.extend(node.children.values())
             node.children, node.parent = {}, None
             node.keys = node.values = node.loan = None
-        self.root = RadixNode(None, (), None, None)
-        self.num_bytes = self.num_nodes = self.num_tokens = 0
-        self._loans.clear()
 
     def _split(self, child: RadixNode, at: int) -> RadixNode:
         """Cut `child` after `at` tokens; return the new upper node.
