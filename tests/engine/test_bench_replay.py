@@ -17,6 +17,10 @@ def test_agent_bench_reports_every_figure_and_hits_the_oracle(tiny_folder, tmp_p
     assert figures["peak_rss_mb"] >= figures["rss_before_rebuild_mb"]
     assert figures["rss_bound_over_resident_mb"] > figures["rss_before_rebuild_mb"]
     assert isinstance(figures["peak_rss_within_bound_over_resident"], bool)
+    # One trial: its pair's ratio is the pair median and the bench's own ratio.
+    assert figures["rebuild_ratio_to_feed_bound_pairs"] == [
+        figures["rebuild_ratio_to_feed_bound_pair_median"]
+    ] == [figures["rebuild_ratio_to_feed_bound"]]
     again = run_replay_bench(cache_dir=tmp_path, model=str(tiny_folder), shape="agent",
                              calls=3, trials=1, with_verify=False)
     assert again["recorded_now"] is False and "verify_s_cached" not in again
