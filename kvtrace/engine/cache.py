@@ -298,13 +298,6 @@ class KVCache:
 
     # -- insert ---------------------------------------------------------------
 
-    def insert(self, tokens: Sequence[int], source: KVSource, *, num_disk_blocks: int = 0) -> None:
-        """Store `tokens` (whose KV `source` yields) in memory and on disk, copied.
-
-        `num_disk_blocks` leading blocks are known to be on disk already.
-        """
-        self._insert(tokens, source, num_disk_blocks=num_disk_blocks)
-
     def _insert(
         self,
         tokens: Sequence[int],
@@ -313,9 +306,11 @@ class KVCache:
         num_disk_blocks: int = 0,
         loan_bytes: int | None = None,
     ) -> None:
-        """`insert`; with `loan_bytes` the tree borrows the new rows from `source`.
+        """Store `tokens` (whose KV `source` yields) in memory and on disk.
 
-        Loans only from the live buffers (`store`), which the cache repays.
+        `num_disk_blocks` leading blocks are known to be on disk already. With
+        `loan_bytes` the tree borrows the new rows from `source` instead of
+        copying them: only from the live buffers (`store`), which it repays.
         """
         with self._lock:
             self.memory.insert(tokens, source, loan_bytes=loan_bytes)

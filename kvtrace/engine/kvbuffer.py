@@ -116,6 +116,11 @@ class GrowingLayer(DynamicLayer):
         self._length = 0
         super().reset()
 
+    @property
+    def buffer(self) -> KVBuffer | None:
+        """The buffer this layer's rows are in (None before the first write)."""
+        return self._buffer
+
     def get_seq_length(self) -> int:
         return self._length if self.is_initialized else 0
 

@@ -44,9 +44,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
+from transformers import DynamicCache
 
 from kvtrace.engine.cache import DEFAULT_BLOCK_SIZE, KVCache, check_block_size
-from kvtrace.engine.kvbuffer import growing_cache, growing_layers
+from kvtrace.engine.kvbuffer import buffer_rows, growing_cache, growing_layers
 from kvtrace.engine.model import Engine
 from kvtrace.engine.radix import KVSource
 from kvtrace.errors import CacheError, UsageError
@@ -222,12 +223,10 @@ def _compute(
 
 
 def kv_rows(kv: object) -> KVSource:
-    """A KVSource over a DynamicCache: stacked copies of rows [start, end)."""
-    layers = kv.layers  # type: ignore[attr-defined]
-
-    def source(start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        keys = torch.stack([layer.keys[0, :, start:end] for layer in layers])
-        values = torch.stack([layer.values[0, :, start:end] for layer in layers])
-        return keys, values
-
-    return source
+    """A KVSource over a prefill's DynamicCache: stacked copies of rows [start, end)."""
+    if not isinstance(kv, DynamicCache):
+        raise CacheError("not a prefill's DynamicCache")
+    buffers = [layer.buffer for layer in growing_layers(kv)]
+    if any(buffer is None for buffer in buffers):
+        raise CacheError("this DynamicCache holds no KV")
+    return buffer_rows([b for b in buffers if b is not None])
