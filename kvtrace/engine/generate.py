@@ -121,6 +121,8 @@ def generate(
         raise UsageError("max_new_tokens must be >= 0")
     if temperature < 0 or not 0 < top_p <= 1:
         raise UsageError("temperature must be >= 0 and top_p in (0, 1]")
+    if seed is not None and not -(2**63) <= int(seed) < 2**64:
+        raise UsageError(f"seed {seed} does not fit a 64-bit generator seed")
     stops = frozenset(engine.eos_token_ids if stop_ids is None else (int(s) for s in stop_ids))
     checked: PrefillResult | None = None
     check_seconds = 0.0

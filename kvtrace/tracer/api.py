@@ -78,6 +78,9 @@ class ChatRequest:
         return bool(self.tools) and self.body.get("tool_choice") != "none"
 
 
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # what a 64-bit generator seed holds
+
+
 def parse_json(data: bytes) -> Any:
     try:
         return json.loads(data)
@@ -120,6 +123,9 @@ def parse_chat_request(data: bytes, *, is_local: bool) -> ChatRequest:
     seed = body.get("seed")
     if seed is not None and not _is_int(seed):
         raise APIError(400, "'seed' must be an integer", param="seed", code="invalid_type")
+    if seed is not None and not SEED_MIN <= seed <= SEED_MAX:
+        raise APIError(400, f"'seed' must be a 64-bit integer ({SEED_MIN} to {SEED_MAX})",
+                       param="seed", code="invalid_value")
     stop = body.get("stop")
     if stop is not None and not isinstance(stop, str) and not (
         isinstance(stop, list) and len(stop) <= 4 and all(isinstance(s, str) for s in stop)

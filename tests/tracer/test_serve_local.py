@@ -128,6 +128,8 @@ BAD_INPUTS = [
                               "temperature": "hot"}, 400, "temperature"),
     ("max_tokens zero", {"model": "MODEL", "messages": [{"role": "user", "content": "x"}],
                          "max_tokens": 0}, 400, "max_tokens"),
+    ("a seed past 64 bits", {"model": "MODEL", "messages": [{"role": "user", "content": "x"}],
+                             "temperature": 0.5, "seed": -(2**109)}, 400, "seed"),
     ("n of two", {"model": "MODEL", "messages": [{"role": "user", "content": "x"}], "n": 2},
      400, "n"),
     ("tools not a list", {"model": "MODEL", "messages": [{"role": "user", "content": "x"}],
