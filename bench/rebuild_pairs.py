@@ -36,6 +36,7 @@ def main(pairs: int) -> dict[str, object]:
     if name not in {run.name for run in store.runs()}:
         raise SystemExit("no agent fixture yet: run `kvtrace bench replay --shape agent` once")
     prefill(engine, None, [0] * 16)  # every weight page resident before RSS is read
+    lower_bound_seconds(store, name, engine, decode=False)  # the process's warm-up, untimed
     rows = []
     for _ in range(pairs):
         with tempfile.TemporaryDirectory(prefix="kvtrace-pairs-") as tmp:

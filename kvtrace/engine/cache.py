@@ -23,9 +23,8 @@ stands for.
 Deferred output (`defer`, owed.py): a generation's decoded output that the
 next prompt's prefill stores; a lookup reports it (`num_deferred_tokens`).
 
-With `write_behind=True`, disk blocks are written by a background thread
-(writer.py): `insert` only queues copies, a lookup sees queued blocks as if
-written, and `flush` waits for them.
+The disk half (walking a chain, writing blocks inline or behind, the disk
+budget) is disktier.py.
 
 The cache never computes anything: `kvtrace.engine.prefill` calls it.
 """
@@ -41,11 +40,11 @@ from pathlib import Path
 import torch
 
 from kvtrace.engine.disk import BlockLayout, BlockStore
+from kvtrace.engine.disktier import DiskTier
 from kvtrace.engine.kvbuffer import GrowingLayer, KVBuffer, buffer_rows
 from kvtrace.engine.model import Engine
 from kvtrace.engine.owed import OwedOutputs
 from kvtrace.engine.radix import KVSource, RadixNode, RadixTree, common_prefix
-from kvtrace.engine.writer import BlockWriter, PendingBlock, writer_for
 from kvtrace.errors import CacheError, UsageError
 
 DEFAULT_BLOCK_SIZE = 64
@@ -128,20 +127,24 @@ class KVCache:
         self.fingerprint = engine.fingerprint
         self.block_size = block_size
         self.memory = RadixTree(max_bytes=memory_bytes)
-        self.disk = BlockStore(disk_dir, block_size=block_size) if disk_dir is not None else None
-        self._writer: BlockWriter | None = (
-            writer_for(self.disk) if self.disk is not None and write_behind else None
-        )
         self.disk_bytes = disk_bytes
-        self._disk_total: int | None = None
+        layout = BlockLayout(  # what a disk block must be to be used by this engine
+            engine.fingerprint, engine.dtype, engine.num_layers, engine.num_kv_heads,
+            engine.head_dim,
+        )
+        self._disk = DiskTier(
+            BlockStore(disk_dir, block_size=block_size), layout, max_bytes=disk_bytes,
+            write_behind=write_behind,
+        ) if disk_dir is not None else None
         self._live: LiveSequence | None = None
         self._lent: tuple[KVBuffer, ...] | None = None  # the buffers the tree borrows from
         self._owed = OwedOutputs()
         self._lock = threading.RLock()
-        self._layout = BlockLayout(  # what a disk block must be to be used by this engine
-            engine.fingerprint, engine.dtype, engine.num_layers, engine.num_kv_heads,
-            engine.head_dim,
-        )
+
+    @property
+    def disk(self) -> BlockStore | None:
+        """The disk tier's block folder (None for a memory-only cache)."""
+        return self._disk.store if self._disk is not None else None
 
     # -- lookup ---------------------------------------------------------------
 
@@ -157,7 +160,10 @@ class KVCache:
         with self._lock:
             match = self.memory.match(tokens, max_tokens=limit)
             num_memory = match.num_tokens
-            num_disk_blocks, disk_pieces = self._walk_disk(tokens, num_memory, limit)
+            num_disk_blocks, disk_pieces = (
+                self._disk.walk(tokens, num_memory, limit, self.engine.device)
+                if self._disk is not None else (0, [])
+            )
             disk_end = min(num_disk_blocks * self.block_size, limit)
             num_disk = disk_end - num_memory if disk_end > num_memory and disk_pieces else 0
             num_tokens = num_memory + num_disk
@@ -268,34 +274,6 @@ class KVCache:
             with self._lock:
                 self.memory.unpin(hit.pinned)
 
-    def _walk_disk(
-        self, tokens: Sequence[int], num_memory: int, limit: int
-    ) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]:
-        """Count leading blocks on disk; load (and verify) those past `num_memory`.
-
-        Blocks wholly inside the memory hit are only checked for existence:
-        their KV is not needed, only whether `insert` must write them.
-        """
-        if self.disk is None:
-            return 0, []
-        b = self.block_size
-        keys = self.disk.chain_keys(self.fingerprint, tokens)
-        loaded: list[tuple[torch.Tensor, torch.Tensor]] = []
-        count = 0
-        for j, key in enumerate(keys):
-            end = (j + 1) * b
-            if end <= num_memory or j * b >= limit:
-                if not self._on_disk(key):
-                    break
-            else:
-                kv = self._read_block(key, tokens[j * b : end])
-                if kv is None:
-                    break
-                device = self.engine.device
-                loaded.append((kv[0].to(device), kv[1].to(device)))
-            count += 1
-        return count, loaded
-
     # -- insert ---------------------------------------------------------------
 
     def _insert(
@@ -314,73 +292,13 @@ class KVCache:
         """
         with self._lock:
             self.memory.insert(tokens, source, loan_bytes=loan_bytes)
-            if self.disk is None:
-                return
-            b = self.block_size
-            keys = self.disk.chain_keys(self.fingerprint, tokens)
-            parent = keys[num_disk_blocks - 1] if num_disk_blocks else self.disk.root_key(
-                self.fingerprint
-            )
-            written = 0
-            for j in range(num_disk_blocks, len(keys)):
-                if self._writer is not None and self._writer.contains(keys[j]):
-                    parent = keys[j]
-                    continue  # skip copying the KV of a block already there
-                k, v = source(j * b, (j + 1) * b)
-                block_tokens = tokens[j * b : (j + 1) * b]
-                if self._write_block(keys[j], parent, block_tokens, k, v):
-                    written += k.numel() * k.element_size() * 2
-                parent = keys[j]
-            self._enforce_disk_budget(written)
+            if self._disk is not None:
+                self._disk.write(tokens, source, num_disk_blocks)
 
     def flush(self) -> None:
         """Wait until every block this cache queued is on disk (no-op when writing inline)."""
-        if self._writer is not None:
-            self._writer.flush()
-
-    def _on_disk(self, key: str) -> bool:
-        if self._writer is not None:
-            return self._writer.contains(key)
-        return self.disk is not None and self.disk.contains(key)
-
-    def _read_block(
-        self, key: str, tokens: Sequence[int]
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """A block's KV if it holds exactly `tokens`: queued for writing, or read and verified."""
-        if self._writer is not None:
-            queued = self._writer.pending(key, tokens)
-            if queued is not None:
-                return queued.keys, queued.values
-        if self.disk is None:
-            return None
-        block = self.disk.read(key, tokens, self._layout)
-        return (block.keys, block.values) if block is not None else None
-
-    def _write_block(
-        self,
-        key: str,
-        parent: str,
-        tokens: Sequence[int],
-        keys: torch.Tensor,
-        values: torch.Tensor,
-    ) -> bool:
-        if self._writer is not None:
-            block = PendingBlock(key, parent, self.fingerprint, tuple(tokens), keys, values)
-            return self._writer.submit(block)
-        if self.disk is None:
-            return False
-        return self.disk.write(key, parent, self.fingerprint, tokens, keys, values)
-
-    def _enforce_disk_budget(self, written: int) -> None:
-        if self.disk is None or self.disk_bytes is None or written == 0:
-            return
-        self.flush()  # gc must see every block, or it could drop a queued block's parent
-        if self._disk_total is None:
-            self._disk_total = sum(info.num_bytes for info in self.disk.scan())
-        else:
-            self._disk_total += written
-        if self._disk_total > self.disk_bytes:
-            self._disk_total = self.disk.gc(self.disk_bytes).num_bytes_left
+        if self._disk is not None:
+            self._disk.flush()
 
     # -- inventory --------------------------------------------------------------
 
@@ -402,10 +320,9 @@ class KVCache:
 
     def disk_stats(self) -> TierStats:
         """Blocks of this engine's fingerprint (reads every block header)."""
-        if self.disk is None:
+        if self._disk is None:
             return TierStats(0, 0, 0, self.disk_bytes)
-        self.flush()
-        mine = [info for info in self.disk.scan() if info.fingerprint == self.fingerprint]
+        mine = self._disk.blocks()
         return TierStats(
             num_entries=len(mine),
             num_tokens=len(mine) * self.block_size,
