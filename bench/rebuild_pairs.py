@@ -20,7 +20,7 @@ from pathlib import Path
 
 from kvtrace.bench.agent import AGENT_RECIPE, NUM_CALLS
 from kvtrace.bench.replay import lower_bound_seconds
-from kvtrace.bench.rss import PeakRss
+from kvtrace.bench.rss import PeakRss, runtime_rss_mb
 from kvtrace.engine import KVCache, load_engine, prefill
 from kvtrace.paths import default_cache_dir
 from kvtrace.replay import replay
@@ -36,6 +36,7 @@ def main(pairs: int) -> dict[str, object]:
     if name not in {run.name for run in store.runs()}:
         raise SystemExit("no agent fixture yet: run `kvtrace bench replay --shape agent` once")
     prefill(engine, None, [0] * 16)  # every weight page resident before RSS is read
+    resident = runtime_rss_mb()  # runtime and model, before anything computed a run
     lower_bound_seconds(store, name, engine, decode=False)  # the process's warm-up, untimed
     rows = []
     for _ in range(pairs):
@@ -51,11 +52,13 @@ def main(pairs: int) -> dict[str, object]:
             "ratio": round(report.wall_s / bound, 3),
             "peak_rss_mb": round(peak.mb, 1),
             "rss_growth_mb": round(peak.mb - peak.start_mb, 1),
+            "peak_over_resident_mb": round(peak.mb - resident, 1),
         })
     store.close()
     return {
         "pairs": rows,
         "median_ratio": round(statistics.median(r["ratio"] for r in rows), 3),
+        "resident_rss_mb": round(resident, 1),
         "kv_bytes_per_token": engine.kv_bytes_per_token,
     }
 

@@ -219,7 +219,8 @@ def _measure(store: Store, name: str, engine: Any, *, trials: int, warm: ReplayR
     }
     rss: list[tuple[float, float]] = []
     memory_peak = budget = 0
-    _touch_weights(engine)  # so RSS before the rebuild holds the whole model
+    _touch_weights(engine)
+    resident = runtime_rss_mb()  # runtime and the whole model, before any case ran
     # The first run-length computation of a process is 15-30 % slower than
     # the next, whichever it is (docs/benchmarks.md): one untimed feed bound
     # first, so that the first trial's rebuild does not pay that alone.
@@ -273,7 +274,7 @@ def _measure(store: Store, name: str, engine: Any, *, trials: int, warm: ReplayR
     pairs = [r.wall_s / b[0] for r, b in zip(cases["cold"], cases["feed_bound"], strict=True)]
     figures["rebuild_ratio_to_feed_bound_pairs"] = [round(x, 3) for x in pairs]
     figures["rebuild_ratio_to_feed_bound_pair_median"] = round(statistics.median(pairs), 3)
-    figures.update(_memory_figures(engine, cold, rss, memory_peak, budget))
+    figures.update(_memory_figures(engine, cold, rss, resident, memory_peak, budget))
     return figures
 
 
@@ -285,17 +286,18 @@ def _touch_weights(engine: Any) -> None:
 
 
 def _memory_figures(engine: Any, cold: ReplayReport, rss: list[tuple[float, float]],
-                    memory_peak: int, budget: int) -> dict[str, Any]:
+                    resident: float, memory_peak: int, budget: int) -> dict[str, Any]:
     """Peak RSS of the cached rebuild against weights + 1.5 x longest KV + memory tier.
 
     Three bounds (docs/cache.md, "Process memory"): the issue's formula, with
     the parameter bytes as the weights and the memory tier's configured
     budget (`rss_bound_mb`); the same with what the tier held at its peak in
     place of the budget (`rss_bound_tier_peak_mb`: it leaves out the Python,
-    torch and transformers runtime, `runtime_rss_mb` before the model loads);
-    and that one over the process's RSS before the rebuild (runtime and
-    resident weights) instead of the parameter bytes
-    (`rss_bound_over_resident_mb`).
+    torch and transformers runtime); and that one over `resident`, the
+    process's RSS once the model has loaded and run, before any case
+    (runtime and weights), instead of the parameter bytes
+    (`rss_bound_over_resident_mb`). `runtime_after_load_mb` is the runtime
+    term R of docs/cache.md: `resident` less the weights.
     """
     mb = 1024 * 1024
     weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
@@ -304,11 +306,13 @@ def _memory_figures(engine: Any, cold: ReplayReport, rss: list[tuple[float, floa
     peak, before = min(rss)
     bound = (weights + 1.5 * kv_longest + budget) / mb
     tier_bound = (weights + 1.5 * kv_longest + memory_peak) / mb
-    resident_bound = before + (1.5 * kv_longest + memory_peak) / mb
+    resident_bound = resident + (1.5 * kv_longest + memory_peak) / mb
     return {
         "peak_rss_mb": round(peak, 1),
         "peak_rss_mb_trials": [round(x, 1) for x, _ in rss],
         "rss_before_rebuild_mb": round(before, 1),
+        "resident_rss_mb": round(resident, 1),
+        "runtime_after_load_mb": round(resident - weights / mb, 1),
         "weights_mb": round(weights / mb, 1),
         "longest_sequence_tokens": longest,
         "kv_longest_mb": round(kv_longest / mb, 1),
@@ -319,6 +323,7 @@ def _memory_figures(engine: Any, cold: ReplayReport, rss: list[tuple[float, floa
         "rss_bound_tier_peak_mb": round(tier_bound, 1),
         "peak_rss_within_tier_peak_bound": peak <= tier_bound,
         "peak_rss_growth_mb": round(peak - before, 1),
+        "peak_rss_over_resident_mb": round(peak - resident, 1),
         "rss_bound_over_resident_mb": round(resident_bound, 1),
         "peak_rss_within_bound_over_resident": peak <= resident_bound,
     }

@@ -127,7 +127,6 @@ class KVCache:
         self.fingerprint = engine.fingerprint
         self.block_size = block_size
         self.memory = RadixTree(max_bytes=memory_bytes)
-        self.disk_bytes = disk_bytes
         layout = BlockLayout(  # what a disk block must be to be used by this engine
             engine.fingerprint, engine.dtype, engine.num_layers, engine.num_kv_heads,
             engine.head_dim,
@@ -140,6 +139,11 @@ class KVCache:
         self._lent: tuple[KVBuffer, ...] | None = None  # the buffers the tree borrows from
         self._owed = OwedOutputs()
         self._lock = threading.RLock()
+
+    @property
+    def disk_bytes(self) -> int | None:
+        """The disk tier's budget (None: no automatic gc, or no disk tier)."""
+        return self._disk.max_bytes if self._disk is not None else None
 
     @property
     def disk(self) -> BlockStore | None:

@@ -11,7 +11,8 @@ this module knows what a cache asks of the folder for a whole sequence:
 - a block queued for writing counts as on disk and is served from the queue,
   so a lookup in this process never misses a block still on its way.
 
-Callers hold the cache's lock: nothing here locks on its own.
+`walk` and `write` run under the cache's lock (they change the folder the
+tree's view depends on); nothing here locks on its own.
 """
 
 from __future__ import annotations
