@@ -44,7 +44,7 @@ from kvtrace.engine.disktier import DiskTier
 from kvtrace.engine.kvbuffer import GrowingLayer, KVBuffer, buffer_rows
 from kvtrace.engine.model import Engine
 from kvtrace.engine.owed import OwedOutputs
-from kvtrace.engine.radix import KVSource, RadixNode, RadixTree, common_prefix
+from kvtrace.engine.radix import RadixNode, RadixTree, common_prefix
 from kvtrace.errors import CacheError, UsageError
 
 DEFAULT_BLOCK_SIZE = 64
@@ -206,6 +206,8 @@ class KVCache:
                 live=live,
             )
 
+    # -- store ----------------------------------------------------------------
+
     def store(
         self, tokens: Sequence[int], layers: Sequence[GrowingLayer], *, num_disk_blocks: int = 0
     ) -> None:
@@ -228,10 +230,10 @@ class KVCache:
                 self.memory.repay()  # the tree's loans are from buffers about to be let go
             self._lent = buffers
             self._live = LiveSequence(tuple(tokens), buffers)
-            self._insert(
-                tokens, buffer_rows(buffers), num_disk_blocks=num_disk_blocks,
-                loan_bytes=self.engine.kv_bytes_per_token,
-            )
+            rows = buffer_rows(buffers)
+            self.memory.insert(tokens, rows, loan_bytes=self.engine.kv_bytes_per_token)
+            if self._disk is not None:
+                self._disk.write(tokens, rows, num_disk_blocks)
 
     def defer(self, tokens: Sequence[int], num_canonical: int) -> None:
         """Owe the cache `tokens[num_canonical:]`, decoded after the cached prompt before it.
@@ -277,27 +279,6 @@ class KVCache:
         if hit.pinned is not None:
             with self._lock:
                 self.memory.unpin(hit.pinned)
-
-    # -- insert ---------------------------------------------------------------
-
-    def _insert(
-        self,
-        tokens: Sequence[int],
-        source: KVSource,
-        *,
-        num_disk_blocks: int = 0,
-        loan_bytes: int | None = None,
-    ) -> None:
-        """Store `tokens` (whose KV `source` yields) in memory and on disk.
-
-        `num_disk_blocks` leading blocks are known to be on disk already. With
-        `loan_bytes` the tree borrows the new rows from `source` instead of
-        copying them: only from the live buffers (`store`), which it repays.
-        """
-        with self._lock:
-            self.memory.insert(tokens, source, loan_bytes=loan_bytes)
-            if self._disk is not None:
-                self._disk.write(tokens, source, num_disk_blocks)
 
     def flush(self) -> None:
         """Wait until every block this cache queued is on disk (no-op when writing inline)."""
