@@ -110,6 +110,32 @@ def content_text(content: Any) -> str:
     return str(content)
 
 
+def tool_result_content(result: Any, error: str | None = None) -> Any:
+    """How a tool's result (or error) is written into the conversation: the one rule.
+
+    Every path that turns a recorded tool call into a message uses this (continue,
+    the ReAct observation, import and export, the server), because a prompt
+    rendered two ways is a cache miss, or a wrong replay. An error is
+    ``"error: …"``; text stays as it is; a list of content parts stays a list
+    (a message may carry parts); anything else is JSON with sorted keys, so
+    equal results give equal bytes whatever their key order. None stays None
+    (a message with no content).
+    """
+    if error is not None:
+        return f"error: {error}"
+    if result is None or isinstance(result, str):
+        return result
+    if isinstance(result, list) and result and all(
+            isinstance(part, Mapping) and isinstance(part.get("type"), str) for part in result):
+        return [dict(part) for part in result]
+    return json.dumps(result, ensure_ascii=False, sort_keys=True)
+
+
+def tool_result_text(result: Any, error: str | None = None) -> str:
+    """`tool_result_content` as plain text (content parts joined, None as "")."""
+    return content_text(tool_result_content(result, error))
+
+
 def assistant_text(message: Mapping[str, Any] | str) -> str:
     """What the model says for an assistant message: its text, then one block per tool call."""
     if isinstance(message, str):

@@ -43,7 +43,7 @@ from kvtrace.replay.oracle import common_prefix_length
 from kvtrace.replay.recording import expected_output_ids, step_messages
 from kvtrace.replay.report import ReplayReport
 from kvtrace.replay.tools import CITY_FACTS, ask_demo_agent
-from kvtrace.store import Store, open_store
+from kvtrace.store import StepKind, Store, open_store
 
 MIN_PROMPT_TOKENS = 2000
 MIN_MODEL_CALLS = 14
@@ -114,7 +114,7 @@ def lower_bound_seconds(store: Store, spec: str, engine: Any, *,
     seconds, computed = 0.0, 0
     with torch.inference_mode():
         for step in store.path(spec):
-            if step.kind != "model_call":
+            if step.kind != StepKind.MODEL_CALL:
                 continue
             prompt = engine.chat_tokens(step_messages(step))
             output = expected_output_ids(step, engine, prompt)

@@ -19,6 +19,7 @@ from kvtrace.cli.app import app, print_json, store_url
 from kvtrace.errors import UsageError
 from kvtrace.paths import default_cache_dir
 from kvtrace.store import open_store
+from kvtrace.store.kinds import ModelCall, ToolCall, view
 
 if TYPE_CHECKING:  # replay pulls in httpx and rich: imported inside the commands
     from kvtrace.replay.backend import Backend, Tokenizer
@@ -211,7 +212,9 @@ def continue_command(
         print_json(result.to_dict())
         return
     for step in result.new_steps:
-        what = step.meta.get("tool") or step.meta.get("model", "")
+        typed = view(step)
+        what = (typed.tool if isinstance(typed, ToolCall) else
+                typed.model or "" if isinstance(typed, ModelCall) else "")
         typer.echo(f"{step.depth:>4}  {step.short_id}  {step.kind:<10}  {what}")
     total = Totals.of(result.reports)
     calls = total.steps

@@ -19,6 +19,7 @@ from kvtrace.errors import UsageError
 from kvtrace.formats import Format, export_file, import_file
 from kvtrace.store import Store, import_into, init_store, open_store
 from kvtrace.store.compare import compare
+from kvtrace.store.kinds import edit_of
 from kvtrace.store.summary import step_summary
 
 JSON = typer.Option(False, "--json", help="Print JSON for programs instead of text.")
@@ -137,8 +138,9 @@ def diff(
     for label, step in ((a, result.step_a), (b, result.step_b)):
         shown = (f"{step.short_id} {step.kind} {step_summary(step)}" if step
                  else "(no step here: the run ends before)")
-        if step is not None and isinstance(step.meta.get("edit_of"), str):
-            shown += f" [edited copy of {step.meta['edit_of'][:12]}]"
+        copied = edit_of(step) if step is not None else None
+        if copied is not None:
+            shown += f" [edited copy of {copied[:12]}]"
         typer.echo(f"  {label}@{result.position}: {shown}")
     for change in result.changes:  # each diff names its field in its --- and +++ lines
         typer.echo("\n".join(change.diff or [f"{change.field}: differs"]))

@@ -41,14 +41,13 @@ from kvtrace.formats.records import (
     Record,
     ToolCall,
     check_storable,
-    content_text,
     keep,
     record,
     restore,
     tools,
 )
-from kvtrace.rendering import parse_arguments
-from kvtrace.store import RunInfo, Step, Store
+from kvtrace.rendering import parse_arguments, tool_result_content
+from kvtrace.store import RunInfo, Store, kinds
 from kvtrace.store.messages import normalize_message, normalize_response, tool_calls_of
 
 LATEST_VERSION = "ATIF-v1.7"
@@ -139,22 +138,23 @@ def atif_records(document: Any) -> list[Record]:
 def export_atif(store: Store, spec: str) -> dict[str, Any]:
     """The run up to `spec` as an ATIF trajectory (the one it was imported from, if it was)."""
     path = store.path(spec)
-    model_steps = [s for s in path if s.kind == "model_call"]
+    model_steps = kinds.model_calls(path)
     if not model_steps:
         raise UsageError(f"{spec} has no model call: there is no trajectory to export")
     out: list[tuple[dict[str, Any], Any]] = []  # (mapped, kept) per ATIF step, in order
     agent: dict[str, Any] | None = None
     agent_kept: dict[str, Any] = {}
     context: list[dict[str, Any]] = []
-    results: list[Step] = []
+    results: list[kinds.ToolCall] = []
     for step in path:
-        if step.kind == "tool_call":
-            results.append(step)
-        if step.kind != "model_call":
+        if step.kind == kinds.StepKind.TOOL_CALL:
+            results.append(kinds.ToolCall(step))
+        if step.kind != kinds.StepKind.MODEL_CALL:
             continue
-        kept = _kept(step)
-        messages = step.content["messages"]
-        response = normalize_response(step.content["response"])
+        call = kinds.ModelCall(step)
+        kept = _kept(call)
+        messages = call.messages
+        response = normalize_response(call.response)
         new = messages[_shared(context, messages):]
         if agent is not None:
             size = _observation_size(agent_kept, new)
@@ -164,7 +164,7 @@ def export_atif(store: Store, spec: str) -> dict[str, Any]:
         if not isinstance(before, list) or len(before) != len(new):
             before = [None] * len(new)
         out.extend((_message_step(m), k) for m, k in zip(new, before, strict=True))
-        agent = _agent_step(step, response, kept)
+        agent = _agent_step(call, response, kept)
         agent_kept = kept
         out.append((agent, kept.get("step")))
         context, results = [*messages, response], []
@@ -181,8 +181,8 @@ def export_atif(store: Store, spec: str) -> dict[str, Any]:
         "schema_version": LATEST_VERSION,
         "session_id": path[-1].id,
         "agent": restore({"name": "kvtrace", "version": _version(),
-                          "model_name": first.meta.get("model"),
-                          "tool_definitions": first.content.get("tools")}, None),
+                          "model_name": first.model,
+                          "tool_definitions": first.tools}, None),
         "steps": steps,
     }
     return restore(mapped_root, _kept(first).get("root"))
@@ -319,8 +319,8 @@ def _observation(
 # -- export helpers -------------------------------------------------------------
 
 
-def _kept(step: Step) -> dict[str, Any]:
-    kept = (step.meta.get("extra") or {}).get("atif")
+def _kept(call: kinds.ModelCall) -> dict[str, Any]:
+    kept = call.extra.get("atif")
     return kept if isinstance(kept, dict) else {}
 
 
@@ -349,7 +349,7 @@ def _observation_size(kept: Mapping[str, Any], new: list[dict[str, Any]]) -> int
 
 def _observe(
     agent: dict[str, Any], kept: Mapping[str, Any], messages: list[dict[str, Any]],
-    results: list[Step], *, is_last: bool,
+    results: list[kinds.ToolCall], *, is_last: bool,
 ) -> None:
     """Give an exported agent step its observation, from later prompt messages and tool steps.
 
@@ -361,29 +361,29 @@ def _observe(
     observation = observation if isinstance(observation, dict) else {}
     kept_results = observation.get("results")
     kept_results = kept_results if isinstance(kept_results, list) else []
-    open_ids = {s.meta["call_id"]: s for s in results if s.meta.get("call_id")}
+    open_ids = {s.call_id: s for s in results if s.call_id}
     pairs: list[tuple[dict[str, Any], Any]] = []  # (mapped, kept) per result
     if messages:
         aligned = kept_results if len(kept_results) == len(messages) else [None] * len(messages)
         for message, kept_result in zip(messages, aligned, strict=True):
             call_id = message.get("tool_call_id") if message.get("role") == "tool" else None
-            step = open_ids.pop(call_id, None) if call_id else None
-            content = _result_content(step) if step else message.get("content")
+            tool = open_ids.pop(call_id, None) if call_id else None
+            content = _result_content(tool) if tool else message.get("content")
             pairs.append(({"source_call_id": call_id, "content": content}, kept_result))
     elif is_last:
-        pending = [s for s in results if s.meta.get("call_id")]
+        pending = [s for s in results if s.call_id]
         for kept_result in kept_results:
             if kept_result.get("whole"):
                 pairs.append(({}, kept_result))
             elif pending:  # else the run stops before this result (a fork, say)
-                step = pending.pop(0)
-                open_ids.pop(step.meta["call_id"], None)
-                pairs.append(({"source_call_id": step.meta["call_id"],
-                               "content": _result_content(step)}, kept_result))
-    for step in results:
-        call_id = step.meta.get("call_id")
+                tool = pending.pop(0)
+                open_ids.pop(tool.call_id or "", None)
+                pairs.append(({"source_call_id": tool.call_id,
+                               "content": _result_content(tool)}, kept_result))
+    for tool in results:
+        call_id = tool.call_id
         if call_id is None or call_id in open_ids:
-            pairs.append(({"source_call_id": call_id, "content": _result_content(step)}, None))
+            pairs.append(({"source_call_id": call_id, "content": _result_content(tool)}, None))
     if not pairs and not observation:
         return
     agent["observation"] = restore(
@@ -392,8 +392,8 @@ def _observe(
     )
 
 
-def _result_content(step: Step) -> Any:
-    return content_text(step.content.get("result"))
+def _result_content(tool: kinds.ToolCall) -> Any:
+    return tool_result_content(tool.result, tool.error)
 
 
 def _message_step(message: dict[str, Any]) -> dict[str, Any]:
@@ -404,7 +404,8 @@ def _message_step(message: dict[str, Any]) -> dict[str, Any]:
     return {"source": source, "message": "" if content is None else content}
 
 
-def _agent_step(step: Step, response: dict[str, Any], kept: Mapping[str, Any]) -> dict[str, Any]:
+def _agent_step(model_call: kinds.ModelCall, response: dict[str, Any],
+                kept: Mapping[str, Any]) -> dict[str, Any]:
     """An agent step from a model call (its observation is added once the next prompt is seen)."""
     kept_calls = kept.get("tool_calls")
     kept_calls = kept_calls if isinstance(kept_calls, list) else []
@@ -416,24 +417,30 @@ def _agent_step(step: Step, response: dict[str, Any], kept: Mapping[str, Any]) -
                   "arguments": arguments if isinstance(arguments, dict) else {"input": arguments}}
         calls.append(restore(mapped, kept_calls[index] if index < len(kept_calls) else None))
     content = response.get("content")
-    usage = step.meta.get("usage") or {}
     return {
-        "timestamp": None if kept.get("step") else _timestamp(step.recorded_at),
+        "timestamp": None if kept.get("step") else _timestamp(model_call.step.recorded_at),
         "source": "agent",
-        "model_name": step.meta.get("model"),
+        "model_name": model_call.model,
         "message": "" if content is None else content,
         "reasoning_content": response.get("reasoning_content"),
         "tool_calls": calls or None,
-        "metrics": restore(_metrics(usage), kept.get("metrics")) or None,
+        "metrics": restore(_metrics(model_call), kept.get("metrics")) or None,
     }
 
 
-def _metrics(usage: Mapping[str, Any]) -> dict[str, Any]:
-    """ATIF metrics from a recorded usage; keys ATIF has no field for go under `extra`."""
+def _metrics(call: kinds.ModelCall) -> dict[str, Any]:
+    """ATIF metrics from a recorded usage; keys ATIF has no field for go under `extra`.
+
+    The counts ATIF names are the normalised ones (any provider's usage), so
+    an Anthropic call's cache reads become `cached_tokens` too.
+    """
+    usage, counts = call.raw_usage, call.usage
     metrics = {key: usage[key] for key in USAGE_FIELDS if key in usage}
-    details = usage.get("prompt_tokens_details")
-    if "cached_tokens" not in metrics and isinstance(details, dict):
-        metrics["cached_tokens"] = details.get("cached_tokens")
+    for key, value in (("prompt_tokens", counts.prompt_tokens),
+                       ("completion_tokens", counts.completion_tokens),
+                       ("cached_tokens", counts.cached_tokens)):
+        if value is not None:
+            metrics.setdefault(key, value)
     rest = {k: v for k, v in usage.items() if k not in USAGE_FIELDS}
     if rest:
         metrics["extra"] = rest

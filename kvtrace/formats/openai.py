@@ -31,14 +31,13 @@ from kvtrace.formats.records import (
     Record,
     ToolCall,
     check_storable,
-    content_text,
     keep,
     record,
     restore,
     tools,
 )
-from kvtrace.rendering import parse_arguments
-from kvtrace.store import RunInfo, Step, Store
+from kvtrace.rendering import parse_arguments, tool_result_content
+from kvtrace.store import RunInfo, Step, Store, kinds
 from kvtrace.store.messages import normalize_message, normalize_response
 
 ROOT_MAPPED = frozenset({"messages", "tools", "model"})
@@ -111,47 +110,47 @@ def _is_linked(message: dict[str, Any]) -> bool:
 def export_openai(store: Store, spec: str) -> Any:
     """The conversation up to `spec` as an OpenAI document (the form it was imported in)."""
     path = store.path(spec)
-    calls = [i for i, s in enumerate(path) if s.kind == "model_call"]
+    calls = [i for i, s in enumerate(path) if s.kind == kinds.StepKind.MODEL_CALL]
     if not calls:
         raise UsageError(f"{spec} has no model call: there is no conversation to export")
-    first, last = path[calls[0]], path[calls[-1]]
+    first, last = path[calls[0]], kinds.ModelCall(path[calls[-1]])
     messages = [
-        *last.content["messages"],
-        normalize_response(last.content["response"]),
+        *last.messages,
+        normalize_response(last.response),
         *_tail(_kept(last).get("tail"), path[calls[-1] + 1 :]),
     ]
-    if _kept(first).get("form") == "list":
+    if _kept(kinds.ModelCall(first)).get("form") == "list":
         return messages
-    mapped = {"model": last.meta.get("model"), "tools": last.content.get("tools"),
-              "messages": messages}
-    return restore(mapped, _kept(first).get("root"))
+    mapped = {"model": last.model, "tools": last.tools, "messages": messages}
+    return restore(mapped, _kept(kinds.ModelCall(first)).get("root"))
 
 
 def _tail(kept: Any, after: list[Step]) -> list[dict[str, Any]]:
     """The messages after the last response: the kept tail, with tool results from their steps."""
-    results = [s for s in after if s.kind == "tool_call"]
-    by_id = {s.meta["call_id"]: s for s in results if s.meta.get("call_id")}
+    results = kinds.tool_calls(after)
+    by_id = {s.call_id: s for s in results if s.call_id}
     out: list[dict[str, Any]] = []
     used: set[str] = set()
     for item in kept if isinstance(kept, list) else []:
         call_id = item.get("tool_call_id")
         if item.get("role") == "tool" and "content" not in item:
-            step = by_id.get(call_id)
+            tool = by_id.get(call_id)
             used.add(call_id)
-            result = step.content.get("result") if step else None
-            out.append({**item, "content": content_text(result)})
+            content = tool_result_content(tool.result, tool.error) if tool else None
+            out.append({**item, "content": content})
         else:
             out.append(dict(item))
-    for step in results:
-        call_id = step.meta.get("call_id")
+    for tool in results:
+        call_id = tool.call_id
         if call_id in used:
             continue
-        head = {"tool_call_id": call_id} if call_id else {"name": step.meta.get("tool")}
-        out.append({"role": "tool", **head, "content": content_text(step.content.get("result"))})
+        head = {"tool_call_id": call_id} if call_id else {"name": tool.tool}
+        out.append({"role": "tool", **head,
+                    "content": tool_result_content(tool.result, tool.error)})
     return out
 
 
-def _kept(step: Step) -> dict[str, Any]:
-    kept = (step.meta.get("extra") or {}).get("openai")
+def _kept(call: kinds.ModelCall) -> dict[str, Any]:
+    kept = call.extra.get("openai")
     return kept if isinstance(kept, dict) else {}
 

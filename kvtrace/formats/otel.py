@@ -49,8 +49,8 @@ from urllib.parse import urlsplit
 from kvtrace.errors import UsageError
 from kvtrace.rendering import content_text
 from kvtrace.store import Step, Store
+from kvtrace.store.kinds import ModelCall, ToolCall, view
 from kvtrace.store.messages import tool_calls_of
-from kvtrace.store.usage import completion_tokens, provider_usage
 
 SPAN_KIND_INTERNAL = 1
 SPAN_KIND_CLIENT = 3
@@ -129,25 +129,25 @@ def _run_name(store: Store, spec: str, head: Step) -> str:
 
 def _span(step: Step, trace: str, parent: str, run: str, include_content: bool) -> dict[str, Any]:
     end = round(step.recorded_at * 1e9)
-    start = end - round(_duration_s(step.meta.get("timings")) * 1e9)
+    typed = view(step)
+    start = end - round(_duration_s(typed.timings if typed else None) * 1e9)
     attributes: dict[str, Any] = {}
     status: dict[str, Any] = {}
     kind = SPAN_KIND_INTERNAL
-    if step.kind == "model_call":
-        name, kind = f"chat {step.meta.get('model', 'unknown')}", SPAN_KIND_CLIENT
-        attributes = _chat_attributes(step, run, include_content)
-    elif step.kind == "tool_call":
-        tool = str(step.meta.get("tool", "unknown"))
-        name = f"execute_tool {tool}"
+    if isinstance(typed, ModelCall):
+        name, kind = f"chat {typed.model or 'unknown'}", SPAN_KIND_CLIENT
+        attributes = _chat_attributes(typed, run, include_content)
+    elif isinstance(typed, ToolCall):
+        name = f"execute_tool {typed.tool}"
         attributes = {
-            "gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": tool,
-            "gen_ai.tool.call.id": step.meta.get("call_id"), "gen_ai.tool.type": "function",
+            "gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": typed.tool,
+            "gen_ai.tool.call.id": typed.call_id, "gen_ai.tool.type": "function",
             "gen_ai.conversation.id": run,
         }
         if include_content:
-            attributes["gen_ai.tool.call.arguments"] = _structured(step.content.get("arguments"))
-            attributes["gen_ai.tool.call.result"] = _structured(step.content.get("result"))
-        error = step.meta.get("error")
+            attributes["gen_ai.tool.call.arguments"] = _structured(typed.arguments)
+            attributes["gen_ai.tool.call.result"] = _structured(typed.result)
+        error = typed.error
         if error:
             attributes["error.type"] = "tool_error"
             status = {"code": STATUS_CODE_ERROR, "message": str(error)}
@@ -165,22 +165,21 @@ def _span(step: Step, trace: str, parent: str, run: str, include_content: bool) 
     return span
 
 
-def _chat_attributes(step: Step, run: str, include_content: bool) -> dict[str, Any]:
-    meta = step.meta
-    usage, params, extra = (_mapping(meta.get(key)) for key in ("usage", "params", "extra"))
-    response = step.content.get("response")
+def _chat_attributes(call: ModelCall, run: str, include_content: bool) -> dict[str, Any]:
+    params, extra, usage = call.params, call.extra, call.usage
+    response = call.response
     recorded = _mapping(extra.get("response"))
-    prompt_tokens, cached_tokens = provider_usage(step)  # input tokens include cache reads
     attributes: dict[str, Any] = {
         "gen_ai.operation.name": "chat",
-        "gen_ai.provider.name": _provider(meta, extra),
-        "gen_ai.request.model": extra.get("request_model") or meta.get("model"),
-        "gen_ai.response.model": meta.get("model"),
+        "gen_ai.provider.name": _provider(call),
+        "gen_ai.request.model": call.request_model,
+        "gen_ai.response.model": call.model,
         "gen_ai.response.id": recorded.get("id"),
-        "gen_ai.response.finish_reasons": [_finish_reason(usage, response)],
-        "gen_ai.usage.input_tokens": prompt_tokens,
-        "gen_ai.usage.output_tokens": completion_tokens(step),
-        "gen_ai.usage.cache_read.input_tokens": cached_tokens,
+        "gen_ai.response.finish_reasons": [_finish_reason(usage.finish_reason, response)],
+        "gen_ai.usage.input_tokens": usage.prompt_tokens,  # cache reads and writes included
+        "gen_ai.usage.output_tokens": usage.completion_tokens,
+        "gen_ai.usage.cache_read.input_tokens": usage.cached_tokens,
+        "gen_ai.usage.cache_creation.input_tokens": usage.cache_write_tokens,
         "gen_ai.conversation.id": run,
     }
     host, port = _server(extra)
@@ -195,7 +194,7 @@ def _chat_attributes(step: Step, run: str, include_content: bool) -> dict[str, A
         if attributes.get(attribute) is None:
             attributes[attribute] = value
     if include_content:
-        messages = step.content.get("messages") or []
+        messages = call.messages
         system = [m for m in messages if isinstance(m, Mapping) and m.get("role") == "system"]
         attributes["gen_ai.system_instructions"] = [
             {"type": "text", "content": content_text(m.get("content"))} for m in system] or None
@@ -205,7 +204,7 @@ def _chat_attributes(step: Step, run: str, include_content: bool) -> dict[str, A
         if output is not None:
             output["finish_reason"] = attributes["gen_ai.response.finish_reasons"][0]
         attributes["gen_ai.output.messages"] = [output] if output else None
-        attributes["gen_ai.tool.definitions"] = step.content.get("tools")
+        attributes["gen_ai.tool.definitions"] = call.tools
     return attributes
 
 
@@ -231,20 +230,20 @@ def _message(message: Mapping[str, Any]) -> dict[str, Any]:
     return {"role": role, "parts": parts}
 
 
-def _provider(meta: Mapping[str, Any], extra: Mapping[str, Any]) -> str:
+def _provider(call: ModelCall) -> str:
+    extra = call.extra
     if isinstance(extra.get("provider"), str) and extra["provider"]:
         return str(extra["provider"])
     served_by = extra.get("served_by")
-    usage = _mapping(meta.get("usage"))
     if (isinstance(served_by, str) and served_by.startswith("kvtrace")) or (
-            "completion_token_ids" in usage):
+            call.output_ids is not None):
         return "kvtrace"  # kvtrace's own engine answered (serve local, continue, branch)
     host = _server(extra)[0]
     if host in _PROVIDER_HOSTS:
         return _PROVIDER_HOSTS[host]
     if host and host.endswith(".openai.azure.com"):
         return "azure.ai.openai"
-    model = str(meta.get("model", "")).lower().rsplit("/", 1)[-1]
+    model = (call.model or "").lower().rsplit("/", 1)[-1]
     return next((name for prefix, name in _PROVIDER_MODELS if model.startswith(prefix)),
                 "unknown")
 
@@ -262,9 +261,8 @@ def _server(extra: Mapping[str, Any]) -> tuple[str | None, int | None]:
     return parts.hostname, port
 
 
-def _finish_reason(usage: Mapping[str, Any], response: Any) -> str:
-    recorded = usage.get("finish_reason")
-    if isinstance(recorded, str) and recorded:
+def _finish_reason(recorded: str | None, response: Any) -> str:
+    if recorded:
         return recorded
     return "tool_calls" if tool_calls_of(response) else "stop"
 

@@ -144,12 +144,3 @@ def restore(mapped: Mapping[str, Any], kept: Mapping[str, Any] | None) -> dict[s
         elif mapped.get(key) is not None:
             out[key] = mapped[key]
     return out
-
-
-def content_text(result: Any) -> Any:
-    """A tool result as message content: text and content parts as they are, else JSON text."""
-    if result is None or isinstance(result, str):
-        return result
-    if isinstance(result, list) and all(isinstance(p, dict) and "type" in p for p in result):
-        return result
-    return json.dumps(result, ensure_ascii=False)

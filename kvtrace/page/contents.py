@@ -17,8 +17,9 @@ from kvtrace.errors import KvtraceError, UsageError
 from kvtrace.replay.analyze import StepAnalysis, analyze
 from kvtrace.replay.backend import Tokenizer
 from kvtrace.store import Note, Step, Store
+from kvtrace.store.kinds import ModelCall, StepKind
 from kvtrace.store.summary import step_summary
-from kvtrace.store.usage import provider_usage
+from kvtrace.store.usage import Usage
 
 MAX_FORKS = 24  # forks drawn in the graph beyond the runs named (their steps are not listed)
 
@@ -99,7 +100,8 @@ def gather(store: Store, runs: list[str], tokenizer: Tokenizer | None = None,
         for step in paths[name]:
             anchor = f"r{index}-s{step.depth}"
             anchors.setdefault(step.id, anchor)
-            prompt, cached = provider_usage(step) if step.kind == "model_call" else (None, None)
+            usage = ModelCall(step).usage if step.kind == StepKind.MODEL_CALL else Usage()
+            prompt, cached = usage.prompt_tokens, usage.cached_tokens
             steps.append(PageStep(step, step_summary(step), store.notes(step.id), anchor,
                                   analyses.get(step.id), prompt, cached,
                                   list(holders.get(step.id, []))))

@@ -30,6 +30,7 @@ from kvtrace.page.contents import GraphNode, Page, PageRun, PageStep, gather
 from kvtrace.rendering import content_text
 from kvtrace.replay.backend import Tokenizer
 from kvtrace.store import Store
+from kvtrace.store.kinds import ModelCall, StepKind, ToolCall, view
 from kvtrace.store.messages import tool_calls_of
 
 MAX_TEXT = 200_000  # characters of one value shown; `kvtrace show` has the rest
@@ -205,7 +206,7 @@ def _graph(page: Page) -> str:
     lanes = " ".join(f"<span>lane {i + 1}: <code>{_e(name)}</code></span>"
                      for i, name in enumerate(page.lanes))
     kinds = " ".join(f'<span><i class="dot kind-{k}"></i>{k}</span>'
-                     for k in ("model_call", "tool_call", "note", "other"))
+                     for k in (*_DRAWN_KINDS, "other"))
     more = (f"<p class=\"meta\">{page.num_forks_left_out} more forks not drawn</p>"
             if page.num_forks_left_out else "")
     return (f'<section id="graph"><h2>Branch graph</h2><div class="scroll">{"".join(out)}</div>'
@@ -216,15 +217,18 @@ def _xy(node: GraphNode) -> tuple[int, int]:
     return MARGIN + LANE * node.lane, MARGIN + ROW * (node.depth - 1)
 
 
+_DRAWN_KINDS = (StepKind.MODEL_CALL, StepKind.TOOL_CALL, StepKind.NOTE)
+
+
 def _kind_class(kind: str) -> str:
-    return kind if kind in ("model_call", "tool_call", "note") else "other"
+    return kind if kind in _DRAWN_KINDS else "other"
 
 
 # -- runs and steps ---------------------------------------------------------------
 
 
 def _run_section(index: int, run: PageRun) -> str:
-    model_calls = [s for s in run.steps if s.step.kind == "model_call"]
+    model_calls = [s for s in run.steps if s.step.kind == StepKind.MODEL_CALL]
     totals = [f"{len(run.steps)} steps", f"{len(model_calls)} model calls"]
     if run.prompt_tokens:
         totals.append(f"oracle bound: {run.oracle_tokens} of {run.prompt_tokens} prompt tokens "
@@ -244,7 +248,7 @@ def _run_section(index: int, run: PageRun) -> str:
     previous: PageStep | None = None
     for step in run.steps:
         items.append(_step_item(step, previous, largest))
-        if step.step.kind == "model_call":
+        if step.step.kind == StepKind.MODEL_CALL:
             previous = step
     body = "".join(items) if items else "<li>no steps yet</li>"
     return (f'<section class="run" id="run-{index}"><h2>run <code>{_e(run.name)}</code></h2>'
@@ -307,16 +311,17 @@ def _step_body(item: PageStep, previous: PageStep | None) -> str:
     rows = "".join(f"<tr><td>{_e(key)}</td><td class=\"mono\">{_e(_short(value))}</td></tr>"
                    for key, value in facts)
     parts = [f'<table class="kv">{rows}</table>']
-    if step.kind == "model_call":
+    typed = view(step)
+    if isinstance(typed, ModelCall):
         parts.append(_model_call_body(item, previous))
-    elif step.kind == "tool_call":
-        parts.append(f"<h4>arguments</h4>{_pre(step.content.get('arguments'))}")
-        parts.append(f"<h4>result</h4>{_pre(step.content.get('result'))}")
+    elif isinstance(typed, ToolCall):
+        parts.append(f"<h4>arguments</h4>{_pre(typed.arguments)}")
+        parts.append(f"<h4>result</h4>{_pre(typed.result)}")
     else:
         for key, value in step.content.items():
             parts.append(f"<h4>{_e(key)}</h4>{_pre(value)}")
-    extra = step.meta.get("extra")
-    if extra is not None:
+    extra = typed.extra if isinstance(typed, (ModelCall, ToolCall)) else None
+    if extra:
         parts.append(f"<details><summary>extra</summary>{_pre(extra)}</details>")
     if item.notes:
         notes = "".join(f"<li><b>{_e(n.author or 'anonymous')}</b> {_e(_when(n.created_at))}: "
@@ -326,11 +331,12 @@ def _step_body(item: PageStep, previous: PageStep | None) -> str:
 
 
 def _model_call_body(item: PageStep, previous: PageStep | None) -> str:
-    messages = item.step.content.get("messages") or []
+    call = ModelCall(item.step)
+    messages = call.messages
     known = 0
     if previous is not None:
-        before = [*(previous.step.content.get("messages") or []),
-                  previous.step.content.get("response")]
+        earlier = ModelCall(previous.step)
+        before = [*earlier.messages, earlier.response]
         for old, new in zip(before, messages, strict=False):
             if old != new:
                 break
@@ -339,8 +345,8 @@ def _model_call_body(item: PageStep, previous: PageStep | None) -> str:
             f"by @{previous.step.depth}; new ones:</h4>" if known and previous is not None
             else f"<h4>prompt: {len(messages)} messages</h4>")
     shown = "".join(_message(m) for m in messages[known:]) or "<p>(none)</p>"
-    parts = [head, shown, "<h4>response</h4>", _message(item.step.content.get("response"))]
-    tools = item.step.content.get("tools")
+    parts = [head, shown, "<h4>response</h4>", _message(call.response)]
+    tools = call.tools
     if tools:
         parts.append(f"<details><summary>tools ({len(tools)})</summary>{_pre(tools)}</details>")
     return "".join(parts)

@@ -48,7 +48,7 @@ from kvtrace.replay.recording import (
     templated_output_ids,
 )
 from kvtrace.store import Step, Store
-from kvtrace.store.usage import provider_usage
+from kvtrace.store.kinds import ModelCall, StepKind
 
 _SNIPPET = 12  # tokens each side of a break
 _TIME = re.compile(
@@ -209,7 +209,7 @@ def analyze(store: Store, spec: str, tokenizer: Tokenizer) -> Analysis:
     path = store.path(spec)
     if not path:
         raise ReplayError(f"{spec!r} has no steps to analyze: record a model call on it first")
-    model_steps = [s for s in path if s.kind == "model_call"]
+    model_steps = [s for s in path if s.kind == StepKind.MODEL_CALL]
     oracle = PrefixOracle()
     steps: list[StepAnalysis] = []
     breakers: list[PrefixBreaker] = []
@@ -223,9 +223,9 @@ def analyze(store: Store, spec: str, tokenizer: Tokenizer) -> Analysis:
             shared = common_prefix_length(prompt, context)
             if shared < len(context):
                 breakers.append(_breaker(index, step, prompt, previous, shared, tokenizer))
-        provider_prompt, provider_cached = provider_usage(step)
+        usage = ModelCall(step).usage
         steps.append(StepAnalysis(index, step.id, step.depth, len(prompt), oracle.bound(prompt),
-                                  shared, provider_prompt, provider_cached,
+                                  shared, usage.prompt_tokens, usage.cached_tokens,
                                   check_context(tokenizer, step, len(prompt) + len(output))))
         oracle.add(prompt + output, label=step.id)
         previous = (step, prompt, output)

@@ -23,6 +23,7 @@ from kvtrace.replay.driver import checkout
 from kvtrace.replay.recording import response_text
 from kvtrace.replay.report import Totals
 from kvtrace.store import Step, Store
+from kvtrace.store.kinds import StepKind, edit_of
 
 MAX_BRANCHES = 64
 
@@ -45,7 +46,7 @@ class Branch:
         """The final answer, else the text of the last response."""
         if self.result.final_answer is not None:
             return self.result.final_answer
-        calls = [s for s in self.result.new_steps if s.kind == "model_call"]
+        calls = [s for s in self.result.new_steps if s.kind == StepKind.MODEL_CALL]
         return response_text(calls[-1]) if calls else ""
 
     def to_dict(self) -> dict[str, Any]:
@@ -80,7 +81,7 @@ class BranchReport:
             "spec": self.spec,
             "fork_step": self.fork_step.id,
             "fork_depth": self.fork_step.depth,
-            "edited": "edit_of" in self.fork_step.meta,
+            "edited": edit_of(self.fork_step) is not None,
             "prefix_tokens": self.prefix_tokens,
             "prefix_computed_tokens": self.prefix_computed_tokens,
             "branches": [b.to_dict() for b in self.branches],

@@ -22,7 +22,6 @@ run, not a crash of kvtrace.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,7 +33,7 @@ from kvtrace.errors import (
     RunNotFoundError,
     UsageError,
 )
-from kvtrace.rendering import content_text, parse_arguments
+from kvtrace.rendering import content_text, parse_arguments, tool_result_content
 from kvtrace.replay.backend import Backend, CallRequest, Message, SamplingParams
 from kvtrace.replay.driver import ProgressCallback
 from kvtrace.replay.oracle import PrefixOracle
@@ -50,6 +49,7 @@ from kvtrace.replay.recording import (
 from kvtrace.replay.report import StepReport
 from kvtrace.replay.toolcall import NO_ACTION_NUDGE, observation_message, parse_response
 from kvtrace.store import Run, Step, Store, validate_run_name
+from kvtrace.store.kinds import StepKind, ToolCall, tool_calls
 from kvtrace.store.messages import tool_calls_of
 
 Tool = Callable[[Any], Any]
@@ -72,7 +72,8 @@ class ContinueResult:
         return {
             "run": self.run,
             "new_steps": [
-                {"id": s.id, "kind": s.kind, "depth": s.depth, "tool": s.meta.get("tool")}
+                {"id": s.id, "kind": s.kind, "depth": s.depth,
+                 "tool": ToolCall(s).tool if s.kind == StepKind.TOOL_CALL else None}
                 for s in self.new_steps
             ],
             "steps": [r.to_dict() for r in self.reports],
@@ -178,7 +179,7 @@ def continue_run(
         reports.append(report)
         if on_step is not None:
             on_step(index, steps, report)
-        response = model_step.content["response"]
+        response = response_message(model_step)
         conversation = [*conversation, response]
         if definitions is not None:  # function calling
             calls = tool_calls_of(response)
@@ -224,24 +225,23 @@ def conversation_at(path: list[Step], user_message: str | None = None) -> Conver
     The state has a final answer (and no messages) when the last response
     gave one, no tool call followed and no `user_message` asks for more.
     """
-    last = next((i for i in range(len(path) - 1, -1, -1) if path[i].kind == "model_call"), None)
+    last = next((i for i in range(len(path) - 1, -1, -1)
+                 if path[i].kind == StepKind.MODEL_CALL), None)
     if last is None:
         raise ReplayError("the run has no model call to continue from: start it with messages")
     model_step = path[last]
     response = response_message(model_step)
     conversation = [*step_messages(model_step), response]
-    tool_steps = [s for s in path[last + 1 :] if s.kind == "tool_call"]
+    tool_steps = tool_calls(path[last + 1 :])
     calls = tool_calls_of(response)
     definitions = step_tools(model_step)
     if calls or definitions is not None:
-        linked = any(s.meta.get("call_id") for s in tool_steps)
-        for index, step in enumerate(tool_steps):
-            call_id = step.meta.get("call_id") or (
-                calls[index].get("id") if index < len(calls) else None)
-            conversation.append(tool_message(call_id, step.meta.get("tool"),
-                                             step.content.get("result"), step.meta.get("error")))
+        linked = any(s.call_id for s in tool_steps)
+        for index, tool in enumerate(tool_steps):
+            call_id = tool.call_id or (calls[index].get("id") if index < len(calls) else None)
+            conversation.append(tool_message(call_id, tool.tool, tool.result, tool.error))
         if linked:  # answered by id; else the tool steps answer the calls in order
-            answered = {s.meta.get("call_id") for s in tool_steps}
+            answered = {s.call_id for s in tool_steps}
             pending = [c for c in calls if c.get("id") not in answered]
         else:
             pending = calls[len(tool_steps):]
@@ -250,8 +250,8 @@ def conversation_at(path: list[Step], user_message: str | None = None) -> Conver
         # The user's turn follows the results of pending calls, once they are run.
         return ConversationState(conversation, pending=pending, tools=definitions or [],
                                  follow_up=user_message)
-    for step in tool_steps:
-        conversation.append(observation_message(step.content.get("result"), step.meta.get("error")))
+    for tool in tool_steps:
+        conversation.append(observation_message(tool.result, tool.error))
     if user_message is not None:
         conversation.append({"role": "user", "content": user_message})
     elif not tool_steps:
@@ -264,13 +264,7 @@ def conversation_at(path: list[Step], user_message: str | None = None) -> Conver
 
 def tool_message(call_id: str | None, name: Any, result: Any, error: Any = None) -> Message:
     """The `tool` message that answers a function call with its result (or error)."""
-    if error is not None:
-        content = f"error: {error}"
-    elif isinstance(result, str):
-        content = result
-    else:
-        content = json.dumps(result, ensure_ascii=False, sort_keys=True)
-    message: Message = {"role": "tool", "content": content}
+    message: Message = {"role": "tool", "content": tool_result_content(result, error)}
     if call_id is not None:
         message["tool_call_id"] = call_id
     if isinstance(name, str):
@@ -315,7 +309,7 @@ def _seeded_oracle(path: list[Step], backend: Backend) -> PrefixOracle:
     if tokenizer is None:
         return oracle
     for step in path:
-        if step.kind == "model_call":
+        if step.kind == StepKind.MODEL_CALL:
             prompt = prompt_ids(tokenizer, step)
             oracle.add(prompt + expected_output_ids(step, tokenizer, prompt), label=step.id)
     return oracle

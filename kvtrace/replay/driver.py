@@ -44,6 +44,7 @@ from kvtrace.replay.recording import (
 )
 from kvtrace.replay.report import MODES, Mismatch, ReplayReport, StepReport
 from kvtrace.store import Step, Store
+from kvtrace.store.kinds import ModelCall, StepKind
 from kvtrace.store.messages import arguments_equal, tool_calls_of
 
 ProgressCallback = Callable[[int, int, StepReport], None]  # (done, total, step report)
@@ -133,8 +134,8 @@ def _replay_path(
     on_step: ProgressCallback | None,
 ) -> ReplayReport:
     tokenizer = backend.tokenizer
-    model_steps = [s for s in path if s.kind == "model_call"]
-    tool_steps = sum(1 for s in path if s.kind == "tool_call")
+    model_steps = [s for s in path if s.kind == StepKind.MODEL_CALL]
+    tool_steps = sum(1 for s in path if s.kind == StepKind.TOOL_CALL)
     notes: list[str] = []
     if tokenizer is None:
         notes.append("no tokenizer for this backend: oracle bound and token positions unknown "
@@ -196,8 +197,9 @@ def _prepare(step: Step, tokenizer: Tokenizer | None, mode: str, use_drafts: boo
             raise ReplayError(f"{problem}: replay stops here (use a model with a longer "
                               "context, or replay --to an earlier step)")
     # Regenerate as long as the recording, so a run-on is caught at the stop token.
+    call = ModelCall(step)
     recorded = SamplingParams.from_recorded(
-        step.meta.get("params"),
+        call.params,
         default_max_new_tokens=max(len(expected_ids), 1) if expected_ids else 256,
     )
     if expected_ids and mode == "verify" and recorded.max_new_tokens < len(expected_ids):
@@ -207,7 +209,7 @@ def _prepare(step: Step, tokenizer: Tokenizer | None, mode: str, use_drafts: boo
         )
     request = CallRequest(messages, prompt, recorded,
                           output_ids=expected_ids if mode == "rebuild" else None,
-                          output_text=text, model=step.meta.get("model"),
+                          output_text=text, model=call.model,
                           draft_ids=expected_ids if mode == "verify" and use_drafts else None,
                           tools=step_tools(step))
     return _Expected(step, request, expected_ids, text, response_message(step))

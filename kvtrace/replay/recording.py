@@ -5,8 +5,8 @@ the `response` (an assistant message, maybe with `tool_calls`; a plain string
 in steps recorded before the function-calling format). Prompts and outputs
 are token ids of one rendering (kvtrace.rendering): the response's
 text is what the model says for it there, tool calls included. When kvtrace itself generated the
-response (continue, the example, the benchmark), `usage.completion_token_ids`
-also holds the exact tokens generated: re-tokenising the response text may
+response (continue, the example, the benchmark), the model call's `output_ids`
+(kept in its usage) also hold the exact tokens generated: re-tokenising the response text may
 give other ids (BPE is not a bijection on generated sequences), and only the
 generated ids are what a cache saw.
 
@@ -25,13 +25,12 @@ from kvtrace.errors import ReplayError
 from kvtrace.rendering import assistant_text, content_text, id_seed, parse_assistant_text
 from kvtrace.replay.backend import CallResult, Message, SamplingParams, Tokenizer
 from kvtrace.store import Run, Step
-
-TOKEN_IDS_KEY = "completion_token_ids"
+from kvtrace.store.kinds import TOKEN_IDS_KEY, ModelCall
 
 
 def response_message(step: Step) -> Message:
     """The assistant message a model call returned (a plain-string response as its text)."""
-    response = step.content.get("response")
+    response = ModelCall(step).response
     if isinstance(response, str):
         return assistant_message(response)
     if isinstance(response, Mapping):
@@ -48,16 +47,15 @@ def response_text(step: Step) -> str:
 
 def step_messages(step: Step) -> list[Message]:
     """The chat messages a model call sent."""
-    messages = step.content.get("messages")
-    if not isinstance(messages, list):
+    call = ModelCall(step)
+    if not call.has_messages:
         raise ReplayError(f"model call {step.short_id} has no list of messages to replay")
-    return [dict(m) for m in messages]
+    return call.messages
 
 
 def step_tools(step: Step) -> list[Message] | None:
     """The tool definitions a model call sent, if any."""
-    tools = step.content.get("tools")
-    return [dict(t) for t in tools] if isinstance(tools, list) and tools else None
+    return ModelCall(step).tools
 
 
 def prompt_ids(tokenizer: Tokenizer, step: Step) -> list[int]:
@@ -73,7 +71,7 @@ def expected_output_ids(
     step: Step, tokenizer: Tokenizer, prompt_ids: Sequence[int]
 ) -> list[int]:
     """The output tokens of a recorded model call (see the module docstring)."""
-    recorded = _recorded_ids(step)
+    recorded = ModelCall(step).output_ids
     if recorded is not None and _decodes_to(tokenizer, recorded, step):
         return recorded
     return templated_output_ids(tokenizer, step_messages(step), response_message(step),
@@ -153,16 +151,6 @@ def record_generation(
             "prefill_s": round(result.prefill_s, 4), "decode_s": round(result.decode_s, 4)
         },
     )
-
-
-def _recorded_ids(step: Step) -> list[int] | None:
-    usage = step.meta.get("usage")
-    if not isinstance(usage, Mapping):
-        return None
-    ids = usage.get(TOKEN_IDS_KEY)
-    if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
-        return None
-    return list(ids)
 
 
 def output_text(tokenizer: Tokenizer, ids: Sequence[int]) -> str:

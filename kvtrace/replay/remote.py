@@ -23,6 +23,7 @@ import httpx
 from kvtrace.errors import BackendError, UsageError
 from kvtrace.rendering import assistant_text
 from kvtrace.replay.backend import Backend, CallRequest, CallResult, Tokenizer
+from kvtrace.store.usage import Usage
 
 
 class RemoteBackend:
@@ -122,8 +123,10 @@ class RemoteBackend:
             # verify and continue read them back like a local generation.
             text = assistant_text(choice["message"])
             finish = str(choice.get("finish_reason") or "unknown")
-            usage = data.get("usage") or {}
-            prompt_tokens = int(usage["prompt_tokens"])
+            usage = Usage.parse(data.get("usage"))
+            if usage.prompt_tokens is None:
+                raise KeyError("usage.prompt_tokens")
+            prompt_tokens = usage.prompt_tokens
         except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
             raise BackendError(
                 f"{self._base_url} answered something that is not an OpenAI chat completion "
@@ -131,7 +134,7 @@ class RemoteBackend:
             ) from exc
         return CallResult(
             prompt_tokens=prompt_tokens,
-            reused_tokens=_cached_tokens(usage, prompt_tokens),
+            reused_tokens=_reused(usage.cached_tokens, prompt_tokens),
             memory_tokens=None,
             disk_tokens=None,
             text=text,
@@ -142,14 +145,9 @@ class RemoteBackend:
         )
 
 
-def _cached_tokens(usage: dict[str, Any], prompt_tokens: int) -> int | None:
-    """`usage.prompt_tokens_details.cached_tokens`, or None when not reported."""
-    details = usage.get("prompt_tokens_details")
-    if not isinstance(details, dict) or details.get("cached_tokens") is None:
-        return None
-    try:
-        cached = int(details["cached_tokens"])
-    except (TypeError, ValueError) as exc:
-        raise BackendError(f"cached_tokens is not a number: {details['cached_tokens']!r}") from exc
-    # Some servers count a fully cached prompt; the last token is still computed.
-    return max(0, min(cached, prompt_tokens - 1))
+def _reused(cached: int | None, prompt_tokens: int) -> int | None:
+    """The cached tokens the server reported (None: not reported, unknown).
+
+    Some servers count a fully cached prompt; the last token is still computed.
+    """
+    return None if cached is None else max(0, min(cached, prompt_tokens - 1))

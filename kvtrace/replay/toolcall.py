@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvtrace.rendering import tool_result_text
 from kvtrace.replay.backend import Message
 
 _ACTION = re.compile(r"^[ \t]*Action[ \t]*:[ \t]*(?P<name>[A-Za-z_][\w.\-]*)(?P<rest>.*)$", re.M)
@@ -84,13 +85,7 @@ def parse_response(text: str) -> ParsedResponse:
 
 def observation_message(result: Any, error: str | None = None) -> Message:
     """The message that carries a tool's result (or error) back to the model."""
-    if error is not None:
-        body = f"error: {error}"
-    elif isinstance(result, str):
-        body = result
-    else:
-        body = json.dumps(result, ensure_ascii=False, sort_keys=True)
-    return {"role": "user", "content": OBSERVATION_PREFIX + body}
+    return {"role": "user", "content": OBSERVATION_PREFIX + tool_result_text(result, error)}
 
 
 def system_prompt(tools: Mapping[str, str], instructions: str = "") -> str:

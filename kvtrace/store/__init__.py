@@ -9,6 +9,15 @@ import sqlalchemy as sa
 
 from kvtrace.errors import StoreNotFoundError, UsageError
 from kvtrace.store.backend import create_db_engine, current_revision, migrate, safe_url
+from kvtrace.store.kinds import (
+    HttpExchange,
+    ModelCall,
+    NoteStep,
+    ProviderApi,
+    StepKind,
+    ToolCall,
+    view,
+)
 from kvtrace.store.names import validate_run_name
 from kvtrace.store.records import (
     Divergence,
@@ -21,22 +30,31 @@ from kvtrace.store.records import (
 )
 from kvtrace.store.run import Run
 from kvtrace.store.store import Store
+from kvtrace.store.usage import Usage
 
 __all__ = [
     "Divergence",
     "FsckReport",
     "GraphRow",
+    "HttpExchange",
+    "ModelCall",
     "Note",
+    "NoteStep",
+    "ProviderApi",
     "ReflogEntry",
     "Run",
     "RunInfo",
     "Step",
+    "StepKind",
     "Store",
+    "ToolCall",
+    "Usage",
     "default_url",
     "import_into",
     "init_store",
     "open_store",
     "validate_run_name",
+    "view",
 ]
 
 

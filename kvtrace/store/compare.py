@@ -28,6 +28,7 @@ from itertools import zip_longest
 from typing import Any
 
 from kvtrace.rendering import content_text
+from kvtrace.store.kinds import ModelCall, StepKind, ToolCall
 from kvtrace.store.messages import tool_calls_of
 from kvtrace.store.records import Divergence, Step
 from kvtrace.store.store import Store
@@ -122,14 +123,15 @@ def step_changes(
     if step_a.kind != step_b.kind:
         fields.add("kind", step_a.kind, step_b.kind)
         fields.add("content", _pretty(step_a.content), _pretty(step_b.content))
-    elif step_a.kind == "model_call":
-        _model_call(fields, step_a, step_b)
-    elif step_a.kind == "tool_call":
-        for key in ("tool", "call_id"):
-            fields.add(key, step_a.meta.get(key), step_b.meta.get(key))
-        for key in ("arguments", "result"):
-            fields.add(key, _pretty(step_a.content.get(key)), _pretty(step_b.content.get(key)))
-        fields.add("error", step_a.meta.get("error"), step_b.meta.get("error"))
+    elif step_a.kind == StepKind.MODEL_CALL:
+        _model_call(fields, ModelCall(step_a), ModelCall(step_b))
+    elif step_a.kind == StepKind.TOOL_CALL:
+        tool_a, tool_b = ToolCall(step_a), ToolCall(step_b)
+        fields.add("tool", tool_a.tool, tool_b.tool)
+        fields.add("call_id", tool_a.call_id, tool_b.call_id)
+        fields.add("arguments", _pretty(tool_a.arguments), _pretty(tool_b.arguments))
+        fields.add("result", _pretty(tool_a.result), _pretty(tool_b.result))
+        fields.add("error", tool_a.error, tool_b.error)
     else:
         for key in sorted(set(step_a.content) | set(step_b.content)):
             fields.add(key, _pretty(step_a.content.get(key)), _pretty(step_b.content.get(key)))
@@ -157,10 +159,9 @@ class _Fields:
         self.changes.append(FieldDiff(field, a, b, lines))
 
 
-def _model_call(fields: _Fields, step_a: Step, step_b: Step) -> None:
-    fields.add("model", step_a.meta.get("model"), step_b.meta.get("model"))
-    messages_a = step_a.content.get("messages") or []
-    messages_b = step_b.content.get("messages") or []
+def _model_call(fields: _Fields, call_a: ModelCall, call_b: ModelCall) -> None:
+    fields.add("model", call_a.model, call_b.model)
+    messages_a, messages_b = call_a.messages, call_b.messages
     keys_a = [json.dumps(m, sort_keys=True) for m in messages_a]
     keys_b = [json.dumps(m, sort_keys=True) for m in messages_b]
     matcher = difflib.SequenceMatcher(a=keys_a, b=keys_b, autojunk=False)
@@ -174,15 +175,14 @@ def _model_call(fields: _Fields, step_a: Step, step_b: Step) -> None:
             role = shown.get("role", "?") if isinstance(shown, dict) else "?"
             where = j if j is not None else i
             fields.add(f"messages[{where}] ({role})", _message_text(old), _message_text(new))
-    response_a = step_a.content.get("response")
-    response_b = step_b.content.get("response")
+    response_a, response_b = call_a.response, call_b.response
     for key in ("content", "reasoning_content"):
         fields.add(f"response.{key}", _part(response_a, key), _part(response_b, key))
     calls_a, calls_b = tool_calls_of(response_a), tool_calls_of(response_b)
     for index, (old, new) in enumerate(zip_longest(calls_a, calls_b)):
         fields.add(f"response.tool_calls[{index}]", _call_text(old), _call_text(new))
-    fields.add("tools", _pretty(step_a.content.get("tools")), _pretty(step_b.content.get("tools")))
-    fields.add("params", _pretty(step_a.meta.get("params")), _pretty(step_b.meta.get("params")))
+    fields.add("tools", _pretty(call_a.tools), _pretty(call_b.tools))
+    fields.add("params", _pretty(call_a.params or None), _pretty(call_b.params or None))
 
 
 def _part(message: Any, key: str) -> str | None:

@@ -30,6 +30,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvtrace.errors import UsageError
+from kvtrace.store.kinds import StepKind
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 
@@ -183,14 +184,13 @@ def _tool_call(call: Any, where: str) -> dict[str, Any]:
 
 def edited_content(kind: str, content: Mapping[str, Any], edit: Mapping[str, Any]) -> dict:
     """A step's content with the fields of `edit` replaced, normalised as recording does."""
+    normalizers = _MODEL_CALL_FIELDS if kind == StepKind.MODEL_CALL else {}
     out = dict(content)
     for key, value in edit.items():
-        if kind == "model_call" and key == "messages":
-            out[key] = normalize_messages(value)
-        elif kind == "model_call" and key == "response":
-            out[key] = normalize_response(value)
-        elif kind == "model_call" and key == "tools":
-            out[key] = normalize_tools(value)
-        else:
-            out[key] = to_plain(value)
+        out[key] = normalizers.get(key, to_plain)(value)
     return out
+
+
+_MODEL_CALL_FIELDS = {
+    "messages": normalize_messages, "response": normalize_response, "tools": normalize_tools,
+}

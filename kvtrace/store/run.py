@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from kvtrace.errors import UsageError
+from kvtrace.store.kinds import ModelCall, NoteStep, ProviderApi, StepKind, ToolCall
 from kvtrace.store.messages import normalize_messages, normalize_response, normalize_tools, to_plain
 
 if TYPE_CHECKING:
@@ -48,7 +49,7 @@ class Run:
 
     def record(
         self,
-        kind: str,
+        kind: str | StepKind,
         payload: Mapping[str, Any],
         *,
         meta: Mapping[str, Any] | None = None,
@@ -70,6 +71,7 @@ class Run:
         usage: Mapping[str, Any] | None = None,
         timings: Mapping[str, Any] | None = None,
         extra: Mapping[str, Any] | None = None,
+        api: ProviderApi = ProviderApi.OPENAI_CHAT,
     ) -> Step:
         """Record one model call: the chat messages and tools sent, the response received.
 
@@ -86,14 +88,11 @@ class Run:
         tool_list = normalize_tools(tools)
         if tool_list is not None:
             payload["tools"] = tool_list
-        meta = {
-            "model": model,
-            "params": _mapping(params, "params"),
-            "usage": _mapping(usage, "usage"),
-            "timings": _mapping(timings, "timings"),
-            "extra": _mapping(extra, "extra"),
-        }
-        step = self.store.append(self.name, self._head, "model_call", payload, meta,
+        meta = ModelCall.meta(
+            model=model, params=_mapping(params, "params"), usage=_mapping(usage, "usage"),
+            timings=_mapping(timings, "timings"), extra=_mapping(extra, "extra"), api=api,
+        )
+        step = self.store.append(self.name, self._head, StepKind.MODEL_CALL, payload, meta,
                                  lists={"messages": normalized})
         self._head = step
         return step
@@ -120,15 +119,16 @@ class Run:
         if call_id is not None and not isinstance(call_id, str):
             raise UsageError("call_id must be a string")
         return self.record(
-            "tool_call",
+            StepKind.TOOL_CALL,
             {"arguments": to_plain(arguments), "result": to_plain(result)},
-            meta={"tool": name, "error": error, "call_id": call_id,
-                  "timings": _mapping(timings, "timings"), "extra": _mapping(extra, "extra")},
+            meta=ToolCall.meta(tool=name, error=error, call_id=call_id,
+                               timings=_mapping(timings, "timings"),
+                               extra=_mapping(extra, "extra")),
         )
 
     def record_note(self, text: str, *, author: str | None = None) -> Step:
         """Record a note as a step of the run (unlike Store.note, which annotates a step)."""
-        return self.record("note", {"text": text}, meta={"author": author})
+        return self.record(StepKind.NOTE, {"text": text}, meta=NoteStep.meta(author=author))
 
 
 def _mapping(value: Mapping[str, Any] | None, name: str) -> dict[str, Any] | None:

@@ -40,6 +40,7 @@ from kvtrace.store.backend import (
     write_transaction,
     writer,
 )
+from kvtrace.store.kinds import EDIT_OF, MEASUREMENTS, StepKind
 from kvtrace.store.names import normalize_run_name, validate_run_name
 from kvtrace.store.records import (
     Divergence,
@@ -272,18 +273,19 @@ class Store:
                 sa.select(steps.c.body).where(steps.c.id == original.id)).scalar_one()))
             parent = (history.load_steps(conn, [original.parent_id], self._lists)[0]
                       if original.parent_id else None)
-        optional = {"tools"} if original.kind == "model_call" else set()
+        is_model_call = original.kind == StepKind.MODEL_CALL
+        optional = {"tools"} if is_model_call else set()
         unknown = sorted(set(edit) - set(original.content) - optional)
         if unknown:
             raise UsageError(f"step {original.short_id} has no field {unknown[0]!r} to edit "
                              f"(its fields: {', '.join(sorted(original.content))})")
         content = edited_content(original.kind, original.content, edit)
         list_fields = set(store_lists.lists_of(body)) | (
-            {"messages"} if original.kind == "model_call" else set())
+            {"messages"} if is_model_call else set())
         raw_fields = set(body["raw"])
         # Measurements of the original call (usage, timings) do not describe the copy.
-        meta = {k: v for k, v in original.meta.items() if k not in ("usage", "timings")}
-        meta["edit_of"] = original.id
+        meta = {k: v for k, v in original.meta.items() if k not in MEASUREMENTS}
+        meta[EDIT_OF] = original.id
         return self.append(
             new_name, parent, original.kind,
             {k: v for k, v in content.items() if k not in list_fields | raw_fields},
@@ -500,7 +502,7 @@ class Store:
         Fails with ConflictError, writing nothing, if the run's head is no
         longer `parent` (another writer appended or moved it first).
         """
-        validation.check_kind(kind)
+        kind = str(validation.check_kind(kind))  # a StepKind is stored as its plain value
         validation.check_record(payload, meta, raw)
         raw, list_items = raw or {}, lists or {}
         clash = (set(payload) & set(raw)) | (set(list_items) & (set(payload) | set(raw)))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from kvtrace.store.kinds import ModelCall, StepKind, ToolCall
 from kvtrace.store.records import Step
 
 
@@ -22,9 +23,9 @@ def snippet(value: Any, width: int = 60) -> str:
 
 def step_summary(step: Step) -> str:
     """What a step did, in one line: model and response, tool and result, or its content."""
-    content, meta = step.content, step.meta
-    if step.kind == "model_call":
-        response = content.get("response")
+    if step.kind == StepKind.MODEL_CALL:
+        call = ModelCall(step)
+        response = call.response
         if isinstance(response, dict):
             calls = [
                 f"{c['function'].get('name')}({c['function'].get('arguments', '')})"
@@ -33,9 +34,10 @@ def step_summary(step: Step) -> str:
             text = response.get("content")
             response = " ".join([*([snippet(text, 40)] if text else []),
                                  *(f"-> {call}" for call in calls)]) or response
-        return f"{meta.get('model', '?')}: {snippet(response)}"
-    if step.kind == "tool_call":
-        error = f" error={meta['error']}" if meta.get("error") else ""
-        args = snippet(content.get("arguments"), 30)
-        return f"{meta.get('tool', '?')}({args}) -> {snippet(content.get('result'), 40)}{error}"
-    return snippet({k: v for k, v in content.items() if not isinstance(v, bytes)})
+        return f"{call.model or '?'}: {snippet(response)}"
+    if step.kind == StepKind.TOOL_CALL:
+        tool = ToolCall(step)
+        error = f" error={tool.error}" if tool.error else ""
+        args = snippet(tool.arguments, 30)
+        return f"{tool.tool}({args}) -> {snippet(tool.result, 40)}{error}"
+    return snippet({k: v for k, v in step.content.items() if not isinstance(v, bytes)})

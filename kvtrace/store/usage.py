@@ -1,48 +1,95 @@
-"""What a model call's provider reported about tokens, read from `meta.usage` in one place.
+"""What a provider reported about tokens, normalised in one place (`Usage.parse`).
 
-Providers name their counts differently: OpenAI's `prompt_tokens` and
-`prompt_tokens_details.cached_tokens` (kept flat as `cached_tokens` by
-kvtrace and ATIF), Anthropic's `input_tokens` + `cache_read_input_tokens`.
-A missing count is unknown, never zero. Used by `kvtrace analyze`, the
-HTML report and the OTel export.
+A model call keeps its provider's `usage` as the provider sent it; every
+reader goes through `Usage.parse`, which knows each provider's names:
+
+- OpenAI chat completions (and vLLM, SGLang, llama.cpp, ATIF, kvtrace's own
+  records): `prompt_tokens`, `completion_tokens`, cached tokens under
+  `prompt_tokens_details.cached_tokens` (kept flat as `cached_tokens` too);
+  DeepSeek adds `prompt_cache_hit_tokens`. Cached tokens are counted inside
+  `prompt_tokens`.
+- OpenAI Responses: `input_tokens` (cached ones inside it), `output_tokens`,
+  `input_tokens_details.cached_tokens`.
+- Anthropic Messages: `input_tokens` *excludes* cache reads and writes, so
+  everything the model read is `input_tokens + cache_creation_input_tokens +
+  cache_read_input_tokens`. Adding them the wrong way mis-prices cached
+  tokens several times over, which is why there is one parser.
+
+`prompt_tokens` is always everything the model read. A count the provider
+did not send is None (unknown), never 0.
 """
 
 from __future__ import annotations
 
-from kvtrace.store.records import Step
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+# Where each provider keeps its cache reads, most specific first.
+_CACHED_PATHS = (
+    ("cached_tokens",),
+    ("prompt_tokens_details", "cached_tokens"),
+    ("input_tokens_details", "cached_tokens"),
+    ("cache_read_input_tokens",),
+    ("prompt_cache_hit_tokens",),
+)
 
 
-def provider_usage(step: Step) -> tuple[int | None, int | None]:
-    """(prompt tokens, cached tokens) the provider reported for a model call, when it did.
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """A model call's token counts in one vocabulary (None: not reported)."""
 
-    Reads OpenAI's `prompt_tokens` and `cached_tokens` (flat, as kvtrace and
-    ATIF keep them, or under `prompt_tokens_details`) and Anthropic's
-    `input_tokens` + `cache_read_input_tokens`. A missing count is unknown,
-    never zero.
-    """
-    usage = step.meta.get("usage")
-    if not isinstance(usage, dict):
-        return None, None
-    details = usage.get("prompt_tokens_details")
-    cached = usage.get("cached_tokens")
-    if cached is None and isinstance(details, dict):
-        cached = details.get("cached_tokens")
-    prompt = usage.get("prompt_tokens")
-    if prompt is None and isinstance(usage.get("input_tokens"), int):
-        read = usage.get("cache_read_input_tokens")
-        prompt = usage["input_tokens"] + (read if isinstance(read, int) else 0)
-        cached = read if cached is None else cached
-    return (prompt if isinstance(prompt, int) else None,
-            cached if isinstance(cached, int) else None)
+    prompt_tokens: int | None = None  # everything the model read, cache reads and writes included
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None  # prompt tokens read from the provider's cache
+    cache_write_tokens: int | None = None  # prompt tokens written to it (Anthropic)
+    finish_reason: str | None = None
+
+    @classmethod
+    def parse(cls, raw: Any) -> Usage:
+        """The normalised counts of a provider's `usage` object (see the module docstring)."""
+        if not isinstance(raw, Mapping):
+            return cls()
+        cached = next((value for path in _CACHED_PATHS
+                       if (value := _count(_at(raw, path))) is not None), None)
+        write = _count(raw.get("cache_creation_input_tokens"))
+        prompt = _count(raw.get("prompt_tokens"))
+        if prompt is None and (given := _count(raw.get("input_tokens"))) is not None:
+            is_anthropic = ("cache_read_input_tokens" in raw
+                            or "cache_creation_input_tokens" in raw)
+            read = _count(raw.get("cache_read_input_tokens")) or 0
+            prompt = given + read + (write or 0) if is_anthropic else given
+        completion = _count(raw.get("completion_tokens"))
+        if completion is None:
+            completion = _count(raw.get("output_tokens"))
+        finish = raw.get("finish_reason")
+        return cls(prompt, completion, cached, write, finish if isinstance(finish, str) else None)
+
+    @property
+    def computed_tokens(self) -> int | None:
+        """Prompt tokens the provider did not read from its cache, when both counts are known."""
+        if self.prompt_tokens is None or self.cached_tokens is None:
+            return None
+        return self.prompt_tokens - self.cached_tokens
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "cached_tokens": self.cached_tokens,
+            "cache_write_tokens": self.cache_write_tokens,
+            "finish_reason": self.finish_reason,
+        }
 
 
-def completion_tokens(step: Step) -> int | None:
-    """The tokens the provider reported generating (OpenAI's or Anthropic's name), if it did."""
-    usage = step.meta.get("usage")
-    if not isinstance(usage, dict):
-        return None
-    for key in ("completion_tokens", "output_tokens"):
-        value = usage.get(key)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    return None
+def _at(raw: Mapping[str, Any], path: tuple[str, ...]) -> Any:
+    value: Any = raw
+    for key in path:
+        if not isinstance(value, Mapping):
+            return None
+        value = value.get(key)
+    return value
+
+
+def _count(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None

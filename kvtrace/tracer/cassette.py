@@ -39,6 +39,7 @@ import httpx
 from kvtrace.errors import UnrecordedRequestError, UsageError
 from kvtrace.rendering import content_text
 from kvtrace.store import Run, Step
+from kvtrace.store.kinds import HttpExchange, ModelCall, StepKind, view
 from kvtrace.store.messages import normalize_messages, normalize_tools
 from kvtrace.tracer import sse
 from kvtrace.tracer.exchange import chat_request, is_chat_completions, request_params
@@ -60,7 +61,7 @@ class ReplayMode(StrEnum):
 class _Key:
     """What a request is matched on."""
 
-    kind: str  # "model_call" or "http"
+    kind: str  # StepKind.MODEL_CALL or StepKind.HTTP
     method: str
     url: str  # redacted; for model calls the path only
     model: str | None = None
@@ -123,35 +124,34 @@ def request_key(request: httpx.Request, redactor: Redactor) -> _Key:
             except UsageError:
                 messages, tools = [], None
             return _Key(
-                "model_call", "POST", urlsplit(str(request.url)).path.rstrip("/"),
+                StepKind.MODEL_CALL, "POST", urlsplit(str(request.url)).path.rstrip("/"),
                 model=body.get("model"),
                 messages=tuple(_canonical(m) for m in messages),
                 tools=_canonical(tools) if tools else None,
                 params=_canonical(request_params(body)),
             )
-    return _Key("http", request.method.upper(), redactor.url(str(request.url)),
+    return _Key(StepKind.HTTP, request.method.upper(), redactor.url(str(request.url)),
                 body=request.content)
 
 
 def _step_key(step: Step, redactor: Redactor) -> _Key | None:
-    if step.kind == "model_call":
-        extra = step.meta.get("extra") or {}
-        http = extra.get("http") if isinstance(extra, Mapping) else None
-        if not isinstance(http, Mapping):
+    typed = view(step)
+    if isinstance(typed, ModelCall):
+        http = typed.http
+        if http is None:
             return None  # recorded by hand or imported: no request to match
-        params = dict(step.meta.get("params") or {})
-        if extra.get("seed_chosen"):
+        params = typed.params
+        if typed.is_seed_chosen:
             params.pop("seed", None)  # the server chose it; the request did not send it
         return _Key(
-            "model_call", "POST", urlsplit(str(http.get("url", ""))).path.rstrip("/"),
-            model=extra.get("request_model", step.meta.get("model")),
-            messages=tuple(_canonical(m) for m in step.content.get("messages") or []),
-            tools=_canonical(step.content["tools"]) if step.content.get("tools") else None,
+            StepKind.MODEL_CALL, "POST", urlsplit(str(http.get("url", ""))).path.rstrip("/"),
+            model=typed.request_model,
+            messages=tuple(_canonical(m) for m in typed.messages),
+            tools=_canonical(typed.tools) if typed.tools else None,
             params=_canonical(params),
         )
-    if step.kind == "http":
-        return _Key("http", str(step.content.get("method", "")), redactor.url(
-            str(step.content.get("url", ""))), body=step.content.get("request_body", b""))
+    if isinstance(typed, HttpExchange):
+        return _Key(StepKind.HTTP, typed.method, redactor.url(typed.url), body=typed.request_body)
     return None
 
 
@@ -175,7 +175,7 @@ def _difference(request: _Key, recorded: _Key) -> str:
         return f"it is {recorded.method} {recorded.url}"
     if request.url != recorded.url:
         return f"URL {recorded.url} (request: {request.url})"
-    if request.kind == "http":
+    if request.kind == StepKind.HTTP:
         return f"the request body ({len(recorded.body)} bytes recorded, {len(request.body)} sent)"
     if request.model != recorded.model:
         return f"model {recorded.model!r} (request: {request.model!r})"
@@ -211,13 +211,13 @@ def _describe(message_json: str) -> str:
 
 def served_response(step: Step, request: httpx.Request) -> httpx.Response:
     """The response a recorded step gives to `request`."""
-    if step.kind == "http":
+    if step.kind == StepKind.HTTP:
+        exchange = HttpExchange(step)
         headers = [
-            (k, v) for k, v in (step.content.get("response_headers") or {}).items()
+            (k, v) for k, v in exchange.response_headers.items()
             if k not in _DROPPED_HEADERS and v != REDACTED
         ]
-        return httpx.Response(int(step.content.get("status", 200)), headers=headers,
-                              content=step.content.get("response_body", b""))
+        return httpx.Response(exchange.status, headers=headers, content=exchange.response_body)
     completion = recorded_completion(step)
     body = chat_request(request.content) or {}
     if body.get("stream"):
@@ -230,18 +230,19 @@ def served_response(step: Step, request: httpx.Request) -> httpx.Response:
 
 def recorded_completion(step: Step) -> dict[str, Any]:
     """A model_call step as the chat completion that answered it."""
-    extra = step.meta.get("extra") or {}
-    usage = dict(step.meta.get("usage") or {})
+    call = ModelCall(step)
+    usage = call.raw_usage
     finish_reason = usage.pop("finish_reason", None)
     usage.pop("cached_tokens", None)  # lifted from prompt_tokens_details, which stays
-    response = extra.get("response", {}) if isinstance(extra, Mapping) else {}
+    response = call.extra.get("response")
+    response = response if isinstance(response, Mapping) else {}
     completion: dict[str, Any] = {
         "id": response.get("id", f"chatcmpl-{step.short_id}"),
         "object": "chat.completion",
         "created": response.get("created", int(step.recorded_at)),
-        "model": step.meta.get("model"),
+        "model": call.model,
         **{k: v for k, v in response.items() if k not in ("id", "created")},
-        "choices": [{"index": 0, "message": step.content.get("response"),
+        "choices": [{"index": 0, "message": call.response,
                      "finish_reason": finish_reason, "logprobs": None}],
     }
     if usage:

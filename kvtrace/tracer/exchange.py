@@ -33,6 +33,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from kvtrace.errors import UsageError
+from kvtrace.store.kinds import HttpExchange, StepKind
 from kvtrace.tracer import sse
 from kvtrace.tracer.redact import Redactor
 
@@ -190,12 +191,9 @@ def _record_http(recorder: Recorder, exchange: Exchange, redactor: Redactor) -> 
         "request_headers": redactor.headers(exchange.request_headers),
         "response_headers": redactor.headers(exchange.response_headers),
     }
-    meta: dict[str, Any] = {"total_s": exchange.total_s}
-    if not exchange.is_complete:
-        meta["complete"] = False
     return recorder.record(
-        "http",
+        StepKind.HTTP,
         payload,
-        meta=meta,
+        meta=HttpExchange.meta(total_s=exchange.total_s, is_complete=exchange.is_complete),
         raw={"request_body": exchange.request_body, "response_body": exchange.response_body},
     )
