@@ -94,9 +94,8 @@ class Recording:
         self.store = store
         self.default_run = validate_run_name(run) if run is not None else new_run_name(store)
         self.stats: dict[str, RunStats] = {}
-        self._redactor = Redactor(redact_headers)
-        self._recorders: dict[str, Recorder] = {}
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="kvtrace-store")
+        self._writer = (StoreWriter(store, Redactor(redact_headers), self.stats)
+                        if store is not None else None)
 
     def sink(self, request: Request) -> Sink:
         """Where the answer to `request` is recorded (the run header checked here)."""
@@ -106,7 +105,23 @@ class Recording:
         except UsageError as exc:
             raise APIError(400, f"header X-Kvtrace-Run: {exc}", param=RUN_HEADER,
                            code="invalid_value") from exc
-        return RunSink(self, run) if self.store is not None else DISCARD
+        return RunSink(self._writer, run) if self._writer is not None else DISCARD
+
+    def close(self) -> None:
+        """Wait for the writes still queued, then stop the writer thread."""
+        if self._writer is not None:
+            self._writer.close()
+
+
+class StoreWriter:
+    """Writes steps into a store's runs on one thread, one Recorder per run; counts them."""
+
+    def __init__(self, store: Store, redactor: Redactor, stats: dict[str, RunStats]) -> None:
+        self._store = store
+        self._redactor = redactor
+        self._stats = stats
+        self._recorders: dict[str, Recorder] = {}
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="kvtrace-store")
 
     async def record(self, run: str, write: StepWrite) -> None:
         loop = asyncio.get_running_loop()
@@ -116,32 +131,29 @@ class Recording:
         self._worker.submit(self._write, run, write)
 
     def close(self) -> None:
-        """Wait for the writes still queued, then stop the writer thread."""
         self._worker.shutdown(wait=True)
 
     def _write(self, run: str, write: StepWrite) -> Step:
-        if self.store is None:
-            raise RuntimeError("a recording without a store hands out only DISCARD")
         recorder = self._recorders.get(run)
         if recorder is None:
-            recorder = self._recorders[run] = Recorder(self.store.run(run))
+            recorder = self._recorders[run] = Recorder(self._store.run(run))
         step = write(recorder, self._redactor)
-        self.stats.setdefault(run, RunStats()).add(step)
+        self._stats.setdefault(run, RunStats()).add(step)
         return step
 
 
 @dataclass(frozen=True, slots=True)
 class RunSink:
-    """A sink on one run of a recording."""
+    """A sink on one run of the store."""
 
-    recording: Recording
+    writer: StoreWriter
     run: str
 
     async def record(self, write: StepWrite) -> None:
-        await self.recording.record(self.run, write)
+        await self.writer.record(self.run, write)
 
     def record_later(self, write: StepWrite) -> None:
-        self.recording.record_later(self.run, write)
+        self.writer.record_later(self.run, write)
 
 
 def new_run_name(store: Store | None, prefix: str = "serve") -> str:
