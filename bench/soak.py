@@ -76,9 +76,7 @@ def _serve(folder: Path, args: argparse.Namespace) -> int:
     from kvtrace.engine import KVCache, build_tiny_model, default_model_dir, load_engine
     from kvtrace.paths import default_cache_dir
     from kvtrace.replay.local import LocalBackend
-    from kvtrace.tracer.local import LocalAnswerer
-    from kvtrace.tracer.runner import BackgroundServer
-    from kvtrace.tracer.server import ChatServer
+    from kvtrace.serve import BackgroundServer, make_server
 
     model: str | Path | None = args.model
     if model == "tiny":
@@ -88,8 +86,8 @@ def _serve(folder: Path, args: argparse.Namespace) -> int:
     cache = KVCache(engine, disk_dir=folder / "kv", memory_bytes=args.memory_mib * 2**20,
                     disk_bytes=args.disk_mib * 2**20)
     with open_store(f"sqlite:///{folder / 'store.db'}") as store:
-        server = ChatServer(store, run=RUN, answerer=LocalAnswerer(
-            LocalBackend(engine, cache), max_queue=max(16, args.clients)))
+        server = make_server(backend=LocalBackend(engine, cache), store=store, run=RUN,
+                             max_queue=max(16, args.clients))
         with BackgroundServer(server.app) as running:
             print(json.dumps({"url": running.url, "model": engine.name}), flush=True)
             sys.stdin.read()  # the parent closes it to stop us

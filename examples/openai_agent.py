@@ -108,14 +108,10 @@ def with_transports(store_url: str | None) -> None:
     if not base_url:  # no provider configured: our own server on the default model
         from kvtrace.paths import default_cache_dir
         from kvtrace.replay import open_local_backend
-        from kvtrace.tracer.local import LocalAnswerer
-        from kvtrace.tracer.runner import BackgroundServer
-        from kvtrace.tracer.server import ChatServer
+        from kvtrace.serve import BackgroundServer, make_server
 
-        scratch = open_store("sqlite:///:memory:")
         backend = open_local_backend(None, cache_dir=default_cache_dir())
-        provider = BackgroundServer(ChatServer(scratch, answerer=LocalAnswerer(backend),
-                                               is_recording=False).app).start()
+        provider = BackgroundServer(make_server(backend=backend).app).start()  # records nothing
         base_url = provider.url
     api_key = os.environ.get("OPENAI_API_KEY", "kvtrace")
     store = open_store(store_url)

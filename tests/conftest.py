@@ -1,13 +1,17 @@
-"""Shared fixtures: stores on real backends (a SQLite file, a PostgreSQL schema)."""
+"""Shared fixtures: stores on real backends (a SQLite file, a PostgreSQL schema), and a canned
+OpenAI-style upstream on a loopback socket (tests/canned.py)."""
 
 from __future__ import annotations
 
 import os
 import uuid
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
+
+from tests.canned import CannedUpstream
 
 PG_URL = os.environ.get("KVTRACE_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 
@@ -74,6 +78,24 @@ def store(store_url: str):
     s = open_store(store_url)
     yield s
     s.close()
+
+
+@pytest.fixture
+def sqlite_store(tmp_path) -> Iterator[Any]:
+    """A store in a SQLite file of the test's temporary folder."""
+    from kvtrace import open_store
+
+    store = open_store(f"sqlite:///{tmp_path / 'store.db'}")
+    yield store
+    store.close()
+
+
+@pytest.fixture
+def canned_upstream() -> Iterator[CannedUpstream]:
+    """tests/canned.py's OpenAI-style server, started on a free loopback port."""
+    server = CannedUpstream().start()
+    yield server
+    server.stop()
 
 
 def tamper(store, sql: str, **params) -> None:

@@ -1,4 +1,5 @@
-"""Layers import one way: store -> formats, engine -> replay -> tracer, page -> cli (as dulwich)."""
+"""Layers import one way: store -> formats, tracer; engine -> replay -> serve; page -> cli
+(as dulwich)."""
 
 from __future__ import annotations
 
@@ -16,11 +17,15 @@ ALLOWED = {
     "engine": {"engine"},
     "replay": {"replay", "store", "engine"},
     "formats": {"formats", "store"},
-    "tracer": {"tracer", "store", "engine", "replay"},
+    "tracer": {"tracer", "store"},
+    "serve": {"serve", "tracer", "store", "replay"},
     "page": {"page", "store", "replay"},
-    "bench": {"bench", "store", "engine", "replay", "formats", "tracer"},
-    "cli": {"cli", "store", "engine", "replay", "bench", "formats", "tracer", "page"},
+    "bench": {"bench", "store", "engine", "replay", "formats", "tracer", "serve"},
+    "cli": {"cli", "store", "engine", "replay", "bench", "formats", "tracer", "serve", "page"},
 }
+# The package's own module re-exports the public surface: the light layers only, so that
+# `import kvtrace` loads neither torch nor the server.
+PACKAGE_INIT_ALLOWED = {"store", "tracer"}
 
 
 def _imports(path: Path) -> set[str]:
@@ -33,6 +38,17 @@ def _imports(path: Path) -> set[str]:
     return {n for n in names if n == "kvtrace" or n.startswith("kvtrace.")}
 
 
+def _layer(name: str) -> str:
+    """The layer a module belongs to: `kvtrace.store.run` -> `store`."""
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 else "kvtrace"
+
+
+def test_every_subpackage_is_a_layer():
+    folders = {path.parent.name for path in PACKAGE.glob("*/__init__.py")}
+    assert folders == set(ALLOWED)
+
+
 @pytest.mark.parametrize("layer", sorted(ALLOWED))
 def test_lower_layers_never_import_higher_ones(layer):
     folder = PACKAGE / layer
@@ -43,6 +59,16 @@ def test_lower_layers_never_import_higher_ones(layer):
         for name in _imports(path):
             if name in SHARED:
                 continue
-            parts = name.split(".")
-            target = parts[1] if len(parts) > 1 else "kvtrace"
-            assert target in ALLOWED[layer], f"{path.relative_to(PACKAGE)} imports {name}"
+            assert _layer(name) in ALLOWED[layer], f"{path.relative_to(PACKAGE)} imports {name}"
+
+
+@pytest.mark.parametrize("module", sorted(SHARED))
+def test_shared_modules_import_no_layer(module):
+    path = PACKAGE / f"{module.removeprefix('kvtrace.')}.py"
+    names = _imports(path) - SHARED
+    assert not names, f"{path.relative_to(PACKAGE)} imports {sorted(names)}"
+
+
+def test_the_package_module_imports_only_the_light_layers():
+    for name in _imports(PACKAGE / "__init__.py") - SHARED:
+        assert _layer(name) in PACKAGE_INIT_ALLOWED, f"__init__.py imports {name}"

@@ -26,9 +26,8 @@ from typing import Any
 
 import httpx
 
+from kvtrace.serve import BackgroundServer, make_server
 from kvtrace.store import open_store
-from kvtrace.tracer.runner import BackgroundServer
-from kvtrace.tracer.server import ChatServer
 
 _SYSTEM = ("You are a careful research assistant. Answer in one short sentence, and say "
            "when you are unsure. ") * 4
@@ -63,11 +62,10 @@ def _fast_upstream() -> Any:
 def _local_mode(model: str | None, cache_dir: Path, tmp: Path, num_requests: int,
                 max_tokens: int) -> dict[str, Any]:
     from kvtrace.replay import open_local_backend
-    from kvtrace.tracer.local import LocalAnswerer
 
     backend = open_local_backend(model, cache_dir=cache_dir, kv_dir=tmp / "kv")
     store = open_store(f"sqlite:///{tmp / 'local.db'}")
-    server = ChatServer(store, answerer=LocalAnswerer(backend), run="bench-local")
+    server = make_server(backend=backend, store=store, run="bench-local")
     latencies, prompt, cached = [], 0, 0
     messages: list[dict[str, Any]] = [{"role": "system", "content": _SYSTEM}]
     with BackgroundServer(server.app) as running, httpx.Client(timeout=600) as client:
@@ -98,8 +96,8 @@ def _record_overhead(tmp: Path, num_requests: int, num_rounds: int) -> dict[str,
     store = open_store(f"sqlite:///{tmp / 'overhead.db'}")
     times: dict[str, list[float]] = {"on": [], "off": []}
     with BackgroundServer(_fast_upstream()) as upstream:
-        recording = ChatServer(store, upstream=upstream.url, run="bench-recorded")
-        plain = ChatServer(store, upstream=upstream.url, run="bench-plain", is_recording=False)
+        recording = make_server(upstream=upstream.url, store=store, run="bench-recorded")
+        plain = make_server(upstream=upstream.url, run="bench-plain")  # no store: not recorded
         with BackgroundServer(recording.app) as on, BackgroundServer(plain.app) as off, \
                 httpx.Client() as client:
             for round_number in range(num_rounds + 1):  # round 0 warms connections and caches

@@ -1,5 +1,5 @@
 """`kvtrace serve` and `kvtrace record -- COMMAND`: the recording server, in the foreground
-or around one program. Each builds a `kvtrace.tracer.server.ChatServer` and runs it."""
+or around one program. Each builds a server with `kvtrace.serve.make_server` and runs it."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from kvtrace.paths import default_cache_dir
 from kvtrace.store import Store, open_store, validate_run_name
 
 if TYPE_CHECKING:
-    from kvtrace.tracer.server import ChatServer, RunStats
+    from kvtrace.serve import ChatServer, RunStats
 
 UPSTREAM = typer.Option(
     None, "--upstream",
@@ -53,7 +53,8 @@ def _chat_server(store: Store, *, upstream: str | None, model: str | None, run: 
                  run_prefix: str, api_key: str | None, upstream_api_key: str | None,
                  redact_headers: list[str], max_queue: int, max_body_bytes: int) -> ChatServer:
     """Check the options (before any model loads), then build the server."""
-    from kvtrace.tracer.server import ChatServer, new_run_name
+    from kvtrace.serve import make_server
+    from kvtrace.serve.recording import new_run_name
 
     if upstream is not None and model is not None:
         raise UsageError("--model is for local mode: with --upstream the upstream's model answers")
@@ -62,16 +63,14 @@ def _chat_server(store: Store, *, upstream: str | None, model: str | None, run: 
     if max_queue < 0 or max_body_bytes < 1:
         raise UsageError("--max-queue must be >= 0 and --max-body-bytes >= 1")
     run = validate_run_name(run) if run is not None else new_run_name(store, run_prefix)
-    options = {"run": run, "api_key": api_key, "upstream_api_key": upstream_api_key,
-               "redact_headers": tuple(redact_headers), "max_body_bytes": max_body_bytes}
-    if upstream is not None:
-        return ChatServer(store, upstream=upstream, **options)  # type: ignore[arg-type]
-    from kvtrace.replay import open_local_backend
-    from kvtrace.tracer.local import LocalAnswerer
+    backend = None
+    if upstream is None:
+        from kvtrace.replay import open_local_backend
 
-    backend = open_local_backend(model, cache_dir=default_cache_dir())
-    return ChatServer(store, answerer=LocalAnswerer(backend, max_queue=max_queue),
-                      **options)  # type: ignore[arg-type]
+        backend = open_local_backend(model, cache_dir=default_cache_dir())
+    return make_server(backend=backend, upstream=upstream, store=store, run=run, api_key=api_key,
+                       upstream_api_key=upstream_api_key, redact_headers=redact_headers,
+                       max_queue=max_queue, max_body_bytes=max_body_bytes)
 
 
 @app.command("serve")
@@ -92,7 +91,7 @@ def serve_command(
     max_body_bytes: int = MAX_BODY,
 ) -> None:
     """An OpenAI-compatible server that records every call into a run (see docs/serve.md)."""
-    from kvtrace.tracer.runner import BackgroundServer
+    from kvtrace.serve import BackgroundServer
 
     if not 0 <= port <= 65535:
         raise UsageError(f"--port {port} is not a port number (0-65535)")
@@ -102,10 +101,9 @@ def serve_command(
                               redact_headers=redact_header, max_queue=max_queue,
                               max_body_bytes=max_body_bytes)
         running = BackgroundServer(server.app, host=host, port=port).start()
-        answering = (f"upstream {upstream}" if server.answerer is None
-                     else f"local model {server.answerer.model_name}")
-        typer.echo(f"kvtrace serve: {running.url} ({answering}), recording into run "
-                   f"'{server.default_run}' of {store.display_url}; Ctrl-C stops", err=True)
+        typer.echo(f"kvtrace serve: {running.url} ({server.answerer.description}), recording "
+                   f"into run '{server.default_run}' of {store.display_url}; Ctrl-C stops",
+                   err=True)
         running.wait()
     _print_summary(server.stats)
 
@@ -120,7 +118,7 @@ def record_command(
     redact_header: list[str] = REDACT,
 ) -> None:
     """Run COMMAND against a recording server on a free loopback port (OPENAI_BASE_URL)."""
-    from kvtrace.tracer.runner import BackgroundServer
+    from kvtrace.serve import BackgroundServer
 
     with open_store(store_url()) as store:
         server = _chat_server(store, upstream=upstream, model=model, run=run, run_prefix="record",

@@ -7,14 +7,14 @@
   record every exchange of an httpx-based client (the OpenAI and Anthropic
   SDKs take an `http_client`), chat completions as model_call steps;
 - `ReplayTransport` / `AsyncReplayTransport`: their twins that answer from
-  the recording (VCR-like modes `none`, `new_episodes`, `all`);
-- `kvtrace.tracer.server`: `kvtrace serve`, an OpenAI-compatible server that
-  records every call, answering from the local engine or an upstream.
+  the recording (VCR-like modes `none`, `new_episodes`, `all`).
 
-Layering: imports the store (and, for the server's local mode, the engine
-and replay's local backend); never the CLI. The transports load httpx on
-first use, so `import kvtrace` (which re-exports `recording` and `tool`)
-stays light.
+`kvtrace serve`, the recording HTTP server, is `kvtrace.serve`: it records
+through this package (exchange.py decides what an exchange becomes).
+
+Layering: imports the store only (tests/test_layers.py); never the engine,
+replay, the server or the CLI. The transports load httpx on first use, so
+`import kvtrace` (which re-exports `recording` and `tool`) stays light.
 """
 
 from __future__ import annotations

@@ -12,9 +12,8 @@ import pytest
 
 from kvtrace import open_store
 from kvtrace.cli import main
+from kvtrace.serve import BackgroundServer, make_server
 from kvtrace.tracer import RecordingTransport
-from kvtrace.tracer.runner import BackgroundServer
-from kvtrace.tracer.server import ChatServer
 
 MESSAGES = [{"role": "system", "content": "You are a helpful assistant."},
             {"role": "user", "content": "Name three colours."}]
@@ -38,7 +37,8 @@ def test_serve_upstream_records_llama_cpp_answers_unchanged_streamed_and_not(
     home, llama_server
 ):
     store = open_store()
-    with BackgroundServer(ChatServer(store, upstream=llama_server, run="llama").app) as proxy:
+    with BackgroundServer(make_server(upstream=llama_server, store=store,
+                                      run="llama").app) as proxy:
         # What the client received, byte for byte, captured on the client's side.
         client_side = store.run("client-side")
         sdk = openai.OpenAI(base_url=proxy.url, api_key="none", max_retries=0,

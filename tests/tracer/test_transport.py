@@ -17,7 +17,7 @@ from kvtrace.tracer import (
     RecordingTransport,
     ReplayTransport,
 )
-from tests.tracer.conftest import CANNED_COMPLETION, SECRET_KEY, all_blob_bytes, all_step_meta
+from tests.canned import CANNED_COMPLETION, SECRET_KEY, all_blob_bytes, all_step_meta
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",

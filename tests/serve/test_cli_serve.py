@@ -14,7 +14,7 @@ import pytest
 
 from kvtrace import open_store
 from kvtrace.cli import main
-from tests.tracer.conftest import SECRET_KEY, all_blob_bytes
+from tests.canned import SECRET_KEY, all_blob_bytes
 
 AGENT = textwrap.dedent("""
     import sys

@@ -4,7 +4,7 @@ FastAPI builds the rest of `GET /openapi.json` from the routes; the chat
 route's handler reads the raw body (it must forward it byte for byte
 upstream), so its JSON schema is written here, once, stating what
 api.py's `parse_chat_request` accepts. Bodies outside it are 4xx answers
-that record nothing; tests/tracer/test_openapi_fuzz.py holds the server
+that record nothing; tests/serve/test_openapi_fuzz.py holds the server
 to both with schemathesis. Fields not listed are allowed (passed on
 upstream, recorded as params locally).
 """

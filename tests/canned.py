@@ -1,26 +1,21 @@
-"""Fixtures for the tracer: real servers on loopback sockets, real stores, a tiny real model.
+"""A canned OpenAI-style upstream, and how tests search a store for secrets.
 
-- `canned_upstream`: a third-party-like OpenAI server (http.server, a
-  separate implementation) that answers with fixed bytes — odd spacing and
-  key order included, so "returned unchanged" means byte for byte — a
-  tool-calling completion, or the same as an SSE stream sent in pieces.
-- `serve_local`: `kvtrace serve` in local mode (a tiny random Llama with the
-  default model's tokenizer, a fresh KV cache) on a loopback port.
+`CannedUpstream` is a third-party-like OpenAI server (http.server, a
+separate implementation) that answers with fixed bytes — odd spacing and
+key order included, so "returned unchanged" means byte for byte — a
+tool-calling completion, or the same as an SSE stream sent in pieces. The
+tracer's transports and `kvtrace serve --upstream` are tested against it
+(the `canned_upstream` fixture of tests/conftest.py).
 """
 
 from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any
 
-import pytest
-
 SECRET_KEY = "sk-test-0123456789abcdefSECRET"
-SERVER_KEY = "kv-server-key-XYZ987"
 
 CANNED_COMPLETION = (
     b'{"id":"chatcmpl-canned-1", "object":"chat.completion","created":1700000000,'
@@ -141,86 +136,6 @@ class CannedUpstream:
         self.release.set()
         self._httpd.shutdown()
         self._httpd.server_close()
-
-
-@pytest.fixture
-def canned_upstream() -> Iterator[CannedUpstream]:
-    server = CannedUpstream().start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def sqlite_store(tmp_path) -> Iterator[Any]:
-    from kvtrace import open_store
-
-    store = open_store(f"sqlite:///{tmp_path / 'store.db'}")
-    yield store
-    store.close()
-
-
-@pytest.fixture(scope="session")
-def tiny_model_folder(tmp_path_factory) -> Path:
-    """A tiny random Llama with the default model's tokenizer and chat template."""
-    from kvtrace.engine import build_tiny_model, default_model_dir
-    from kvtrace.paths import default_cache_dir
-
-    root = tmp_path_factory.mktemp("tracer-model")
-    return build_tiny_model(root / "tiny", tokenizer_dir=default_model_dir(default_cache_dir()),
-                            seed=5, num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
-                            head_dim=16)
-
-
-@pytest.fixture(scope="session")
-def tiny_engine(tiny_model_folder, tmp_path_factory) -> Any:
-    from kvtrace.engine import load_engine
-
-    return load_engine(tiny_model_folder, cache_dir=tmp_path_factory.mktemp("tracer-cache"))
-
-
-@pytest.fixture
-def serve_local(tiny_engine, tmp_path) -> Iterator[Callable[..., Any]]:
-    """`serve_local(store, **options)`: a started local-mode server; `.url`, `.server`."""
-    from kvtrace.engine import KVCache
-    from kvtrace.replay.local import LocalBackend
-    from kvtrace.tracer.local import LocalAnswerer
-    from kvtrace.tracer.runner import BackgroundServer
-    from kvtrace.tracer.server import ChatServer
-
-    started: list[BackgroundServer] = []
-
-    def make(store: Any, *, max_queue: int = 16, **options: Any) -> Any:
-        backend = LocalBackend(tiny_engine, KVCache(tiny_engine, disk_dir=tmp_path / "kv"))
-        server = ChatServer(store, answerer=LocalAnswerer(backend, max_queue=max_queue),
-                            **options)
-        running = BackgroundServer(server.app).start()
-        running.server = server  # type: ignore[attr-defined]
-        started.append(running)
-        return running
-
-    yield make
-    for running in started:
-        running.stop()
-
-
-@pytest.fixture
-def serve_upstream() -> Iterator[Callable[..., Any]]:
-    """`serve_upstream(store, upstream_url, **options)`: a started upstream-mode server."""
-    from kvtrace.tracer.runner import BackgroundServer
-    from kvtrace.tracer.server import ChatServer
-
-    started: list[BackgroundServer] = []
-
-    def make(store: Any, upstream: str, **options: Any) -> Any:
-        server = ChatServer(store, upstream=upstream, **options)
-        running = BackgroundServer(server.app).start()
-        running.server = server  # type: ignore[attr-defined]
-        started.append(running)
-        return running
-
-    yield make
-    for running in started:
-        running.stop()
 
 
 def all_blob_bytes(store: Any) -> list[bytes]:

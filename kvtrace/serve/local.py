@@ -1,4 +1,7 @@
-"""Answering chat requests from the local engine, one at a time, through a bounded queue.
+"""The local answerer: the engine answers chat requests, one at a time, through a bounded queue.
+
+`LocalAnswerer.answer` serves `POST /v1/chat/completions` and `GET
+/v1/models` (the one model it serves); any other path is a 404.
 
 The one engine computes one request at a time on one worker thread (the
 engine and its KV cache are not thread-safe, and two requests at once would
@@ -17,7 +20,9 @@ not "none"). Sampling is greedy unless the request sets `temperature > 0`
 (then a random seed is chosen when none is given, and recorded so `replay
 --mode verify` can reproduce it). `stop` strings cut the text after
 generation. Local streaming sends the answer as SSE once it is generated:
-the engine has no per-token callback.
+the engine has no per-token callback; it is recorded just before its `data:
+[DONE]` event is sent, so a client that has read a whole stream finds it in
+the store, and a stream the client drops is recorded marked incomplete.
 """
 
 from __future__ import annotations
@@ -25,17 +30,26 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
 from kvtrace.errors import UsageError
 from kvtrace.replay.backend import CallRequest, SamplingParams
 from kvtrace.replay.recording import TOKEN_IDS_KEY
-from kvtrace.tracer.api import APIError, ChatRequest
+from kvtrace.serve.api import CHAT_PATH, MODELS_PATH, APIError, ChatRequest, parse_chat_request
+from kvtrace.serve.recording import Sink, StepWrite
+from kvtrace.tracer import sse
 
 if TYPE_CHECKING:
     from kvtrace.replay.local import LocalBackend
+    from kvtrace.store import Step
+    from kvtrace.tracer.recorder import Recorder
+    from kvtrace.tracer.redact import Redactor
 
 DEFAULT_MAX_TOKENS = 256  # replay's default too, so an unset max_tokens replays alike
 
@@ -50,13 +64,32 @@ class LocalAnswer:
     timings: dict[str, float]
     is_seed_chosen: bool
 
+    def step(self, request: ChatRequest, url: str, *, is_complete: bool = True) -> StepWrite:
+        """How this answer to `request` (sent to `url`) is recorded: a model_call step."""
+        completion = self.completion
+
+        def write(recorder: Recorder, redactor: Redactor) -> Step:
+            extra: dict[str, Any] = {
+                "http": {"url": redactor.url(url), "status": 200, "stream": request.is_stream,
+                         "complete": is_complete},
+                "response": {"id": completion["id"], "created": completion["created"]},
+                "served_by": "kvtrace serve (local)",
+            }
+            if self.is_seed_chosen:
+                extra["seed_chosen"] = True
+            return recorder.record_model_call(
+                request.messages, completion, model=completion["model"], tools=request.tools,
+                params=self.params, usage=self.usage, timings=self.timings, extra=extra)
+
+        return write
+
 
 class LocalAnswerer:
     """The engine behind the server: queue, prompt checks, generation, completion."""
 
     def __init__(self, backend: LocalBackend, *, max_queue: int = 16) -> None:
         if max_queue < 0:
-            raise ValueError("max_queue must be >= 0")
+            raise UsageError(f"max_queue must be >= 0, not {max_queue}")
         # Each answer's output is stored before the reply: the next request
         # may come from another client, or never, and `cached_tokens` must
         # count only KV the cache held (no deferred output, see replay/local.py).
@@ -66,8 +99,12 @@ class LocalAnswerer:
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="kvtrace-engine")
 
     @property
-    def model_name(self) -> str:
+    def model(self) -> str:
         return self._backend.model
+
+    @property
+    def description(self) -> str:
+        return f"local model {self.model}"
 
     @property
     def queue(self) -> dict[str, int]:
@@ -75,14 +112,49 @@ class LocalAnswerer:
         return {"running": running, "waiting": self._in_flight - running,
                 "capacity": self._capacity}
 
-    def close(self) -> None:
+    def health(self) -> dict[str, Any]:
+        return {"mode": "local", "model": self.model, "queue": self.queue}
+
+    async def close(self) -> None:
         self._worker.shutdown(wait=True)
+
+    async def answer(self, request: Request, body: bytes, sink: Sink) -> Response:
+        """A chat completion, or the model list; any other path is a 404."""
+        route = (request.method, request.url.path)
+        if route == ("GET", MODELS_PATH):
+            return JSONResponse({"object": "list", "data": [{
+                "id": self.model, "object": "model", "created": 0, "owned_by": "kvtrace"}]})
+        if route != ("POST", CHAT_PATH):
+            raise APIError(404, f"{request.method} {request.url.path} is not served in local "
+                           f"mode (POST {CHAT_PATH}, GET {MODELS_PATH})", code="not_found")
+        chat = parse_chat_request(body, is_local=True)
+        prompt = self.check(chat)
+        reply = await self._queued(chat, prompt)
+        url = str(request.url)
+        if not chat.is_stream:
+            await sink.record(reply.step(chat, url))
+            return JSONResponse(reply.completion)
+
+        async def events() -> AsyncIterator[bytes]:
+            is_recorded = False
+            try:
+                for event in sse.stream_events(reply.completion,
+                                               include_usage=chat.includes_usage):
+                    if event.startswith(b"data: " + sse.DONE):
+                        await sink.record(reply.step(chat, url))
+                        is_recorded = True
+                    yield event
+            finally:
+                if not is_recorded:  # the client left early: the answer, marked incomplete
+                    sink.record_later(reply.step(chat, url, is_complete=False))
+
+        return StreamingResponse(events(), media_type="text/event-stream")
 
     def check(self, request: ChatRequest) -> list[int]:
         """The prompt's token ids, after the checks that do not need the engine's time."""
-        if request.model != self.model_name:
+        if request.model != self.model:
             raise APIError(404, f"the model {request.model!r} does not exist here: this server "
-                           f"serves {self.model_name!r} (GET /v1/models)", param="model",
+                           f"serves {self.model!r} (GET /v1/models)", param="model",
                            code="model_not_found")
         engine = self._backend.engine
         try:
@@ -96,7 +168,7 @@ class LocalAnswerer:
                            code="context_length_exceeded")
         return prompt
 
-    async def answer(self, request: ChatRequest, prompt: list[int]) -> LocalAnswer:
+    async def _queued(self, request: ChatRequest, prompt: list[int]) -> LocalAnswer:
         """Queue for the engine (429 when the queue is full), then generate."""
         if self._in_flight >= self._capacity:
             raise APIError(429, f"the server is busy: {self._capacity - 1} requests already "
@@ -146,7 +218,7 @@ class LocalAnswerer:
             "id": f"chatcmpl-{uuid.uuid4().hex[:24]}",
             "object": "chat.completion",
             "created": int(time.time()),
-            "model": self.model_name,
+            "model": self.model,
             "choices": [{"index": 0, "message": message, "finish_reason": finish,
                          "logprobs": None}],
             "usage": usage,

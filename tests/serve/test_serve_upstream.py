@@ -6,14 +6,14 @@ from __future__ import annotations
 import httpx
 import openai
 
-from tests.tracer.conftest import (
+from tests.canned import (
     CANNED_COMPLETION,
     CANNED_STREAM,
     SECRET_KEY,
-    SERVER_KEY,
     all_blob_bytes,
     all_step_meta,
 )
+from tests.serve.conftest import SERVER_KEY
 
 QUESTION = [{"role": "user", "content": "Weather in Paris?"}]
 

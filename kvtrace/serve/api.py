@@ -9,7 +9,8 @@ store/messages.py), `model`, `tools`, `tool_choice`, `temperature` (0-2),
 `top_p` (0-1], `seed`, `max_tokens`/`max_completion_tokens` (>= 1), `stop`
 (a string or up to 4), `n` (1 only, in local mode), `stream`,
 `stream_options`; other fields are passed on (upstream) or recorded as params
-(local) unchecked.
+(local) unchecked. `CHAT_PATH` and `MODELS_PATH` are the two endpoints the
+server itself knows.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ from typing import Any
 
 from kvtrace.errors import UsageError
 from kvtrace.store.messages import normalize_messages, normalize_tools
+
+CHAT_PATH = "/v1/chat/completions"
+MODELS_PATH = "/v1/models"
 
 
 class APIError(Exception):

@@ -13,7 +13,8 @@ import pytest
 from kvtrace.replay import LocalBackend, replay
 from kvtrace.replay.oracle import common_prefix_length
 from kvtrace.replay.recording import TOKEN_IDS_KEY
-from tests.tracer.conftest import SERVER_KEY, all_blob_bytes, all_step_meta
+from tests.canned import all_blob_bytes, all_step_meta
+from tests.serve.conftest import SERVER_KEY
 
 SYSTEM = {"role": "system", "content": "You are a terse assistant. " * 8}
 TOOLS = [{"type": "function", "function": {
@@ -262,13 +263,11 @@ def test_the_default_model_calls_a_tool_and_the_sdk_gets_tool_calls(
     sqlite_store, tmp_path, default_model_engine
 ):
     from kvtrace.engine import KVCache
-    from kvtrace.tracer.local import LocalAnswerer
-    from kvtrace.tracer.runner import BackgroundServer
-    from kvtrace.tracer.server import ChatServer
+    from kvtrace.serve import BackgroundServer, make_server
 
     backend = LocalBackend(default_model_engine,
                            KVCache(default_model_engine, disk_dir=tmp_path / "kv"))
-    server = ChatServer(sqlite_store, answerer=LocalAnswerer(backend), run="tools")
+    server = make_server(backend=backend, store=sqlite_store, run="tools")
     with BackgroundServer(server.app) as running:
         sdk = client(running)
         reply = sdk.chat.completions.create(model=default_model_engine.name, messages=FEW_SHOT,

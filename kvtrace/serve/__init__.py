@@ -1,0 +1,80 @@
+"""`kvtrace serve`: an OpenAI-compatible HTTP server that records every call into a run.
+
+`make_server(backend=... | upstream=..., store=...)` builds one; run its
+`app` with `BackgroundServer` (runner.py) or any ASGI server. The modules:
+
+- app.py: `ChatServer`, the routes, the bearer-token and body-size checks;
+- answerer.py: the `Answerer` interface the app calls, implemented by
+  local.py (`LocalAnswerer`: the engine, through replay's local backend) and
+  upstream.py (`UpstreamAnswerer`: forwards to another server);
+- recording.py: which run a request is recorded into, the store writer
+  thread, the per-run stats (`store=None`: nothing is recorded);
+- api.py: the chat request's checks and the OpenAI-style errors;
+  openapi.py: the chat request's schema in `GET /openapi.json`;
+- runner.py: `BackgroundServer`, uvicorn on a thread.
+
+Layering: imports the tracer (what an exchange records, the Recorder, the
+Redactor, SSE), the store, and replay's local backend; the CLI and the
+benchmarks import it, never the tracer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from kvtrace.errors import UsageError
+from kvtrace.serve.answerer import Answerer
+from kvtrace.serve.app import DEFAULT_MAX_BODY_BYTES, ChatServer
+from kvtrace.serve.recording import Recording, RunStats
+from kvtrace.serve.runner import BackgroundServer
+from kvtrace.serve.upstream import UpstreamAnswerer
+
+if TYPE_CHECKING:
+    from kvtrace.replay.local import LocalBackend
+    from kvtrace.store import Store
+
+DEFAULT_MAX_QUEUE = 16
+
+__all__ = ["Answerer", "BackgroundServer", "ChatServer", "RunStats", "make_server"]
+
+
+def make_server(
+    *,
+    backend: LocalBackend | None = None,
+    upstream: str | None = None,
+    store: Store | None = None,
+    run: str | None = None,
+    api_key: str | None = None,
+    upstream_api_key: str | None = None,
+    redact_headers: Iterable[str] = (),
+    max_queue: int = DEFAULT_MAX_QUEUE,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> ChatServer:
+    """A server answered by `backend` (the local engine) or by `upstream` (a base URL with
+    its API prefix, e.g. http://host:8080/v1): exactly one of the two.
+
+    Every answer is recorded into `store` (None: nothing is recorded), in the
+    run a request's X-Kvtrace-Run header names, else `run`, else a new run
+    named at start (serve-YYYYMMDD-HHMMSS). `api_key`: the bearer token
+    clients must send (then their Authorization is not forwarded);
+    `upstream_api_key`: the one sent upstream instead; `redact_headers`:
+    headers never stored, besides the built-in secret ones; `max_queue`:
+    local requests that may wait for the engine (past it, 429);
+    `max_body_bytes`: the largest request body (past it, 413).
+    """
+    if max_body_bytes < 1:
+        raise UsageError(f"max_body_bytes must be >= 1, not {max_body_bytes}")
+    answerer: Answerer
+    if backend is not None and upstream is None:
+        from kvtrace.serve.local import LocalAnswerer  # imports replay: not for upstream mode
+
+        answerer = LocalAnswerer(backend, max_queue=max_queue)
+    elif upstream is not None and backend is None:
+        answerer = UpstreamAnswerer(upstream, api_key=upstream_api_key,
+                                    forwards_authorization=api_key is None)
+    else:
+        raise UsageError("make_server answers from a local backend or from an upstream URL: "
+                         "give exactly one of backend= and upstream=")
+    recording = Recording(store, run=run, redact_headers=redact_headers)
+    return ChatServer(answerer, recording, api_key=api_key, max_body_bytes=max_body_bytes)

@@ -1,0 +1,132 @@
+"""`kvtrace serve`'s ASGI application: routes, checks, errors; answering is the answerer's.
+
+Routes: `POST /v1/chat/completions`, `GET /v1/models`, every other `/v1/...`
+path, `GET /health`, `GET /openapi.json` (openapi.py). A `/v1` request is
+authorized (a bearer token, when the server has an `api_key`), its sink is
+chosen (recording.py: the run it names, or nothing recorded), its body is
+read up to `max_body_bytes`, and the answerer (answerer.py: local.py's
+engine or upstream.py's forwarder) answers it; `GET /v1/models` records
+nothing. The app holds no mode of its own: what differs between the modes
+is in the answerers.
+
+Bad input (malformed JSON, wrong types, unknown model, a prompt past the
+context, a body over `max_body_bytes`, a missing or wrong bearer token) is a
+4xx with an OpenAI-style error body (api.py's `APIError`), and nothing is
+recorded. When the server stops, the answerer is closed and the store
+writes still queued are waited for.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvtrace.serve.answerer import Answerer
+from kvtrace.serve.api import CHAT_PATH, MODELS_PATH, APIError
+from kvtrace.serve.openapi import chat_operation
+from kvtrace.serve.recording import DISCARD, Recording, RunStats
+
+DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+
+
+class ChatServer:
+    """An answerer and a recording behind one ASGI application, `app`."""
+
+    def __init__(self, answerer: Answerer, recording: Recording, *, api_key: str | None = None,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+        self.answerer = answerer
+        self.recording = recording
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+        self.app = self._build_app()
+
+    @property
+    def default_run(self) -> str:
+        return self.recording.default_run
+
+    @property
+    def stats(self) -> dict[str, RunStats]:
+        """What was recorded into each run so far."""
+        return self.recording.stats
+
+    def _build_app(self) -> FastAPI:
+        @asynccontextmanager
+        async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+            try:
+                yield
+            finally:
+                await self.answerer.close()
+                self.recording.close()
+
+        app = FastAPI(title="kvtrace serve", lifespan=lifespan, docs_url=None, redoc_url=None,
+                      openapi_url="/openapi.json")
+
+        @app.exception_handler(APIError)
+        async def api_error(_: Request, exc: APIError) -> JSONResponse:
+            return JSONResponse(exc.body(), status_code=exc.status)
+
+        @app.exception_handler(StarletteHTTPException)
+        async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+            error = APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                             code="not_found" if exc.status_code == 404 else None)
+            return JSONResponse(error.body(), status_code=exc.status_code)
+
+        @app.get("/health")
+        async def health() -> dict[str, Any]:
+            return {"status": "ok", "run": self.default_run, **self.answerer.health()}
+
+        @app.get(MODELS_PATH)
+        async def models(request: Request) -> Response:
+            self._authorize(request)
+            return await self.answerer.answer(request, b"", DISCARD)
+
+        @app.post(CHAT_PATH, openapi_extra=chat_operation(self.answerer.model))
+        async def chat(request: Request) -> Response:
+            return await self._answer(request)
+
+        async def other(request: Request, path: str) -> Response:
+            return await self._answer(request)
+
+        for method in ("GET", "POST", "PUT", "PATCH", "DELETE"):  # one operationId each
+            app.add_api_route("/v1/{path:path}", other, methods=[method],
+                              operation_id=f"forward_{method.lower()}")
+        return app
+
+    async def _answer(self, request: Request) -> Response:
+        self._authorize(request)
+        sink = self.recording.sink(request)
+        return await self.answerer.answer(request, await self._body(request), sink)
+
+    def _authorize(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            token.strip().encode(), self.api_key.encode()
+        ):
+            what = "no bearer token was sent" if not given else "the bearer token is wrong"
+            raise APIError(401, f"{what}: send 'Authorization: Bearer KEY' with the key "
+                           "kvtrace serve was started with (--api-key)",
+                           code="invalid_api_key")
+
+    async def _body(self, request: Request) -> bytes:
+        limit = self.max_body_bytes
+        declared = request.headers.get("content-length")
+        too_big = APIError(413, f"the request body is over the {limit}-byte limit "
+                           "(kvtrace serve --max-body-bytes)", code="request_too_large")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise too_big
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_big
+            chunks.append(chunk)
+        return b"".join(chunks)

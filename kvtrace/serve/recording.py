@@ -1,0 +1,167 @@
+"""What `kvtrace serve` records, and where: the run of each request, one store writer thread.
+
+A request is recorded into the run its `X-Kvtrace-Run` header names, else
+the server's default run (given, or named at start: `serve-YYYYMMDD-HHMMSS`).
+`Recording.sink(request)` decides once per request where its step goes: a
+`RunSink` on that run, or `DISCARD` when the server was given no store. An
+answerer hands its sink a `StepWrite` (a function of the run's `Recorder`
+and the server's `Redactor` that writes one step, e.g. exchange.py's
+`record_exchange`) and never asks whether it is recording; an answer that
+must not be recorded (a 4xx from the upstream) is sent to `DISCARD`.
+
+Store writes run on one worker thread, so the event loop never waits on the
+database: `record` waits for its write (an answer goes out once its step is
+stored), `record_later` does not (a stream the client dropped: nobody waits
+for it). A bad run name in the header is a 400, checked before anything is
+read, answered or recorded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Protocol
+
+from kvtrace.errors import UsageError
+from kvtrace.serve.api import APIError
+from kvtrace.store import Step, Store, validate_run_name
+from kvtrace.tracer.recorder import Recorder
+from kvtrace.tracer.redact import Redactor
+
+if TYPE_CHECKING:
+    from starlette.requests import Request
+
+RUN_HEADER = "x-kvtrace-run"
+StepWrite = Callable[[Recorder, Redactor], Step]
+
+
+@dataclass(slots=True)
+class RunStats:
+    """What a server recorded into one run (for `kvtrace record`'s summary)."""
+
+    calls: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    unknown_cached: int = 0  # calls whose server did not report cached tokens
+    other_steps: int = 0
+
+    def add(self, step: Step) -> None:
+        if step.kind != "model_call":
+            self.other_steps += 1
+            return
+        usage = step.meta.get("usage") or {}
+        self.calls += 1
+        self.prompt_tokens += int(usage.get("prompt_tokens") or 0)
+        self.completion_tokens += int(usage.get("completion_tokens") or 0)
+        if usage.get("cached_tokens") is None:
+            self.unknown_cached += 1
+        else:
+            self.cached_tokens += int(usage["cached_tokens"])
+
+
+class Sink(Protocol):
+    """Where one answer's step goes."""
+
+    async def record(self, write: StepWrite) -> None:
+        """Write the step and wait until it is stored."""
+
+    def record_later(self, write: StepWrite) -> None:
+        """Write the step without waiting for it."""
+
+
+class _Discard:
+    """The sink of an answer that is not recorded."""
+
+    async def record(self, write: StepWrite) -> None:
+        return None
+
+    def record_later(self, write: StepWrite) -> None:
+        return None
+
+
+DISCARD: Sink = _Discard()
+
+
+class Recording:
+    """The store a server records into (None: nothing is recorded), its runs and their stats."""
+
+    def __init__(self, store: Store | None, *, run: str | None = None,
+                 redact_headers: Iterable[str] = ()) -> None:
+        self.store = store
+        self.default_run = validate_run_name(run) if run is not None else new_run_name(store)
+        self.stats: dict[str, RunStats] = {}
+        self._writer = (StoreWriter(store, Redactor(redact_headers), self.stats)
+                        if store is not None else None)
+
+    def sink(self, request: Request) -> Sink:
+        """Where the answer to `request` is recorded (the run header checked here)."""
+        name = request.headers.get(RUN_HEADER)
+        try:
+            run = validate_run_name(name) if name is not None else self.default_run
+        except UsageError as exc:
+            raise APIError(400, f"header X-Kvtrace-Run: {exc}", param=RUN_HEADER,
+                           code="invalid_value") from exc
+        return RunSink(self._writer, run) if self._writer is not None else DISCARD
+
+    def close(self) -> None:
+        """Wait for the writes still queued, then stop the writer thread."""
+        if self._writer is not None:
+            self._writer.close()
+
+
+class StoreWriter:
+    """Writes steps into a store's runs on one thread, one Recorder per run; counts them."""
+
+    def __init__(self, store: Store, redactor: Redactor, stats: dict[str, RunStats]) -> None:
+        self._store = store
+        self._redactor = redactor
+        self._stats = stats
+        self._recorders: dict[str, Recorder] = {}
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="kvtrace-store")
+
+    async def record(self, run: str, write: StepWrite) -> None:
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._worker, self._write, run, write)
+
+    def record_later(self, run: str, write: StepWrite) -> None:
+        self._worker.submit(self._write, run, write)
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=True)
+
+    def _write(self, run: str, write: StepWrite) -> Step:
+        recorder = self._recorders.get(run)
+        if recorder is None:
+            recorder = self._recorders[run] = Recorder(self._store.run(run))
+        step = write(recorder, self._redactor)
+        self._stats.setdefault(run, RunStats()).add(step)
+        return step
+
+
+@dataclass(frozen=True, slots=True)
+class RunSink:
+    """A sink on one run of the store."""
+
+    writer: StoreWriter
+    run: str
+
+    async def record(self, write: StepWrite) -> None:
+        await self.writer.record(self.run, write)
+
+    def record_later(self, write: StepWrite) -> None:
+        self.writer.record_later(self.run, write)
+
+
+def new_run_name(store: Store | None, prefix: str = "serve") -> str:
+    """A run name no run has yet: PREFIX-YYYYMMDD-HHMMSS (UTC), with -N appended if taken."""
+    base = f"{prefix}-" + datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
+    taken = {info.name for info in store.runs()} if store is not None else set()
+    name, number = base, 1
+    while name in taken:
+        number += 1
+        name = f"{base}-{number}"
+    return name

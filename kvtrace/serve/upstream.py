@@ -1,0 +1,145 @@
+"""The upstream answerer: every request goes on to another OpenAI-compatible server.
+
+The request is sent with httpx to the upstream base URL (`--upstream`, with
+its API prefix, e.g. `http://host:port/v1`), and the upstream's status,
+headers (less hop-by-hop ones, `Date` and `Server`) and body bytes come back
+unchanged, an SSE stream passed on as it arrives. A chat request is checked
+first (api.py), so bad input is answered here and never forwarded. The
+client's Authorization goes along unless `forwards_authorization` is off
+(the server checks its own key: then it is dropped) or the upstream has its
+own `api_key` (then that is sent instead).
+
+What is recorded is exchange.py's model_call (or http) step, as the httpx
+transports record it; a 4xx from the upstream is returned and not recorded.
+A stream is recorded when its `data: [DONE]` arrives (before it is passed
+on), or at its end when it has none; a stream the client drops is recorded
+with what had arrived, marked incomplete.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from kvtrace.errors import UsageError
+from kvtrace.serve.api import CHAT_PATH, APIError, parse_chat_request
+from kvtrace.serve.recording import DISCARD, RUN_HEADER, Sink, StepWrite
+from kvtrace.tracer.exchange import Exchange, decoded_body, record_exchange
+
+_API_PREFIX = "/v1"
+_HOP_BY_HOP = frozenset({
+    "connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer",
+    "upgrade", "host", "content-length",
+})
+_NOT_RETURNED = frozenset({"connection", "keep-alive", "transfer-encoding", "date", "server"})
+
+
+class UpstreamAnswerer:
+    """Forwards to `url` and returns what it answers (see the module docstring)."""
+
+    def __init__(self, url: str, *, api_key: str | None = None,
+                 forwards_authorization: bool = True) -> None:
+        if not url.startswith(("http://", "https://")):
+            raise UsageError(f"upstream {url!r} must start with http:// or https:// and end "
+                             "with the API prefix (often /v1)")
+        self.url = url.rstrip("/")
+        self._api_key = api_key
+        self._forwards_authorization = forwards_authorization and api_key is None
+        self._client: httpx.AsyncClient | None = None
+
+    @property
+    def model(self) -> None:
+        return None
+
+    @property
+    def description(self) -> str:
+        return f"upstream {self.url}"
+
+    def health(self) -> dict[str, Any]:
+        return {"mode": "upstream", "upstream": self.url}
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    async def answer(self, request: Request, body: bytes, sink: Sink) -> Response:
+        if (request.method, request.url.path) == ("POST", CHAT_PATH):
+            parse_chat_request(body, is_local=False)
+        started = time.perf_counter()
+        url = self._url_of(request)
+        response = await self._send(request, url, body)
+        if 400 <= response.status_code < 500:
+            sink = DISCARD  # the upstream refused the request: returned, not recorded
+        returned = {k: v for k, v in response.headers.items() if k.lower() not in _NOT_RETURNED}
+
+        def step(raw: bytes, first_byte_s: float | None, *, is_complete: bool) -> StepWrite:
+            exchange = Exchange(
+                method=request.method, url=url,
+                request_headers=tuple(request.headers.items()), request_body=body,
+                status=response.status_code,
+                response_headers=tuple(response.headers.multi_items()),
+                response_body=decoded_body(response.headers, raw), is_complete=is_complete,
+                total_s=time.perf_counter() - started, first_byte_s=first_byte_s,
+            )
+            return lambda recorder, redactor: record_exchange(recorder, exchange, redactor)
+
+        if not response.headers.get("content-type", "").startswith("text/event-stream"):
+            try:
+                raw = b"".join([chunk async for chunk in response.aiter_raw()])
+            finally:
+                await response.aclose()
+            await sink.record(step(raw, None, is_complete=True))
+            return Response(raw, status_code=response.status_code, headers=returned)
+
+        async def relay() -> AsyncIterator[bytes]:
+            chunks: list[bytes] = []
+            first_byte_s: float | None = None
+            is_recorded = False
+            try:
+                async for chunk in response.aiter_raw():
+                    if first_byte_s is None:
+                        first_byte_s = time.perf_counter() - started
+                    chunks.append(chunk)
+                    if not is_recorded and chunk.rstrip().endswith(b"[DONE]"):
+                        is_recorded = True
+                        await sink.record(step(b"".join(chunks), first_byte_s, is_complete=True))
+                    yield chunk
+                if not is_recorded:  # a stream without [DONE], read to its end
+                    is_recorded = True
+                    await sink.record(step(b"".join(chunks), first_byte_s, is_complete=True))
+            finally:
+                await response.aclose()
+                if not is_recorded:  # the client left early
+                    sink.record_later(step(b"".join(chunks), first_byte_s, is_complete=False))
+
+        return StreamingResponse(relay(), status_code=response.status_code, headers=returned)
+
+    def _url_of(self, request: Request) -> str:
+        path = request.url.path
+        if path.startswith(_API_PREFIX):
+            path = path[len(_API_PREFIX):]
+        return self.url + path + (f"?{request.url.query}" if request.url.query else "")
+
+    async def _send(self, request: Request, url: str, body: bytes) -> httpx.Response:
+        headers = [(k, v) for k, v in request.headers.items()
+                   if k.lower() not in _HOP_BY_HOP and k.lower() != RUN_HEADER]
+        if not self._forwards_authorization:
+            headers = [(k, v) for k, v in headers if k.lower() != "authorization"]
+        if self._api_key is not None:
+            headers.append(("authorization", f"Bearer {self._api_key}"))
+        if self._client is None:  # made on the server's event loop, closed with it
+            self._client = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=10.0))
+        try:
+            return await self._client.send(
+                self._client.build_request(request.method, url, headers=headers, content=body),
+                stream=True)
+        except httpx.HTTPError as exc:
+            raise APIError(502, f"cannot reach the upstream {self.url} ({exc}): is it running, "
+                           "and does --upstream end with its API prefix (often /v1)?",
+                           kind="api_error", code="upstream_unreachable") from exc
