@@ -40,9 +40,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from kvtrace.errors import UsageError
 from kvtrace.replay.backend import CallRequest, SamplingParams
-from kvtrace.replay.recording import TOKEN_IDS_KEY
 from kvtrace.serve.api import CHAT_PATH, MODELS_PATH, APIError, ChatRequest, parse_chat_request
 from kvtrace.serve.recording import Sink, StepWrite
+from kvtrace.store.kinds import TOKEN_IDS_KEY
 from kvtrace.tracer import sse
 
 if TYPE_CHECKING:

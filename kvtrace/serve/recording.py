@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from kvtrace.errors import UsageError
 from kvtrace.serve.api import APIError
-from kvtrace.store import Step, Store, validate_run_name
+from kvtrace.store import ModelCall, Step, StepKind, Store, validate_run_name
 from kvtrace.tracer.recorder import Recorder
 from kvtrace.tracer.redact import Redactor
 
@@ -50,17 +50,17 @@ class RunStats:
     other_steps: int = 0
 
     def add(self, step: Step) -> None:
-        if step.kind != "model_call":
+        if step.kind != StepKind.MODEL_CALL:
             self.other_steps += 1
             return
-        usage = step.meta.get("usage") or {}
+        usage = ModelCall(step).usage
         self.calls += 1
-        self.prompt_tokens += int(usage.get("prompt_tokens") or 0)
-        self.completion_tokens += int(usage.get("completion_tokens") or 0)
-        if usage.get("cached_tokens") is None:
+        self.prompt_tokens += usage.prompt_tokens or 0
+        self.completion_tokens += usage.completion_tokens or 0
+        if usage.cached_tokens is None:
             self.unknown_cached += 1
         else:
-            self.cached_tokens += int(usage["cached_tokens"])
+            self.cached_tokens += usage.cached_tokens
 
 
 class Sink(Protocol):

@@ -12,7 +12,7 @@ import pytest
 
 from kvtrace.replay import LocalBackend, replay
 from kvtrace.replay.oracle import common_prefix_length
-from kvtrace.replay.recording import TOKEN_IDS_KEY
+from kvtrace.store.kinds import TOKEN_IDS_KEY
 from tests.canned import all_blob_bytes, all_step_meta
 from tests.serve.conftest import SERVER_KEY
 
