@@ -11,7 +11,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "kvtrace"
 
 # A layer may import itself, the shared modules, and the layers listed for it.
-SHARED = {"kvtrace.errors", "kvtrace.paths", "kvtrace.rendering", "kvtrace.numerics"}
+SHARED = {"kvtrace.errors", "kvtrace.paths", "kvtrace.rendering", "kvtrace.numerics", "kvtrace.inert"}
 ALLOWED = {
     "store": {"store"},
     "engine": {"engine"},
