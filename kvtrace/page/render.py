@@ -12,7 +12,8 @@ bound (tokens an exact-prefix cache could reuse, green, against tokens it
 must compute) and, where recorded, the provider's cached tokens (blue) with
 a mark at the oracle bound's rate.
 
-Every recorded value (content, names, notes) goes through `html.escape`,
+Every recorded value (content, names, notes) goes through `html.escape`, after
+`kvtrace.inert` shows its control, format and bidi characters as escapes,
 and a Content-Security-Policy meta tag forbids loading anything: a recorded
 `<script>` is text on the page, never code.
 """
@@ -26,6 +27,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from kvtrace.inert import inert
 from kvtrace.page.contents import GraphNode, Page, PageRun, PageStep, gather
 from kvtrace.rendering import content_text
 from kvtrace.replay.backend import Tokenizer
@@ -381,8 +383,8 @@ def _message(message: Any) -> str:
 
 
 def _e(value: Any) -> str:
-    """Escaped for HTML text and attribute values."""
-    return html.escape(str(value), quote=True)
+    """Escaped for HTML text and attribute values, with controls and bidi characters visible."""
+    return html.escape(inert(str(value)), quote=True)
 
 
 def _pre(value: Any) -> str:

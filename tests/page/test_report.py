@@ -56,6 +56,14 @@ def test_recorded_content_is_escaped(store):
     assert "&lt;supervisor&gt;" in text
 
 
+def test_controls_and_bidi_characters_in_recorded_content_show_as_escapes(store):
+    run = store.run("main")
+    run.record_tool_call("rm\u202e\u200bfdp.exe", {"path": "/"}, "\x1b]52;c;aGk=\x07 done")
+    text = render_html(gather(store, ["main"]))
+    assert "\u202e" not in text and "\u200b" not in text and "\x1b" not in text
+    assert "rm\\u202e\\u200bfdp.exe" in text and "\\x1b]52;c;aGk=\\x07 done" in text
+
+
 def test_without_a_tokenizer_only_the_providers_cached_tokens_show(store):
     record_runs(store)
     page = gather(store, ["main"])
