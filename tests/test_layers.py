@@ -46,3 +46,18 @@ def test_lower_layers_never_import_higher_ones(layer):
             parts = name.split(".")
             target = parts[1] if len(parts) > 1 else "kvtrace"
             assert target in ALLOWED[layer], f"{path.relative_to(PACKAGE)} imports {name}"
+
+
+def test_only_the_cli_formats_output_with_rich():
+    """The library returns records; tables and progress bars are drawn at the edge."""
+    for path in PACKAGE.rglob("*.py"):
+        if path.relative_to(PACKAGE).parts[0] == "cli":
+            continue
+        tree = ast.parse(path.read_text())
+        modules = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+                   for alias in node.names}
+        modules |= {node.module for node in ast.walk(tree)
+                    if isinstance(node, ast.ImportFrom) and node.module}
+        assert not {m for m in modules if m == "rich" or m.startswith("rich.")}, (
+            f"{path.relative_to(PACKAGE)} imports rich: return a record, render it in kvtrace/cli"
+        )

@@ -131,8 +131,8 @@ def replay_command(
     as_json: bool = JSON,
 ) -> None:
     """Replay a run from its root through a backend, reporting KV reuse per step."""
+    from kvtrace.cli.render import progress_bar, render_replay
     from kvtrace.replay import replay
-    from kvtrace.replay.report import progress_bar, render
 
     if no_draft and mode != "verify":
         raise UsageError("--no-draft applies to --mode verify only")
@@ -147,7 +147,7 @@ def replay_command(
             report = replay(store, run, chosen, to=to, mode=mode,
                             compare_uncached=compare_uncached, use_drafts=not no_draft,
                             on_step=on_step)
-    render(report)
+    render_replay(report)
     if report.is_match is False:
         raise typer.Exit(1)
 
@@ -159,10 +159,10 @@ def checkout_command(
     as_json: bool = JSON,
 ) -> None:
     """Rebuild a step's KV state into the local cache so a later continue starts warm."""
+    from kvtrace.cli.render import progress_bar, render_replay
     from kvtrace.engine import DEFAULT_BLOCK_SIZE
     from kvtrace.engine.maintenance import default_kv_dir
     from kvtrace.replay import checkout
-    from kvtrace.replay.report import progress_bar, render
 
     chosen = _backend("local", model)
     with open_store(store_url(), create=False) as store:
@@ -171,7 +171,7 @@ def checkout_command(
             return
         with progress_bar(f"checkout {spec}") as on_step:
             report = checkout(store, spec, chosen, on_step=on_step)
-    render(report)
+    render_replay(report)
     typer.echo(f"KV state of {spec}: whole {DEFAULT_BLOCK_SIZE}-token blocks on disk under "
                f"{default_kv_dir(default_cache_dir())} (a later process recomputes only the "
                "tail)")
@@ -290,9 +290,9 @@ def analyze_command(
     as_json: bool = JSON,
 ) -> None:
     """Oracle bound per step and prefix breakers, with the tokenizer only (no forward pass)."""
+    from kvtrace.cli.render import render_analysis
     from kvtrace.engine import load_tokenizer
     from kvtrace.replay import analyze
-    from kvtrace.replay.analyze import render_analysis
 
     tokenizer = cast(
         "Tokenizer", _Lazy(lambda: load_tokenizer(model, cache_dir=default_cache_dir()))
