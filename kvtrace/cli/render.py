@@ -24,8 +24,10 @@ if TYPE_CHECKING:
 
 def render_replay(report: ReplayReport, console: Console | None = None) -> None:
     """Print a replay report as a plain Rich table, then a one-line summary."""
+    from kvtrace.replay.report import ReplayMode
+
     console = console or Console()
-    verify = report.mode == "verify"
+    verify = report.mode is ReplayMode.VERIFY
     table = Table(
         title=f"{report.mode} {report.run} → {report.target_id[:12]} "
         f"({report.backend}, {report.model})",
@@ -65,9 +67,12 @@ def render_replay(report: ReplayReport, console: Console | None = None) -> None:
     console.print(summary)
     drafts = [s.draft for s in report.steps if s.draft is not None]
     if drafts:
+        # Verdicts come from the local engine: kvtrace.engine (and torch) is loaded already.
+        from kvtrace.engine.generate import DraftVerdict
+
         console.print(
-            f"drafts: {drafts.count('accepted')} of {len(report.steps)} responses "
-            f"checked in one pass, {drafts.count('rejected')} rejected and decoded "
+            f"drafts: {drafts.count(DraftVerdict.ACCEPTED)} of {len(report.steps)} responses "
+            f"checked in one pass, {drafts.count(DraftVerdict.REJECTED)} rejected and decoded "
             "(--no-draft: decode all)"
         )
     for s in report.steps:

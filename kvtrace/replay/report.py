@@ -20,13 +20,20 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from kvtrace.engine.generate import DraftVerdict
     from kvtrace.replay.backend import CallResult
     from kvtrace.store import Step
 
-MODES = ("verify", "rebuild")
+
+class ReplayMode(StrEnum):
+    """How a replay treats each recorded model call (see driver.py)."""
+
+    VERIFY = "verify"  # regenerate the response and compare it with the recording
+    REBUILD = "rebuild"  # feed the recorded response: rebuilds the KV state fast
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +78,7 @@ class StepReport:
     decode_s: float
     is_match: bool | None = None  # verify only
     mismatch: Mismatch | None = None
-    draft: str | None = None  # verify: "accepted" / "rejected" when the recording was checked
+    draft: DraftVerdict | None = None  # verify: the verdict when the recording was checked
 
     @classmethod
     def of(
@@ -130,7 +137,7 @@ class StepReport:
             "decode_s": round(self.decode_s, 4),
             "match": self.is_match,
             "mismatch": self.mismatch.to_dict() if self.mismatch else None,
-            "draft": self.draft,
+            "draft": None if self.draft is None else str(self.draft),
         }
 
 
@@ -203,7 +210,7 @@ class ReplayReport:
 
     run: str
     target_id: str
-    mode: str
+    mode: ReplayMode
     backend: str
     model: str
     steps: list[StepReport]
@@ -241,7 +248,7 @@ class ReplayReport:
         return {
             "run": self.run,
             "target": self.target_id,
-            "mode": self.mode,
+            "mode": str(self.mode),
             "backend": self.backend,
             "model": self.model,
             "steps": [s.to_dict() for s in self.steps],
