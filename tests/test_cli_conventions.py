@@ -5,6 +5,7 @@ errors name parameters, the CLI names its flags. All on a real SQLite store."""
 from __future__ import annotations
 
 import enum
+import inspect
 import json
 import typing
 from pathlib import Path
@@ -147,6 +148,25 @@ def test_bench_prints_figures_as_text_or_with_json_as_one_object(home, capsys):
     assert lines[1].startswith("stores[0].url ") and "synchronous=full" in out
     with pytest.raises(ValueError):
         json.loads(out)
+
+
+def _callbacks():
+    """Every command's Python function, in the root app and its groups."""
+    typers = [app] + [group.typer_instance for group in app.registered_groups]
+    return [command.callback for t in typers for command in t.registered_commands]
+
+
+def test_parameters_are_annotated_and_a_none_default_is_typed_optional():
+    for callback in _callbacks():
+        hints = typing.get_type_hints(callback, include_extras=True)
+        for name, parameter in inspect.signature(callback).parameters.items():
+            if name == "ctx":
+                continue
+            hint = hints[name]
+            assert typing.get_origin(hint) is typing.Annotated, f"{callback.__name__}({name})"
+            if parameter.default is None:
+                assert type(None) in typing.get_args(typing.get_args(hint)[0]), (
+                    f"{callback.__name__}({name}) defaults to None: type it X | None")
 
 
 # -- -o never replaces a file without --force ---------------------------------------
