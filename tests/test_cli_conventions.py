@@ -11,24 +11,12 @@ import typing
 from pathlib import Path
 
 import pytest
-import typer.main
 
 from kvtrace import UsageError, open_store
-from kvtrace.cli import main
 from kvtrace.cli.app import Json, app
 from kvtrace.replay.driver import steps_to_replay
-
-
-def _commands():
-    """(name, click command) of every leaf command, `cache gc` style for groups."""
-    root = typer.main.get_command(app)
-    for name, command in root.commands.items():  # type: ignore[attr-defined]
-        sub = getattr(command, "commands", None)
-        if sub:
-            for sub_name, sub_command in sub.items():
-                yield f"{name} {sub_name}", sub_command
-        else:
-            yield name, command
+from tests.test_cli_store import kv
+from tests.test_docs import cli_commands as _commands
 
 
 def _options(command):
@@ -40,19 +28,11 @@ def home(tmp_path, monkeypatch):
     monkeypatch.setenv("KVTRACE_HOME", str(tmp_path / "home"))
     monkeypatch.delenv("KVTRACE_STORE", raising=False)
     monkeypatch.delenv("KVTRACE_DEBUG", raising=False)
-    monkeypatch.chdir(tmp_path)
     with open_store() as store:
         run = store.run("main")
         for i in range(4):
             run.record_tool_call("calc", {"x": i}, i + 1)
     return tmp_path
-
-
-def kv(capsys, *argv: str) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as exit_info:
-        main(list(argv))
-    out, err = capsys.readouterr()
-    return int(exit_info.value.code or 0), out, err
 
 
 def _state() -> list:
