@@ -29,12 +29,11 @@ from pathlib import Path
 from rich.console import Console
 
 from kvtrace import Store, open_store
+from kvtrace.cli.render import render_analysis, render_replay
 from kvtrace.engine import KVCache
 from kvtrace.paths import default_cache_dir
 from kvtrace.replay import SamplingParams, analyze, continue_run, replay
-from kvtrace.replay.analyze import render_analysis
 from kvtrace.replay.local import LocalBackend, open_local_backend
-from kvtrace.replay.report import render
 from kvtrace.replay.tools import DEMO_TOOLS, ask_demo_agent
 
 QUESTIONS = [
@@ -121,11 +120,11 @@ def main(argv: list[str] | None = None) -> None:
         console.rule("4. replay both on an empty cache")
         engine = backend.engine  # the same loaded model, with a new and empty cache
         fresh = LocalBackend(engine, KVCache(engine, disk_dir=kv_root / "kv-replay"))
-        render(replay(store, name, fresh, mode="rebuild", compare_uncached=True), console)
+        render_replay(replay(store, name, fresh, mode="rebuild", compare_uncached=True), console)
         console.print(f"The fork shares its first steps with {name!r}, whose KV the cache now "
                       "holds: they compute one token each, and the step after the edit only "
                       "what follows the edit. (Its oracle counts the fork's own calls only.)")
-        render(replay(store, fork_name, fresh, mode="verify"), console)
+        render_replay(replay(store, fork_name, fresh, mode="verify"), console)
         render_analysis(analyze(store, fork_name, fresh.tokenizer), console)
         if args.store == "default":
             console.rule("next")

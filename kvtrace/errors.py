@@ -26,13 +26,26 @@
 Lower-level exceptions (SQLAlchemy, httpx, torch) are translated at the boundary
 with ``raise ... from exc``, so callers catch only these. Messages say what to do
 next, not just what went wrong.
+
+Messages name the Python parameters of the call that failed, written as
+``name=VALUE`` (``pass to=STEP``), never a command-line flag: an error that
+is about one parameter also carries its name as ``param``, and the CLI writes
+that parameter as its own flag (``pass --to STEP``).
 """
 
 from __future__ import annotations
 
 
 class KvtraceError(Exception):
-    """Base of every error kvtrace raises on purpose."""
+    """Base of every error kvtrace raises on purpose.
+
+    `param`: the parameter the message is about, spelled ``param=`` in it
+    (None when the error is not about one parameter).
+    """
+
+    def __init__(self, *args: object, param: str | None = None) -> None:
+        super().__init__(*args)
+        self.param = param
 
 
 class UsageError(KvtraceError):

@@ -11,7 +11,8 @@ from kvtrace.cli import app
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _commands():
+def cli_commands():
+    """(name, click command) of every leaf command, `cache gc` style for groups."""
     root = typer.main.get_command(app)
     for name, command in root.commands.items():  # type: ignore[attr-defined]
         sub = getattr(command, "commands", None)
@@ -23,7 +24,7 @@ def _commands():
 
 
 def test_every_command_has_help():
-    for name, command in _commands():
+    for name, command in cli_commands():
         assert (command.help or "").strip(), f"`kvtrace {name}` has no help text"
         for param in command.params:
             if (
@@ -36,7 +37,7 @@ def test_every_command_has_help():
 
 def test_every_command_is_in_the_cli_docs():
     text = (ROOT / "docs" / "cli.md").read_text()
-    missing = [name for name, _ in _commands() if f"kvtrace {name}" not in text]
+    missing = [name for name, _ in cli_commands() if f"kvtrace {name}" not in text]
     assert not missing, f"docs/cli.md does not document: {missing}"
 
 

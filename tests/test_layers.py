@@ -11,7 +11,8 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "kvtrace"
 
 # A layer may import itself, the shared modules, and the layers listed for it.
-SHARED = {"kvtrace.errors", "kvtrace.paths", "kvtrace.rendering", "kvtrace.numerics", "kvtrace.inert"}
+SHARED = {"kvtrace.errors", "kvtrace.paths", "kvtrace.rendering", "kvtrace.numerics",
+          "kvtrace.inert"}
 ALLOWED = {
     "store": {"store"},
     "engine": {"engine"},
@@ -72,3 +73,18 @@ def test_shared_modules_import_no_layer(module):
 def test_the_package_module_imports_only_the_light_layers():
     for name in _imports(PACKAGE / "__init__.py") - SHARED:
         assert _layer(name) in PACKAGE_INIT_ALLOWED, f"__init__.py imports {name}"
+
+
+def test_only_the_cli_formats_output_with_rich():
+    """The library returns records; tables and progress bars are drawn at the edge."""
+    for path in PACKAGE.rglob("*.py"):
+        if path.relative_to(PACKAGE).parts[0] == "cli":
+            continue
+        tree = ast.parse(path.read_text())
+        modules = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+                   for alias in node.names}
+        modules |= {node.module for node in ast.walk(tree)
+                    if isinstance(node, ast.ImportFrom) and node.module}
+        assert not {m for m in modules if m == "rich" or m.startswith("rich.")}, (
+            f"{path.relative_to(PACKAGE)} imports rich: return a record, render it in kvtrace/cli"
+        )

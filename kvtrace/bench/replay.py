@@ -337,6 +337,8 @@ def _figures(engine: Any, name: str, warm: ReplayReport, cold: ReplayReport,
              uncached: ReplayReport, verify: ReplayReport | None,
              verify_decode: ReplayReport | None, bound: tuple[float, int] | None,
              feed_bound_s: float) -> dict[str, Any]:
+    from kvtrace.engine.generate import DraftVerdict
+
     total = cold.total
     prompts = [s.prompt_tokens for s in cold.steps]
     figures = {
@@ -366,7 +368,7 @@ def _figures(engine: Any, name: str, warm: ReplayReport, cold: ReplayReport,
     figures.update({
         "verify_s_cached": round(verify.wall_s, 3),
         "verify_matching_steps": verify.total.matching_steps,
-        "verify_drafts_accepted": sum(s.draft == "accepted" for s in verify.steps),
+        "verify_drafts_accepted": sum(s.draft is DraftVerdict.ACCEPTED for s in verify.steps),
         "verify_prefill_s": round(verify.total.prefill_s, 3),
         "verify_decode_s": round(verify.total.decode_s, 3),
         "verify_lower_bound_s": round(bound_s, 3),

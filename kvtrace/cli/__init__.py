@@ -3,9 +3,12 @@
 Each command parses its arguments, makes one call of the API and prints the
 result (text by default, JSON with `--json`). Every `KvtraceError` and every
 usage mistake becomes one line on stderr and exit code 2; nothing is
-half-written because the API itself is transactional. Anything else is a bug
-of kvtrace: the last line of defence prints it as one `error:` line naming
-the exception type, and exits 1 (`KVTRACE_DEBUG=1` shows the traceback).
+half-written because the API itself is transactional. A library error names
+the Python parameter it is about (`to=STEP`); this handler writes it as the
+running command's flag (`--to STEP`, see `kvtrace.cli.app.flag_message`).
+Anything else is a bug of kvtrace: the last line of defence prints it as one
+`error:` line naming the exception type, and exits 1 (`KVTRACE_DEBUG=1` shows
+the traceback).
 """
 
 from __future__ import annotations
@@ -23,16 +26,17 @@ from kvtrace.cli import (  # noqa: F401  (registers commands)
     serve,
     store_commands,
 )
-from kvtrace.cli.app import app
+from kvtrace.cli.app import CliState, app, flag_message
 from kvtrace.errors import KvtraceError
 
 
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point."""
+    state = CliState()
     try:
-        result = app(args=argv, standalone_mode=False)
+        result = app(args=argv, standalone_mode=False, obj=state)
     except KvtraceError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {flag_message(exc, state.command)}", file=sys.stderr)
         sys.exit(2)
     except typer.TyperException as exc:  # click's usage errors, as vendored by Typer
         if type(exc).__name__ == "NoArgsIsHelpError":

@@ -1,50 +1,119 @@
-"""The root Typer application, its command groups and shared CLI helpers."""
+"""The root Typer application, its command groups and what every command shares.
+
+Conventions (tests/test_cli_conventions.py pins them):
+- every command takes `--json` (the one `Json` option below): one JSON
+  document on stdout; a command that changes something prints what it did;
+- `-o FILE` never replaces an existing file unless `--force` is given
+  (`kvtrace.cli.output.output_file`);
+- `--store` reaches the commands through the click context object
+  (`CliState`, read with `store_url()`), never through module state;
+- a library error about one parameter carries its name (`KvtraceError.param`)
+  and spells it `param=` in its message; `flag_message` writes that as the
+  running command's flag (`to=STEP` -> `--to STEP`). The one error handler
+  is `kvtrace.cli.main`.
+"""
 
 from __future__ import annotations
 
 import json
-from typing import Any
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+from typer.core import TyperGroup
+
+from kvtrace.errors import KvtraceError
+
+if TYPE_CHECKING:  # Typer vendors click; its command class has no public alias
+    from typer._click import Command
+
+
+@dataclass
+class CliState:
+    """What the root options decide for the whole invocation (the click context's `obj`)."""
+
+    store_url: str | None = None
+    command: Command | None = None  # the command being run: its flags name errors
+
+
+class _Group(TyperGroup):
+    """A command group that records which command runs, so errors can name its flags."""
+
+    def resolve_command(
+        self, ctx: typer.Context, args: list[str]  # type: ignore[override]
+    ) -> tuple[str | None, Command | None, list[str]]:
+        name, command, rest = super().resolve_command(ctx, args)
+        if command is not None:
+            ctx.ensure_object(CliState).command = command
+        return name, command, rest
+
 
 app = typer.Typer(
     name="kvtrace",
+    cls=_Group,
     help="Record agent runs in a Git-like trace store; replay them reusing KV caches.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
 )
 cache_app = typer.Typer(
-    help="Inspect and manage the two-tier KV prefix cache.", no_args_is_help=True
+    cls=_Group, help="Inspect and manage the two-tier KV prefix cache.", no_args_is_help=True
 )
 bench_app = typer.Typer(
-    help="Benchmarks (not timed tests): each prints one JSON object.", no_args_is_help=True
+    cls=_Group,
+    help="Benchmarks (not timed tests): figures as text, or one JSON object with --json.",
+    no_args_is_help=True,
 )
 app.add_typer(cache_app, name="cache")
 app.add_typer(bench_app, name="bench")
 
-_state: dict[str, Any] = {"store_url": None}
+Json = Annotated[
+    bool, typer.Option("--json", help="Print one JSON document (for programs) instead of text.")
+]
 
 
 @app.callback()
 def _root(
-    store: str = typer.Option(
-        None,
+    ctx: typer.Context,
+    store: Annotated[str | None, typer.Option(
         "--store",
         envvar="KVTRACE_STORE",
         help="Store URL (sqlite:///PATH or postgresql://...). Default: .kvtrace/store.db "
         "in the working directory, or $KVTRACE_HOME.",
-    ),
+    )] = None,
 ) -> None:
     """Record agent runs in a Git-like trace store; replay them reusing KV caches."""
-    _state["store_url"] = store
+    ctx.ensure_object(CliState).store_url = store
 
 
-def store_url() -> str | None:
-    """The store URL given on the command line or in $KVTRACE_STORE."""
-    return _state["store_url"]
+def store_url(ctx: typer.Context) -> str | None:
+    """The store URL given with `--store` or in $KVTRACE_STORE (None: the default store)."""
+    state = ctx.find_object(CliState)
+    return state.store_url if state is not None else None
 
 
 def print_json(value: Any) -> None:
     """Print one JSON document (what `--json` promises)."""
     typer.echo(json.dumps(value, indent=2, ensure_ascii=False, default=str))
+
+
+# Where a command's option is named otherwise than the API parameter an error names.
+_PARAM_ALIASES = {"import": {"name": "run"}}  # Store.import_bundle(name=) is import's --run
+
+
+def flag_message(exc: KvtraceError, command: Command | None) -> str:
+    """The error's message, its parameter written as `command`'s flag (`to=X` -> `--to X`)."""
+    message = str(exc)
+    if exc.param is None or command is None:
+        return message
+    name = _PARAM_ALIASES.get(command.name or "", {}).get(exc.param, exc.param)
+    option = next((p for p in command.params
+                   if p.param_type_name == "option" and p.name == name), None)
+    if option is None:
+        return message
+    flag = next((o for o in option.opts if o.startswith("--")), option.opts[0])
+    spelled = rf"(?<![\w.]){re.escape(exc.param)}="
+    if getattr(option, "is_flag", False):
+        message = re.sub(spelled + r"True\b", flag, message)
+    return re.sub(spelled, f"{flag} ", message)

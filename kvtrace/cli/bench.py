@@ -1,4 +1,5 @@
-"""`kvtrace bench ...`: benchmarks, each printing one JSON object.
+"""`kvtrace bench ...`: benchmarks, printing their figures as text or, with `--json`, as one
+JSON object (what bench/run_all.sh keeps and docs/benchmarks.md quotes).
 
 Benchmarks are measurements, never timed tests: each runs the compared cases
 side by side in one process and reports medians and ratios. The logic lives in
@@ -7,134 +8,149 @@ side by side in one process and reports medians and ratios. The logic lives in
 
 from __future__ import annotations
 
+from typing import Annotated, Any
+
 import typer
 
-from kvtrace.cli.app import bench_app, print_json, store_url
+from kvtrace.cli.app import Json, bench_app, print_json, store_url
+from kvtrace.errors import UsageError
+
+Model = Annotated[str | None, typer.Option(
+    "--model", help="Model folder (default: the embedded SmolLM2-135M-Instruct).")]
+
+
+def _print_figures(figures: dict[str, Any], as_json: bool) -> None:
+    """The one JSON object, or one `name  value` line per figure (nested names dotted)."""
+    if as_json:
+        print_json(figures)
+        return
+    rows = list(_flat(figures))
+    width = max((len(name) for name, _ in rows), default=0)
+    for name, value in rows:
+        typer.echo(f"{name:<{width}}  {value}")
+
+
+def _flat(value: Any, prefix: str = "") -> Any:
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from _flat(item, f"{prefix}.{key}" if prefix else str(key))
+    elif isinstance(value, list) and any(isinstance(item, dict | list) for item in value):
+        for index, item in enumerate(value):
+            yield from _flat(item, f"{prefix}[{index}]")
+    elif isinstance(value, list):
+        yield prefix, ", ".join(str(item) for item in value)
+    else:
+        yield prefix, value
 
 
 @bench_app.command("store")
 def bench_store(
-    url: str = typer.Option(
-        None, "--url", help="Store URL to measure (default: a temp SQLite file)."
-    ),
-    num_appends: int = typer.Option(2000, "--appends", help="Number of appends to time."),
-    as_json: bool = typer.Option(
-        False, "--json", help="Print JSON (the default output is JSON too)."
-    ),
+    url: Annotated[str | None, typer.Option(
+        "--url", help="Store URL to measure (default: a temp SQLite file).")] = None,
+    num_appends: Annotated[int, typer.Option(
+        "--appends", help="Number of appends to time.")] = 2000,
+    as_json: Json = False,
 ) -> None:
-    """Append latency, and fork/revert time at 10 vs 10,000 steps (one JSON object)."""
+    """Append latency, and fork/revert time at 10 vs 10,000 steps."""
     from kvtrace.bench.store import run_store_bench
 
-    print_json(run_store_bench(url, num_appends=num_appends))
+    _print_figures(run_store_bench(url, num_appends=num_appends), as_json)
 
 
 @bench_app.command("appends")
 def bench_appends(
-    urls: list[str] = typer.Argument(
-        None,
+    urls: Annotated[list[str] | None, typer.Argument(
         help="Store URLs to compare, e.g. sqlite:///a.db?synchronous=full or "
         "postgresql://...?options=-csynchronous_commit%3Doff (default: two temp SQLite "
-        "files, synchronous=normal and synchronous=full).",
-    ),
-    num_appends: int = typer.Option(1000, "--appends", help="Appends to time per store."),
-    as_json: bool = typer.Option(
-        False, "--json", help="Print JSON (the default output is JSON too)."
-    ),
+        "files, synchronous=normal and synchronous=full).")] = None,
+    num_appends: Annotated[int, typer.Option(
+        "--appends", help="Appends to time per store.")] = 1000,
+    as_json: Json = False,
 ) -> None:
-    """Append latency of several stores side by side, taking turns (one JSON object)."""
+    """Append latency of several stores side by side, taking turns."""
     from kvtrace.bench.store import run_append_comparison
 
-    print_json(run_append_comparison(urls or None, num_appends=num_appends))
+    _print_figures(run_append_comparison(urls or None, num_appends=num_appends), as_json)
 
 
 @bench_app.command("replay")
 def bench_replay(
-    model: str = typer.Option(
-        None, "--model", help="Model folder (default: the embedded SmolLM2-135M-Instruct)."
-    ),
-    fresh: bool = typer.Option(
-        False, "--fresh", help="Record the benchmark run again instead of reusing it."
-    ),
-    trials: int = typer.Option(2, "--trials", help="Runs per timed case (the fastest counts)."),
-    shape: str = typer.Option(
-        "session", "--shape",
-        help="Fixture: session (14-call ReAct session) or agent (30 calls, 1.6k to 5k+ tokens).",
-    ),
-    run: str = typer.Option(
-        None, "--run", help="Measure this run of the store (--store) instead of a fixture."
-    ),
-    calls: int = typer.Option(
-        None, "--calls", min=1,
-        help="Model calls of the agent fixture (default 30; fewer is faster).",
-    ),
-    no_verify: bool = typer.Option(
-        False, "--no-verify", help="Skip the verify cases and their decoding bound."
-    ),
-    as_json: bool = typer.Option(
-        False, "--json", help="Print JSON (the default output is JSON too)."
-    ),
+    ctx: typer.Context,
+    model: Model = None,
+    fresh: Annotated[bool, typer.Option(
+        "--fresh", help="Record the benchmark run again instead of reusing it.")] = False,
+    trials: Annotated[int, typer.Option(
+        "--trials", help="Runs per timed case (the fastest counts).")] = 2,
+    shape: Annotated[str, typer.Option(
+        "--shape",
+        help="Fixture: session (14-call ReAct session) or agent (30 calls, 1.6k to 5k+ "
+        "tokens).")] = "session",
+    run: Annotated[str | None, typer.Option(
+        "--run", help="Measure this run of the store (--store) instead of a fixture.")] = None,
+    calls: Annotated[int | None, typer.Option(
+        "--calls", min=1,
+        help="Model calls of the agent fixture (default 30; fewer is faster).")] = None,
+    no_verify: Annotated[bool, typer.Option(
+        "--no-verify", help="Skip the verify cases and their decoding bound.")] = False,
+    as_json: Json = False,
 ) -> None:
     """Replay an agent run every way: hit rate vs oracle, speed-up, bounds, peak RSS."""
     from kvtrace.bench.replay import run_replay_bench
     from kvtrace.paths import default_cache_dir
 
-    print_json(
+    _print_figures(
         run_replay_bench(cache_dir=default_cache_dir(), model=model, fresh=fresh, trials=trials,
-                         shape=shape, run=run, store_url=store_url(), calls=calls,
-                         with_verify=not no_verify)
+                         shape=shape, run=run, store_url=store_url(ctx), calls=calls,
+                         with_verify=not no_verify),
+        as_json,
     )
 
 
 @bench_app.command("cache")
 def bench_cache(
-    model: str = typer.Option(
-        None, "--model", help="Model folder (default: the embedded SmolLM2-135M-Instruct)."
-    ),
-    num_tokens: int = typer.Option(2048, "--tokens", help="Prompt length of the cold prefill."),
-    num_new: int = typer.Option(32, "--new", help="New tokens after the cached prefix."),
-    repeats: int = typer.Option(3, "--repeats", help="Runs per case (the median is reported)."),
-    as_json: bool = typer.Option(
-        False, "--json", help="Print JSON (the default output is JSON too)."
-    ),
+    model: Model = None,
+    num_tokens: Annotated[int, typer.Option(
+        "--tokens", help="Prompt length of the cold prefill.")] = 2048,
+    num_new: Annotated[int, typer.Option(
+        "--new", help="New tokens after the cached prefix.")] = 32,
+    repeats: Annotated[int, typer.Option(
+        "--repeats", help="Runs per case (the median is reported).")] = 3,
+    as_json: Json = False,
 ) -> None:
-    """Prefill: cold vs prefix from memory vs from disk, KV bytes per token (one JSON object)."""
+    """Prefill: cold vs prefix from memory vs from disk, KV bytes per token."""
     from kvtrace.bench.cache import run_cache_bench
     from kvtrace.paths import default_cache_dir
 
-    print_json(
+    _print_figures(
         run_cache_bench(
             cache_dir=default_cache_dir(),
             model=model,
             num_tokens=num_tokens,
             num_new=num_new,
             repeats=repeats,
-        )
+        ),
+        as_json,
     )
 
 
 @bench_app.command("serve")
 def bench_serve(
-    model: str = typer.Option(
-        None, "--model", help="Model folder (default: the embedded SmolLM2-135M-Instruct)."
-    ),
-    num_requests: int = typer.Option(
-        20, "--requests", help="Chat requests extending one conversation (local mode)."
-    ),
-    max_tokens: int = typer.Option(16, "--max-tokens", help="Tokens generated per request."),
-    num_rounds: int = typer.Option(
-        10, "--rounds", help="Times the conversation is sent through --upstream, recording and not."
-    ),
-    as_json: bool = typer.Option(
-        False, "--json", help="Print JSON (the default output is JSON too)."
-    ),
+    model: Model = None,
+    num_requests: Annotated[int, typer.Option(
+        "--requests", help="Chat requests extending one conversation (local mode).")] = 20,
+    max_tokens: Annotated[int, typer.Option(
+        "--max-tokens", help="Tokens generated per request.")] = 16,
+    num_rounds: Annotated[int, typer.Option(
+        "--rounds",
+        help="Times the conversation is sent through --upstream, recording and not.")] = 10,
+    as_json: Json = False,
 ) -> None:
     """Latency and cached-token fraction through kvtrace serve, and recording's overhead."""
     from kvtrace.bench.serve import run_serve_bench
-    from kvtrace.errors import UsageError
     from kvtrace.paths import default_cache_dir
 
     if num_requests < 1 or max_tokens < 1 or num_rounds < 1:
         raise UsageError("--requests, --max-tokens and --rounds must be >= 1")
-    print_json(run_serve_bench(cache_dir=default_cache_dir(), model=model,
-                               num_requests=num_requests, max_tokens=max_tokens,
-                               num_rounds=num_rounds))
+    _print_figures(run_serve_bench(cache_dir=default_cache_dir(), model=model,
+                                   num_requests=num_requests, max_tokens=max_tokens,
+                                   num_rounds=num_rounds), as_json)

@@ -11,11 +11,11 @@ from __future__ import annotations
 import dataclasses
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from kvtrace.cli.app import cache_app, print_json
+from kvtrace.cli.app import Json, cache_app, print_json
 from kvtrace.errors import UsageError
 
 if TYPE_CHECKING:
@@ -23,9 +23,13 @@ if TYPE_CHECKING:
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 
-_MODEL_HELP = "Model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)."
-_CACHE_DIR_HELP = "kvtrace cache folder (default: $KVTRACE_CACHE or ~/.cache/kvtrace)."
-_BLOCK_HELP = "Disk block size in tokens (must match the one the blocks were written with)."
+Model = Annotated[str | None, typer.Option(
+    "--model", help="Model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct).")]
+CacheDir = Annotated[Path | None, typer.Option(
+    "--cache-dir", help="kvtrace cache folder (default: $KVTRACE_CACHE or ~/.cache/kvtrace).")]
+BlockSize = Annotated[int, typer.Option(
+    "--block-size",
+    help="Disk block size in tokens (must match the one the blocks were written with).")]
 
 
 def parse_size(text: str) -> int:
@@ -58,10 +62,10 @@ def _cache_dir(value: Path | None) -> Path:
 
 @cache_app.command("stats")
 def stats(
-    model: str = typer.Option(None, "--model", help=_MODEL_HELP),
-    cache_dir: Path = typer.Option(None, "--cache-dir", help=_CACHE_DIR_HELP),
-    block_size: int = typer.Option(64, "--block-size", help=_BLOCK_HELP),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    model: Model = None,
+    cache_dir: CacheDir = None,
+    block_size: BlockSize = 64,
+    as_json: Json = False,
 ) -> None:
     """Entries and bytes per tier, and the model's KV bytes per token (formula)."""
     from kvtrace.engine.maintenance import cache_stats, default_kv_dir
@@ -93,11 +97,10 @@ def stats(
 
 @cache_app.command("gc")
 def gc(
-    max_bytes: str = typer.Option(
-        ..., "--max-bytes", help="Keep at most this many bytes of disk blocks (e.g. 2G, 500MiB)."
-    ),
-    cache_dir: Path = typer.Option(None, "--cache-dir", help=_CACHE_DIR_HELP),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    max_bytes: Annotated[str, typer.Option(
+        "--max-bytes", help="Keep at most this many bytes of disk blocks (e.g. 2G, 500MiB).")],
+    cache_dir: CacheDir = None,
+    as_json: Json = False,
 ) -> None:
     """Evict disk blocks, least recently used tails first, down to --max-bytes."""
     limit = parse_size(max_bytes)  # before importing torch: a typo fails fast
@@ -115,11 +118,12 @@ def gc(
 
 @cache_app.command("verify")
 def verify(
-    sample: int = typer.Option(8, "--sample", help="Recompute this many random blocks (0: all)."),
-    model: str = typer.Option(None, "--model", help=_MODEL_HELP),
-    cache_dir: Path = typer.Option(None, "--cache-dir", help=_CACHE_DIR_HELP),
-    block_size: int = typer.Option(64, "--block-size", help=_BLOCK_HELP),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    sample: Annotated[int, typer.Option(
+        "--sample", help="Recompute this many random blocks (0: all).")] = 8,
+    model: Model = None,
+    cache_dir: CacheDir = None,
+    block_size: BlockSize = 64,
+    as_json: Json = False,
 ) -> None:
     """Recompute a sample of stored blocks and report any that differ (exit 1 if so)."""
     from kvtrace.engine.maintenance import default_kv_dir, verify_blocks

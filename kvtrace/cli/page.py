@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from kvtrace.cli.app import app, store_url
+from kvtrace.cli.app import Json, app, print_json, store_url
+from kvtrace.cli.output import Force, check_output, output_file
 from kvtrace.errors import UsageError
 from kvtrace.paths import default_cache_dir
 from kvtrace.store import open_store
@@ -18,37 +19,43 @@ if TYPE_CHECKING:
 
 @app.command("report")
 def report_command(
-    runs: list[str] = typer.Argument(..., help="Runs (or step addresses) to show, in order."),
-    output: Path = typer.Option(
-        ..., "-o", "--output", help="HTML file to write (replaced if it exists)."),
-    model: str = typer.Option(
-        None, "--model",
+    ctx: typer.Context,
+    runs: Annotated[list[str], typer.Argument(
+        help="Runs (or step addresses) to show, in order.")],
+    output: Annotated[Path, typer.Option(
+        "-o", "--output", help="HTML file to write (an existing one only with --force).")],
+    model: Annotated[str | None, typer.Option(
+        "--model",
         help="Model folder whose tokenizer counts the oracle bound (default: the embedded "
-        "model's)."),
-    no_tokens: bool = typer.Option(
-        False, "--no-tokens",
+        "model's).")] = None,
+    no_tokens: Annotated[bool, typer.Option(
+        "--no-tokens",
         help="Load no tokenizer: no oracle-bound bars (the provider's cached tokens still "
-        "show where recorded)."),
+        "show where recorded).")] = False,
+    force: Force = False,
+    as_json: Json = False,
 ) -> None:
     """Write one self-contained HTML page: branch graph, steps, token bars, notes."""
     from kvtrace.page import write_report
 
     if no_tokens and model is not None:
         raise UsageError("--model names the tokenizer to count with: drop it or --no-tokens")
-    if not output.parent.is_dir():
-        raise UsageError(f"folder {output.parent} does not exist")
-    if output.is_dir():
-        raise UsageError(f"{output} is a folder: name the HTML file to write")
-    with open_store(store_url(), create=False) as store:
+    check_output(output, force=force)  # before a tokenizer loads
+    with open_store(store_url(ctx), create=False) as store:
         for run in runs:
             store.resolve(run)  # an unknown run is one error line before a tokenizer loads
         tokenizer = None if no_tokens else _tokenizer(model)
-        page = write_report(store, runs, output, tokenizer=tokenizer,
-                            tokenizer_name=tokenizer.name if tokenizer else None)
-    steps = sum(len(run.steps) for run in page.runs)
-    forks = len(page.lanes) - len(page.runs)
-    typer.echo(f"wrote {output}: {len(page.runs)} run(s), {steps} steps"
-               + (f", {forks} fork(s) in the graph" if forks else ""))
+        with output_file(output, force=force) as tmp:
+            page = write_report(store, runs, tmp, tokenizer=tokenizer,
+                                tokenizer_name=tokenizer.name if tokenizer else None)
+    num_steps = sum(len(run.steps) for run in page.runs)
+    num_forks = len(page.lanes) - len(page.runs)
+    if as_json:
+        print_json({"path": str(output), "runs": list(runs), "num_steps": num_steps,
+                    "num_forks": num_forks, "tokenizer": page.tokenizer})
+        return
+    typer.echo(f"wrote {output}: {len(page.runs)} run(s), {num_steps} steps"
+               + (f", {num_forks} fork(s) in the graph" if num_forks else ""))
 
 
 def _tokenizer(model: str | None) -> ChatTokenizer:

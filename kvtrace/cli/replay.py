@@ -1,49 +1,76 @@
-"""Replay commands: replay, checkout, continue, analyze. Each is one call of `kvtrace.replay`.
+"""Replay commands: replay, checkout, continue, branch, analyze. Each is one call of
+`kvtrace.replay`.
 
 The local backend keeps its disk tier under the kvtrace cache directory
 ($KVTRACE_CACHE or ~/.cache/kvtrace), so `checkout` in one process warms
 `continue` in the next. Backends and tokenizers are handed to the API
 unloaded (`_Lazy`): the API checks its input first, so bad input fails in
-a fraction of a second instead of after a model load.
+a fraction of a second instead of after a model load. `--mode` takes the
+library's `ReplayMode`; `--backend` is checked as it is parsed.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, cast
+from enum import StrEnum
+from typing import TYPE_CHECKING, Annotated, Any, cast
 
 import typer
 
-from kvtrace.cli.app import app, print_json, store_url
+from kvtrace.cli.app import Json, app, print_json, store_url
 from kvtrace.errors import UsageError
 from kvtrace.paths import default_cache_dir
+from kvtrace.replay.report import ReplayMode
 from kvtrace.store import open_store
 from kvtrace.store.kinds import ModelCall, ToolCall, view
 
-if TYPE_CHECKING:  # replay pulls in httpx and rich: imported inside the commands
+if TYPE_CHECKING:  # the engine imports torch: loaded inside the commands
     from kvtrace.replay.backend import Backend, Tokenizer
+    from kvtrace.replay.continuation import Tool
 
-JSON = typer.Option(False, "--json", help="Print one JSON document for programs.")
-BACKEND = typer.Option(
-    "local", "--backend",
+
+class ToolSet(StrEnum):
+    """The tools `--tools` offers a continued run (Python callers register any)."""
+
+    DEMO = "demo"  # the example's deterministic calculator and lookup
+    NONE = "none"  # no tools: a tool call stops the run with an error naming the tool
+
+    def tools(self) -> dict[str, Tool]:
+        from kvtrace.replay.tools import DEMO_TOOLS
+
+        return dict(DEMO_TOOLS) if self is ToolSet.DEMO else {}
+
+
+def _check_backend(value: str) -> str:
+    """`local`, or the base URL of an OpenAI-compatible server (checked as it is parsed)."""
+    if value != "local" and not value.startswith(("http://", "https://")):
+        raise typer.BadParameter(
+            f"{value!r} is neither 'local' nor a base URL starting with http:// or https://")
+    return value
+
+
+BackendOption = Annotated[str, typer.Option(
+    "--backend", callback=_check_backend,
     help="'local' (the engine with its two-tier KV cache) or the base URL of an "
-    "OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1.",
-)
-MODEL = typer.Option(
-    None, "--model",
+    "OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1.")]
+Model = Annotated[str | None, typer.Option(
+    "--model",
     help="Local: a transformers model folder (default: the embedded SmolLM2-135M-Instruct). "
-    "Remote: the model name sent to the server (default: the recorded one).",
-)
-TOKENIZER = typer.Option(
-    None, "--tokenizer",
+    "Remote: the model name sent to the server (default: the recorded one).")]
+TokenizerOption = Annotated[str | None, typer.Option(
+    "--tokenizer",
     help="Remote only: a local model folder, or 'default' for the embedded model, whose "
-    "tokenizer computes the oracle bound and token positions.",
-)
-API_KEY = typer.Option(
-    None, "--api-key", envvar="KVTRACE_API_KEY",
-    help="Bearer token for a remote backend ($KVTRACE_API_KEY); never recorded.",
-)
+    "tokenizer computes the oracle bound and token positions.")]
+ApiKey = Annotated[str | None, typer.Option(
+    "--api-key", envvar="KVTRACE_API_KEY",
+    help="Bearer token for a remote backend ($KVTRACE_API_KEY); never recorded.")]
+Tools = Annotated[ToolSet, typer.Option(
+    "--tools",
+    help="'demo': the deterministic calculator and lookup tools of the example; "
+    "'none': no tools, so a tool call stops with an error naming the tool. "
+    "Other tools: register Python callables with kvtrace.replay.continue_run().")]
+MaxNewTokens = Annotated[int, typer.Option("--max-new-tokens", help="Tokens per response.")]
 
 
 class _Lazy:
@@ -104,41 +131,38 @@ def _closing(backend: Backend) -> Iterator[Backend]:
 
 @app.command("replay")
 def replay_command(
-    run: str = typer.Argument(..., help="The run to replay (or any step address)."),
-    mode: str = typer.Option(
-        "rebuild", "--mode",
+    ctx: typer.Context,
+    run: Annotated[str, typer.Argument(help="The run to replay (or any step address).")],
+    mode: Annotated[ReplayMode, typer.Option(
+        "--mode",
         help="verify: regenerate each response and compare with the recording; "
-        "rebuild: feed the recorded outputs to rebuild the KV state fast.",
-    ),
-    to: str = typer.Option(
-        None, "--to", help="Stop at this step (RUN@N, RUN~K, id prefix); default: the head."
-    ),
-    backend: str = BACKEND,
-    model: str = MODEL,
-    tokenizer: str = TOKENIZER,
-    api_key: str = API_KEY,
-    no_cache: bool = typer.Option(
-        False, "--no-cache", help="Compute every token (local backend): the uncached baseline."
-    ),
-    compare_uncached: bool = typer.Option(
-        False, "--compare-uncached",
-        help="Then replay again with caching off and report the speed-up.",
-    ),
-    no_draft: bool = typer.Option(
-        False, "--no-draft",
+        "rebuild: feed the recorded outputs to rebuild the KV state fast.")] = ReplayMode.REBUILD,
+    to: Annotated[str | None, typer.Option(
+        "--to", help="Stop at this step (RUN@N, RUN~K, id prefix); default: the head.")] = None,
+    backend: BackendOption = "local",
+    model: Model = None,
+    tokenizer: TokenizerOption = None,
+    api_key: ApiKey = None,
+    no_cache: Annotated[bool, typer.Option(
+        "--no-cache",
+        help="Compute every token (local backend): the uncached baseline.")] = False,
+    compare_uncached: Annotated[bool, typer.Option(
+        "--compare-uncached",
+        help="Then replay again with caching off and report the speed-up.")] = False,
+    no_draft: Annotated[bool, typer.Option(
+        "--no-draft",
         help="Verify: decode every response token by token instead of first checking "
-        "the recorded one in a single pass (decoding's own verdicts, slower).",
-    ),
-    as_json: bool = JSON,
+        "the recorded one in a single pass (decoding's own verdicts, slower).")] = False,
+    as_json: Json = False,
 ) -> None:
     """Replay a run from its root through a backend, reporting KV reuse per step."""
+    from kvtrace.cli.render import progress_bar, render_replay
     from kvtrace.replay import replay
-    from kvtrace.replay.report import progress_bar, render
 
-    if no_draft and mode != "verify":
+    if no_draft and mode is not ReplayMode.VERIFY:
         raise UsageError("--no-draft applies to --mode verify only")
     chosen = _backend(backend, model, no_cache=no_cache, tokenizer=tokenizer, api_key=api_key)
-    with _closing(chosen), open_store(store_url(), create=False) as store:
+    with _closing(chosen), open_store(store_url(ctx), create=False) as store:
         if as_json:
             report = replay(store, run, chosen, to=to, mode=mode,
                             compare_uncached=compare_uncached, use_drafts=not no_draft)
@@ -148,31 +172,35 @@ def replay_command(
             report = replay(store, run, chosen, to=to, mode=mode,
                             compare_uncached=compare_uncached, use_drafts=not no_draft,
                             on_step=on_step)
-    render(report)
+    render_replay(report)
+    if backend != "local" and tokenizer is None:
+        typer.echo("(pass --tokenizer FOLDER, the server's model folder, for the oracle bound)")
     if report.is_match is False:
         raise typer.Exit(1)
 
 
 @app.command("checkout")
 def checkout_command(
-    spec: str = typer.Argument(..., help="The step whose KV state to rebuild (RUN, RUN@N, ...)."),
-    model: str = MODEL,
-    as_json: bool = JSON,
+    ctx: typer.Context,
+    spec: Annotated[str, typer.Argument(
+        help="The step whose KV state to rebuild (RUN, RUN@N, ...).")],
+    model: Model = None,
+    as_json: Json = False,
 ) -> None:
     """Rebuild a step's KV state into the local cache so a later continue starts warm."""
+    from kvtrace.cli.render import progress_bar, render_replay
     from kvtrace.engine import DEFAULT_BLOCK_SIZE
     from kvtrace.engine.maintenance import default_kv_dir
     from kvtrace.replay import checkout
-    from kvtrace.replay.report import progress_bar, render
 
     chosen = _backend("local", model)
-    with open_store(store_url(), create=False) as store:
+    with open_store(store_url(ctx), create=False) as store:
         if as_json:
             print_json(checkout(store, spec, chosen).to_dict())
             return
         with progress_bar(f"checkout {spec}") as on_step:
             report = checkout(store, spec, chosen, on_step=on_step)
-    render(report)
+    render_replay(report)
     typer.echo(f"KV state of {spec}: whole {DEFAULT_BLOCK_SIZE}-token blocks on disk under "
                f"{default_kv_dir(default_cache_dir())} (a later process recomputes only the "
                "tail)")
@@ -180,34 +208,29 @@ def checkout_command(
 
 @app.command("continue")
 def continue_command(
-    run: str = typer.Argument(..., help="The run to continue (usually a fork)."),
-    steps: int = typer.Option(..., "--steps", help="At most this many new model calls."),
-    tools: str = typer.Option(
-        "none", "--tools",
-        help="'demo': the deterministic calculator and lookup tools of the example; "
-        "'none': no tools, so a tool call stops with an error naming the tool. "
-        "Other tools: register Python callables with kvtrace.replay.continue_run().",
-    ),
-    backend: str = BACKEND,
-    model: str = MODEL,
-    api_key: str = API_KEY,
-    max_new_tokens: int = typer.Option(96, "--max-new-tokens", help="Tokens per response."),
-    temperature: float = typer.Option(0.0, "--temperature", help="0 means greedy."),
-    seed: int = typer.Option(None, "--seed", help="Sampling seed (with --temperature > 0)."),
-    as_json: bool = JSON,
+    ctx: typer.Context,
+    run: Annotated[str, typer.Argument(help="The run to continue (usually a fork).")],
+    steps: Annotated[int, typer.Option("--steps", help="At most this many new model calls.")],
+    tools: Tools = ToolSet.NONE,
+    backend: BackendOption = "local",
+    model: Model = None,
+    api_key: ApiKey = None,
+    max_new_tokens: MaxNewTokens = 96,
+    temperature: Annotated[float, typer.Option(
+        "--temperature", help="0 means greedy.")] = 0.0,
+    seed: Annotated[int | None, typer.Option(
+        "--seed", help="Sampling seed (with --temperature > 0).")] = None,
+    as_json: Json = False,
 ) -> None:
     """Generate new steps live on a run (ReAct tool calls, see docs/replay.md) and record them."""
     from kvtrace.replay import SamplingParams, continue_run
     from kvtrace.replay.report import Totals
-    from kvtrace.replay.tools import DEMO_TOOLS
 
-    if tools not in ("demo", "none"):
-        raise UsageError("--tools is 'demo' or 'none'")
     params = SamplingParams(temperature=temperature, seed=seed, max_new_tokens=max_new_tokens)
-    registered = DEMO_TOOLS if tools == "demo" else {}
     chosen = _backend(backend, model, api_key=api_key)
-    with _closing(chosen), open_store(store_url(), create=False) as store:
-        result = continue_run(store, run, chosen, steps=steps, tools=registered, params=params)
+    with _closing(chosen), open_store(store_url(ctx), create=False) as store:
+        result = continue_run(store, run, chosen, steps=steps, tools=tools.tools(),
+                              params=params)
     if as_json:
         print_json(result.to_dict())
         return
@@ -225,21 +248,27 @@ def continue_command(
 
 @app.command("branch")
 def branch_command(
-    spec: str = typer.Argument(..., help="The step to branch from (RUN, RUN@N, RUN~K, id)."),
-    n: int = typer.Option(..., "--n", help="How many branches (runs) to fork and continue."),
-    steps: int = typer.Option(3, "--steps", help="At most this many model calls per branch."),
-    temperature: float = typer.Option(0.7, "--temperature", help="Sampling temperature."),
-    seed: int = typer.Option(0, "--seed", help="Branch i samples with seed S + i - 1."),
-    edit: str = typer.Option(
-        None, "--edit",
+    ctx: typer.Context,
+    spec: Annotated[str, typer.Argument(
+        help="The step to branch from (RUN, RUN@N, RUN~K, id).")],
+    n: Annotated[int, typer.Option(
+        "--n", help="How many branches (runs) to fork and continue.")],
+    steps: Annotated[int, typer.Option(
+        "--steps", help="At most this many model calls per branch.")] = 3,
+    temperature: Annotated[float, typer.Option(
+        "--temperature", help="Sampling temperature.")] = 0.7,
+    seed: Annotated[int, typer.Option(
+        "--seed", help="Branch i samples with seed S + i - 1.")] = 0,
+    edit: Annotated[str | None, typer.Option(
+        "--edit",
         help="A JSON file mapping the step's content fields to new values (e.g. "
-        '{"result": "..."} for a tool call): branches start from the edited copy.',
-    ),
-    prefix: str = typer.Option(None, "--prefix", help="Branch runs are named PREFIX-1, ..."),
-    tools: str = typer.Option("none", "--tools", help="'demo' or 'none', as for continue."),
-    model: str = MODEL,
-    max_new_tokens: int = typer.Option(96, "--max-new-tokens", help="Tokens per response."),
-    as_json: bool = JSON,
+        '{"result": "..."} for a tool call): branches start from the edited copy.')] = None,
+    prefix: Annotated[str | None, typer.Option(
+        "--prefix", help="Branch runs are named PREFIX-1, ...")] = None,
+    tools: Tools = ToolSet.NONE,
+    model: Model = None,
+    max_new_tokens: MaxNewTokens = 96,
+    as_json: Json = False,
 ) -> None:
     """Fork K runs from one step and continue each, sharing the prefix's KV; compare them."""
     import json
@@ -247,10 +276,7 @@ def branch_command(
 
     from kvtrace.replay import SamplingParams
     from kvtrace.replay.branch import branch_out
-    from kvtrace.replay.tools import DEMO_TOOLS
 
-    if tools not in ("demo", "none"):
-        raise UsageError("--tools is 'demo' or 'none'")
     changes = None
     if edit is not None:
         try:
@@ -261,10 +287,9 @@ def branch_command(
             raise UsageError(f"--edit {edit}: not a JSON object of fields")
     params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens)
     chosen = _backend("local", model)
-    with open_store(store_url(), create=False) as store:
+    with open_store(store_url(ctx), create=False) as store:
         report = branch_out(store, spec, chosen, n=n, prefix=prefix, steps=steps,
-                            tools=DEMO_TOOLS if tools == "demo" else {}, params=params,
-                            seed=seed, edit=changes)
+                            tools=tools.tools(), params=params, seed=seed, edit=changes)
     if as_json:
         print_json(report.to_dict())
         return
@@ -285,22 +310,22 @@ def branch_command(
 
 @app.command("analyze")
 def analyze_command(
-    run: str = typer.Argument(..., help="The run (or step) to analyze."),
-    model: str = typer.Option(
-        None, "--model",
-        help="Model folder whose tokenizer to use (default: the embedded model).",
-    ),
-    as_json: bool = JSON,
+    ctx: typer.Context,
+    run: Annotated[str, typer.Argument(help="The run (or step) to analyze.")],
+    model: Annotated[str | None, typer.Option(
+        "--model",
+        help="Model folder whose tokenizer to use (default: the embedded model).")] = None,
+    as_json: Json = False,
 ) -> None:
     """Oracle bound per step and prefix breakers, with the tokenizer only (no forward pass)."""
+    from kvtrace.cli.render import render_analysis
     from kvtrace.engine import load_tokenizer
     from kvtrace.replay import analyze
-    from kvtrace.replay.analyze import render_analysis
 
     tokenizer = cast(
         "Tokenizer", _Lazy(lambda: load_tokenizer(model, cache_dir=default_cache_dir()))
     )
-    with open_store(store_url(), create=False) as store:
+    with open_store(store_url(ctx), create=False) as store:
         analysis = analyze(store, run, tokenizer)
     if as_json:
         print_json(analysis.to_dict())

@@ -1,16 +1,19 @@
 """`kvtrace serve` and `kvtrace record -- COMMAND`: the recording server, in the foreground
-or around one program. Each builds a server with `kvtrace.serve.make_server` and runs it."""
+or around one program. Each builds a server with `kvtrace.serve.make_server` and runs it.
+With `--json`, the summary of what was recorded is one JSON object on stdout (after COMMAND's
+own output, for `record`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from kvtrace.cli.app import app, store_url
+from kvtrace.cli.app import Json, app, print_json, store_url
 from kvtrace.errors import UsageError
 from kvtrace.paths import default_cache_dir
 from kvtrace.store import Store, open_store, validate_run_name
@@ -18,35 +21,28 @@ from kvtrace.store import Store, open_store, validate_run_name
 if TYPE_CHECKING:
     from kvtrace.serve import ChatServer, RunStats
 
-UPSTREAM = typer.Option(
-    None, "--upstream",
+Upstream = Annotated[str | None, typer.Option(
+    "--upstream",
     help="Forward to this OpenAI-compatible server (its base URL, e.g. "
-    "https://api.openai.com/v1) instead of answering with the local engine.",
-)
-MODEL = typer.Option(
-    None, "--model",
-    help="Local mode: a transformers model folder (default: the embedded SmolLM2-135M-Instruct).",
-)
-RUN = typer.Option(
-    None, "--run",
-    help="Record into this run (default: a new run per start; the X-Kvtrace-Run header wins).",
-)
-UPSTREAM_KEY = typer.Option(
-    None, "--upstream-api-key", envvar="KVTRACE_UPSTREAM_API_KEY",
-    help="Bearer token sent to the upstream instead of the client's ($KVTRACE_UPSTREAM_API_KEY)."
-    " Never recorded.",
-)
-REDACT = typer.Option(
-    [], "--redact-header",
+    "https://api.openai.com/v1) instead of answering with the local engine.")]
+Model = Annotated[str | None, typer.Option(
+    "--model",
+    help="Local mode: a transformers model folder (default: the embedded "
+    "SmolLM2-135M-Instruct).")]
+Run = Annotated[str | None, typer.Option(
+    "--run",
+    help="Record into this run (default: a new run per start; the X-Kvtrace-Run header "
+    "wins).")]
+UpstreamKey = Annotated[str | None, typer.Option(
+    "--upstream-api-key", envvar="KVTRACE_UPSTREAM_API_KEY",
+    help="Bearer token sent to the upstream instead of the client's "
+    "($KVTRACE_UPSTREAM_API_KEY). Never recorded.")]
+Redact = Annotated[list[str] | None, typer.Option(
+    "--redact-header",
     help="Another header whose value must never be stored (repeatable); Authorization, "
-    "api-key, x-api-key and cookies always are.",
-)
-MAX_QUEUE = typer.Option(
-    16, "--max-queue", help="Local mode: requests that may wait for the engine; past it, 429."
-)
-MAX_BODY = typer.Option(
-    16 * 1024 * 1024, "--max-body-bytes", help="Largest request body accepted (else 413)."
-)
+    "api-key, x-api-key and cookies always are.")]
+MAX_QUEUE = 16
+MAX_BODY_BYTES = 16 * 1024 * 1024
 
 
 def _chat_server(store: Store, *, upstream: str | None, model: str | None, run: str | None,
@@ -75,56 +71,67 @@ def _chat_server(store: Store, *, upstream: str | None, model: str | None, run: 
 
 @app.command("serve")
 def serve_command(
-    upstream: str = UPSTREAM,
-    model: str = MODEL,
-    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (loopback only "
-                             "by default; 0.0.0.0 exposes the server to the network)."),
-    port: int = typer.Option(8000, "--port", help="Port to listen on (0: any free port)."),
-    run: str = RUN,
-    api_key: str = typer.Option(
-        None, "--api-key", envvar="KVTRACE_SERVE_API_KEY",
-        help="Require 'Authorization: Bearer KEY' from clients ($KVTRACE_SERVE_API_KEY).",
-    ),
-    upstream_api_key: str = UPSTREAM_KEY,
-    redact_header: list[str] = REDACT,
-    max_queue: int = MAX_QUEUE,
-    max_body_bytes: int = MAX_BODY,
+    ctx: typer.Context,
+    upstream: Upstream = None,
+    model: Model = None,
+    host: Annotated[str, typer.Option(
+        "--host", help="Address to listen on (loopback only by default; 0.0.0.0 exposes the "
+        "server to the network).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(
+        "--port", help="Port to listen on (0: any free port).")] = 8000,
+    run: Run = None,
+    api_key: Annotated[str | None, typer.Option(
+        "--api-key", envvar="KVTRACE_SERVE_API_KEY",
+        help="Require 'Authorization: Bearer KEY' from clients ($KVTRACE_SERVE_API_KEY).")] = None,
+    upstream_api_key: UpstreamKey = None,
+    redact_header: Redact = None,
+    max_queue: Annotated[int, typer.Option(
+        "--max-queue",
+        help="Local mode: requests that may wait for the engine; past it, 429.")] = MAX_QUEUE,
+    max_body_bytes: Annotated[int, typer.Option(
+        "--max-body-bytes", help="Largest request body accepted (else 413).")] = MAX_BODY_BYTES,
+    as_json: Json = False,
 ) -> None:
     """An OpenAI-compatible server that records every call into a run (see docs/serve.md)."""
     from kvtrace.serve import BackgroundServer
 
     if not 0 <= port <= 65535:
         raise UsageError(f"--port {port} is not a port number (0-65535)")
-    with open_store(store_url()) as store:
+    with open_store(store_url(ctx)) as store:
         server = _chat_server(store, upstream=upstream, model=model, run=run, run_prefix="serve",
                               api_key=api_key, upstream_api_key=upstream_api_key,
-                              redact_headers=redact_header, max_queue=max_queue,
+                              redact_headers=redact_header or [], max_queue=max_queue,
                               max_body_bytes=max_body_bytes)
         running = BackgroundServer(server.app, host=host, port=port).start()
         typer.echo(f"kvtrace serve: {running.url} ({server.answerer.description}), recording "
                    f"into run '{server.default_run}' of {store.display_url}; Ctrl-C stops",
                    err=True)
         running.wait()
+    if as_json:
+        print_json(_summary(server.stats))
+        return
     _print_summary(server.stats)
 
 
 @app.command("record", context_settings={"allow_interspersed_args": False})
 def record_command(
-    command: list[str] = typer.Argument(..., help="The program to run, after '--'."),
-    upstream: str = UPSTREAM,
-    model: str = MODEL,
-    run: str = RUN,
-    upstream_api_key: str = UPSTREAM_KEY,
-    redact_header: list[str] = REDACT,
+    ctx: typer.Context,
+    command: Annotated[list[str], typer.Argument(help="The program to run, after '--'.")],
+    upstream: Upstream = None,
+    model: Model = None,
+    run: Run = None,
+    upstream_api_key: UpstreamKey = None,
+    redact_header: Redact = None,
+    as_json: Json = False,
 ) -> None:
     """Run COMMAND against a recording server on a free loopback port (OPENAI_BASE_URL)."""
     from kvtrace.serve import BackgroundServer
 
-    with open_store(store_url()) as store:
+    with open_store(store_url(ctx)) as store:
         server = _chat_server(store, upstream=upstream, model=model, run=run, run_prefix="record",
                               api_key=None, upstream_api_key=upstream_api_key,
-                              redact_headers=redact_header, max_queue=MAX_QUEUE.default,
-                              max_body_bytes=MAX_BODY.default)
+                              redact_headers=redact_header or [], max_queue=MAX_QUEUE,
+                              max_body_bytes=MAX_BODY_BYTES)
         env = dict(os.environ, OPENAI_BASE_URL="", OPENAI_API_BASE="")
         with BackgroundServer(server.app) as running:
             env["OPENAI_BASE_URL"] = env["OPENAI_API_BASE"] = running.url
@@ -134,8 +141,17 @@ def record_command(
                 code = subprocess.call(command, env=env)
             except FileNotFoundError as exc:
                 raise UsageError(f"cannot run {command[0]!r}: no such program") from exc
-    _print_summary(server.stats, default=server.default_run)
+    if as_json:
+        sys.stdout.flush()
+        print_json({"run": server.default_run, "exit_code": code, **_summary(server.stats)})
+    else:
+        _print_summary(server.stats, default=server.default_run)
     raise typer.Exit(code)
+
+
+def _summary(stats: dict[str, RunStats]) -> dict[str, object]:
+    """What --json prints: per run written to, its calls and token counts."""
+    return {"runs": {name: dataclasses.asdict(run) for name, run in stats.items()}}
 
 
 def _print_summary(stats: dict[str, RunStats], default: str | None = None) -> None:

@@ -1,6 +1,8 @@
 """Store commands: init, runs, log, show, fork, revert, reset, undo, reflog,
 note, fsck, export, import, diff. Each is one call of the `kvtrace.store` API (import
-and export: of `kvtrace.formats`, which also reads and writes bundles)."""
+and export: of `kvtrace.formats`, which also reads and writes bundles). With `--json`,
+a command that changes something prints what it did: the new run, the reflog entry of
+the move, the note, the imported run, the written file."""
 
 from __future__ import annotations
 
@@ -9,46 +11,55 @@ import io
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
-from kvtrace.cli.app import app, print_json, store_url
+from kvtrace.cli.app import Json, app, print_json, store_url
+from kvtrace.cli.output import Force, output_file
 from kvtrace.errors import UsageError
 from kvtrace.formats import Format, export_file, import_file
-from kvtrace.store import Store, import_into, init_store, open_store
+from kvtrace.store import ReflogEntry, Store, import_into, init_store, open_store
 from kvtrace.store.compare import compare
 from kvtrace.store.kinds import edit_of
 from kvtrace.store.summary import step_summary
 
-JSON = typer.Option(False, "--json", help="Print JSON for programs instead of text.")
 
-
-def _store() -> Store:
+def _store(ctx: typer.Context) -> Store:
     """The existing store; only `init` and a successful `import` create one."""
-    return open_store(store_url(), create=False)
+    return open_store(store_url(ctx), create=False)
 
 
 def _when(timestamp: float) -> str:
     return datetime.datetime.fromtimestamp(timestamp).isoformat(timespec="seconds")
 
 
+def _last_move(store: Store, run: str) -> ReflogEntry:
+    """The reflog entry of the move just made on `run` (what --json prints)."""
+    return store.reflog(run)[0]
+
+
 @app.command()
 def init(
-    force: bool = typer.Option(
-        False, "--force", help="Create the store even in a database that holds other tables."
-    ),
+    ctx: typer.Context,
+    force: Annotated[bool, typer.Option(
+        "--force", help="Create the store even in a database that holds other tables.")] = False,
+    as_json: Json = False,
 ) -> None:
     """Create the store (if missing) and print where it is."""
-    with init_store(store_url(), force=force) as store:
-        typer.echo(f"kvtrace store ready at {store.display_url}")
+    with init_store(store_url(ctx), force=force) as store:
+        url = store.display_url
+    if as_json:
+        print_json({"store": url})
+        return
+    typer.echo(f"kvtrace store ready at {url}")
 
 
 @app.command()
-def runs(as_json: bool = JSON) -> None:
+def runs(ctx: typer.Context, as_json: Json = False) -> None:
     """List runs (branches) with their head and length."""
-    with _store() as store:
+    with _store(ctx) as store:
         infos = store.runs()
     if as_json:
         print_json([info.to_dict() for info in infos])
@@ -60,15 +71,19 @@ def runs(as_json: bool = JSON) -> None:
 
 @app.command()
 def log(
-    run: str = typer.Argument(..., help="A run, or any step address (RUN@N, RUN~K, id)."),
-    graph: bool = typer.Option(False, "--graph", help="Mark runs pointing here and forks."),
-    limit: int = typer.Option(None, "--limit", "-n", help="Show at most this many steps."),
-    as_json: bool = JSON,
+    ctx: typer.Context,
+    run: Annotated[str, typer.Argument(
+        help="A run, or any step address (RUN@N, RUN~K, id).")],
+    graph: Annotated[bool, typer.Option(
+        "--graph", help="Mark runs pointing here and forks.")] = False,
+    limit: Annotated[int | None, typer.Option(
+        "--limit", "-n", help="Show at most this many steps.")] = None,
+    as_json: Json = False,
 ) -> None:
     """Show steps from the head back to the root, like `git log`."""
     if limit is not None and limit < 1:
         raise UsageError("--limit must be at least 1")
-    with _store() as store:
+    with _store(ctx) as store:
         if not graph:
             steps = list(store.log(run, limit=limit))
             if as_json:
@@ -106,12 +121,13 @@ def _branches(num_branches: int, runs: list[str] | None) -> str:
 
 @app.command()
 def diff(
-    a: str = typer.Argument(..., help="A run or step address."),
-    b: str = typer.Argument(..., help="Another run or step address."),
-    as_json: bool = JSON,
+    ctx: typer.Context,
+    a: Annotated[str, typer.Argument(help="A run or step address.")],
+    b: Annotated[str, typer.Argument(help="Another run or step address.")],
+    as_json: Json = False,
 ) -> None:
     """Where two runs part, and what differs at the first step whose content differs."""
-    with _store() as store:
+    with _store(ctx) as store:
         result = compare(store, a, b)
     if as_json:
         print_json(result.to_dict())
@@ -148,11 +164,13 @@ def diff(
 
 @app.command()
 def show(
-    spec: str = typer.Argument(..., help="Step address: RUN, RUN@N, RUN~K or id prefix."),
-    as_json: bool = JSON,
+    ctx: typer.Context,
+    spec: Annotated[str, typer.Argument(
+        help="Step address: RUN, RUN@N, RUN~K or id prefix.")],
+    as_json: Json = False,
 ) -> None:
     """Show one step: its metadata, full content and notes."""
-    with _store() as store:
+    with _store(ctx) as store:
         step = store.show(spec)
         notes = store.notes(step.id)
     if as_json:
@@ -172,23 +190,36 @@ def show(
 
 @app.command()
 def fork(
-    spec: str = typer.Argument(..., help="Step to fork at."),
-    new: str = typer.Argument(..., help="Name of the new run."),
+    ctx: typer.Context,
+    spec: Annotated[str, typer.Argument(help="Step to fork at.")],
+    new: Annotated[str, typer.Argument(help="Name of the new run.")],
+    as_json: Json = False,
 ) -> None:
     """Start a new run at any step of any run (O(1): nothing is copied)."""
-    with _store() as store:
+    with _store(ctx) as store:
         run = store.fork(spec, new)
-    typer.echo(f"forked {new} at {run.head.short_id if run.head else '(empty)'}")
+    head = run.head
+    if as_json:
+        print_json({"run": run.name, "head": head.id if head else None,
+                    "depth": head.depth if head else 0, "forked_from": spec})
+        return
+    typer.echo(f"forked {run.name} at {head.short_id if head else '(empty)'}")
 
 
 @app.command()
 def revert(
-    run: str = typer.Argument(..., help="Run to move back."),
-    to: str = typer.Option(..., "--to", help="An earlier step of that run."),
+    ctx: typer.Context,
+    run: Annotated[str, typer.Argument(help="Run to move back.")],
+    to: Annotated[str, typer.Option("--to", help="An earlier step of that run.")],
+    as_json: Json = False,
 ) -> None:
     """Move a run back to an earlier step; the reverted steps stay in the reflog."""
-    with _store() as store:
+    with _store(ctx) as store:
         step = store.revert(run, to=to)
+        moved = _last_move(store, run)
+    if as_json:
+        print_json(moved.to_dict())
+        return
     typer.echo(
         f"{run} reverted to {step.short_id} (depth {step.depth}); undo with `kvtrace undo {run}`"
     )
@@ -196,39 +227,52 @@ def revert(
 
 @app.command()
 def reset(
-    run: str = typer.Argument(..., help="Run to move."),
-    to: str = typer.Option(
-        None, "--to",
+    ctx: typer.Context,
+    run: Annotated[str, typer.Argument(help="Run to move.")],
+    to: Annotated[str | None, typer.Option(
+        "--to",
         help="Any step (e.g. a reverted head). Default: the head the run's reflog last "
-        "recorded, which restores a run deleted or moved behind kvtrace's back.",
-    ),
+        "recorded, which restores a run deleted or moved behind kvtrace's back.")] = None,
+    as_json: Json = False,
 ) -> None:
     """Move a run to any step (this is how a revert is undone)."""
-    with _store() as store:
+    with _store(ctx) as store:
         step = store.reset(run, to=to)
+        moved = _last_move(store, run)
+    if as_json:
+        print_json(moved.to_dict())
+        return
     typer.echo(f"{run} reset to {step.short_id} (depth {step.depth})")
 
 
 @app.command()
-def undo(run: str = typer.Argument(..., help="Run whose last move to undo.")) -> None:
+def undo(
+    ctx: typer.Context,
+    run: Annotated[str, typer.Argument(help="Run whose last move to undo.")],
+    as_json: Json = False,
+) -> None:
     """Undo the last revert, reset or append of a run, using its reflog."""
-    with _store() as store:
+    with _store(ctx) as store:
         step = store.undo(run)
+        moved = _last_move(store, run)
+    if as_json:
+        print_json(moved.to_dict())
+        return
     typer.echo(f"{run} moved back to {step.short_id if step else '(empty)'}")
 
 
 @app.command()
 def reflog(
-    run: str = typer.Argument(None, help="Run name."),
-    every: bool = typer.Option(
-        False, "--all", help="Every run's moves, including runs whose ref is gone."
-    ),
-    as_json: bool = JSON,
+    ctx: typer.Context,
+    run: Annotated[str | None, typer.Argument(help="Run name.")] = None,
+    every: Annotated[bool, typer.Option(
+        "--all", help="Every run's moves, including runs whose ref is gone.")] = False,
+    as_json: Json = False,
 ) -> None:
     """Every move of a run, newest first (nothing is ever lost)."""
     if (run is None) == (not every):
         raise UsageError("name a run, or pass --all (not both)")
-    with _store() as store:
+    with _store(ctx) as store:
         entries = store.reflog(run)
     if as_json:
         print_json([e.to_dict() for e in entries])
@@ -242,20 +286,25 @@ def reflog(
 
 @app.command()
 def note(
-    spec: str = typer.Argument(..., help="Step to annotate."),
-    text: str = typer.Argument(..., help="The note."),
-    author: str = typer.Option(None, "--author", help="Who wrote it."),
+    ctx: typer.Context,
+    spec: Annotated[str, typer.Argument(help="Step to annotate.")],
+    text: Annotated[str, typer.Argument(help="The note.")],
+    author: Annotated[str | None, typer.Option("--author", help="Who wrote it.")] = None,
+    as_json: Json = False,
 ) -> None:
     """Attach a note to a step (the step itself never changes)."""
-    with _store() as store:
+    with _store(ctx) as store:
         added = store.note(spec, text, author=author)
+    if as_json:
+        print_json(added.to_dict())
+        return
     typer.echo(f"noted {added.step_id[:12]}")
 
 
 @app.command()
-def fsck(as_json: bool = JSON) -> None:
+def fsck(ctx: typer.Context, as_json: Json = False) -> None:
     """Re-hash every blob and step and check every reference. Exit 1 on problems."""
-    with _store() as store:
+    with _store(ctx) as store:
         report = store.fsck()
     if as_json:
         print_json(report.to_dict())
@@ -273,71 +322,71 @@ def fsck(as_json: bool = JSON) -> None:
 
 @app.command("export")
 def export_run(
-    run: str = typer.Argument(
-        ..., help="Run to export (openai and atif: any step address, e.g. RUN@N)."),
-    output: Path = typer.Option(
-        None, "-o", "--output", help="File to write (refuses to overwrite); default: stdout."),
-    fmt: Format = typer.Option(
-        Format.BUNDLE, "--format", "-f",
+    ctx: typer.Context,
+    run: Annotated[str, typer.Argument(
+        help="Run to export (openai, atif and otel: any step address, e.g. RUN@N).")],
+    output: Annotated[Path | None, typer.Option(
+        "-o", "--output",
+        help="File to write (an existing one only with --force); default: stdout.")] = None,
+    fmt: Annotated[Format, typer.Option(
+        "--format", "-f",
         help="bundle (kvtrace's own, lossless), openai (chat messages), atif (Harbor ATIF) "
-        "or otel (OpenTelemetry OTLP-JSON spans, GenAI conventions)."),
-    include_content: bool = typer.Option(
-        False, "--include-content",
+        "or otel (OpenTelemetry OTLP-JSON spans, GenAI conventions).")] = Format.BUNDLE,
+    include_content: Annotated[bool, typer.Option(
+        "--include-content",
         help="otel: also put prompts, responses, tool arguments and results in the spans "
-        "(left out by default: they may hold secrets or personal data)."),
+        "(left out by default: they may hold secrets or personal data).")] = False,
+    force: Force = False,
+    as_json: Json = False,
 ) -> None:
     """Write a run to a file: a bundle (steps, blobs, notes), OpenAI messages, ATIF or OTel."""
     if include_content and fmt is not Format.OTEL:
         raise UsageError("--include-content applies to --format otel only")
     if output is None:
-        with _store() as store:
+        if as_json:
+            raise UsageError("--json reports on the file written: name it with -o FILE")
+        with _store(ctx) as store:
             export_file(store, run, sys.stdout.buffer, format=fmt,
                         include_content=include_content)
         sys.stdout.buffer.flush()
         return
-    if output.exists():
-        raise UsageError(f"{output} exists: choose a new file name")
-    if not output.parent.is_dir():
-        raise UsageError(f"folder {output.parent} does not exist")
-    # A temporary file of our own in the target folder, linked into place
-    # without replacing anything: no file of the user's is ever touched.
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{output.name}.", suffix=".tmp", dir=output.parent)
-    tmp = Path(tmp_name)
-    try:
-        with os.fdopen(fd, "wb") as file, _store() as store:
+    with output_file(output, force=force) as tmp:
+        with tmp.open("wb") as file, _store(ctx) as store:
             export_file(store, run, file, format=fmt, include_content=include_content)
+            num_steps = len(store.path(run))
             file.flush()
             os.fsync(file.fileno())
-        try:
-            os.link(tmp, output)
-        except FileExistsError:
-            raise UsageError(f"{output} appeared while exporting: choose a new file name") from None
-        except OSError as exc:  # a file system without hard links: a plain rename, checked first
-            if output.exists():
-                raise UsageError(f"{output} appeared while exporting: choose a new name") from exc
-            os.replace(tmp, output)
-    finally:
-        tmp.unlink(missing_ok=True)
+        num_bytes = tmp.stat().st_size
+    if as_json:
+        print_json({"run": run, "format": fmt.value, "path": str(output),
+                    "num_steps": num_steps, "num_bytes": num_bytes})
+        return
     typer.echo(f"exported {run} as {fmt.value} to {output}")
 
 
 @app.command("import")
 def import_run(
-    file: Path = typer.Argument(
-        ..., help="File to import: a bundle, OpenAI chat messages, an ATIF trajectory or an "
-        "OTLP-JSON trace."),
-    fmt: Format = typer.Option(
-        Format.BUNDLE, "--format", "-f",
+    ctx: typer.Context,
+    file: Annotated[Path, typer.Argument(
+        help="File to import: a bundle, OpenAI chat messages, an ATIF trajectory or an "
+        "OTLP-JSON trace.")],
+    fmt: Annotated[Format, typer.Option(
+        "--format", "-f",
         help="bundle (written by `kvtrace export`), openai, atif or otel (OTLP-JSON spans "
-        "with content)."),
-    name: str = typer.Option(
-        None, "--run", "--as",
-        help="Run to create (default: a bundle's own run, else the file name to its first dot)."),
+        "with content).")] = Format.BUNDLE,
+    run: Annotated[str | None, typer.Option(
+        "--run", "--as",
+        help="Run to create (default: a bundle's own run, else the file name to its first "
+        "dot).")] = None,
+    as_json: Json = False,
 ) -> None:
     """Import a file as a new run; a bad or modified file is refused whole, writing nothing."""
     if not file.is_file():
         raise UsageError(f"no such file: {file}")
     data = file.read_bytes()
-    info = import_into(store_url(), lambda store: import_file(
-        store, io.BytesIO(data), format=fmt, run=name, filename=str(file)))
+    info = import_into(store_url(ctx), lambda store: import_file(
+        store, io.BytesIO(data), format=fmt, run=run, filename=str(file)))
+    if as_json:
+        print_json(info.to_dict())
+        return
     typer.echo(f"imported {info.name} ({info.depth} steps)")

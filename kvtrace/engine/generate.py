@@ -37,7 +37,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import Literal
+from enum import StrEnum
 
 import torch
 
@@ -46,7 +46,12 @@ from kvtrace.engine.model import Engine
 from kvtrace.engine.prefill import PrefillResult, prefill
 from kvtrace.errors import UsageError
 
-DraftVerdict = Literal["accepted", "rejected"]
+
+class DraftVerdict(StrEnum):
+    """What checking a draft in one prefill decided (see the module docstring)."""
+
+    ACCEPTED = "accepted"  # the draft is the result: no decoding
+    REJECTED = "rejected"  # some position was not the draft's token by the margin: decoded
 
 # Smallest gap between the top two fp32 logits for a drafted token to be
 # accepted: ~20x the prefill-vs-decode difference measured on the default
@@ -147,7 +152,7 @@ def generate(
                 decode_seconds=check_seconds,
                 insert_seconds=0.0,
                 seed=None,
-                draft="accepted",
+                draft=DraftVerdict.ACCEPTED,
             )
         checked = replace(checked, kv=None)  # decoding below builds its own
     pre = prefill(engine, cache, prompt_ids, block_size=block_size)
@@ -195,7 +200,7 @@ def generate(
         decode_seconds=decode_seconds,
         insert_seconds=insert_seconds,
         seed=used_seed,
-        draft="rejected" if checked is not None else None,
+        draft=DraftVerdict.REJECTED if checked is not None else None,
     )
 
 

@@ -105,7 +105,7 @@ def cache_stats(
 def collect_garbage(disk_dir: str | os.PathLike[str], max_bytes: int) -> GcResult:
     """Evict disk blocks (tails first, least recently used) down to `max_bytes`."""
     if max_bytes < 0:
-        raise UsageError(f"--max-bytes must be >= 0, got {max_bytes}")
+        raise UsageError(f"max_bytes={max_bytes}: must be >= 0", param="max_bytes")
     return BlockStore(disk_dir).gc(max_bytes)
 
 
@@ -119,7 +119,7 @@ def verify_blocks(
 ) -> VerifyReport:
     """Recompute up to `sample` of this engine's blocks (all when None) and compare."""
     if sample is not None and sample < 0:
-        raise UsageError(f"--sample must be >= 0, got {sample}")
+        raise UsageError(f"sample={sample}: must be >= 0 (None: every block)", param="sample")
     store = BlockStore(disk_dir, block_size=block_size)
     mine = {info.key: info for info in store.scan() if info.fingerprint == engine.fingerprint}
     keys = sorted(mine)

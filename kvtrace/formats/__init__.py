@@ -126,7 +126,7 @@ def default_run_name(filename: str) -> str:
     try:
         return validate_run_name(name)
     except UsageError as exc:
-        raise UsageError(f"{exc}; name the run yourself (--run NAME)") from exc
+        raise UsageError(f"{exc}; name the run yourself (run=NAME)", param="run") from exc
 
 
 def _known(format: str) -> str:

@@ -154,7 +154,7 @@ def _model_call(span: dict[str, Any], attributes: dict[str, Any], where: str) ->
     if not isinstance(inputs, list) or not isinstance(outputs, list) or not outputs:
         raise UsageError(f"{where} ({span['name']}) has no gen_ai.input.messages and "
                          "gen_ai.output.messages: export the trace with its content "
-                         "(kvtrace export --include-content)")
+                         "(include_content=True; kvtrace export --include-content)")
     system = attributes.get("gen_ai.system_instructions") or []
     messages = [normalize_message({"role": "system", "content": _part_text(part)},
                                   f"{where} gen_ai.system_instructions")

@@ -4,10 +4,14 @@
 reports reuse against the oracle bound; `checkout()` rebuilds a step's KV so
 that `continue_run()` starts warm; `analyze()` finds prefix breakers with the
 tokenizer alone. Backends: `LocalBackend` (the engine and its two-tier
-cache) and `RemoteBackend` (any OpenAI-compatible server).
+cache) and `RemoteBackend` (any OpenAI-compatible server), which loads httpx
+on first use so that importing this package (the CLI does, for `ReplayMode`)
+stays light.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 from kvtrace.replay.analyze import Analysis, PrefixBreaker, analyze
 from kvtrace.replay.backend import Backend, SamplingParams
@@ -15,8 +19,19 @@ from kvtrace.replay.branch import BranchReport, branch_out
 from kvtrace.replay.continuation import ContinueResult, continue_run
 from kvtrace.replay.driver import checkout, replay
 from kvtrace.replay.local import LocalBackend, open_local_backend
-from kvtrace.replay.remote import RemoteBackend
-from kvtrace.replay.report import ReplayReport, StepReport
+from kvtrace.replay.report import ReplayMode, ReplayReport, StepReport
+
+if TYPE_CHECKING:
+    from kvtrace.replay.remote import RemoteBackend
+
+
+def __getattr__(name: str) -> Any:
+    if name == "RemoteBackend":
+        from kvtrace.replay.remote import RemoteBackend
+
+        return RemoteBackend
+    raise AttributeError(f"module 'kvtrace.replay' has no attribute {name!r}")
+
 
 __all__ = [
     "Analysis",
@@ -26,6 +41,7 @@ __all__ = [
     "LocalBackend",
     "PrefixBreaker",
     "RemoteBackend",
+    "ReplayMode",
     "ReplayReport",
     "SamplingParams",
     "StepReport",

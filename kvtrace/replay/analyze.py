@@ -31,9 +31,6 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from rich.console import Console
-from rich.table import Table
-
 from kvtrace.errors import ReplayError
 from kvtrace.rendering import assistant_text
 from kvtrace.replay.backend import Message, Tokenizer
@@ -330,10 +327,6 @@ def _key(value: Any) -> str:
     return json.dumps(value, sort_keys=True)
 
 
-def _calls(n: int) -> str:
-    return "1 call" if n == 1 else f"{n} calls"
-
-
 def _text_of(tokenizer: Tokenizer, ids: list[int]) -> str:
     """Decoded with special tokens kept: positions then count the rendered prompt."""
     return tokenizer.decode(ids, skip_special_tokens=False)
@@ -374,46 +367,3 @@ def _overlaps_time(text: str, start: int, stop: int) -> bool:
         if match.start() <= max(start, stop - 1) and match.end() > start:
             return True
     return False
-
-
-def render_analysis(analysis: Analysis, console: Console | None = None) -> None:
-    """Print the per-step oracle bound and the prefix breakers."""
-    console = console or Console()
-    table = Table(title=f"analyze {analysis.spec} → {analysis.target_id[:12]}",
-                  title_justify="left")
-    # "@" is the step's position on the run (RUN@N), tool calls included.
-    for name in ("@", "step", "prompt", "oracle", "oracle hit", "shared w/ previous"):
-        table.add_column(name, justify="left" if name == "step" else "right")
-    for s in analysis.steps:
-        table.add_row(str(s.depth), s.step_id[:12], str(s.prompt_tokens), str(s.oracle_tokens),
-                      f"{100 * s.oracle_hit_rate:.1f}%",
-                      "" if s.shared_with_previous is None else str(s.shared_with_previous))
-    console.print(table)
-    total = analysis.prompt_tokens
-    rate = analysis.oracle_tokens / total if total else 0.0
-    console.print(f"oracle bound: {analysis.oracle_tokens}/{total} prompt tokens "
-                  f"({100 * rate:.1f}%)")
-    provider = analysis.provider
-    if provider is not None:
-        console.print(
-            f"provider cache: reused {provider.cached_tokens} of {provider.prompt_tokens} prompt "
-            f"tokens ({100 * provider.hit_rate:.1f}%) on the {_calls(provider.num_calls)} that "
-            f"{'reports' if provider.num_calls == 1 else 'report'} it; an exact-prefix cache "
-            "could have reused "
-            f"{100 * provider.oracle_hit_rate:.1f}% (oracle bound, this tokenizer)"
-        )
-    for s in analysis.steps:
-        if s.context_problem:
-            console.print(f"[bold]too long:[/bold] {s.context_problem}", highlight=False)
-    if not analysis.breakers:
-        console.print("no prefix breakers: every prompt extends the previous context")
-    depth = {s.index: s.depth for s in analysis.steps}
-    for b in analysis.breakers:
-        console.print(
-            f"[bold]step @{depth[b.index]}[/bold] ({b.step_id[:12]}) breaks the prefix at token "
-            f"{b.token_position} (char {b.char_position}), {b.lost_tokens} tokens lost: "
-            f"[bold]{b.cause}[/bold] — {b.explanation}",
-            highlight=False,
-        )
-        console.print(f"    …{b.before!r} | previous: {b.previous!r} | now: {b.current!r}",
-                      highlight=False, markup=False)

@@ -18,9 +18,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvtrace.errors import UsageError
+
+if TYPE_CHECKING:  # the engine imports torch: its types only, here
+    from kvtrace.engine.generate import DraftVerdict
 
 Message = dict[str, Any]
 
@@ -118,7 +121,7 @@ class CallResult:
     prefill_s: float
     decode_s: float
     seed: int | None = None  # the sampling seed actually used (recorded, so verify can reuse it)
-    draft: str | None = None  # "accepted" / "rejected" when the backend checked the draft
+    draft: DraftVerdict | None = None  # the verdict, when the backend checked the draft
 
     @property
     def computed_tokens(self) -> int | None:
@@ -159,7 +162,7 @@ class Backend(Protocol):
         ...
 
     def without_cache(self) -> Backend:
-        """The same backend with caching off (for --compare-uncached)."""
+        """The same backend with caching off (for `replay(compare_uncached=True)`)."""
         ...
 
     def settle(self) -> None:

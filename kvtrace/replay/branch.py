@@ -109,7 +109,7 @@ def branch_out(
     content fields replaced (see Store.fork).
     """
     if not 1 <= n <= MAX_BRANCHES:
-        raise UsageError(f"branch needs --n between 1 and {MAX_BRANCHES}")
+        raise UsageError(f"n={n}: branch needs between 1 and {MAX_BRANCHES} branches", param="n")
     params = params or SamplingParams(temperature=0.7)
     start = store.show(spec)  # fails at once on a bad spec
     base = prefix or f"{spec.split('@')[0].split('~')[0]}-branch"

@@ -116,7 +116,7 @@ def continue_run(
     id of the last step it recorded gets ConflictError when the run moved since.
     """
     if steps < 1:
-        raise UsageError("continue needs --steps of at least 1")
+        raise UsageError(f"steps={steps}: continue needs at least 1 step", param="steps")
     tools = dict(tools or {})
     params = params or SamplingParams()
     validate_run_name(run_name)

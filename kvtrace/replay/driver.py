@@ -42,7 +42,7 @@ from kvtrace.replay.recording import (
     step_tools,
     templated_output_ids,
 )
-from kvtrace.replay.report import MODES, Mismatch, ReplayReport, StepReport
+from kvtrace.replay.report import Mismatch, ReplayMode, ReplayReport, StepReport
 from kvtrace.store import Step, Store
 from kvtrace.store.kinds import ModelCall, StepKind
 from kvtrace.store.messages import arguments_equal, tool_calls_of
@@ -68,7 +68,7 @@ def replay(
     backend: Backend,
     *,
     to: str | None = None,
-    mode: str = "rebuild",
+    mode: ReplayMode | str = ReplayMode.REBUILD,
     compare_uncached: bool = False,
     use_drafts: bool = True,
     on_step: ProgressCallback | None = None,
@@ -80,6 +80,7 @@ def replay(
     `use_drafts=False` makes verify decode every response token by token even
     where the backend could check the recorded one in one pass.
     """
+    mode = replay_mode(mode)
     path = steps_to_replay(store, spec, to=to, mode=mode)
     uncached_backend = backend.without_cache() if compare_uncached else None  # fails early
     report = _replay_path(spec, path, backend, mode, use_drafts, on_step)
@@ -90,15 +91,14 @@ def replay(
 
 
 def steps_to_replay(
-    store: Store, spec: str, *, to: str | None = None, mode: str = "rebuild"
+    store: Store, spec: str, *, to: str | None = None, mode: ReplayMode | str = ReplayMode.REBUILD
 ) -> list[Step]:
     """The steps a replay of `spec` up to `to` walks, after checking every argument.
 
     Cheap (no model), and done before the backend is first used, so bad input
     fails at once (the CLI loads its backend lazily).
     """
-    if mode not in MODES:
-        raise UsageError(f"unknown replay mode {mode!r}: use one of {', '.join(MODES)}")
+    replay_mode(mode)
     path = store.path(spec)
     if not path:
         raise ReplayError(f"{spec!r} has no steps to replay")
@@ -107,8 +107,8 @@ def steps_to_replay(
         ids = [step.id for step in path]
         if target not in ids:
             raise UsageError(
-                f"--to {to!r} is not a step of {spec!r} (not one of its {len(path)} steps "
-                "from the root): name a step on it (RUN@N, RUN~K or an id prefix)"
+                f"to={to!r} is not a step of {spec!r} (not one of its {len(path)} steps "
+                "from the root): name a step on it (RUN@N, RUN~K or an id prefix)", param="to"
             )
         path = path[: ids.index(target) + 1]
     return path
@@ -122,14 +122,24 @@ def checkout(
     With the local backend the memory tier holds it for this process and the
     disk tier for later ones.
     """
-    return replay(store, spec, backend, mode="rebuild", on_step=on_step)
+    return replay(store, spec, backend, mode=ReplayMode.REBUILD, on_step=on_step)
+
+
+def replay_mode(mode: ReplayMode | str) -> ReplayMode:
+    """`mode` as a ReplayMode, or UsageError naming the modes."""
+    try:
+        return ReplayMode(mode)
+    except ValueError:
+        choices = ", ".join(ReplayMode)
+        raise UsageError(f"unknown replay mode {mode!r}: use one of {choices}",
+                         param="mode") from None
 
 
 def _replay_path(
     spec: str,
     path: list[Step],
     backend: Backend,
-    mode: str,
+    mode: ReplayMode,
     use_drafts: bool,
     on_step: ProgressCallback | None,
 ) -> ReplayReport:
@@ -139,7 +149,7 @@ def _replay_path(
     notes: list[str] = []
     if tokenizer is None:
         notes.append("no tokenizer for this backend: oracle bound and token positions unknown "
-                     "(pass --tokenizer with the server's model folder)")
+                     "(give the backend the tokenizer of the server's model)")
     oracle = PrefixOracle()
     reports: list[StepReport] = []
     started = time.perf_counter()
@@ -147,7 +157,7 @@ def _replay_path(
         expected = _prepare(step, tokenizer, mode, use_drafts)
         request = expected.request
         oracle_tokens = oracle.bound(request.prompt_ids) if request.prompt_ids else None
-        if mode == "verify":
+        if mode is ReplayMode.VERIFY:
             result = backend.generate(request)
             fed = result.output_ids
             if fed is None and tokenizer is not None and request.prompt_ids is not None:
@@ -166,7 +176,7 @@ def _replay_path(
                          f"prompt tokens, the tokenizer {len(request.prompt_ids)}; the oracle "
                          "is in the latter")
         is_match, mismatch = (None, None)
-        if mode == "verify":
+        if mode is ReplayMode.VERIFY:
             is_match, mismatch = _compare(expected, result.text, fed, tokenizer)
         step_report = StepReport.of(
             index, step, result, oracle_tokens=oracle_tokens,
@@ -182,7 +192,9 @@ def _replay_path(
                         tool_steps, wall, notes=notes)
 
 
-def _prepare(step: Step, tokenizer: Tokenizer | None, mode: str, use_drafts: bool) -> _Expected:
+def _prepare(
+    step: Step, tokenizer: Tokenizer | None, mode: ReplayMode, use_drafts: bool
+) -> _Expected:
     messages = step_messages(step)
     text = response_text(step)
     prompt = prompt_ids(tokenizer, step) if tokenizer is not None else None
@@ -195,22 +207,23 @@ def _prepare(step: Step, tokenizer: Tokenizer | None, mode: str, use_drafts: boo
         problem = check_context(tokenizer, step, len(prompt) + len(expected_ids or []))
         if problem:
             raise ReplayError(f"{problem}: replay stops here (use a model with a longer "
-                              "context, or replay --to an earlier step)")
+                              "context, or replay up to an earlier step: to=STEP)", param="to")
     # Regenerate as long as the recording, so a run-on is caught at the stop token.
     call = ModelCall(step)
     recorded = SamplingParams.from_recorded(
         call.params,
         default_max_new_tokens=max(len(expected_ids), 1) if expected_ids else 256,
     )
-    if expected_ids and mode == "verify" and recorded.max_new_tokens < len(expected_ids):
+    if expected_ids and mode is ReplayMode.VERIFY and recorded.max_new_tokens < len(expected_ids):
         raise ReplayError(
             f"step {step.short_id} records max_new_tokens={recorded.max_new_tokens} "
             f"but its response has {len(expected_ids)} tokens: the recording is inconsistent"
         )
+    verify = mode is ReplayMode.VERIFY
     request = CallRequest(messages, prompt, recorded,
-                          output_ids=expected_ids if mode == "rebuild" else None,
+                          output_ids=None if verify else expected_ids,
                           output_text=text, model=call.model,
-                          draft_ids=expected_ids if mode == "verify" and use_drafts else None,
+                          draft_ids=expected_ids if verify and use_drafts else None,
                           tools=step_tools(step))
     return _Expected(step, request, expected_ids, text, response_message(step))
 

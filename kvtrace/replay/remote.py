@@ -94,7 +94,7 @@ class RemoteBackend:
     def without_cache(self) -> Backend:
         raise UsageError(
             "a remote server's prefix cache cannot be switched off from here: "
-            "--no-cache and --compare-uncached work with the local backend only"
+            "compare_uncached=True works with the local backend only", param="compare_uncached"
         )
 
     def _complete(self, request: CallRequest, body: dict[str, Any]) -> CallResult:

@@ -1,4 +1,4 @@
-"""What a replay reports, per model call and in total, and how it is printed.
+"""What a replay reports, per model call and in total (kvtrace.cli.render prints it).
 
 Every count is in prompt tokens of the model that replayed.
 `reused_tokens` = `memory_tokens` + `disk_tokens` (when the tiers are known);
@@ -18,21 +18,22 @@ decode_s.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
-from rich import box
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
-
 if TYPE_CHECKING:
+    from kvtrace.engine.generate import DraftVerdict
     from kvtrace.replay.backend import CallResult
     from kvtrace.store import Step
 
-MODES = ("verify", "rebuild")
+
+class ReplayMode(StrEnum):
+    """How a replay treats each recorded model call (see driver.py)."""
+
+    VERIFY = "verify"  # regenerate the response and compare it with the recording
+    REBUILD = "rebuild"  # feed the recorded response: rebuilds the KV state fast
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +78,7 @@ class StepReport:
     decode_s: float
     is_match: bool | None = None  # verify only
     mismatch: Mismatch | None = None
-    draft: str | None = None  # verify: "accepted" / "rejected" when the recording was checked
+    draft: DraftVerdict | None = None  # verify: the verdict when the recording was checked
 
     @classmethod
     def of(
@@ -136,7 +137,7 @@ class StepReport:
             "decode_s": round(self.decode_s, 4),
             "match": self.is_match,
             "mismatch": self.mismatch.to_dict() if self.mismatch else None,
-            "draft": self.draft,
+            "draft": None if self.draft is None else str(self.draft),
         }
 
 
@@ -209,7 +210,7 @@ class ReplayReport:
 
     run: str
     target_id: str
-    mode: str
+    mode: ReplayMode
     backend: str
     model: str
     steps: list[StepReport]
@@ -247,113 +248,13 @@ class ReplayReport:
         return {
             "run": self.run,
             "target": self.target_id,
-            "mode": self.mode,
+            "mode": str(self.mode),
             "backend": self.backend,
             "model": self.model,
             "steps": [s.to_dict() for s in self.steps],
             "total": total,
             "notes": list(self.notes),
         }
-
-
-def render(report: ReplayReport, console: Console | None = None) -> None:
-    """Print a report as a plain Rich table, then a one-line summary."""
-    console = console or Console()
-    verify = report.mode == "verify"
-    table = Table(
-        title=f"{report.mode} {report.run} → {report.target_id[:12]} "
-        f"({report.backend}, {report.model})",
-        title_justify="left",
-        box=box.SIMPLE_HEAD,
-        padding=(0, 1),
-        pad_edge=False,
-        collapse_padding=True,
-    )
-    # "@" is the step's position on the run (RUN@N), tool calls included.
-    for name in ("@", "step", "prompt", "reused", "mem/disk", "comp", "hit",
-                 "oracle", "pre s", "dec s"):
-        table.add_column(name, justify="left" if name == "step" else "right", no_wrap=True)
-    if verify:
-        table.add_column("ver", justify="left", no_wrap=True)
-    for s in report.steps:
-        row = [str(s.depth), s.step_id[:7], str(s.prompt_tokens), _n(s.reused_tokens),
-               _tiers(s.memory_tokens, s.disk_tokens), _n(s.computed_tokens),
-               _pct(s.hit_rate), _pct(s.oracle_hit_rate), f"{s.prefill_s:.2f}",
-               f"{s.decode_s:.2f}"]
-        if verify:
-            row.append(_verdict(s))
-        table.add_row(*row)
-    t = report.total
-    row = ["", "total", str(t.prompt_tokens), _n(t.reused_tokens),
-           _tiers(t.memory_tokens, t.disk_tokens), _n(t.computed_tokens), _pct(t.hit_rate),
-           _pct(t.oracle_hit_rate), f"{t.prefill_s:.2f}", f"{t.decode_s:.2f}"]
-    if verify:
-        row.append(f"{t.matching_steps}/{t.steps}")
-    table.add_row(*row, style="bold")
-    console.print(table)
-    summary = (f"{_count(t.steps, 'model call')}, "
-               f"{_count(report.tool_steps, 'tool call')} served from the trace, "
-               f"{report.wall_s:.2f} s")
-    if report.uncached is not None:
-        summary += f"; uncached {report.uncached.wall_s:.2f} s, speed-up {report.speedup:.1f}x"
-    console.print(summary)
-    drafts = [s.draft for s in report.steps if s.draft is not None]
-    if drafts:
-        console.print(
-            f"drafts: {drafts.count('accepted')} of {len(report.steps)} responses checked in "
-            f"one pass, {drafts.count('rejected')} rejected and decoded (--no-draft: decode all)"
-        )
-    for s in report.steps:
-        if s.mismatch is not None:
-            m = s.mismatch
-            console.print(
-                f"step @{s.depth} ({s.step_id[:12]}) differs at {m.unit} {m.position}: "
-                f"expected {m.expected_text!r}, got {m.got_text!r}"
-                + (f"; {m.tool_call}" if m.tool_call else "")
-            )
-    if any(s.reused_tokens is None for s in report.steps):
-        console.print("?: unknown (the backend does not report cached tokens)")
-    for note in report.notes:
-        console.print(f"note: {note}")
-
-
-@contextmanager
-def progress_bar(
-    description: str, console: Console | None = None
-) -> Iterator[Callable[[int, int, StepReport], None]]:
-    """A transient progress bar; yields the `on_step` callback replay and continue take.
-
-    Shown on a terminal only: redirected, stderr stays free for the one-line
-    error a failure prints (a transient bar would still leave a blank line).
-    """
-    console = console or Console(stderr=True)
-    if not console.is_terminal:
-        yield _ignore_step
-        return
-    progress = Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-        TextColumn("hit {task.fields[hit]}"), TimeElapsedColumn(),
-        console=console, transient=True,
-    )
-    task = progress.add_task(description, total=None, hit="-")
-
-    def on_step(done: int, total: int, step: StepReport) -> None:
-        progress.update(task, completed=done, total=total, hit=_pct(step.hit_rate))
-
-    with progress:
-        yield on_step
-
-
-def _ignore_step(done: int, total: int, step: StepReport) -> None:
-    """The progress callback when there is no terminal to show progress on."""
-
-
-def _verdict(s: StepReport) -> str:
-    if s.is_match is None:
-        return ""
-    if s.is_match:
-        return "ok"
-    return f"≠@{s.mismatch.position}" if s.mismatch else "≠"
 
 
 def _rate(part: int | None, whole: int) -> float | None:
@@ -373,19 +274,3 @@ def _sum(values: Iterable[int | None]) -> int | None:
             return None
         total += value
     return total
-
-
-def _tiers(memory: int | None, disk: int | None) -> str:
-    return "?" if memory is None or disk is None else f"{memory}/{disk}"
-
-
-def _count(number: int, noun: str) -> str:
-    return f"{number} {noun}" + ("" if number == 1 else "s")
-
-
-def _n(value: int | None) -> str:
-    return "?" if value is None else str(value)
-
-
-def _pct(value: float | None) -> str:
-    return "?" if value is None else f"{100 * value:.1f}%"

@@ -102,7 +102,8 @@ def init_store(url: str | None = None, *, force: bool = False) -> Store:
                 if others:
                     raise UsageError(
                         f"{safe_url(url)} holds other tables ({', '.join(others[:5])}) and no "
-                        "kvtrace store: pass --force to add kvtrace's tables beside them"
+                        "kvtrace store: pass force=True to add kvtrace's tables beside them",
+                        param="force",
                     )
         finally:
             engine.dispose()

@@ -174,7 +174,8 @@ def read_bundle(conn: Connection, file: IO[bytes], name: str | None) -> RunInfo:
     existing = conn.execute(sa.select(refs.c.head).where(refs.c.name == run)).first()
     if existing is not None and existing.head != head:
         raise ConflictError(
-            f"run {run!r} exists with another head: import under a new name (--as NAME)"
+            f"run {run!r} exists with another head: import it under a new name (name=NAME)",
+            param="name",
         )
     # Key order, as in Store.append: concurrent writers never wait on each other in a cycle.
     insert_ignore(conn, blobs, sorted(blob_rows, key=lambda row: row["hash"]), "hash")

@@ -335,7 +335,8 @@ class Store:
                 resolve.head_id(conn, name)  # raises RunNotFoundError
             if to is None:
                 if last is None or last[1] is None:
-                    raise UsageError(f"run {name!r} has no reflog head to reset to: pass --to")
+                    raise UsageError(f"run {name!r} has no reflog head to reset to: pass to=STEP",
+                                     param="to")
                 target, message = last[1], f"reset to its last reflog head ({last[1][:12]})"
             else:
                 target = resolve.step_id(conn, to)

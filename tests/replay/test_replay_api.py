@@ -11,7 +11,7 @@ import kvtrace.replay
 def test_public_names_are_pinned():
     assert sorted(kvtrace.replay.__all__) == sorted([
         "Analysis", "Backend", "BranchReport", "ContinueResult", "LocalBackend", "PrefixBreaker",
-        "RemoteBackend", "ReplayReport", "SamplingParams", "StepReport", "analyze",
+        "RemoteBackend", "ReplayMode", "ReplayReport", "SamplingParams", "StepReport", "analyze",
         "branch_out", "checkout", "continue_run", "open_local_backend", "replay",
     ])
     for name in kvtrace.replay.__all__:

@@ -142,7 +142,7 @@ def test_analyze_json_with_the_default_tokenizer(tmp_path, capsys, default_model
         (["continue", "nosuch", "--steps", "1", "--tools", "demo"], "no run named 'nosuch'"),
         (["continue", "agent", "--steps", "0"], "--steps"),
         (["replay", "nosuch"], "no run named 'nosuch'"),
-        (["replay", "agent", "--mode", "bogus"], "unknown replay mode"),
+        (["replay", "agent", "--mode", "bogus"], "'bogus' is not one of 'verify', 'rebuild'"),
         (["replay", "mid", "--to", "agent"], "--to 'agent' is not a step of 'mid'"),
         (["checkout", "nosuch"], "no run named 'nosuch'"),
     ],

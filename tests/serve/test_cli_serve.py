@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -78,6 +79,18 @@ def test_record_with_upstream_keeps_the_real_provider_and_names_a_new_run(
         assert run.depth == 2
         assert not any(SECRET_KEY.encode() in blob for blob in all_blob_bytes(store))
     assert "2 model calls, 82 prompt tokens (48 cached), 21 completion tokens" in err
+
+
+def test_record_with_json_prints_what_it_recorded_after_the_commands_output(
+    home, capfd, canned_upstream
+):
+    code, out, _ = kv(capfd, "record", "--upstream", canned_upstream.url, "--run", "agent",
+                      "--json", "--", sys.executable, str(home / "agent.py"), "0")
+    program, summary = out.split("\n", 1)
+    assert code == 0 and program.startswith("chunks:")
+    assert json.loads(summary) == {"run": "agent", "exit_code": 0, "runs": {"agent": {
+        "calls": 2, "prompt_tokens": 82, "completion_tokens": 21, "cached_tokens": 48,
+        "unknown_cached": 0, "other_steps": 0}}}
 
 
 @pytest.mark.parametrize(("argv", "message"), [

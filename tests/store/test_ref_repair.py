@@ -76,5 +76,5 @@ def test_reset_of_a_run_that_never_existed_is_not_found(store):
 
 def test_reset_to_the_reflog_head_of_an_empty_run_needs_a_target(store):
     store.run("empty")
-    with pytest.raises(UsageError, match="--to"):
+    with pytest.raises(UsageError, match="pass to=STEP"):
         store.reset("empty")

@@ -1,0 +1,191 @@
+"""Rich output of the replay commands: report tables, the analysis, a progress bar.
+
+The library returns typed records (`ReplayReport`, `Analysis`) and takes an
+optional `on_step` callback; only this module turns them into text on a
+terminal. Figures print as they are in the records' `to_dict()` (the `--json`
+contract), so text and JSON never disagree. Unknown counts print "?".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+from rich import box
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+if TYPE_CHECKING:
+    from kvtrace.replay.analyze import Analysis
+    from kvtrace.replay.report import ReplayReport, StepReport
+
+
+def render_replay(report: ReplayReport, console: Console | None = None) -> None:
+    """Print a replay report as a plain Rich table, then a one-line summary."""
+    from kvtrace.replay.report import ReplayMode
+
+    console = console or Console()
+    verify = report.mode is ReplayMode.VERIFY
+    table = Table(
+        title=f"{report.mode} {report.run} → {report.target_id[:12]} "
+        f"({report.backend}, {report.model})",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        padding=(0, 1),
+        pad_edge=False,
+        collapse_padding=True,
+    )
+    # "@" is the step's position on the run (RUN@N), tool calls included.
+    for name in ("@", "step", "prompt", "reused", "mem/disk", "comp", "hit",
+                 "oracle", "pre s", "dec s"):
+        table.add_column(name, justify="left" if name == "step" else "right", no_wrap=True)
+    if verify:
+        table.add_column("ver", justify="left", no_wrap=True)
+    for s in report.steps:
+        row = [str(s.depth), s.step_id[:7], str(s.prompt_tokens), _n(s.reused_tokens),
+               _tiers(s.memory_tokens, s.disk_tokens), _n(s.computed_tokens),
+               _pct(s.hit_rate), _pct(s.oracle_hit_rate), f"{s.prefill_s:.2f}",
+               f"{s.decode_s:.2f}"]
+        if verify:
+            row.append(_verdict(s))
+        table.add_row(*row)
+    t = report.total
+    row = ["", "total", str(t.prompt_tokens), _n(t.reused_tokens),
+           _tiers(t.memory_tokens, t.disk_tokens), _n(t.computed_tokens), _pct(t.hit_rate),
+           _pct(t.oracle_hit_rate), f"{t.prefill_s:.2f}", f"{t.decode_s:.2f}"]
+    if verify:
+        row.append(f"{t.matching_steps}/{t.steps}")
+    table.add_row(*row, style="bold")
+    console.print(table)
+    summary = (f"{_count(t.steps, 'model call')}, "
+               f"{_count(report.tool_steps, 'tool call')} served from the trace, "
+               f"{report.wall_s:.2f} s")
+    if report.uncached is not None:
+        summary += f"; uncached {report.uncached.wall_s:.2f} s, speed-up {report.speedup:.1f}x"
+    console.print(summary)
+    drafts = [s.draft for s in report.steps if s.draft is not None]
+    if drafts:
+        # Verdicts come from the local engine: kvtrace.engine (and torch) is loaded already.
+        from kvtrace.engine.generate import DraftVerdict
+
+        console.print(
+            f"drafts: {drafts.count(DraftVerdict.ACCEPTED)} of {len(report.steps)} responses "
+            f"checked in one pass, {drafts.count(DraftVerdict.REJECTED)} rejected and decoded "
+            "(--no-draft: decode all)"
+        )
+    for s in report.steps:
+        if s.mismatch is not None:
+            m = s.mismatch
+            console.print(
+                f"step @{s.depth} ({s.step_id[:12]}) differs at {m.unit} {m.position}: "
+                f"expected {m.expected_text!r}, got {m.got_text!r}"
+                + (f"; {m.tool_call}" if m.tool_call else "")
+            )
+    if any(s.reused_tokens is None for s in report.steps):
+        console.print("?: unknown (the backend does not report cached tokens)")
+    for note in report.notes:
+        console.print(f"note: {note}")
+
+
+def render_analysis(analysis: Analysis, console: Console | None = None) -> None:
+    """Print the per-step oracle bound and the prefix breakers."""
+    console = console or Console()
+    table = Table(title=f"analyze {analysis.spec} → {analysis.target_id[:12]}",
+                  title_justify="left")
+    # "@" is the step's position on the run (RUN@N), tool calls included.
+    for name in ("@", "step", "prompt", "oracle", "oracle hit", "shared w/ previous"):
+        table.add_column(name, justify="left" if name == "step" else "right")
+    for s in analysis.steps:
+        table.add_row(str(s.depth), s.step_id[:12], str(s.prompt_tokens), str(s.oracle_tokens),
+                      f"{100 * s.oracle_hit_rate:.1f}%",
+                      "" if s.shared_with_previous is None else str(s.shared_with_previous))
+    console.print(table)
+    total = analysis.prompt_tokens
+    rate = analysis.oracle_tokens / total if total else 0.0
+    console.print(f"oracle bound: {analysis.oracle_tokens}/{total} prompt tokens "
+                  f"({100 * rate:.1f}%)")
+    provider = analysis.provider
+    if provider is not None:
+        console.print(
+            f"provider cache: reused {provider.cached_tokens} of {provider.prompt_tokens} prompt "
+            f"tokens ({100 * provider.hit_rate:.1f}%) on the {_calls(provider.num_calls)} that "
+            f"{'reports' if provider.num_calls == 1 else 'report'} it; an exact-prefix cache "
+            "could have reused "
+            f"{100 * provider.oracle_hit_rate:.1f}% (oracle bound, this tokenizer)"
+        )
+    for s in analysis.steps:
+        if s.context_problem:
+            console.print(f"[bold]too long:[/bold] {s.context_problem}", highlight=False)
+    if not analysis.breakers:
+        console.print("no prefix breakers: every prompt extends the previous context")
+    depth = {s.index: s.depth for s in analysis.steps}
+    for b in analysis.breakers:
+        console.print(
+            f"[bold]step @{depth[b.index]}[/bold] ({b.step_id[:12]}) breaks the prefix at token "
+            f"{b.token_position} (char {b.char_position}), {b.lost_tokens} tokens lost: "
+            f"[bold]{b.cause}[/bold] — {b.explanation}",
+            highlight=False,
+        )
+        console.print(f"    …{b.before!r} | previous: {b.previous!r} | now: {b.current!r}",
+                      highlight=False, markup=False)
+
+
+@contextmanager
+def progress_bar(
+    description: str, console: Console | None = None
+) -> Iterator[Callable[[int, int, StepReport], None]]:
+    """A transient progress bar; yields the `on_step` callback replay and checkout take.
+
+    Shown on a terminal only: redirected, stderr stays free for the one-line
+    error a failure prints (a transient bar would still leave a blank line).
+    """
+    console = console or Console(stderr=True)
+    if not console.is_terminal:
+        yield _ignore_step
+        return
+    progress = Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+        TextColumn("hit {task.fields[hit]}"), TimeElapsedColumn(),
+        console=console, transient=True,
+    )
+    task = progress.add_task(description, total=None, hit="-")
+
+    def on_step(done: int, total: int, step: StepReport) -> None:
+        progress.update(task, completed=done, total=total, hit=_pct(step.hit_rate))
+
+    with progress:
+        yield on_step
+
+
+def _ignore_step(done: int, total: int, step: StepReport) -> None:
+    """The progress callback when there is no terminal to show progress on."""
+
+
+def _verdict(s: StepReport) -> str:
+    if s.is_match is None:
+        return ""
+    if s.is_match:
+        return "ok"
+    return f"≠@{s.mismatch.position}" if s.mismatch else "≠"
+
+
+def _tiers(memory: int | None, disk: int | None) -> str:
+    return "?" if memory is None or disk is None else f"{memory}/{disk}"
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}" + ("" if number == 1 else "s")
+
+
+def _calls(n: int) -> str:
+    return "1 call" if n == 1 else f"{n} calls"
+
+
+def _n(value: int | None) -> str:
+    return "?" if value is None else str(value)
+
+
+def _pct(value: float | None) -> str:
+    return "?" if value is None else f"{100 * value:.1f}%"
