@@ -43,6 +43,17 @@ def inert(text: str, *, keep_newlines: bool = True) -> str:
     return text
 
 
+def inert_json(document: str) -> str:
+    """A JSON document with the same characters escaped the JSON way (``\\uNNNN``).
+
+    Still valid JSON that decodes to the same values: such characters can
+    only occur inside its strings, where a JSON escape means the character
+    itself. `json.dumps` escapes C0 controls already, but not C1 controls or
+    format characters when it keeps non-ASCII text readable.
+    """
+    return _SUSPECT.sub(_json_escape, document)
+
+
 def is_inert(text: str) -> bool:
     """Whether `text` holds nothing `inert` would escape (newlines and tabs allowed)."""
     return _SUSPECT.search(text) is None
@@ -50,6 +61,14 @@ def is_inert(text: str) -> bool:
 
 def _escape(match: re.Match[str]) -> str:
     return _escaped(match.group())
+
+
+def _json_escape(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    if code <= 0xFFFF:
+        return f"\\u{code:04x}"
+    high, low = divmod(code - 0x10000, 0x400)
+    return f"\\u{0xD800 + high:04x}\\u{0xDC00 + low:04x}"
 
 
 @lru_cache(maxsize=256)

@@ -28,6 +28,7 @@ from kvtrace.cli import (  # noqa: F401  (registers commands)
 )
 from kvtrace.cli.app import CliState, app, flag_message
 from kvtrace.errors import KvtraceError
+from kvtrace.inert import inert
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -36,17 +37,17 @@ def main(argv: list[str] | None = None) -> None:
     try:
         result = app(args=argv, standalone_mode=False, obj=state)
     except KvtraceError as exc:
-        print(f"error: {flag_message(exc, state.command)}", file=sys.stderr)
+        _error(flag_message(exc, state.command))
         sys.exit(2)
     except typer.TyperException as exc:  # click's usage errors, as vendored by Typer
         if type(exc).__name__ == "NoArgsIsHelpError":
             exc.show()  # type: ignore[attr-defined]
             sys.exit(0)
         message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
-        print(f"error: {' '.join(message.split())}", file=sys.stderr)
+        _error(" ".join(message.split()))
         sys.exit(getattr(exc, "exit_code", 2))
     except OSError as exc:  # a file the user named cannot be read or written
-        print(f"error: {exc.strerror or exc}: {exc.filename or ''}".rstrip(": "), file=sys.stderr)
+        _error(f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": "))
         sys.exit(2)
     except typer.Abort:
         print("aborted", file=sys.stderr)
@@ -55,7 +56,12 @@ def main(argv: list[str] | None = None) -> None:
         if os.environ.get("KVTRACE_DEBUG"):
             raise
         reason = " ".join(str(exc).split())[:500]
-        print(f"error: unexpected {type(exc).__name__}: {reason} (a bug in kvtrace: please "
-              "report it; KVTRACE_DEBUG=1 shows the traceback)", file=sys.stderr)
+        _error(f"unexpected {type(exc).__name__}: {reason} (a bug in kvtrace: please "
+               "report it; KVTRACE_DEBUG=1 shows the traceback)")
         sys.exit(1)
     sys.exit(result if isinstance(result, int) else 0)
+
+
+def _error(message: str) -> None:
+    """The one `error:` line (messages may quote recorded content: shown inert, on one line)."""
+    print(f"error: {inert(message, keep_newlines=False)}", file=sys.stderr)

@@ -24,6 +24,7 @@ import typer
 from typer.core import TyperGroup
 
 from kvtrace.errors import KvtraceError
+from kvtrace.inert import inert, inert_json
 
 if TYPE_CHECKING:  # Typer vendors click; its command class has no public alias
     from typer._click import Command
@@ -93,9 +94,19 @@ def store_url(ctx: typer.Context) -> str | None:
     return state.store_url if state is not None else None
 
 
+def say(text: str, *, err: bool = False) -> None:
+    """Print one line of text made inert: recorded content never drives the terminal.
+
+    kvtrace's own words hold no control characters, so every line goes
+    through `kvtrace.inert` whole (escape sequences, bidi and zero-width
+    characters from a recording are shown as escapes).
+    """
+    typer.echo(inert(text), err=err)
+
+
 def print_json(value: Any) -> None:
     """Print one JSON document (what `--json` promises)."""
-    typer.echo(json.dumps(value, indent=2, ensure_ascii=False, default=str))
+    typer.echo(inert_json(json.dumps(value, indent=2, ensure_ascii=False, default=str)))
 
 
 # Where a command's option is named otherwise than the API parameter an error names.

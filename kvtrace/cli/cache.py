@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from kvtrace.cli.app import Json, cache_app, print_json
+from kvtrace.cli.app import Json, cache_app, print_json, say
 from kvtrace.errors import UsageError
 
 if TYPE_CHECKING:
@@ -77,19 +77,19 @@ def stats(
         print_json(dataclasses.asdict(result))
         return
     per_token = result.disk_bytes_per_token
-    typer.echo(f"model            {result.model}  (fingerprint {result.fingerprint[:16]})")
-    typer.echo(
+    say(f"model            {result.model}  (fingerprint {result.fingerprint[:16]})")
+    say(
         f"KV per token     {result.kv_bytes_per_token:,} B  "
         f"(2 x {engine.num_layers} layers x {engine.num_kv_heads} kv heads x "
         f"{engine.head_dim} dims x {engine.dtype.itemsize} B)"
     )
-    typer.echo(
+    say(
         f"disk tier        {result.disk_blocks:,} blocks, {result.disk_bytes:,} B for this model"
         + (f" ({per_token:,.0f} B/token)" if per_token else "")
         + f"; {result.disk_blocks_all_models:,} blocks, {result.disk_bytes_all_models:,} B in all"
     )
-    typer.echo(f"disk folder      {result.disk_dir}")
-    typer.echo(
+    say(f"disk folder      {result.disk_dir}")
+    say(
         f"memory tier      {result.memory_entries} entries, {result.memory_bytes:,} B "
         f"(budget {result.memory_max_bytes:,} B; empty in a new process)"
     )
@@ -110,7 +110,7 @@ def gc(
     if as_json:
         print_json(dataclasses.asdict(result))
         return
-    typer.echo(
+    say(
         f"removed {result.num_blocks_removed} blocks ({result.num_bytes_removed:,} B); "
         f"{result.num_blocks_left} blocks ({result.num_bytes_left:,} B) left"
     )
@@ -138,12 +138,12 @@ def verify(
     if as_json:
         print_json({**dataclasses.asdict(report), "is_ok": report.is_ok})
     else:
-        typer.echo(
+        say(
             f"checked {report.num_checked} of {report.num_blocks} blocks: "
             f"{len(report.mismatched)} mismatched, {len(report.unreadable)} unreadable (removed), "
             f"{len(report.orphaned)} orphaned"
         )
         for key in report.mismatched:
-            typer.echo(f"mismatch {key}")
+            say(f"mismatch {key}")
     if not report.is_ok:
         raise typer.Exit(1)

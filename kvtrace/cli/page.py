@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from kvtrace.cli.app import Json, app, print_json, store_url
+from kvtrace.cli.app import Json, app, print_json, say, store_url
 from kvtrace.cli.output import Force, check_output, output_file
 from kvtrace.errors import UsageError
 from kvtrace.paths import default_cache_dir
@@ -54,7 +54,7 @@ def report_command(
         print_json({"path": str(output), "runs": list(runs), "num_steps": num_steps,
                     "num_forks": num_forks, "tokenizer": page.tokenizer})
         return
-    typer.echo(f"wrote {output}: {len(page.runs)} run(s), {num_steps} steps"
+    say(f"wrote {output}: {len(page.runs)} run(s), {num_steps} steps"
                + (f", {num_forks} fork(s) in the graph" if num_forks else ""))
 
 

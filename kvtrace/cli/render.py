@@ -14,8 +14,11 @@ from typing import TYPE_CHECKING
 
 from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+
+from kvtrace.inert import inert
 
 if TYPE_CHECKING:
     from kvtrace.replay.analyze import Analysis
@@ -29,8 +32,8 @@ def render_replay(report: ReplayReport, console: Console | None = None) -> None:
     console = console or Console()
     verify = report.mode is ReplayMode.VERIFY
     table = Table(
-        title=f"{report.mode} {report.run} → {report.target_id[:12]} "
-        f"({report.backend}, {report.model})",
+        title=_shown(f"{report.mode} {report.run} → {report.target_id[:12]} "
+                     f"({report.backend}, {report.model})"),
         title_justify="left",
         box=box.SIMPLE_HEAD,
         padding=(0, 1),
@@ -79,14 +82,15 @@ def render_replay(report: ReplayReport, console: Console | None = None) -> None:
         if s.mismatch is not None:
             m = s.mismatch
             console.print(
-                f"step @{s.depth} ({s.step_id[:12]}) differs at {m.unit} {m.position}: "
-                f"expected {m.expected_text!r}, got {m.got_text!r}"
-                + (f"; {m.tool_call}" if m.tool_call else "")
+                inert(f"step @{s.depth} ({s.step_id[:12]}) differs at {m.unit} {m.position}: "
+                      f"expected {m.expected_text!r}, got {m.got_text!r}"
+                      + (f"; {m.tool_call}" if m.tool_call else "")),
+                markup=False, highlight=False,
             )
     if any(s.reused_tokens is None for s in report.steps):
         console.print("?: unknown (the backend does not report cached tokens)")
     for note in report.notes:
-        console.print(f"note: {note}")
+        console.print(inert(f"note: {note}"), markup=False, highlight=False)
 
 
 def render_analysis(analysis: Analysis, console: Console | None = None) -> None:
@@ -117,7 +121,7 @@ def render_analysis(analysis: Analysis, console: Console | None = None) -> None:
         )
     for s in analysis.steps:
         if s.context_problem:
-            console.print(f"[bold]too long:[/bold] {s.context_problem}", highlight=False)
+            console.print(f"[bold]too long:[/bold] {_shown(s.context_problem)}", highlight=False)
     if not analysis.breakers:
         console.print("no prefix breakers: every prompt extends the previous context")
     depth = {s.index: s.depth for s in analysis.steps}
@@ -125,10 +129,10 @@ def render_analysis(analysis: Analysis, console: Console | None = None) -> None:
         console.print(
             f"[bold]step @{depth[b.index]}[/bold] ({b.step_id[:12]}) breaks the prefix at token "
             f"{b.token_position} (char {b.char_position}), {b.lost_tokens} tokens lost: "
-            f"[bold]{b.cause}[/bold] — {b.explanation}",
+            f"[bold]{_shown(b.cause)}[/bold] — {_shown(b.explanation)}",
             highlight=False,
         )
-        console.print(f"    …{b.before!r} | previous: {b.previous!r} | now: {b.current!r}",
+        console.print(inert(f"    …{b.before!r} | previous: {b.previous!r} | now: {b.current!r}"),
                       highlight=False, markup=False)
 
 
@@ -189,3 +193,8 @@ def _n(value: int | None) -> str:
 
 def _pct(value: float | None) -> str:
     return "?" if value is None else f"{100 * value:.1f}%"
+
+
+def _shown(text: str) -> str:
+    """Recorded text inside Rich markup: inert, and its brackets not read as markup."""
+    return escape(inert(text))

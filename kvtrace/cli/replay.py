@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Annotated, Any, cast
 
 import typer
 
-from kvtrace.cli.app import Json, app, print_json, store_url
+from kvtrace.cli.app import Json, app, print_json, say, store_url
 from kvtrace.errors import UsageError
 from kvtrace.paths import default_cache_dir
 from kvtrace.replay.report import ReplayMode
@@ -174,7 +174,7 @@ def replay_command(
                             on_step=on_step)
     render_replay(report)
     if backend != "local" and tokenizer is None:
-        typer.echo("(pass --tokenizer FOLDER, the server's model folder, for the oracle bound)")
+        say("(pass --tokenizer FOLDER, the server's model folder, for the oracle bound)")
     if report.is_match is False:
         raise typer.Exit(1)
 
@@ -201,7 +201,7 @@ def checkout_command(
         with progress_bar(f"checkout {spec}") as on_step:
             report = checkout(store, spec, chosen, on_step=on_step)
     render_replay(report)
-    typer.echo(f"KV state of {spec}: whole {DEFAULT_BLOCK_SIZE}-token blocks on disk under "
+    say(f"KV state of {spec}: whole {DEFAULT_BLOCK_SIZE}-token blocks on disk under "
                f"{default_kv_dir(default_cache_dir())} (a later process recomputes only the "
                "tail)")
 
@@ -238,10 +238,10 @@ def continue_command(
         typed = view(step)
         what = (typed.tool if isinstance(typed, ToolCall) else
                 typed.model or "" if isinstance(typed, ModelCall) else "")
-        typer.echo(f"{step.depth:>4}  {step.short_id}  {step.kind:<10}  {what}")
+        say(f"{step.depth:>4}  {step.short_id}  {step.kind:<10}  {what}")
     total = Totals.of(result.reports)
     calls = total.steps
-    typer.echo(f"{calls} model call{'' if calls == 1 else 's'}, {total.reused_tokens or 0}/"
+    say(f"{calls} model call{'' if calls == 1 else 's'}, {total.reused_tokens or 0}/"
                f"{total.prompt_tokens} prompt tokens reused"
                + (f"; final answer: {result.final_answer}" if result.is_finished else ""))
 
@@ -293,17 +293,17 @@ def branch_command(
     if as_json:
         print_json(report.to_dict())
         return
-    typer.echo(f"{len(report.branches)} branches from {report.fork_step.short_id} "
+    say(f"{len(report.branches)} branches from {report.fork_step.short_id} "
                f"(@{report.fork_step.depth}{', edited' if changes else ''}); prefix of "
                f"{report.prefix_tokens} tokens computed once ({report.prefix_computed_tokens} "
                "computed, the rest from the cache)")
-    typer.echo(f"{'run':<24} {'seed':>5} {'steps':>5} {'prompt':>7} {'computed':>8} "
+    say(f"{'run':<24} {'seed':>5} {'steps':>5} {'prompt':>7} {'computed':>8} "
                f"{'output':>6} {'diverges':>8}  final output")
     for branch in report.branches:
         row = branch.to_dict()
         where = "-" if row["diverged_at"] is None else f"@{row['diverged_at']}"
         text = " ".join(str(row["output"]).split())
-        typer.echo(f"{row['run']:<24} {row['seed']!s:>5} {row['steps']:>5} "
+        say(f"{row['run']:<24} {row['seed']!s:>5} {row['steps']:>5} "
                    f"{row['prompt_tokens']:>7} {row['computed_tokens']!s:>8} "
                    f"{row['output_tokens']:>6} {where:>8}  {text[:60]}")
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from kvtrace.cli.app import Json, app, print_json, store_url
+from kvtrace.cli.app import Json, app, print_json, say, store_url
 from kvtrace.errors import UsageError
 from kvtrace.paths import default_cache_dir
 from kvtrace.store import Store, open_store, validate_run_name
@@ -103,7 +103,7 @@ def serve_command(
                               redact_headers=redact_header or [], max_queue=max_queue,
                               max_body_bytes=max_body_bytes)
         running = BackgroundServer(server.app, host=host, port=port).start()
-        typer.echo(f"kvtrace serve: {running.url} ({server.answerer.description}), recording "
+        say(f"kvtrace serve: {running.url} ({server.answerer.description}), recording "
                    f"into run '{server.default_run}' of {store.display_url}; Ctrl-C stops",
                    err=True)
         running.wait()
@@ -136,7 +136,7 @@ def record_command(
         with BackgroundServer(server.app) as running:
             env["OPENAI_BASE_URL"] = env["OPENAI_API_BASE"] = running.url
             env.setdefault("OPENAI_API_KEY", "kvtrace")  # the SDK refuses to start without one
-            typer.echo(f"kvtrace record: run '{server.default_run}', {running.url}", err=True)
+            say(f"kvtrace record: run '{server.default_run}', {running.url}", err=True)
             try:
                 code = subprocess.call(command, env=env)
             except FileNotFoundError as exc:
@@ -157,7 +157,7 @@ def _summary(stats: dict[str, RunStats]) -> dict[str, object]:
 def _print_summary(stats: dict[str, RunStats], default: str | None = None) -> None:
     """One line per run written to: calls, tokens, cached tokens (or unknown)."""
     if not stats and default is not None:
-        typer.echo(f"kvtrace record: run '{default}': no model calls recorded", err=True)
+        say(f"kvtrace record: run '{default}': no model calls recorded", err=True)
     for name, run in stats.items():
         if run.unknown_cached == run.calls:
             cached = "cached unknown"
@@ -166,7 +166,7 @@ def _print_summary(stats: dict[str, RunStats], default: str | None = None) -> No
             if run.unknown_cached:
                 cached += f" ({run.unknown_cached} calls unknown)"
         others = f", {run.other_steps} other requests" if run.other_steps else ""
-        typer.echo(f"recorded run '{name}': {run.calls} model call"
+        say(f"recorded run '{name}': {run.calls} model call"
                    f"{'' if run.calls == 1 else 's'}, {run.prompt_tokens:,} prompt tokens "
                    f"({cached}), {run.completion_tokens:,} completion tokens{others}",
                    err=True)

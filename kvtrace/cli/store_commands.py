@@ -16,7 +16,7 @@ from typing import Annotated
 
 import typer
 
-from kvtrace.cli.app import Json, app, print_json, store_url
+from kvtrace.cli.app import Json, app, print_json, say, store_url
 from kvtrace.cli.output import Force, output_file
 from kvtrace.errors import UsageError
 from kvtrace.formats import Format, export_file, import_file
@@ -53,7 +53,7 @@ def init(
     if as_json:
         print_json({"store": url})
         return
-    typer.echo(f"kvtrace store ready at {url}")
+    say(f"kvtrace store ready at {url}")
 
 
 @app.command()
@@ -66,7 +66,7 @@ def runs(ctx: typer.Context, as_json: Json = False) -> None:
         return
     for info in infos:
         head = info.head_id[:12] if info.head_id else "(empty)"
-        typer.echo(f"{info.name:30} {head:12} {info.depth:6} steps")
+        say(f"{info.name:30} {head:12} {info.depth:6} steps")
 
 
 @app.command()
@@ -90,22 +90,22 @@ def log(
                 print_json([s.to_dict() for s in steps])
                 return
             for s in steps:
-                typer.echo(f"{s.depth:4} {s.short_id} {s.kind:10} {step_summary(s)}")
+                say(f"{s.depth:4} {s.short_id} {s.kind:10} {step_summary(s)}")
             if not steps:
-                typer.echo(f"{run} has no steps yet")
+                say(f"{run} has no steps yet")
             return
         rows = store.graph(run, limit=limit)
     if as_json:
         print_json([row.to_dict() for row in rows])
         return
     if not rows:
-        typer.echo(f"{run} has no steps yet")
+        say(f"{run} has no steps yet")
     for row in rows:
         s = row.step
         refs = f" ({', '.join(row.heads)})" if row.heads else ""
-        typer.echo(f"* {s.depth:4} {s.short_id}{refs} {s.kind:10} {step_summary(s)}")
+        say(f"* {s.depth:4} {s.short_id}{refs} {s.kind:10} {step_summary(s)}")
         if row.num_branches:
-            typer.echo(f"|\\  {_branches(row.num_branches, row.branch_runs)}")
+            say(f"|\\  {_branches(row.num_branches, row.branch_runs)}")
 
 
 def _branches(num_branches: int, runs: list[str] | None) -> str:
@@ -134,21 +134,21 @@ def diff(
         return
     parted = result.divergence
     common = parted.common
-    typer.echo(
+    say(
         f"common: {common.depth} {common.short_id} {common.kind}" if common
         else "common: (none): unrelated runs, aligned step by step from the root"
     )
     for label, step, count in ((a, parted.first_a, parted.num_only_a),
                                (b, parted.first_b, parted.num_only_b)):
         if step is None:
-            typer.echo(f"{label}: no steps after the common one")
+            say(f"{label}: no steps after the common one")
         else:
-            typer.echo(f"{label}: {count} more step(s), first {step.short_id} {step.kind} "
+            say(f"{label}: {count} more step(s), first {step.short_id} {step.kind} "
                        f"{step_summary(step)}")
     if result.is_same_content:
-        typer.echo("same content at every position (only ids, timings or usage differ)")
+        say("same content at every position (only ids, timings or usage differ)")
         return
-    typer.echo(f"first difference at @{result.position}"
+    say(f"first difference at @{result.position}"
                + (f" (after {result.num_same_content} step(s) that differ only in timings or "
                   "usage)" if result.num_same_content else "") + ":")
     for label, step in ((a, result.step_a), (b, result.step_b)):
@@ -157,9 +157,9 @@ def diff(
         copied = edit_of(step) if step is not None else None
         if copied is not None:
             shown += f" [edited copy of {copied[:12]}]"
-        typer.echo(f"  {label}@{result.position}: {shown}")
+        say(f"  {label}@{result.position}: {shown}")
     for change in result.changes:  # each diff names its field in its --- and +++ lines
-        typer.echo("\n".join(change.diff or [f"{change.field}: differs"]))
+        say("\n".join(change.diff or [f"{change.field}: differs"]))
 
 
 @app.command()
@@ -176,16 +176,16 @@ def show(
     if as_json:
         print_json({**step.to_dict(), "notes": [n.to_dict() for n in notes]})
         return
-    typer.echo(f"step   {step.id}")
-    typer.echo(f"parent {step.parent_id}")
-    typer.echo(f"kind   {step.kind}   depth {step.depth}   recorded {_when(step.recorded_at)}")
+    say(f"step   {step.id}")
+    say(f"parent {step.parent_id}")
+    say(f"kind   {step.kind}   depth {step.depth}   recorded {_when(step.recorded_at)}")
     for key, value in step.meta.items():
-        typer.echo(f"{key}: {json.dumps(value, ensure_ascii=False)}")
+        say(f"{key}: {json.dumps(value, ensure_ascii=False)}")
     for key, value in step.to_dict()["content"].items():
-        typer.echo(f"--- {key}")
-        typer.echo(json.dumps(value, indent=2, ensure_ascii=False))
+        say(f"--- {key}")
+        say(json.dumps(value, indent=2, ensure_ascii=False))
     for note in notes:
-        typer.echo(f"note ({note.author or 'anonymous'}, {_when(note.created_at)}): {note.text}")
+        say(f"note ({note.author or 'anonymous'}, {_when(note.created_at)}): {note.text}")
 
 
 @app.command()
@@ -203,7 +203,7 @@ def fork(
         print_json({"run": run.name, "head": head.id if head else None,
                     "depth": head.depth if head else 0, "forked_from": spec})
         return
-    typer.echo(f"forked {run.name} at {head.short_id if head else '(empty)'}")
+    say(f"forked {run.name} at {head.short_id if head else '(empty)'}")
 
 
 @app.command()
@@ -220,7 +220,7 @@ def revert(
     if as_json:
         print_json(moved.to_dict())
         return
-    typer.echo(
+    say(
         f"{run} reverted to {step.short_id} (depth {step.depth}); undo with `kvtrace undo {run}`"
     )
 
@@ -242,7 +242,7 @@ def reset(
     if as_json:
         print_json(moved.to_dict())
         return
-    typer.echo(f"{run} reset to {step.short_id} (depth {step.depth})")
+    say(f"{run} reset to {step.short_id} (depth {step.depth})")
 
 
 @app.command()
@@ -258,7 +258,7 @@ def undo(
     if as_json:
         print_json(moved.to_dict())
         return
-    typer.echo(f"{run} moved back to {step.short_id if step else '(empty)'}")
+    say(f"{run} moved back to {step.short_id if step else '(empty)'}")
 
 
 @app.command()
@@ -281,7 +281,7 @@ def reflog(
         old = e.old_head[:12] if e.old_head else "-"
         new = e.new_head[:12] if e.new_head else "-"
         which = f"{e.ref} " if every else ""
-        typer.echo(f"{_when(e.created_at)} {which}{e.reason:7} {old:12} -> {new:12} {e.message}")
+        say(f"{_when(e.created_at)} {which}{e.reason:7} {old:12} -> {new:12} {e.message}")
 
 
 @app.command()
@@ -298,7 +298,7 @@ def note(
     if as_json:
         print_json(added.to_dict())
         return
-    typer.echo(f"noted {added.step_id[:12]}")
+    say(f"noted {added.step_id[:12]}")
 
 
 @app.command()
@@ -309,13 +309,13 @@ def fsck(ctx: typer.Context, as_json: Json = False) -> None:
     if as_json:
         print_json(report.to_dict())
     else:
-        typer.echo(
+        say(
             f"checked {report.num_blobs} blobs, {report.num_steps} steps, "
             f"{report.num_refs} runs, {report.num_notes} notes"
         )
         for problem in report.problems:
-            typer.echo(f"problem: {problem}")
-        typer.echo("ok" if report.is_ok else f"{len(report.problems)} problem(s)")
+            say(f"problem: {problem}")
+        say("ok" if report.is_ok else f"{len(report.problems)} problem(s)")
     if not report.is_ok:
         raise typer.Exit(1)
 
@@ -361,7 +361,7 @@ def export_run(
         print_json({"run": run, "format": fmt.value, "path": str(output),
                     "num_steps": num_steps, "num_bytes": num_bytes})
         return
-    typer.echo(f"exported {run} as {fmt.value} to {output}")
+    say(f"exported {run} as {fmt.value} to {output}")
 
 
 @app.command("import")
@@ -389,4 +389,4 @@ def import_run(
     if as_json:
         print_json(info.to_dict())
         return
-    typer.echo(f"imported {info.name} ({info.depth} steps)")
+    say(f"imported {info.name} ({info.depth} steps)")
