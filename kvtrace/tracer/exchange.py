@@ -34,6 +34,7 @@ import httpx
 
 from kvtrace.errors import UsageError
 from kvtrace.store.kinds import HttpExchange, StepKind
+from kvtrace.store.usage import Usage
 from kvtrace.tracer import sse
 from kvtrace.tracer.redact import Redactor
 
@@ -123,9 +124,9 @@ def request_params(request: Mapping[str, Any]) -> dict[str, Any]:
 def usage_of(completion: Mapping[str, Any]) -> dict[str, Any]:
     """The completion's usage with `cached_tokens` lifted out (only when reported)."""
     usage = dict(completion.get("usage") or {})
-    details = usage.get("prompt_tokens_details")
-    if isinstance(details, dict) and details.get("cached_tokens") is not None:
-        usage["cached_tokens"] = details["cached_tokens"]
+    cached = Usage.parse(usage).cached_tokens
+    if cached is not None and "cached_tokens" not in usage:
+        usage["cached_tokens"] = cached
     finish = completion["choices"][0].get("finish_reason")
     if finish is not None:
         usage["finish_reason"] = finish
