@@ -1,4 +1,4 @@
-"""What the docs' hidden `<!-- doc-test: setup ... -->` blocks build on (tests/test_doc_snippets.py).
+"""What the docs' hidden `<!-- doc-test: setup -->` blocks build on (tests/test_doc_snippets.py).
 
 A doc snippet often starts from a state the reader already has: the runs
 `make demo` leaves, a trajectory file, a model folder. These helpers make that

@@ -225,3 +225,36 @@ def local_backend_factory(tmp_path):
         return LocalBackend(engine, KVCache(engine, disk_dir=kv_dir or tmp_path / "kv", **options))
 
     return make
+
+
+@pytest.fixture
+def kvtrace_serve(tmp_path) -> Iterator[Callable[..., Any]]:
+    """`kvtrace_serve(local_backend, store=None)`: `kvtrace serve` in local mode, started.
+
+    The one place these tests build the server (its module may move): a
+    ChatServer answering with `local_backend`, recording into `store` (a
+    fresh SQLite store by default), served by uvicorn on a free loopback
+    port; `.url` is its base URL (with /v1).
+    """
+    from kvtrace import open_store
+    from kvtrace.tracer.local import LocalAnswerer
+    from kvtrace.tracer.runner import BackgroundServer
+    from kvtrace.tracer.server import ChatServer
+
+    servers: list[Any] = []
+    stores: list[Any] = []
+
+    def start(backend: Any, store: Any = None) -> Any:
+        if store is None:
+            store = open_store(f"sqlite:///{tmp_path / f'serve{len(stores)}.db'}")
+            stores.append(store)
+        server = ChatServer(store, answerer=LocalAnswerer(backend))
+        running = BackgroundServer(server.app).start()
+        servers.append(running)
+        return running
+
+    yield start
+    for running in servers:
+        running.stop()
+    for store in stores:
+        store.close()
