@@ -177,7 +177,12 @@ def stand_in_server() -> Iterator[Callable[..., StandInServer]]:
 
 @pytest.fixture
 def replay_store(tmp_path) -> Iterator[Any]:
-    """An empty SQLite store in a temporary folder."""
+    """An empty SQLite store in a temporary folder, for tests of replay's own logic.
+
+    Tests of what replay writes and reads back (record, replay, fork, continue,
+    branch, a second writer) take `store` (tests/conftest.py) instead: one
+    empty store on each backend, SQLite and PostgreSQL (a fresh schema).
+    """
     from kvtrace import open_store
 
     store = open_store(f"sqlite:///{tmp_path / 'store.db'}")

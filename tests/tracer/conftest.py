@@ -152,6 +152,11 @@ def canned_upstream() -> Iterator[CannedUpstream]:
 
 @pytest.fixture
 def sqlite_store(tmp_path) -> Iterator[Any]:
+    """An empty SQLite store, for tests of the HTTP side.
+
+    Tests of what is recorded and replayed (transports, serve in both modes)
+    take `store` (tests/conftest.py): one empty store on each backend.
+    """
     from kvtrace import open_store
 
     store = open_store(f"sqlite:///{tmp_path / 'store.db'}")
