@@ -25,7 +25,8 @@ Markers, HTML comments right before a block (invisible on a rendered page):
     python code run first, in the document's namespace (tests/doc_worlds.py)
     -->
 
-A snippet after a failed one in the same document is skipped, naming it.
+A snippet after a failed one in the same document is skipped, naming it; a
+document's snippets build on each other, so select them together (`-k README`).
 """
 
 from __future__ import annotations
@@ -209,8 +210,16 @@ def doc_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def worlds(tmp_path_factory) -> dict[str, World]:
-    return {}
+def worlds() -> Iterator[dict[str, World]]:
+    """Each document's World, made by its first snippet; the stores its snippets opened closed."""
+    from kvtrace import Store
+
+    made: dict[str, World] = {}
+    yield made
+    for world in made.values():
+        for value in world.namespace.values():
+            if isinstance(value, Store):
+                value.close()
 
 
 @pytest.fixture
