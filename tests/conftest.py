@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
@@ -32,6 +33,25 @@ def pg_available() -> bool:
     if not ok and os.environ.get("CI"):
         pytest.fail(f"PostgreSQL is required under CI but {PG_URL} is unreachable")
     return ok
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory) -> Callable[..., Path]:
+    """`make(name, seed)`: a tiny random Llama folder with the default model's tokenizer.
+
+    Two layers, 64 wide, four query heads sharing two KV heads; its chat
+    template is the default model's, so prompts render as they do there.
+    """
+    from kvtrace.engine import build_tiny_model, default_model_dir
+    from kvtrace.paths import default_cache_dir
+
+    def make(name: str, seed: int) -> Path:
+        root = tmp_path_factory.mktemp(name)
+        return build_tiny_model(root / "tiny", tokenizer_dir=default_model_dir(default_cache_dir()),
+                                seed=seed, num_layers=2, hidden_size=64, num_heads=4,
+                                num_kv_heads=2, head_dim=16)
+
+    return make
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

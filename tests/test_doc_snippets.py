@@ -198,15 +198,9 @@ class World:
 
 
 @pytest.fixture(scope="session")
-def doc_model(tmp_path_factory) -> Path:
+def doc_model(tiny_model_factory) -> Path:
     """The tiny random Llama that stands in for the embedded model (its tokenizer and template)."""
-    from kvtrace.engine import build_tiny_model, default_model_dir
-    from kvtrace.paths import default_cache_dir
-
-    root = tmp_path_factory.mktemp("doc-model")
-    return build_tiny_model(root / "tiny", tokenizer_dir=default_model_dir(default_cache_dir()),
-                            seed=11, num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
-                            head_dim=16)
+    return tiny_model_factory("doc-model", seed=11)
 
 
 @pytest.fixture(scope="module")

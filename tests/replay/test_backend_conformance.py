@@ -52,18 +52,15 @@ class Subject:
 
 
 @pytest.fixture(scope="module")
-def conformance_engine(tmp_path_factory, default_model_folder) -> Any:
+def conformance_engine(tiny_model_factory) -> Any:
     """A tiny random Llama with the default model's tokenizer and a CONTEXT-token context."""
-    from kvtrace.engine import build_tiny_model, load_engine
+    from kvtrace.engine import load_engine
 
-    root = tmp_path_factory.mktemp("conformance-model")
-    folder = build_tiny_model(root / "model", tokenizer_dir=default_model_folder, seed=13,
-                              num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
-                              head_dim=16)
+    folder = tiny_model_factory("conformance-model", seed=13)
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config,
                                                     "max_position_embeddings": CONTEXT}))
-    return load_engine(folder, cache_dir=root / "cache")
+    return load_engine(folder, cache_dir=folder.parent / "cache")
 
 
 @pytest.fixture(params=["local", "remote"])
