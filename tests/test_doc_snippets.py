@@ -156,23 +156,28 @@ def shell_commands(code: str) -> Iterator[tuple[int, str]]:
                 command.append(word)
 
 
-def snippets() -> list[Snippet]:
+def block_snippets(block: Block) -> list[Snippet]:
+    """The tests of one block: itself (python), or one per command (bash)."""
+    if block.lang == "python":
+        return [Snippet(block.doc, block.line, "python", block.code, block.setup, block.skip)]
     found: list[Snippet] = []
-    for path in DOCS:
-        for block in parse_blocks(path.read_text(), path.relative_to(ROOT).as_posix()):
-            if block.lang == "python":
-                found.append(Snippet(block.doc, block.line, "python", block.code, block.setup,
-                                     block.skip))
-                continue
-            setup = block.setup
-            for offset, command in shell_commands(block.code):
-                skip = block.skip or next(
-                    (reason for prefix, reason in block.skip_commands.items()
-                     if command.startswith(prefix)), None)
-                found.append(Snippet(block.doc, block.line + 1 + offset, "bash", command, setup,
-                                     skip))
-                setup = ""
+    setup, unused = block.setup, set(block.skip_commands)
+    for offset, command in shell_commands(block.code):
+        prefix = next((p for p in block.skip_commands if command.startswith(p)), None)
+        unused.discard(prefix)
+        skip = block.skip or (block.skip_commands[prefix] if prefix else None)
+        found.append(Snippet(block.doc, block.line + 1 + offset, "bash", command, setup, skip))
+        setup = ""
+    if unused:  # the doc changed under its marker: say so rather than skip nothing
+        raise ValueError(f"{block.doc}:{block.line}: no command of the block starts with "
+                         f"{sorted(unused)}: update its doc-test marker")
     return found
+
+
+def snippets() -> list[Snippet]:
+    return [snippet for path in DOCS
+            for block in parse_blocks(path.read_text(), path.relative_to(ROOT).as_posix())
+            for snippet in block_snippets(block)]
 
 
 class World:
@@ -267,10 +272,11 @@ def _run_command(snippet: Snippet, capsys) -> None:
     from kvtrace.cli import main
 
     argv = shlex.split(snippet.code)
-    if argv[0] != "kvtrace":
+    if argv[0] != "kvtrace" or {"|", ">", ">>", "<", ";", "||", "&"} & set(argv):
         raise AssertionError(
-            f"{snippet.doc}:{snippet.line}: `{snippet.code}` is not a kvtrace command: mark "
-            "its block <!-- doc-test: skip (reason) --> or make it one")
+            f"{snippet.doc}:{snippet.line}: `{snippet.code}` is not a plain kvtrace command "
+            "(another program, a pipe or a redirection): mark it <!-- doc-test: skip \"...\" "
+            "(reason) --> or make it one")
     try:
         main(argv[1:])
     except SystemExit as exc:
@@ -292,3 +298,10 @@ def test_markers_parse():
     assert block.setup.strip() == "x = 1"
     assert list(shell_commands(block.code)) == [
         (0, "kvtrace runs --json"), (2, "kvtrace serve"), (2, "kvtrace runs")]
+
+
+def test_a_skip_marker_naming_no_command_is_an_error():
+    [block] = parse_blocks('<!-- doc-test: skip "kvtrace serve" (a server) -->\n'
+                           "```bash\nkvtrace runs\n```\n", "sample.md")
+    with pytest.raises(ValueError, match="update its doc-test marker"):
+        block_snippets(block)
