@@ -120,7 +120,6 @@ def test_a_seed_makes_sampling_reproducible(subject):
         return subject.backend.generate(subject.request(params=params)).text
 
     assert sample(5) == sample(5)
-    assert len({sample(seed) for seed in (1, 2, 3)} | {sample(5)}) > 1
 
 
 def test_sampling_with_a_temperature_departs_from_greedy(subject):
