@@ -54,6 +54,22 @@ def tiny_model_factory(tmp_path_factory) -> Callable[..., Path]:
     return make
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """Torch on one thread for a module of tiny-model tests, then as it was.
+
+    A tiny model computes fastest on one thread, and on a busy two-core
+    machine two threads spin against each other: the doc tests' `kvtrace
+    branch` measured 73 s with the default threads, 8 s with one.
+    """
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(params=["sqlite", "postgresql"])
 def store_urls(request: pytest.FixtureRequest, tmp_path) -> Iterator[Callable[[], str]]:
     """A factory of URLs for new, empty stores on one backend (PostgreSQL: fresh schemas)."""

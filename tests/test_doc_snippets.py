@@ -222,7 +222,8 @@ def worlds() -> Iterator[dict[str, World]]:
 
 
 @pytest.fixture
-def tiny_default_model(doc_model: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+def tiny_default_model(doc_model: Path, monkeypatch: pytest.MonkeyPatch,
+                       one_torch_thread: None) -> Path:
     """`load_engine()` and `load_tokenizer()` without a name load the tiny model."""
     import kvtrace.engine
 

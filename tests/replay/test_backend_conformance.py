@@ -52,7 +52,7 @@ class Subject:
 
 
 @pytest.fixture(scope="module")
-def conformance_engine(tiny_model_factory) -> Any:
+def conformance_engine(tiny_model_factory, one_torch_thread) -> Any:
     """A tiny random Llama with the default model's tokenizer and a CONTEXT-token context."""
     from kvtrace.engine import load_engine
 
