@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -36,6 +37,41 @@ def pg_available() -> bool:
     if not ok and os.environ.get("CI"):
         pytest.fail(f"PostgreSQL is required under CI but {PG_URL} is unreachable")
     return ok
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory) -> Callable[..., Path]:
+    """`make(name, seed)`: a tiny random Llama folder with the default model's tokenizer.
+
+    Two layers, 64 wide, four query heads sharing two KV heads; its chat
+    template is the default model's, so prompts render as they do there.
+    """
+    from kvtrace.engine import build_tiny_model, default_model_dir
+    from kvtrace.paths import default_cache_dir
+
+    def make(name: str, seed: int) -> Path:
+        root = tmp_path_factory.mktemp(name)
+        return build_tiny_model(root / "tiny", tokenizer_dir=default_model_dir(default_cache_dir()),
+                                seed=seed, num_layers=2, hidden_size=64, num_heads=4,
+                                num_kv_heads=2, head_dim=16)
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """Torch on one thread for a module of tiny-model tests, then as it was.
+
+    A tiny model computes fastest on one thread, and on a busy two-core
+    machine two threads spin against each other: the doc tests' `kvtrace
+    branch` measured 73 s with the default threads, 8 s with one.
+    """
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -82,7 +118,11 @@ def store(store_url: str):
 
 @pytest.fixture
 def sqlite_store(tmp_path) -> Iterator[Any]:
-    """A store in a SQLite file of the test's temporary folder."""
+    """An empty SQLite store, for tests of the HTTP side.
+
+    Tests of what is recorded and replayed (transports, serve in both modes)
+    take `store`: one empty store on each backend.
+    """
     from kvtrace import open_store
 
     store = open_store(f"sqlite:///{tmp_path / 'store.db'}")

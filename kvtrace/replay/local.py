@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvtrace.errors import ReplayError
+from kvtrace.errors import BackendError, ReplayError
 from kvtrace.replay.backend import Backend, CallRequest, CallResult, Tokenizer
 from kvtrace.replay.recording import output_text
 
@@ -88,7 +88,7 @@ class LocalBackend:
     def generate(self, request: CallRequest) -> CallResult:
         from kvtrace.engine import generate
 
-        prompt = _prompt_ids(request)
+        prompt = self._prompt_ids(request)
         params = request.params
         out = generate(
             self._engine,
@@ -122,10 +122,22 @@ class LocalBackend:
             draft=out.draft,
         )
 
+    def _prompt_ids(self, request: CallRequest) -> list[int]:
+        """The prompt's ids, refused past the model's context as a server refuses them."""
+        if request.prompt_ids is None:
+            raise ReplayError("the local backend needs token ids: the driver tokenises with it")
+        limit = self._engine.max_context_tokens
+        if limit is not None and len(request.prompt_ids) >= limit:
+            raise BackendError(
+                f"the prompt takes {len(request.prompt_ids)} tokens: the model's maximum context "
+                f"length is {limit}; replay it with a model of a longer context"
+            )
+        return list(request.prompt_ids)
+
     def rebuild(self, request: CallRequest) -> CallResult:
         from kvtrace.engine import prefill
 
-        prompt = _prompt_ids(request)
+        prompt = self._prompt_ids(request)
         output = list(request.output_ids or [])
         started = time.perf_counter()
         result = prefill(self._engine, self._cache, prompt + output)
@@ -172,12 +184,6 @@ def open_local_backend(
     # Blocks are written inline: write-behind measured 17-22 % slower on the
     # 2-core machines (its thread competes with torch's; docs/benchmarks.md).
     return LocalBackend(engine, KVCache(engine, disk_dir=disk_dir, **options))
-
-
-def _prompt_ids(request: CallRequest) -> list[int]:
-    if request.prompt_ids is None:
-        raise ReplayError("the local backend needs token ids: the driver tokenises with it")
-    return list(request.prompt_ids)
 
 
 def _prompt_reuse(stats: PrefillResult, prompt_len: int, *,

@@ -177,7 +177,12 @@ def stand_in_server() -> Iterator[Callable[..., StandInServer]]:
 
 @pytest.fixture
 def replay_store(tmp_path) -> Iterator[Any]:
-    """An empty SQLite store in a temporary folder."""
+    """An empty SQLite store in a temporary folder, for tests of replay's own logic.
+
+    Tests of what replay writes and reads back (record, replay, fork, continue,
+    branch, a second writer) take `store` (tests/conftest.py) instead: one
+    empty store on each backend, SQLite and PostgreSQL (a fresh schema).
+    """
     from kvtrace import open_store
 
     store = open_store(f"sqlite:///{tmp_path / 'store.db'}")
@@ -225,3 +230,34 @@ def local_backend_factory(tmp_path):
         return LocalBackend(engine, KVCache(engine, disk_dir=kv_dir or tmp_path / "kv", **options))
 
     return make
+
+
+@pytest.fixture
+def kvtrace_serve(tmp_path) -> Iterator[Callable[..., Any]]:
+    """`kvtrace_serve(local_backend, store=None)`: `kvtrace serve` in local mode, started.
+
+    The one place these tests build the server: `make_server` answering with
+    `local_backend`, recording into `store` (a
+    fresh SQLite store by default), served by uvicorn on a free loopback
+    port; `.url` is its base URL (with /v1).
+    """
+    from kvtrace import open_store
+    from kvtrace.serve import BackgroundServer, make_server
+
+    servers: list[Any] = []
+    stores: list[Any] = []
+
+    def start(backend: Any, store: Any = None) -> Any:
+        if store is None:
+            store = open_store(f"sqlite:///{tmp_path / f'serve{len(stores)}.db'}")
+            stores.append(store)
+        server = make_server(backend=backend, store=store)
+        running = BackgroundServer(server.app).start()
+        servers.append(running)
+        return running
+
+    yield start
+    for running in servers:
+        running.stop()
+    for store in stores:
+        store.close()

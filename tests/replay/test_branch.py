@@ -20,16 +20,16 @@ def _recorded(store, engine, tmp_path):
     return store.path("base")
 
 
-def test_branch_out_computes_the_shared_prefix_once(replay_store, tiny_engine, tmp_path):
-    path = _recorded(replay_store, tiny_engine, tmp_path)
+def test_branch_out_computes_the_shared_prefix_once(store, tiny_engine, tmp_path):
+    path = _recorded(store, tiny_engine, tmp_path)
     fresh = LocalBackend(tiny_engine, KVCache(tiny_engine, disk_dir=tmp_path / "kv"))
-    report = branch_out(replay_store, "base", fresh, n=4, steps=2, tools=DEMO_TOOLS,
+    report = branch_out(store, "base", fresh, n=4, steps=2, tools=DEMO_TOOLS,
                         params=SamplingParams(temperature=1.0, max_new_tokens=8), seed=5)
     assert [b.run for b in report.branches] == [f"base-branch-{i}" for i in range(1, 5)]
     assert [b.seed for b in report.branches] == [5, 6, 7, 8]
     ids = [s.id for s in path]
     for branch in report.branches:
-        steps = replay_store.path(branch.run)
+        steps = store.path(branch.run)
         assert [s.id for s in steps[: len(ids)]] == ids  # the parent's own steps, shared
         assert len(steps) > len(ids)
     first_calls = [b.result.reports[0] for b in report.branches]
@@ -43,18 +43,18 @@ def test_branch_out_computes_the_shared_prefix_once(replay_store, tiny_engine, t
     assert any(b.diverged_at is not None for b in report.branches[1:])
 
 
-def test_branch_out_from_an_edited_step(replay_store, tiny_engine, tmp_path):
-    run = replay_store.run("base")
+def test_branch_out_from_an_edited_step(store, tiny_engine, tmp_path):
+    run = store.run("base")
     run.record_model_call(demo_messages("What is 6 times 7?"),
                           "Action: calculator\nAction Input: 6*7", model="m")
     tool_step = run.record_tool_call("calculator", "6*7", 41)
     backend = LocalBackend(tiny_engine, KVCache(tiny_engine, disk_dir=tmp_path / "kv"))
-    report = branch_out(replay_store, tool_step.id, backend, n=2, steps=1, prefix="fixed",
+    report = branch_out(store, tool_step.id, backend, n=2, steps=1, prefix="fixed",
                         tools=DEMO_TOOLS, edit={"result": "42"},
                         params=SamplingParams(temperature=0.0, max_new_tokens=8))
     assert report.fork_step.meta["edit_of"] == tool_step.id
     for branch in report.branches:
-        steps = replay_store.path(branch.run)
+        steps = store.path(branch.run)
         assert steps[tool_step.depth - 1].content["result"] == "42"
         call = next(s for s in steps[tool_step.depth:] if s.kind == "model_call")
         assert call.content["messages"][-1]["content"].endswith("42")

@@ -43,7 +43,7 @@ def test_a_missing_tool_stops_with_an_error_naming_it(replay_store, stand_in_ser
     assert head is not None and head.kind == "model_call" and head.depth == 1
 
 
-def test_tools_run_and_both_steps_are_recorded_until_a_final_answer(replay_store, stand_in_server):
+def test_tools_run_and_both_steps_are_recorded_until_a_final_answer(store, stand_in_server):
     server = stand_in_server(_scripted("Action: calculator\nAction Input: 6*7", "Final Answer: 42"))
     calls = []
 
@@ -52,7 +52,7 @@ def test_tools_run_and_both_steps_are_recorded_until_a_final_answer(replay_store
         return 42
 
     result = continue_run(
-        replay_store,
+        store,
         "agent",
         RemoteBackend(server.url, model="stand-in"),
         steps=5,
@@ -67,21 +67,21 @@ def test_tools_run_and_both_steps_are_recorded_until_a_final_answer(replay_store
     assert server.requests[1]["messages"][-1] == {"role": "user", "content": "Observation: 42"}
 
 
-def test_continuing_a_fork_sends_the_edited_tool_result(replay_store, stand_in_server):
+def test_continuing_a_fork_sends_the_edited_tool_result(store, stand_in_server):
     server = stand_in_server(
         _scripted("Action: calculator\nAction Input: 6*7", "Final Answer: done")
     )
     backend = RemoteBackend(server.url, model="stand-in")
     continue_run(
-        replay_store, "agent", backend, steps=1, messages=START, tools={"calculator": lambda e: 42}
+        store, "agent", backend, steps=1, messages=START, tools={"calculator": lambda e: 42}
     )
-    fork = replay_store.fork("agent@1", "agent-edit")
+    fork = store.fork("agent@1", "agent-edit")
     fork.record_tool_call("calculator", "6*7", 41)
-    result = continue_run(replay_store, "agent-edit", backend, steps=2, tools={})
+    result = continue_run(store, "agent-edit", backend, steps=2, tools={})
     assert server.requests[-1]["messages"][-1]["content"] == "Observation: 41"
     assert result.final_answer == "done"
     # The fork shares the parent's first call; the parent run is untouched.
-    assert replay_store.head("agent").depth == 2
+    assert store.head("agent").depth == 2
     assert [s.depth for s in result.new_steps] == [3]
 
 
@@ -140,37 +140,37 @@ def test_an_unknown_run_without_messages_is_an_error_that_creates_nothing(
     assert [r.name for r in replay_store.runs()] == []
 
 
-def test_a_new_run_exists_only_once_its_first_call_is_answered(replay_store):
+def test_a_new_run_exists_only_once_its_first_call_is_answered(store):
     with socket.socket() as sock:  # a port that was free a moment ago: nothing listens
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     with pytest.raises(BackendError):
-        continue_run(replay_store, "fresh", RemoteBackend(f"http://127.0.0.1:{port}/v1"),
+        continue_run(store, "fresh", RemoteBackend(f"http://127.0.0.1:{port}/v1"),
                      steps=1, messages=START)
-    assert [r.name for r in replay_store.runs()] == []
+    assert [r.name for r in store.runs()] == []
 
 
-def test_a_run_moved_since_the_workers_last_step_is_a_conflict(replay_store, stand_in_server):
+def test_a_run_moved_since_the_workers_last_step_is_a_conflict(store, stand_in_server):
     from kvtrace.errors import ConflictError
 
     server = stand_in_server(_scripted("Action: calculator\nAction Input: 6*7", "Final Answer: 42"))
     backend = RemoteBackend(server.url, model="stand-in")
-    first = continue_run(replay_store, "agent", backend, steps=1, messages=START,
+    first = continue_run(store, "agent", backend, steps=1, messages=START,
                          tools={"calculator": lambda expr: 41})
     last = first.new_steps[-1]
-    replay_store.revert("agent", to="agent@1")  # a supervisor steps in
+    store.revert("agent", to="agent@1")  # a supervisor steps in
     with pytest.raises(ConflictError, match="moved"):
-        continue_run(replay_store, "agent", backend, steps=1, expected_head=last.id,
+        continue_run(store, "agent", backend, steps=1, expected_head=last.id,
                      tools={"calculator": lambda expr: 41})
-    assert replay_store.head("agent").depth == 1  # nothing built on the reverted history
+    assert store.head("agent").depth == 1  # nothing built on the reverted history
 
 
-def test_function_calling_runs_continue_with_tool_messages(replay_store, stand_in_server):
+def test_function_calling_runs_continue_with_tool_messages(store, stand_in_server):
     tools = [{"type": "function", "function": {"name": "calculator", "parameters": {}}}]
     server = stand_in_server(_scripted(
         '<tool_call>\n{"name": "calculator", "arguments": {"expression": "6*7"}}\n</tool_call>',
         "It is 42."))
-    result = continue_run(replay_store, "fc", RemoteBackend(server.url, model="stand-in"),
+    result = continue_run(store, "fc", RemoteBackend(server.url, model="stand-in"),
                           steps=3, messages=START, tool_definitions=tools,
                           tools={"calculator": lambda args: 6 * 7})
     assert [s.kind for s in result.new_steps] == ["model_call", "tool_call", "model_call"]

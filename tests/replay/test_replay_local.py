@@ -29,11 +29,11 @@ def _record_linear_run(store, engine, factory, name="linear", calls=9):
 
 
 def test_rebuild_hit_rate_equals_the_oracle_bound_on_an_empty_cache(
-    replay_store, tiny_engine, local_backend_factory, tmp_path
+    store, tiny_engine, local_backend_factory, tmp_path
 ):
-    _record_linear_run(replay_store, tiny_engine, local_backend_factory)
+    _record_linear_run(store, tiny_engine, local_backend_factory)
     fresh = local_backend_factory(tiny_engine, kv_dir=tmp_path / "empty")
-    report = replay(replay_store, "linear", fresh, mode="rebuild")
+    report = replay(store, "linear", fresh, mode="rebuild")
     assert len(report.steps) == 9
     assert [s.reused_tokens for s in report.steps] == [s.oracle_tokens for s in report.steps]
     assert report.total.hit_rate == report.total.oracle_hit_rate
@@ -43,11 +43,11 @@ def test_rebuild_hit_rate_equals_the_oracle_bound_on_an_empty_cache(
 
 
 def test_verify_hit_rate_equals_the_oracle_bound_and_every_step_matches(
-    replay_store, tiny_engine, local_backend_factory, tmp_path
+    store, tiny_engine, local_backend_factory, tmp_path
 ):
-    _record_linear_run(replay_store, tiny_engine, local_backend_factory)
+    _record_linear_run(store, tiny_engine, local_backend_factory)
     fresh = local_backend_factory(tiny_engine, kv_dir=tmp_path / "empty")
-    report = replay(replay_store, "linear", fresh, mode="verify")
+    report = replay(store, "linear", fresh, mode="verify")
     assert report.is_match is True and report.total.matching_steps == 9
     assert [s.reused_tokens for s in report.steps] == [s.oracle_tokens for s in report.steps]
     # Each recorded response was checked in one pass, without decoding.
@@ -105,9 +105,9 @@ print(json.dumps(report.to_dict()["total"]))
 
 
 def test_replaying_a_fork_computes_only_the_tokens_after_the_edit(
-    replay_store, tiny_engine, local_backend_factory, tmp_path
+    store, tiny_engine, local_backend_factory, tmp_path
 ):
-    run = replay_store.run("parent")
+    run = store.run("parent")
     messages = list(START)
     for i in range(4):  # a scripted ReAct agent: call, tool, observation, ...
         response = f"Action: calculator\nAction Input: {i}*7"
@@ -118,14 +118,14 @@ def test_replaying_a_fork_computes_only_the_tokens_after_the_edit(
             {"role": "user", "content": f"Observation: {i * 7}"},
         ]
     # Fork before the second tool call, record an edited result, then model calls after it.
-    fork = replay_store.fork("parent@3", "fork")
+    fork = store.fork("parent@3", "fork")
     fork.record_tool_call("calculator", "1*7", 1000)
     forked = [*messages[:4], {"role": "user", "content": "Observation: 1000"}]
     fork.record_model_call(forked, "Final Answer: 1000", model="scripted")
 
     backend = local_backend_factory(tiny_engine, kv_dir=tmp_path / "kv")
-    replay(replay_store, "parent", backend, mode="rebuild")
-    report = replay(replay_store, "fork", backend, mode="rebuild")
+    replay(store, "parent", backend, mode="rebuild")
+    report = replay(store, "fork", backend, mode="rebuild")
     shared, after_edit = report.steps[:-1], report.steps[-1]
     assert [s.computed_tokens for s in shared] == [1, 1]  # only each prompt's last token
     parent_prompt = tiny_engine.chat_tokens(messages[:6])  # the parent's call after the tool

@@ -13,9 +13,9 @@ START = [{"role": "user", "content": "Question: what is 6 times 7?"}]
 
 
 def test_continue_refuses_to_build_on_a_step_another_writer_added(
-    replay_store, stand_in_server
+    store, stand_in_server
 ):
-    other_writer = open_store(replay_store.url)  # another connection, as another process has
+    other_writer = open_store(store.url)  # another connection, as another process has
     answered = []
 
     def answer(messages):
@@ -26,22 +26,22 @@ def test_continue_refuses_to_build_on_a_step_another_writer_added(
 
     server = stand_in_server(answer)
     with RemoteBackend(server.url, model="stand-in") as backend:
-        first = continue_run(replay_store, "agent", backend, steps=1, messages=START,
+        first = continue_run(store, "agent", backend, steps=1, messages=START,
                              tools={"calculator": lambda expr: 42})
         assert [s.kind for s in first.new_steps] == ["model_call", "tool_call"]
         with pytest.raises(ConflictError):
-            continue_run(replay_store, "agent", backend, steps=1,
+            continue_run(store, "agent", backend, steps=1,
                          tools={"calculator": lambda expr: 42})
-    head = replay_store.head("agent")
+    head = store.head("agent")
     assert head.kind == "note" and head.parent_id == first.new_steps[-1].id  # kept, not buried
     assert head.depth == 3
     other_writer.close()
 
 
 def test_continue_on_a_new_run_refuses_one_another_writer_started(
-    replay_store, stand_in_server
+    store, stand_in_server
 ):
-    other_writer = open_store(replay_store.url)
+    other_writer = open_store(store.url)
 
     def answer(messages):
         other_writer.run("fresh").record_note("started elsewhere")
@@ -49,8 +49,8 @@ def test_continue_on_a_new_run_refuses_one_another_writer_started(
 
     server = stand_in_server(answer)
     with RemoteBackend(server.url, model="stand-in") as backend, pytest.raises(ConflictError):
-        continue_run(replay_store, "fresh", backend, steps=1, messages=START)
-    assert replay_store.head("fresh").kind == "note" and replay_store.head("fresh").depth == 1
+        continue_run(store, "fresh", backend, steps=1, messages=START)
+    assert store.head("fresh").kind == "note" and store.head("fresh").depth == 1
     other_writer.close()
 
 

@@ -35,12 +35,12 @@ def _record(store, name, calls=6):
 
 
 def test_verify_reads_cached_tokens_from_usage_and_matches_the_oracle(
-    replay_store, stand_in_server, byte_tokenizer
+    store, stand_in_server, byte_tokenizer
 ):
-    _record(replay_store, "r")
+    _record(store, "r")
     server = stand_in_server(_answer)
     report = replay(
-        replay_store, "r", RemoteBackend(server.url, tokenizer=byte_tokenizer), mode="verify"
+        store, "r", RemoteBackend(server.url, tokenizer=byte_tokenizer), mode="verify"
     )
     assert [s.reused_tokens for s in report.steps] == server.cached_answers
     assert report.steps[0].reused_tokens == 0 and report.steps[-1].reused_tokens > 0

@@ -18,15 +18,9 @@ SERVER_KEY = "kv-server-key-XYZ987"
 
 
 @pytest.fixture(scope="session")
-def tiny_model_folder(tmp_path_factory) -> Path:
+def tiny_model_folder(tiny_model_factory) -> Path:
     """A tiny random Llama with the default model's tokenizer and chat template."""
-    from kvtrace.engine import build_tiny_model, default_model_dir
-    from kvtrace.paths import default_cache_dir
-
-    root = tmp_path_factory.mktemp("tracer-model")
-    return build_tiny_model(root / "tiny", tokenizer_dir=default_model_dir(default_cache_dir()),
-                            seed=5, num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
-                            head_dim=16)
+    return tiny_model_factory("tracer-model", seed=5)
 
 
 @pytest.fixture(scope="session")

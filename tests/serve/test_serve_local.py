@@ -28,9 +28,9 @@ def client(server, key: str = SERVER_KEY, **options) -> openai.OpenAI:
 
 
 def test_plain_streaming_and_tool_calling_requests_are_answered_and_recorded(
-    sqlite_store, serve_local, tiny_engine
+    store, serve_local, tiny_engine
 ):
-    server = serve_local(sqlite_store, run="sdk", api_key=SERVER_KEY)
+    server = serve_local(store, run="sdk", api_key=SERVER_KEY)
     sdk = client(server)
     model = sdk.models.list().data[0].id
     messages = [SYSTEM, {"role": "user", "content": "Say hi."}]
@@ -50,7 +50,7 @@ def test_plain_streaming_and_tool_calling_requests_are_answered_and_recorded(
     tooled = sdk.chat.completions.create(model=model, messages=with_tools, tools=TOOLS,
                                          tool_choice="auto", max_tokens=6)
     assert tooled.choices[0].finish_reason in ("length", "stop", "tool_calls")
-    steps = sqlite_store.path("sdk")
+    steps = store.path("sdk")
     assert [s.kind for s in steps] == ["model_call"] * 3
     assert steps[0].content["response"]["content"] == plain.choices[0].message.content
     assert steps[1].meta["extra"]["http"]["stream"] is True
@@ -82,11 +82,11 @@ def test_a_second_request_sharing_a_prefix_reports_the_reused_tokens_as_cached(
     assert second.usage.prompt_tokens_details.cached_tokens == expected
 
 
-def test_the_recorded_run_replays_at_the_oracle_bound(sqlite_store, serve_local, tiny_engine,
+def test_the_recorded_run_replays_at_the_oracle_bound(store, serve_local, tiny_engine,
                                                      tmp_path):
     from kvtrace.engine import KVCache
 
-    server = serve_local(sqlite_store, run="conversation")
+    server = serve_local(store, run="conversation")
     sdk = client(server)
     messages = [SYSTEM]
     for question in ("One?", "Two?", "Three?"):
@@ -95,7 +95,7 @@ def test_the_recorded_run_replays_at_the_oracle_bound(sqlite_store, serve_local,
                                              max_tokens=8)
         messages.append(answer.choices[0].message.model_dump(exclude_none=True))
     backend = LocalBackend(tiny_engine, KVCache(tiny_engine, disk_dir=tmp_path / "fresh-kv"))
-    report = replay(sqlite_store, "conversation", backend, mode="verify")
+    report = replay(store, "conversation", backend, mode="verify")
     assert report.is_match is True
     assert report.total.reused_tokens == report.total.oracle_tokens > 0
 
@@ -289,20 +289,20 @@ def test_the_default_model_calls_a_tool_and_the_sdk_gets_tool_calls(
 
 
 def test_a_run_recorded_by_the_server_replays_offline_through_replay_transport(
-    sqlite_store, serve_local, tiny_engine
+    store, serve_local, tiny_engine
 ):
     from kvtrace.tracer import ReplayTransport
 
-    server = serve_local(sqlite_store, run="served")
+    server = serve_local(store, run="served")
     messages = [SYSTEM, {"role": "user", "content": "Hello?"}]
     live = client(server).chat.completions.create(model=tiny_engine.name, messages=messages,
                                                   max_tokens=4, temperature=0.7)
     offline = openai.OpenAI(base_url="http://127.0.0.1:9/v1", api_key="x", max_retries=0,
                             http_client=httpx.Client(transport=ReplayTransport(
-                                sqlite_store.run("served"))))
+                                store.run("served"))))
     again = offline.chat.completions.create(model=tiny_engine.name, messages=messages,
                                             max_tokens=4, temperature=0.7)
     assert again.choices[0].message.content == live.choices[0].message.content
     assert again.usage.prompt_tokens == live.usage.prompt_tokens
-    step = sqlite_store.show("served")
+    step = store.show("served")
     assert isinstance(step.meta["params"]["seed"], int)  # chosen by the server, recorded

@@ -19,33 +19,33 @@ QUESTION = [{"role": "user", "content": "Weather in Paris?"}]
 
 
 def test_a_completion_comes_back_byte_for_byte_and_is_recorded(
-    sqlite_store, canned_upstream, serve_upstream
+    store, canned_upstream, serve_upstream
 ):
-    proxy = serve_upstream(sqlite_store, canned_upstream.url, run="proxied")
+    proxy = serve_upstream(store, canned_upstream.url, run="proxied")
     response = httpx.post(f"{proxy.url}/chat/completions",
                           json={"model": "canned-model", "messages": QUESTION},
                           headers={"Authorization": f"Bearer {SECRET_KEY}"})
     assert response.status_code == 200
     assert response.content == CANNED_COMPLETION
     assert canned_upstream.seen[-1]["headers"]["authorization"] == f"Bearer {SECRET_KEY}"
-    step = sqlite_store.show("proxied")
+    step = store.show("proxied")
     assert step.kind == "model_call"
     assert step.content["response"]["tool_calls"][0]["function"]["name"] == "get_weather"
     assert step.meta["usage"]["cached_tokens"] == 32
-    assert not any(SECRET_KEY.encode() in blob for blob in all_blob_bytes(sqlite_store))
-    assert not any(SECRET_KEY in meta for meta in all_step_meta(sqlite_store))
+    assert not any(SECRET_KEY.encode() in blob for blob in all_blob_bytes(store))
+    assert not any(SECRET_KEY in meta for meta in all_step_meta(store))
 
 
 def test_a_stream_comes_back_byte_for_byte_and_is_recorded_assembled(
-    sqlite_store, canned_upstream, serve_upstream
+    store, canned_upstream, serve_upstream
 ):
-    proxy = serve_upstream(sqlite_store, canned_upstream.url, run="streamed")
+    proxy = serve_upstream(store, canned_upstream.url, run="streamed")
     body = {"model": "canned-model", "messages": QUESTION, "stream": True}
     with httpx.stream("POST", f"{proxy.url}/chat/completions", json=body) as response:
         assert response.headers["content-type"].startswith("text/event-stream")
         received = b"".join(response.iter_raw())
     assert received == b"".join(CANNED_STREAM)
-    step = sqlite_store.show("streamed")
+    step = store.show("streamed")
     assert step.content["response"]["content"] == "Let me check."
     assert step.content["response"]["tool_calls"][0]["function"]["arguments"] == (
         '{"city": "Oslo"}')
@@ -100,13 +100,13 @@ def test_bad_input_is_refused_before_forwarding(sqlite_store, canned_upstream, s
 
 
 def test_other_endpoints_are_forwarded_and_recorded_as_http_steps(
-    sqlite_store, canned_upstream, serve_upstream
+    store, canned_upstream, serve_upstream
 ):
-    proxy = serve_upstream(sqlite_store, canned_upstream.url, run="other")
+    proxy = serve_upstream(store, canned_upstream.url, run="other")
     response = httpx.post(f"{proxy.url}/embeddings", json={"input": "x"},
                           headers={"x-api-key": SECRET_KEY})
     assert response.json()["data"][0]["embedding"] == [0.5]
-    step = sqlite_store.show("other")
+    step = store.show("other")
     assert step.kind == "http" and step.content["request_headers"]["x-api-key"] == "[redacted]"
 
 

@@ -45,12 +45,12 @@ def run_weather_agent(client: openai.OpenAI) -> str:
 
 
 def test_chat_completions_become_model_calls_with_tools_usage_and_tool_calls(
-    sqlite_store, canned_upstream
+    store, canned_upstream
 ):
-    run = sqlite_store.run("agent")
+    run = store.run("agent")
     assert run_weather_agent(sdk(canned_upstream.url, RecordingTransport(run))) == (
         "It is sunny in Paris.")
-    first, second = sqlite_store.path("agent")
+    first, second = store.path("agent")
     assert first.kind == second.kind == "model_call"
     assert first.content["messages"] == QUESTION
     assert first.content["tools"] == TOOLS
@@ -74,14 +74,14 @@ def test_the_client_gets_the_upstream_bytes_unchanged(sqlite_store, canned_upstr
     assert response.content == CANNED_COMPLETION
 
 
-def test_a_stream_passes_through_and_is_recorded_assembled(sqlite_store, canned_upstream):
-    client = sdk(canned_upstream.url, RecordingTransport(sqlite_store.run("stream")))
+def test_a_stream_passes_through_and_is_recorded_assembled(store, canned_upstream):
+    client = sdk(canned_upstream.url, RecordingTransport(store.run("stream")))
     stream = client.chat.completions.create(model="canned-model", messages=QUESTION, tools=TOOLS,
                                             stream=True, stream_options={"include_usage": True})
     chunks = list(stream)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == (
         "Let me check.")
-    step = sqlite_store.show("stream")
+    step = store.show("stream")
     assert step.content["response"] == {
         "role": "assistant", "content": "Let me check.",
         "tool_calls": [{"id": "call_s1", "type": "function",
@@ -127,16 +127,16 @@ def test_other_requests_become_http_steps_without_secrets(sqlite_store, canned_u
 
 
 def test_replay_none_serves_recorded_answers_offline_streams_included(
-    sqlite_store, canned_upstream
+    store, canned_upstream
 ):
-    run = sqlite_store.run("agent")
+    run = store.run("agent")
     recorder = sdk(canned_upstream.url, RecordingTransport(run))
     assert run_weather_agent(recorder) == "It is sunny in Paris."
     streamed = recorder.chat.completions.create(model="canned-model", messages=QUESTION,
                                                 stream=True)
     recorded_text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
     canned_upstream.stop()  # offline from here on
-    offline = sdk("http://127.0.0.1:9/v1", ReplayTransport(sqlite_store.run("agent")))
+    offline = sdk("http://127.0.0.1:9/v1", ReplayTransport(store.run("agent")))
     assert run_weather_agent(offline) == "It is sunny in Paris."
     replayed = offline.chat.completions.create(model="canned-model", messages=QUESTION,
                                                stream=True)
@@ -144,7 +144,7 @@ def test_replay_none_serves_recorded_answers_offline_streams_included(
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == recorded_text
     calls = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
     assert calls[0].function.name == "get_weather"
-    assert len(sqlite_store.path("agent")) == 3  # nothing new recorded
+    assert len(store.path("agent")) == 3  # nothing new recorded
 
 
 def test_replay_none_raises_naming_the_closest_request_and_the_difference(
@@ -174,17 +174,17 @@ def test_replay_none_through_the_sdk_fails_with_the_cause_attached(sqlite_store,
 
 
 def test_replay_new_episodes_records_what_is_new_and_serves_what_is_recorded(
-    sqlite_store, canned_upstream
+    store, canned_upstream
 ):
-    run_weather_agent(sdk(canned_upstream.url, RecordingTransport(sqlite_store.run("agent"))))
+    run_weather_agent(sdk(canned_upstream.url, RecordingTransport(store.run("agent"))))
     served_before = len(canned_upstream.seen)
-    client = sdk(canned_upstream.url, ReplayTransport(sqlite_store.run("agent"),
+    client = sdk(canned_upstream.url, ReplayTransport(store.run("agent"),
                                                       mode="new_episodes"))
     run_weather_agent(client)
     assert len(canned_upstream.seen) == served_before  # both answered from the recording
     client.models.list()
     assert len(canned_upstream.seen) == served_before + 1
-    assert [s.kind for s in sqlite_store.path("agent")] == ["model_call", "model_call", "http"]
+    assert [s.kind for s in store.path("agent")] == ["model_call", "model_call", "http"]
 
 
 def test_replay_all_goes_live_and_records_again(sqlite_store, canned_upstream):
@@ -199,7 +199,7 @@ def test_an_unknown_replay_mode_is_a_usage_error(sqlite_store):
         ReplayTransport(sqlite_store.run("agent"), mode="once")
 
 
-def test_async_twins_record_and_replay_streams(sqlite_store, canned_upstream):
+def test_async_twins_record_and_replay_streams(store, canned_upstream):
     async def agent(transport: httpx.AsyncBaseTransport) -> str:
         client = openai.AsyncOpenAI(base_url=canned_upstream.url, api_key=SECRET_KEY,
                                     max_retries=0,
@@ -210,9 +210,9 @@ def test_async_twins_record_and_replay_streams(sqlite_store, canned_upstream):
         plain = await client.chat.completions.create(model="canned-model", messages=QUESTION)
         return text + "|" + plain.choices[0].message.tool_calls[0].function.name
 
-    recorded = asyncio.run(agent(AsyncRecordingTransport(sqlite_store.run("async"))))
+    recorded = asyncio.run(agent(AsyncRecordingTransport(store.run("async"))))
     assert recorded == "Let me check.|get_weather"
     canned_upstream.stop()
-    replayed = asyncio.run(agent(AsyncReplayTransport(sqlite_store.run("async"))))
+    replayed = asyncio.run(agent(AsyncReplayTransport(store.run("async"))))
     assert replayed == recorded
-    assert [s.meta["extra"]["http"]["stream"] for s in sqlite_store.path("async")] == [True, False]
+    assert [s.meta["extra"]["http"]["stream"] for s in store.path("async")] == [True, False]
