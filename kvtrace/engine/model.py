@@ -229,8 +229,12 @@ def _weights_digest(folder: Path, cache_dir: Path) -> str:
 
 
 def _write_json_atomic(path: Path, data: Mapping[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    """Best effort: the memo only saves time, so a read-only or full cache folder skips it."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    except OSError:
+        return
     try:
         with os.fdopen(fd, "w") as fh:
             json.dump(data, fh, sort_keys=True, indent=0)

@@ -41,6 +41,7 @@ from kvtrace.replay.recording import output_text
 
 if TYPE_CHECKING:  # the engine imports torch: load it only when a backend is built
     from kvtrace.engine import Engine, KVCache, PrefillResult
+    from kvtrace.engine.faults import DiskFaults
 
 
 class LocalBackend:
@@ -81,6 +82,10 @@ class LocalBackend:
         from kvtrace.engine import settle
 
         settle(self._engine, self._cache)
+
+    def take_cache_faults(self) -> DiskFaults | None:
+        """The disk tier's faults since last asked (see `KVCache.take_disk_faults`)."""
+        return self._cache.take_disk_faults() if self._cache is not None else None
 
     def without_cache(self) -> Backend:
         return LocalBackend(self._engine, None, defer_output=self._defer_output)
