@@ -48,3 +48,15 @@ def store_url() -> str | None:
 def print_json(value: Any) -> None:
     """Print one JSON document (what `--json` promises)."""
     typer.echo(json.dumps(value, indent=2, ensure_ascii=False, default=str))
+
+
+def announce_conversion(message: str) -> None:
+    """Say on stderr, once, that a slow one-time model conversion starts and why.
+
+    Passed as `on_convert` to `load_tokenizer` / `load_engine`; transformers'
+    own progress bars are turned off, the line says it all.
+    """
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    typer.echo(f"kvtrace: {message}", err=True)

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from kvtrace.cli.app import app, store_url
+from kvtrace.cli.app import announce_conversion, app, store_url
 from kvtrace.errors import UsageError
 from kvtrace.paths import default_cache_dir
 from kvtrace.store import open_store
@@ -54,4 +54,4 @@ def report_command(
 def _tokenizer(model: str | None) -> ChatTokenizer:
     from kvtrace.engine import load_tokenizer
 
-    return load_tokenizer(model, cache_dir=default_cache_dir())
+    return load_tokenizer(model, cache_dir=default_cache_dir(), on_convert=announce_conversion)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import typer
 
-from kvtrace.cli.app import app, print_json, store_url
+from kvtrace.cli.app import announce_conversion, app, print_json, store_url
 from kvtrace.errors import UsageError
 from kvtrace.paths import default_cache_dir
 from kvtrace.store import open_store
@@ -81,11 +81,12 @@ def _backend(
 
         if backend == "local":
             return open_local_backend(model, cache_dir=default_cache_dir(),
-                                      use_cache=not no_cache)
+                                      use_cache=not no_cache, on_convert=announce_conversion)
         local_tokenizer = None
         if tokenizer is not None:
             name = None if tokenizer == "default" else tokenizer
-            local_tokenizer = load_tokenizer(name, cache_dir=default_cache_dir())
+            local_tokenizer = load_tokenizer(name, cache_dir=default_cache_dir(),
+                                             on_convert=announce_conversion)
         return RemoteBackend(backend, model=model, api_key=api_key, tokenizer=local_tokenizer)
 
     return cast("Backend", _Lazy(load))
@@ -298,7 +299,8 @@ def analyze_command(
     from kvtrace.replay.analyze import render_analysis
 
     tokenizer = cast(
-        "Tokenizer", _Lazy(lambda: load_tokenizer(model, cache_dir=default_cache_dir()))
+        "Tokenizer", _Lazy(lambda: load_tokenizer(model, cache_dir=default_cache_dir(),
+                                                  on_convert=announce_conversion))
     )
     with open_store(store_url(), create=False) as store:
         analysis = analyze(store, run, tokenizer)

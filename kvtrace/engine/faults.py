@@ -30,6 +30,7 @@ from pathlib import Path
 
 WRITE_FAILURES_FILE = "write-failures.json"
 MAX_LOGGED_BLOCKS = 64  # damaged blocks named in one log (the count goes on)
+MAX_WRITE_REASONS = 8  # distinct reasons kept in one log (a log nobody takes stays small)
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +45,8 @@ class BlockFault:
 class DiskFaults:
     """What a disk tier recovered from since its log was last taken.
 
-    `write_reasons` are the distinct reasons writes failed, first seen first;
+    `write_reasons` are the distinct reasons writes failed, first seen first
+    (at most `MAX_WRITE_REASONS`);
     `damaged` names at most `MAX_LOGGED_BLOCKS` blocks (`num_damaged` counts
     them all).
     """
@@ -73,7 +75,8 @@ class FaultLog:
     def failed_write(self, reason: str) -> None:
         with self._lock:
             self._num_failed_writes += 1
-            self._write_reasons.setdefault(reason)
+            if len(self._write_reasons) < MAX_WRITE_REASONS:
+                self._write_reasons.setdefault(reason)
 
     def damaged(self, key: str, reason: str) -> None:
         with self._lock:

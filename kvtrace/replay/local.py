@@ -32,6 +32,7 @@ across modes and with the oracle bound.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -156,18 +157,20 @@ def open_local_backend(
     kv_dir: Path | None = None,
     use_cache: bool = True,
     memory_bytes: int | None = None,
+    on_convert: Callable[[str], None] | None = None,
 ) -> LocalBackend:
     """Load the engine and a two-tier KV cache.
 
     `model` is a model folder, or None for the embedded default, converted
     once under `cache_dir/models`. Disk KV blocks go to `kv_dir` (default
     `cache_dir/kv`, where `kvtrace cache` looks): another `kv_dir` gives a
-    fresh, empty cache that still reuses the converted model.
+    fresh, empty cache that still reuses the converted model. `on_convert` is
+    told before that one-time conversion (`load_engine`).
     """
     from kvtrace.engine import KVCache, load_engine
     from kvtrace.engine.maintenance import default_kv_dir
 
-    engine = load_engine(model, cache_dir=cache_dir)
+    engine = load_engine(model, cache_dir=cache_dir, on_convert=on_convert)
     if not use_cache:
         return LocalBackend(engine, None)
     options: dict[str, Any] = {}
