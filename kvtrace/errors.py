@@ -24,6 +24,7 @@
     │   └── BackendError         a remote OpenAI-compatible backend failed (from httpx)
     └── TracerError              recording or serving an agent's calls cannot proceed
         └── UnrecordedRequestError  a ReplayTransport in mode "none" met a request it never saw
+                                    (only with on_unrecorded="raise": else it answers 404)
 
 Lower-level exceptions (SQLAlchemy, httpx, torch) are translated at the boundary
 with ``raise ... from exc``, so callers catch only these. Messages say what to do

@@ -11,10 +11,13 @@ method, URL (secrets redacted on both sides) and body. Recorded exchanges are
 served in order: the first not yet served among the matches, then the last
 match again once all were served. Modes (`ReplayMode`):
 
-- `none`: only the recording answers; an unrecorded request raises
-  UnrecordedRequestError naming the closest recorded request and how it
-  differs (with the `openai` SDK it arrives as the `__cause__` of an
-  `APIConnectionError`; pass `max_retries=0` to fail at once);
+- `none`: only the recording answers; an unrecorded request gets a 404
+  response whose JSON error body (OpenAI's shape) names the closest recorded
+  request and how it differs, with `x-should-retry: false`: an SDK shows it
+  as it is (`openai.NotFoundError`) and does not retry (a 404 is never
+  retried; a 409 would be). `on_unrecorded="raise"` raises
+  UnrecordedRequestError instead, for direct httpx users who want an
+  exception (an SDK would wrap it in a connection error and retry);
 - `new_episodes`: unrecorded requests go to `inner` and are recorded;
 - `all`: every request goes to `inner` and is recorded (re-recording).
 
@@ -55,6 +58,16 @@ class ReplayMode(StrEnum):
     NONE = "none"
     NEW_EPISODES = "new_episodes"
     ALL = "all"
+
+
+class OnUnrecorded(StrEnum):
+    """What mode `none` does with a request the recording does not hold."""
+
+    RESPOND = "respond"  # a 404 with a JSON error body, not to be retried
+    RAISE = "raise"  # UnrecordedRequestError from the transport
+
+
+UNRECORDED_STATUS = 404  # not retried by the OpenAI and Anthropic SDKs (408, 409, 429, 5xx are)
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,6 +222,14 @@ def _describe(message_json: str) -> str:
     return f"{message.get('role')}: {text!r}"
 
 
+def unrecorded_response(message: str) -> httpx.Response:
+    """The answer to a request the recording does not hold: an error the client shows as is."""
+    error = {"message": message, "type": "unrecorded_request", "param": None,
+             "code": "unrecorded_request"}
+    return httpx.Response(UNRECORDED_STATUS, headers={"x-should-retry": "false"},
+                          json={"error": error})
+
+
 def served_response(step: Step, request: httpx.Request) -> httpx.Response:
     """The response a recorded step gives to `request`."""
     if step.kind == StepKind.HTTP:
@@ -255,8 +276,10 @@ class ReplayTransport(httpx.BaseTransport):
 
     def __init__(self, run: Run | Recorder, mode: str = ReplayMode.NONE,
                  inner: httpx.BaseTransport | None = None, *,
-                 redact_headers: Iterable[str] = ()) -> None:
+                 redact_headers: Iterable[str] = (),
+                 on_unrecorded: str = OnUnrecorded.RESPOND) -> None:
         self.mode = _mode(mode)
+        self.on_unrecorded = _on_unrecorded(on_unrecorded)
         self.recorder = as_recorder(run)
         self._redact_headers = tuple(redact_headers)
         self.cassette = Cassette(_steps(self.recorder), Redactor(redact_headers))
@@ -270,7 +293,7 @@ class ReplayTransport(httpx.BaseTransport):
             if step is not None:
                 return served_response(step, request)
             if self.mode == ReplayMode.NONE:
-                raise UnrecordedRequestError(self.cassette.explain_miss(request))
+                return _unrecorded(self.cassette.explain_miss(request), self.on_unrecorded)
         if self._live is None:
             self._live = RecordingTransport(self.recorder, self._inner,
                                             redact_headers=self._redact_headers)
@@ -286,8 +309,10 @@ class AsyncReplayTransport(httpx.AsyncBaseTransport):
 
     def __init__(self, run: Run | Recorder, mode: str = ReplayMode.NONE,
                  inner: httpx.AsyncBaseTransport | None = None, *,
-                 redact_headers: Iterable[str] = ()) -> None:
+                 redact_headers: Iterable[str] = (),
+                 on_unrecorded: str = OnUnrecorded.RESPOND) -> None:
         self.mode = _mode(mode)
+        self.on_unrecorded = _on_unrecorded(on_unrecorded)
         self.recorder = as_recorder(run)
         self._redact_headers = tuple(redact_headers)
         self.cassette = Cassette(_steps(self.recorder), Redactor(redact_headers))
@@ -301,7 +326,7 @@ class AsyncReplayTransport(httpx.AsyncBaseTransport):
             if step is not None:
                 return served_response(step, request)
             if self.mode == ReplayMode.NONE:
-                raise UnrecordedRequestError(self.cassette.explain_miss(request))
+                return _unrecorded(self.cassette.explain_miss(request), self.on_unrecorded)
         if self._live is None:
             self._live = AsyncRecordingTransport(self.recorder, self._inner,
                                                  redact_headers=self._redact_headers)
@@ -319,6 +344,21 @@ def _mode(mode: str) -> ReplayMode:
         raise UsageError(
             f"replay mode {mode!r}: use one of {', '.join(m.value for m in ReplayMode)}"
         ) from exc
+
+
+def _on_unrecorded(value: str) -> OnUnrecorded:
+    try:
+        return OnUnrecorded(value)
+    except ValueError as exc:
+        raise UsageError(
+            f"on_unrecorded {value!r}: use one of {', '.join(m.value for m in OnUnrecorded)}"
+        ) from exc
+
+
+def _unrecorded(message: str, on_unrecorded: OnUnrecorded) -> httpx.Response:
+    if on_unrecorded == OnUnrecorded.RAISE:
+        raise UnrecordedRequestError(message)
+    return unrecorded_response(message)
 
 
 def _steps(recorder: Recorder) -> list[Step]:
