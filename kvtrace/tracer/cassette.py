@@ -4,10 +4,11 @@
 
 The recording is the run's steps from its root to its head, like a VCR
 cassette. A chat-completions request matches a recorded model_call with the
-same URL path, messages, tools, model and params (`stream` aside: a recording
+same URL path, messages, tools, model and params (secret fields redacted on both
+sides; `stream` aside: a recording
 made without streaming answers a streaming request, as SSE, and the other
 way round); any other request matches a recorded http step with the same
-method, URL (secrets redacted on both sides) and body. Recorded exchanges are
+method, URL and body (secrets redacted on both sides). Recorded exchanges are
 served in order: the first not yet served among the matches, then the last
 match again once all were served. Modes (`ReplayMode`):
 
@@ -141,10 +142,10 @@ def request_key(request: httpx.Request, redactor: Redactor) -> _Key:
                 model=body.get("model"),
                 messages=tuple(_canonical(m) for m in messages),
                 tools=_canonical(tools) if tools else None,
-                params=_canonical(request_params(body)),
+                params=_canonical(redactor.fields(request_params(body))),
             )
     return _Key(StepKind.HTTP, request.method.upper(), redactor.url(str(request.url)),
-                body=request.content)
+                body=redactor.body(request.content, request.headers.get("content-type")))
 
 
 def _step_key(step: Step, redactor: Redactor) -> _Key | None:
@@ -161,10 +162,11 @@ def _step_key(step: Step, redactor: Redactor) -> _Key | None:
             model=typed.request_model,
             messages=tuple(_canonical(m) for m in typed.messages),
             tools=_canonical(typed.tools) if typed.tools else None,
-            params=_canonical(params),
+            params=_canonical(redactor.fields(params)),  # recordings made before redaction
         )
     if isinstance(typed, HttpExchange):
-        return _Key(StepKind.HTTP, typed.method, redactor.url(typed.url), body=typed.request_body)
+        body = redactor.body(typed.request_body, typed.request_headers.get("content-type"))
+        return _Key(StepKind.HTTP, typed.method, redactor.url(typed.url), body=body)
     return None
 
 
