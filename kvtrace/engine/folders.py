@@ -116,35 +116,26 @@ def convert_gguf(gguf_path: Path, target: Path, *, on_convert: OnConvert | None 
     with safetensors beside the config and tokenizer. The folder appears
     atomically.
     """
-    if (target / "config.json").is_file():
-        return target
-    if not gguf_path.is_file():
-        raise ModelNotFoundError(f"GGUF file {gguf_path} is missing ({INSTALL_HINT})")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if on_convert is not None:
-        on_convert(f"first use of {gguf_path.name}: converting it into a plain model folder, "
-                   f"once (de-quantising every weight: ~30 s and 517 MB for the default model); "
-                   f"later loads read {target} in about a second")
-    folder, filename = str(gguf_path.parent), gguf_path.name
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(
-            folder, gguf_file=filename, local_files_only=True
-        )
+    def read(folder: str, filename: str, tokenizer: Any) -> Callable[[Path], None]:
+        from transformers import AutoModelForCausalLM
+
         model = AutoModelForCausalLM.from_pretrained(
             folder, gguf_file=filename, dtype=torch.float32, local_files_only=True
         )
-    except Exception as exc:  # the GGUF reader raises ValueError, struct.error, KeyError ...
-        raise UsageError(f"cannot load {gguf_path} as a GGUF model: {exc}") from exc
-    config = model.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
 
-    def write(tmp: Path) -> None:
-        _save_folder(model, tokenizer, tmp)
-        model.generation_config.save_pretrained(tmp)
+        def write(tmp: Path) -> None:
+            _save_folder(model, tokenizer, tmp)
+            model.generation_config.save_pretrained(tmp)
 
-    return _write_folder(target, write)
+        return write
+
+    message = (f"first use of {gguf_path.name}: converting it into a plain model folder, once "
+               f"(de-quantising every weight: ~30 s and 517 MB for the default model); later "
+               f"loads read {target} in about a second")
+    return _convert(gguf_path, target, read, message, on_convert)
 
 
 def convert_gguf_tokenizer(
@@ -155,30 +146,51 @@ def convert_gguf_tokenizer(
     The same files `convert_gguf` writes for them (so the same token ids),
     without reading a weight; the folder appears atomically.
     """
+
+    def read(folder: str, filename: str, tokenizer: Any) -> Callable[[Path], None]:
+        from transformers import AutoConfig, GenerationConfig
+
+        config = AutoConfig.from_pretrained(folder, gguf_file=filename, local_files_only=True)
+        parts = (tokenizer, config, GenerationConfig.from_model_config(config))
+
+        def write(tmp: Path) -> None:
+            for part in parts:
+                part.save_pretrained(tmp)
+
+        return write
+
+    message = (f"first use of {gguf_path.name}: converting its tokenizer, once (~15 s for the "
+               f"default model; the weights are not needed and not read); later commands read "
+               f"{target}")
+    return _convert(gguf_path, target, read, message, on_convert)
+
+
+def _convert(
+    gguf_path: Path,
+    target: Path,
+    read: Callable[[str, str, Any], Callable[[Path], None]],
+    message: str,
+    on_convert: OnConvert | None,
+) -> Path:
+    """`target`, converted once from `gguf_path`: its tokenizer is read here, the rest by
+    `read(folder, filename, tokenizer)`, which returns how to write the folder (tokenizer
+    included); `on_convert` hears `message` first."""
     if (target / "config.json").is_file():
         return target
     if not gguf_path.is_file():
         raise ModelNotFoundError(f"GGUF file {gguf_path} is missing ({INSTALL_HINT})")
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
-
     if on_convert is not None:
-        on_convert(f"first use of {gguf_path.name}: converting its tokenizer, once (~15 s for "
-                   f"the default model; the weights are not needed and not read); later "
-                   f"commands read {target}")
+        on_convert(message)
+    from transformers import AutoTokenizer
+
     folder, filename = str(gguf_path.parent), gguf_path.name
     try:
         tokenizer = AutoTokenizer.from_pretrained(
             folder, gguf_file=filename, local_files_only=True
         )
-        config = AutoConfig.from_pretrained(folder, gguf_file=filename, local_files_only=True)
+        write = read(folder, filename, tokenizer)
     except Exception as exc:  # the GGUF reader raises ValueError, struct.error, KeyError ...
-        raise UsageError(f"cannot read the tokenizer of {gguf_path}: {exc}") from exc
-
-    def write(tmp: Path) -> None:
-        tokenizer.save_pretrained(tmp)
-        config.save_pretrained(tmp)
-        GenerationConfig.from_model_config(config).save_pretrained(tmp)
-
+        raise UsageError(f"cannot load {gguf_path} as a GGUF model: {exc}") from exc
     return _write_folder(target, write)
 
 

@@ -35,7 +35,7 @@ import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import httpx
@@ -51,6 +51,7 @@ from kvtrace.tracer.recorder import Recorder, as_recorder
 from kvtrace.tracer.redact import REDACTED, Redactor
 from kvtrace.tracer.transport import AsyncRecordingTransport, RecordingTransport
 
+_Choice = TypeVar("_Choice", bound=StrEnum)
 _DROPPED_HEADERS = frozenset({"content-encoding", "content-length", "transfer-encoding"})
 _SNIPPET = 60
 
@@ -340,20 +341,19 @@ class AsyncReplayTransport(httpx.AsyncBaseTransport):
 
 
 def _mode(mode: str) -> ReplayMode:
-    try:
-        return ReplayMode(mode)
-    except ValueError as exc:
-        raise UsageError(
-            f"replay mode {mode!r}: use one of {', '.join(m.value for m in ReplayMode)}"
-        ) from exc
+    return _member(ReplayMode, mode, "replay mode")
 
 
 def _on_unrecorded(value: str) -> OnUnrecorded:
+    return _member(OnUnrecorded, value, "on_unrecorded")
+
+
+def _member(kind: type[_Choice], value: str, what: str) -> _Choice:
     try:
-        return OnUnrecorded(value)
+        return kind(value)
     except ValueError as exc:
         raise UsageError(
-            f"on_unrecorded {value!r}: use one of {', '.join(m.value for m in OnUnrecorded)}"
+            f"{what} {value!r}: use one of {', '.join(m.value for m in kind)}"
         ) from exc
 
 
