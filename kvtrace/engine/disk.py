@@ -281,9 +281,12 @@ class BlockStore:
 
     def _discard(self, path: Path, key: str, reason: str) -> None:
         self.num_corrupt += 1
-        self.faults.damaged(key, reason)
-        with contextlib.suppress(OSError):  # a read-only folder: a miss all the same
+        try:
             path.unlink(missing_ok=True)
+        except OSError:  # a read-only folder: a miss all the same, at every read
+            self.faults.damaged(key, reason, is_deleted=False)
+        else:
+            self.faults.damaged(key, reason)
 
     def _remove_stale_tmp(self) -> None:
         if not self.root.is_dir():

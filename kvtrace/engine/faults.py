@@ -35,10 +35,11 @@ MAX_WRITE_REASONS = 8  # distinct reasons kept in one log (a log nobody takes st
 
 @dataclass(frozen=True, slots=True)
 class BlockFault:
-    """One block the disk tier could not use: its key and why."""
+    """A block found damaged: its key, why it was refused, and whether its file is gone."""
 
     key: str
     reason: str
+    is_deleted: bool = True  # False on a read-only folder: refused again at every read
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,11 +79,11 @@ class FaultLog:
             if len(self._write_reasons) < MAX_WRITE_REASONS:
                 self._write_reasons.setdefault(reason)
 
-    def damaged(self, key: str, reason: str) -> None:
+    def damaged(self, key: str, reason: str, *, is_deleted: bool = True) -> None:
         with self._lock:
             self._num_damaged += 1
             if len(self._damaged) < MAX_LOGGED_BLOCKS:
-                self._damaged.append(BlockFault(key, reason))
+                self._damaged.append(BlockFault(key, reason, is_deleted))
 
     def take(self) -> DiskFaults:
         """Everything logged since the last `take`, and an empty log."""

@@ -211,7 +211,9 @@ class _FaultNotes:
         self.num_failed_writes += faults.num_failed_writes
         self.reasons.update(dict.fromkeys(faults.write_reasons))
         notes = [f"{where}: KV block {fault.key[:16]} on disk failed its check "
-                 f"({fault.reason}): it was deleted and its tokens were recomputed"
+                 f"({fault.reason}): "
+                 + ("it was deleted and its tokens were recomputed" if fault.is_deleted else
+                    "its tokens were recomputed; the file could not be deleted (read-only)")
                  for fault in faults.damaged]
         if faults.num_damaged > len(faults.damaged):
             notes.append(f"{where}: {faults.num_damaged - len(faults.damaged)} more damaged KV "

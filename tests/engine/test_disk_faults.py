@@ -93,7 +93,7 @@ def test_a_damaged_block_on_a_read_only_disk_is_a_miss_named_in_the_faults(
         assert hot.num_disk_tokens == 0
         _assert_cold(tiny_engine, hot, prompt)
         faults = cache.take_disk_faults()
-        assert [fault.key for fault in faults.damaged] == [key]
+        assert [(fault.key, fault.is_deleted) for fault in faults.damaged] == [(key, False)]
         assert writer.disk.path(key).read_bytes() == b"not a block"  # could not be deleted
 
 
