@@ -17,11 +17,14 @@
     │                            serialization failure (SQLSTATE 40P01, 40001); nothing was
     │                            written, and the same call may simply be made again
     ├── CacheError               the KV cache cannot serve a request
+    │   └── BlockWriteError      a KV block could not be written to disk (full, read-only);
+    │                            the disk tier logs it and goes on without the block
     ├── ReplayError              replay or continue cannot proceed
     │   ├── MissingToolError     a continued run asked for a tool nobody registered
     │   └── BackendError         a remote OpenAI-compatible backend failed (from httpx)
     └── TracerError              recording or serving an agent's calls cannot proceed
         └── UnrecordedRequestError  a ReplayTransport in mode "none" met a request it never saw
+                                    (only with on_unrecorded="raise": else it answers 404)
 
 Lower-level exceptions (SQLAlchemy, httpx, torch) are translated at the boundary
 with ``raise ... from exc``, so callers catch only these. Messages say what to do
@@ -106,6 +109,14 @@ class RetryableError(StoreError):
 
 class CacheError(KvtraceError):
     """The KV cache cannot serve a request."""
+
+
+class BlockWriteError(CacheError):
+    """A KV block could not be written to the disk tier (a full or read-only folder).
+
+    The disk tier is a cache: its callers log this (engine/faults.py) and go
+    on computing without the block.
+    """
 
 
 class ReplayError(KvtraceError):

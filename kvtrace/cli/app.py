@@ -128,3 +128,15 @@ def flag_message(exc: KvtraceError, command: Command | None) -> str:
     if getattr(option, "is_flag", False):
         message = re.sub(spelled + r"True\b", flag, message)
     return re.sub(spelled, f"{flag} ", message)
+
+
+def announce_conversion(message: str) -> None:
+    """Say on stderr, once, that a slow one-time model conversion starts and why.
+
+    Passed as `on_convert` to `load_tokenizer` / `load_engine`; transformers'
+    own progress bars are turned off, the line says it all.
+    """
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    say(f"kvtrace: {message}", err=True)

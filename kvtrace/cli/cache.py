@@ -20,6 +20,7 @@ from kvtrace.errors import UsageError
 
 if TYPE_CHECKING:
     from kvtrace.engine import Engine
+    from kvtrace.engine.maintenance import CacheStats
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 
@@ -88,11 +89,27 @@ def stats(
         + (f" ({per_token:,.0f} B/token)" if per_token else "")
         + f"; {result.disk_blocks_all_models:,} blocks, {result.disk_bytes_all_models:,} B in all"
     )
-    say(f"disk folder      {result.disk_dir}")
+    say(f"disk folder      {result.disk_dir}{_disk_health(result)}")
+    say(
+        f"failed writes    {result.num_failed_writes:,}"
+        + (f" (last: {result.last_failed_write})" if result.last_failed_write else "")
+        + ("" if result.is_disk_writable else "; a read-only folder cannot count its own")
+    )
     say(
         f"memory tier      {result.memory_entries} entries, {result.memory_bytes:,} B "
         f"(budget {result.memory_max_bytes:,} B; empty in a new process)"
     )
+
+
+def _disk_health(result: CacheStats) -> str:
+    """Why blocks cannot be written there now, if they cannot."""
+    block_bytes = result.kv_bytes_per_token * result.block_size
+    if not result.is_disk_writable:
+        return "  (read-only: no block can be written)"
+    if result.disk_free_bytes is not None and result.disk_free_bytes < block_bytes:
+        return (f"  ({result.disk_free_bytes:,} B free, less than one block of "
+                f"{block_bytes:,} B: no block can be written)")
+    return ""
 
 
 @cache_app.command("gc")

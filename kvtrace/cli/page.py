@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from kvtrace.cli.app import Json, app, print_json, say, store_url
+from kvtrace.cli.app import Json, announce_conversion, app, print_json, say, store_url
 from kvtrace.cli.output import Force, check_output, output_file
 from kvtrace.errors import UsageError
 from kvtrace.paths import default_cache_dir
@@ -61,4 +61,4 @@ def report_command(
 def _tokenizer(model: str | None) -> ChatTokenizer:
     from kvtrace.engine import load_tokenizer
 
-    return load_tokenizer(model, cache_dir=default_cache_dir())
+    return load_tokenizer(model, cache_dir=default_cache_dir(), on_convert=announce_conversion)

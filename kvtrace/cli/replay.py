@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Annotated, Any, cast
 
 import typer
 
-from kvtrace.cli.app import Json, app, print_json, say, store_url
+from kvtrace.cli.app import Json, announce_conversion, app, print_json, say, store_url
 from kvtrace.errors import UsageError
 from kvtrace.paths import default_cache_dir
 from kvtrace.replay.report import ReplayMode
@@ -108,11 +108,12 @@ def _backend(
 
         if backend == "local":
             return open_local_backend(model, cache_dir=default_cache_dir(),
-                                      use_cache=not no_cache)
+                                      use_cache=not no_cache, on_convert=announce_conversion)
         local_tokenizer = None
         if tokenizer is not None:
             name = None if tokenizer == "default" else tokenizer
-            local_tokenizer = load_tokenizer(name, cache_dir=default_cache_dir())
+            local_tokenizer = load_tokenizer(name, cache_dir=default_cache_dir(),
+                                             on_convert=announce_conversion)
         return RemoteBackend(backend, model=model, api_key=api_key, tokenizer=local_tokenizer)
 
     return cast("Backend", _Lazy(load))
@@ -323,7 +324,8 @@ def analyze_command(
     from kvtrace.replay import analyze
 
     tokenizer = cast(
-        "Tokenizer", _Lazy(lambda: load_tokenizer(model, cache_dir=default_cache_dir()))
+        "Tokenizer", _Lazy(lambda: load_tokenizer(model, cache_dir=default_cache_dir(),
+                                                  on_convert=announce_conversion))
     )
     with open_store(store_url(ctx), create=False) as store:
         analysis = analyze(store, run, tokenizer)

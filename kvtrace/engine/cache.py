@@ -24,7 +24,9 @@ Deferred output (`defer`, owed.py): a generation's decoded output that the
 next prompt's prefill stores; a lookup reports it (`num_deferred_tokens`).
 
 The disk half (walking a chain, writing blocks inline or behind, the disk
-budget) is disktier.py.
+budget) is disktier.py. Its faults (a block that cannot be written, one
+found damaged) never stop a computation; `take_disk_faults` hands them to
+the caller to show (faults.py).
 
 The cache never computes anything: `kvtrace.engine.prefill` calls it.
 """
@@ -41,6 +43,7 @@ import torch
 
 from kvtrace.engine.disk import BlockLayout, BlockStore
 from kvtrace.engine.disktier import DiskTier
+from kvtrace.engine.faults import DiskFaults
 from kvtrace.engine.kvbuffer import GrowingLayer, KVBuffer, buffer_rows
 from kvtrace.engine.model import Engine
 from kvtrace.engine.owed import OwedOutputs
@@ -284,6 +287,18 @@ class KVCache:
         """Wait until every block this cache queued is on disk (no-op when writing inline)."""
         if self._disk is not None:
             self._disk.flush()
+
+    def take_disk_faults(self) -> DiskFaults:
+        """Blocks the disk tier could not write, or found damaged and recomputed, since last asked.
+
+        The disk tier never stops a computation for these (faults.py); this
+        is how its caller learns of them and says so. Empty for a
+        memory-only cache.
+        """
+        if self._disk is None:
+            return DiskFaults(folder="")
+        with self._lock:
+            return self._disk.take_faults()
 
     # -- inventory --------------------------------------------------------------
 

@@ -41,6 +41,9 @@ from pathlib import Path
 
 import torch
 
+from kvtrace.engine.faults import FaultLog, count_failed_write
+from kvtrace.errors import BlockWriteError
+
 BLOCK_FORMAT = "kvtrace-kv-block-v1"
 SUFFIX = ".safetensors"
 _STALE_TMP_SECONDS = 3600.0
@@ -98,6 +101,7 @@ class BlockStore:
         self.root = Path(root)
         self.block_size = block_size
         self.num_corrupt = 0
+        self.faults = FaultLog(self.root)
 
     # -- keys ---------------------------------------------------------------
 
@@ -131,20 +135,21 @@ class BlockStore:
     ) -> DiskBlock | None:
         """The block at `key` if it holds exactly `tokens`, fits `layout` and checks out.
 
-        A file that exists but fails any check is deleted (and counted in
-        `num_corrupt`) so that the recomputed block can replace it.
+        A file that exists but fails any check is deleted (counted in
+        `num_corrupt`, logged in `faults`) so that the recomputed block can
+        replace it.
         """
         path = self.path(key)
         try:
             raw = path.read_bytes()
         except FileNotFoundError:
             return None
-        except OSError:
-            self._discard(path)
+        except OSError as exc:
+            self._discard(path, key, f"unreadable: {exc.strerror or exc}")
             return None
         block = _parse_block(raw, key, tokens, layout)
-        if block is None:
-            self._discard(path)
+        if isinstance(block, str):
+            self._discard(path, key, block)
             return None
         with contextlib.suppress(OSError):
             os.utime(path)  # LRU clock for gc
@@ -161,10 +166,15 @@ class BlockStore:
     ) -> bool:
         """Store one block atomically; False when it already exists.
 
+        A write that fails (`OSError`, or safetensors' own error for the same
+        causes) leaves no temporary file, is logged and counted (module
+        docstring) and raises `BlockWriteError`.
+
         `save_file` writes the tensors' memory straight to the file: building
         the file's bytes in memory first (`save`) then writing them cost ~6 ms
         more per 2.95 MB block (allocating and faulting in the copy).
         """
+        from safetensors import SafetensorError
         from safetensors.torch import save_file
 
         path = self.path(key)
@@ -181,16 +191,26 @@ class BlockStore:
             "block_size": str(self.block_size),
             "checksum": _checksum(token_ids, keys, values),
         }
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=SUFFIX, dir=path.parent)
-        os.close(fd)
+        tmp: str | None = None
         try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=SUFFIX, dir=path.parent)
+            os.close(fd)
             save_file({"keys": keys, "values": values, "token_ids": token_ids}, tmp,
                       metadata=metadata)
             os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        except BaseException as exc:
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    Path(tmp).unlink(missing_ok=True)
+            if not isinstance(exc, OSError | SafetensorError):
+                raise
+            reason = _write_failure_reason(exc)
+            self.faults.failed_write(reason)
+            count_failed_write(self.root, reason)
+            raise BlockWriteError(
+                f"cannot write KV block {key[:16]} under {self.root}: {reason}"
+            ) from exc
         return True
 
     # -- inventory, gc ------------------------------------------------------
@@ -259,9 +279,14 @@ class BlockStore:
                     heapq.heappush(heap, (parent.is_readable, parent.mtime, parent.key))
         return GcResult(removed, removed_bytes, len(blocks), total)
 
-    def _discard(self, path: Path) -> None:
+    def _discard(self, path: Path, key: str, reason: str) -> None:
         self.num_corrupt += 1
-        path.unlink(missing_ok=True)
+        try:
+            path.unlink(missing_ok=True)
+        except OSError:  # a read-only folder: a miss all the same, at every read
+            self.faults.damaged(key, reason, is_deleted=False)
+        else:
+            self.faults.damaged(key, reason)
 
     def _remove_stale_tmp(self) -> None:
         if not self.root.is_dir():
@@ -288,8 +313,8 @@ def _checksum(token_ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor)
 
 def _parse_block(
     raw: bytes, key: str, tokens: Sequence[int], layout: BlockLayout | None = None
-) -> DiskBlock | None:
-    """Decode and check a block file's bytes; None on any mismatch or damage."""
+) -> DiskBlock | str:
+    """Decode and check a block file's bytes; on any mismatch or damage, why it is refused."""
     from safetensors.torch import load
 
     try:
@@ -297,27 +322,39 @@ def _parse_block(
         meta = json.loads(raw[8 : 8 + header_len]).get("__metadata__", {})
         tensors = load(raw)
     except Exception:  # safetensors raises its own error types on damage
-        return None
+        return "not a readable block file: truncated or damaged" if raw else "empty file"
     token_ids, keys, values = tensors.get("token_ids"), tensors.get("keys"), tensors.get("values")
     if token_ids is None or keys is None or values is None:
-        return None
+        return "a tensor is missing"
     if meta.get("format") != BLOCK_FORMAT or meta.get("key") != key:
-        return None
+        return "its header names another block or format"
     if token_ids.tolist() != list(tokens):
-        return None
+        return "its token ids differ from the prompt's"
     if keys.shape != values.shape or keys.dim() != 4 or keys.shape[2] != len(tokens):
-        return None
-    if layout is not None and (
-        meta.get("fingerprint") != layout.fingerprint
-        or keys.dtype != layout.dtype
-        or values.dtype != layout.dtype
-        or (keys.shape[0], keys.shape[1], keys.shape[3])
-        != (layout.num_layers, layout.num_kv_heads, layout.head_dim)
-    ):
-        return None
+        return "its KV has the wrong shape"
+    if layout is not None:
+        if meta.get("fingerprint") != layout.fingerprint:
+            return "written by another model: its fingerprint differs"
+        if keys.dtype != layout.dtype or values.dtype != layout.dtype:
+            return f"its KV is {keys.dtype}, the engine's {layout.dtype}"
+        if (keys.shape[0], keys.shape[1], keys.shape[3]) != (
+            layout.num_layers, layout.num_kv_heads, layout.head_dim
+        ):
+            return "its layers, KV heads or head dim differ from the engine's"
     if meta.get("checksum") != _checksum(token_ids, keys, values):
-        return None
+        return "checksum mismatch: its bytes changed after it was written"
     return DiskBlock(key=key, keys=keys, values=values)
+
+
+def _write_failure_reason(exc: BaseException) -> str:
+    """The OS's words for a failed write ("No space left on device"), from either error type."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    text = " ".join(str(exc).split())
+    if "I/O error: " in text:  # safetensors: "Error while serializing: I/O error: … (os error 28)"
+        text = text.split("I/O error: ", 1)[1]
+        text = text.split(" (os error", 1)[0]
+    return text or type(exc).__name__
 
 
 def _read_metadata(path: Path) -> dict[str, str] | None:

@@ -9,7 +9,11 @@ this module knows what a cache asks of the folder for a whole sequence:
   inline or queued for the write-behind thread (writer.py), then the disk
   budget (`max_bytes`) enforced by gc;
 - a block queued for writing counts as on disk and is served from the queue,
-  so a lookup in this process never misses a block still on its way.
+  so a lookup in this process never misses a block still on its way;
+- a block that cannot be written (a full or read-only folder) ends that
+  sequence's writing (its later blocks would hang from a missing parent);
+  the computation goes on, and `take_faults` hands the caller what was
+  logged (faults.py), write-behind failures included.
 
 `walk` and `write` run under the cache's lock (they change the folder the
 tree's view depends on); nothing here locks on its own.
@@ -22,8 +26,10 @@ from collections.abc import Sequence
 import torch
 
 from kvtrace.engine.disk import BlockInfo, BlockLayout, BlockStore
+from kvtrace.engine.faults import DiskFaults
 from kvtrace.engine.radix import KVSource
 from kvtrace.engine.writer import BlockWriter, PendingBlock, writer_for
+from kvtrace.errors import BlockWriteError
 
 
 class DiskTier:
@@ -78,8 +84,11 @@ class DiskTier:
                 continue  # skip copying the KV of a block already there
             k, v = source(j * b, (j + 1) * b)
             block_tokens = tokens[j * b : (j + 1) * b]
-            if self._write_block(keys[j], parent, block_tokens, k, v):
-                written += k.numel() * k.element_size() * 2
+            try:
+                if self._write_block(keys[j], parent, block_tokens, k, v):
+                    written += k.numel() * k.element_size() * 2
+            except BlockWriteError:  # logged by the store: the rest would be unreachable
+                break
             parent = keys[j]
         self._enforce_budget(written)
 
@@ -87,6 +96,24 @@ class DiskTier:
         """Wait until every block queued for writing is on disk (no-op when writing inline)."""
         if self._writer is not None:
             self._writer.flush()
+
+    def take_faults(self) -> DiskFaults:
+        """What the folder's blocks made this tier recover from since last asked (faults.py).
+
+        A write-behind failure is handed to the first cache on the folder
+        that asks (the writer is shared).
+        """
+        faults = self.store.faults.take()
+        if self._writer is None:
+            return faults
+        behind = self._writer.store.faults.take()
+        return DiskFaults(
+            folder=faults.folder,
+            num_failed_writes=faults.num_failed_writes + behind.num_failed_writes,
+            write_reasons=tuple(dict.fromkeys(faults.write_reasons + behind.write_reasons)),
+            num_damaged=faults.num_damaged + behind.num_damaged,
+            damaged=faults.damaged + behind.damaged,
+        )
 
     def blocks(self) -> list[BlockInfo]:
         """Every block of this engine's fingerprint (reads every header; flushes first)."""

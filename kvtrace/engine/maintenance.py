@@ -18,6 +18,7 @@ import torch
 
 from kvtrace.engine.cache import DEFAULT_BLOCK_SIZE, DEFAULT_MEMORY_BYTES
 from kvtrace.engine.disk import BlockInfo, BlockStore, GcResult
+from kvtrace.engine.faults import read_failed_writes
 from kvtrace.engine.model import Engine
 from kvtrace.engine.prefill import kv_rows, prefill
 from kvtrace.errors import UsageError
@@ -32,7 +33,13 @@ def default_kv_dir(cache_dir: str | os.PathLike[str]) -> Path:
 
 @dataclass(frozen=True, slots=True)
 class CacheStats:
-    """Sizes of both tiers, and the KV size per token of the engine."""
+    """Sizes of both tiers, the KV size per token of the engine, and the disk tier's health.
+
+    `num_failed_writes` counts block writes that failed in every process
+    that could record it (faults.py: a read-only folder cannot), the last
+    one's reason in `last_failed_write`; `is_disk_writable` and
+    `disk_free_bytes` say whether the folder can take blocks now.
+    """
 
     model: str
     fingerprint: str
@@ -47,6 +54,10 @@ class CacheStats:
     memory_entries: int
     memory_bytes: int
     memory_max_bytes: int
+    num_failed_writes: int = 0
+    last_failed_write: str | None = None
+    is_disk_writable: bool = True
+    disk_free_bytes: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +96,8 @@ def cache_stats(
     every = list(store.scan())
     mine = [info for info in every if info.fingerprint == engine.fingerprint]
     mine_bytes = sum(info.num_bytes for info in mine)
+    failures = read_failed_writes(Path(disk_dir))
+    is_writable, free = folder_space(Path(disk_dir))
     return CacheStats(
         model=engine.name,
         fingerprint=engine.fingerprint,
@@ -99,7 +112,24 @@ def cache_stats(
         memory_entries=0,
         memory_bytes=0,
         memory_max_bytes=DEFAULT_MEMORY_BYTES,
+        num_failed_writes=failures.num_failed_writes,
+        last_failed_write=failures.last_reason,
+        is_disk_writable=is_writable,
+        disk_free_bytes=free,
     )
+
+
+def folder_space(folder: Path) -> tuple[bool, int | None]:
+    """Whether blocks can be written under `folder` (or where it would be made), and free bytes."""
+    probe = folder
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        info = os.statvfs(probe)
+    except OSError:
+        return False, None
+    is_writable = not info.f_flag & os.ST_RDONLY and os.access(probe, os.W_OK)
+    return is_writable, info.f_bavail * info.f_frsize
 
 
 def collect_garbage(disk_dir: str | os.PathLike[str], max_bytes: int) -> GcResult:

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from kvtrace.engine.attention import register_canonical_attention
-from kvtrace.engine.folders import cache_root, model_folder
+from kvtrace.engine.folders import OnConvert, cache_root, model_folder
 from kvtrace.engine.tokenizer import ChatTemplating, context_length, stop_token_ids
 from kvtrace.errors import ModelNotFoundError, UsageError
 from kvtrace.numerics import MKL_SETTING, rows_are_invariant
@@ -74,15 +74,17 @@ def load_engine(
     cache_dir: str | os.PathLike[str] | None = None,
     device: str | torch.device | None = None,
     dtype: str | torch.dtype | None = None,
+    on_convert: OnConvert | None = None,
 ) -> Engine:
     """Load a model folder (or a .gguf file, or the embedded default when None).
 
     `cache_dir` holds converted models and the weight-hash memo; None means
     `kvtrace.paths.default_cache_dir()`. `device` defaults to CUDA when present,
-    else CPU; `dtype` defaults to float32.
+    else CPU; `dtype` defaults to float32. `on_convert(message)` is told
+    before a GGUF file is converted (once, ~30 s for the default model).
     """
     root = cache_root(cache_dir)
-    folder = model_folder(name_or_path, root)
+    folder = model_folder(name_or_path, root, on_convert=on_convert)
     return _load_folder(folder, root, _resolve_device(device), _resolve_dtype(dtype))
 
 
@@ -229,8 +231,12 @@ def _weights_digest(folder: Path, cache_dir: Path) -> str:
 
 
 def _write_json_atomic(path: Path, data: Mapping[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    """Best effort: the memo only saves time, so a read-only or full cache folder skips it."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    except OSError:
+        return
     try:
         with os.fdopen(fd, "w") as fh:
             json.dump(data, fh, sort_keys=True, indent=0)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvtrace.engine.folders import cache_root, model_folder
+from kvtrace.engine.folders import OnConvert, cache_root, tokenizer_folder
 from kvtrace.errors import ModelNotFoundError, UsageError
 from kvtrace.rendering import chat_messages, template_supports_tools
 
@@ -84,16 +84,19 @@ def load_tokenizer(
     name_or_path: str | os.PathLike[str] | None = None,
     *,
     cache_dir: str | os.PathLike[str] | None = None,
+    on_convert: OnConvert | None = None,
 ) -> ChatTokenizer:
     """The tokenizer, chat template and stop tokens of a model, without its weights.
 
-    Takes the same names as `load_engine` (the default model is converted on
-    first use, as there); a folder needs only its tokenizer files and
-    config.json, not its weights.
+    Takes the same names as `load_engine`; a folder needs only its tokenizer
+    files and config.json, not its weights. For a GGUF model (the default
+    one included) not converted yet, only the tokenizer and config are
+    converted, once (folders.py `tokenizer_folder`), and `on_convert` is told
+    first.
     """
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-    folder = model_folder(name_or_path, cache_root(cache_dir))
+    folder = tokenizer_folder(name_or_path, cache_root(cache_dir), on_convert=on_convert)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
         config = AutoConfig.from_pretrained(str(folder), local_files_only=True)

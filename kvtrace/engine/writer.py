@@ -16,8 +16,10 @@ critical path it overlaps the next call's compute. Invariants:
   past that, `submit` waits, so a long cold prefill cannot queue unbounded
   memory; `flush` waits for the queue to drain (`KVCache.flush`, and an
   `atexit` hook so that a normal exit writes everything);
-- a block whose write fails (a full disk) is dropped and counted in
-  `num_failed`: the disk tier is a cache, the computation never depends on it.
+- a block whose write fails (a full or read-only disk) is dropped, counted
+  in `num_failed` and logged in its store's `faults` with the reason, which
+  the caches on the folder hand on (`DiskTier.take_faults`): the disk tier is
+  a cache, the computation never depends on it, but a failure is shown.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from pathlib import Path
 import torch
 
 from kvtrace.engine.disk import BlockStore
+from kvtrace.errors import BlockWriteError
 
 DEFAULT_MAX_PENDING = 32
 
@@ -59,6 +62,7 @@ class BlockWriter:
         self.num_failed = 0
         self._queue: OrderedDict[str, PendingBlock] = OrderedDict()
         self._busy: PendingBlock | None = None
+        self._unwritten: set[str] = set()  # keys that failed: their queued children are dropped
         self._changed = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="kvtrace-block-writer", daemon=True)
         self._thread.start()
@@ -109,16 +113,28 @@ class BlockWriter:
                 self._busy = block
                 self._changed.notify_all()  # room in the queue
             try:
-                self.store.write(
-                    block.key, block.parent, block.fingerprint, block.tokens,
-                    block.keys, block.values,
-                )
-            except Exception:  # a full or read-only disk: the block stays uncached
-                self.num_failed += 1
+                if block.parent in self._unwritten:  # unreachable without its parent
+                    self._unwritten.add(block.key)
+                else:
+                    self.store.write(
+                        block.key, block.parent, block.fingerprint, block.tokens,
+                        block.keys, block.values,
+                    )
+            except BlockWriteError:  # a full or read-only disk: logged by the store
+                self._failed(block)
+            except Exception as exc:  # not the disk's doing: logged all the same, as a bug
+                self._failed(block)
+                self.store.faults.failed_write(f"{type(exc).__name__}: {exc}")
             finally:
                 with self._changed:
                     self._busy = None
                     self._changed.notify_all()
+
+    def _failed(self, block: PendingBlock) -> None:
+        self.num_failed += 1
+        if len(self._unwritten) > 4096:  # a bound, not a cache: old chains are long gone
+            self._unwritten.clear()
+        self._unwritten.add(block.key)
 
 
 _writers: dict[tuple[Path, int], BlockWriter] = {}

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from kvtrace.errors import UsageError
 
 if TYPE_CHECKING:  # the engine imports torch: its types only, here
+    from kvtrace.engine.faults import DiskFaults
     from kvtrace.engine.generate import DraftVerdict
 
 Message = dict[str, Any]
@@ -167,4 +168,13 @@ class Backend(Protocol):
 
     def settle(self) -> None:
         """Store what the backend's cache is still owed (deferred output) before a session ends."""
+        ...
+
+    def take_cache_faults(self) -> DiskFaults | None:
+        """What the backend's cache recovered from since last asked, for the report to show.
+
+        A block that could not be written, or was found damaged and
+        recomputed (kvtrace/engine/faults.py); None when the backend has no
+        disk tier of its own to ask (a remote server keeps its own).
+        """
         ...

@@ -13,6 +13,11 @@ Modes:
 - ``rebuild`` feeds each recorded output instead of generating, which is how
   ``checkout`` warms a cache with a run's KV up to any step.
 
+What the local cache recovered from is shown, never only counted: a disk
+block found damaged is named in a note at the step that found it (deleted
+and recomputed), and blocks that could not be written (a full or read-only
+disk) in one note at the end, with the reason.
+
 The oracle bound is computed alongside, from token ids: before each call,
 the longest prefix the prompt shares with any sequence this replay has sent
 so far (prompt + output: the generated output in verify, the recorded one in
@@ -27,6 +32,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from kvtrace.errors import ReplayError, UsageError
 from kvtrace.rendering import content_text, parse_assistant_text
@@ -46,6 +52,9 @@ from kvtrace.replay.report import Mismatch, ReplayMode, ReplayReport, StepReport
 from kvtrace.store import Step, Store
 from kvtrace.store.kinds import ModelCall, StepKind
 from kvtrace.store.messages import arguments_equal, tool_calls_of
+
+if TYPE_CHECKING:
+    from kvtrace.engine.faults import DiskFaults
 
 ProgressCallback = Callable[[int, int, StepReport], None]  # (done, total, step report)
 _SNIPPET_TOKENS = 12
@@ -151,6 +160,7 @@ def _replay_path(
         notes.append("no tokenizer for this backend: oracle bound and token positions unknown "
                      "(give the backend the tokenizer of the server's model)")
     oracle = PrefixOracle()
+    faults = _FaultNotes()
     reports: list[StepReport] = []
     started = time.perf_counter()
     for index, step in enumerate(model_steps, start=1):
@@ -184,12 +194,50 @@ def _replay_path(
             mismatch=mismatch,
         )
         reports.append(step_report)
+        notes.extend(faults.add(backend.take_cache_faults(), f"step @{step.depth}"))
         if on_step is not None:
             on_step(index, len(model_steps), step_report)
     backend.settle()  # what verify's last output left owed: on disk, as the rest
+    notes.extend(faults.add(backend.take_cache_faults(), "storing the last output"))
+    notes.extend(faults.write_notes())
     wall = time.perf_counter() - started
     return ReplayReport(spec, path[-1].id, mode, backend.name, backend.model, reports,
                         tool_steps, wall, notes=notes)
+
+
+class _FaultNotes:
+    """The cache's faults as report notes: a damaged block where found, failed writes once."""
+
+    def __init__(self) -> None:
+        self.num_failed_writes = 0
+        self.reasons: dict[str, None] = {}
+        self.folder = ""
+
+    def add(self, faults: DiskFaults | None, where: str) -> list[str]:
+        """Notes for the blocks found damaged (`where`: the step); failed writes kept for later."""
+        if not faults:
+            return []
+        self.folder = faults.folder
+        self.num_failed_writes += faults.num_failed_writes
+        self.reasons.update(dict.fromkeys(faults.write_reasons))
+        notes = [f"{where}: KV block {fault.key[:16]} on disk failed its check "
+                 f"({fault.reason}): "
+                 + ("it was deleted and its tokens were recomputed" if fault.is_deleted else
+                    "its tokens were recomputed; the file could not be deleted (read-only)")
+                 for fault in faults.damaged]
+        if faults.num_damaged > len(faults.damaged):
+            notes.append(f"{where}: {faults.num_damaged - len(faults.damaged)} more damaged KV "
+                         "blocks were deleted and their tokens recomputed")
+        return notes
+
+    def write_notes(self) -> list[str]:
+        if not self.num_failed_writes:
+            return []
+        n = self.num_failed_writes
+        return [f"{n} KV block{'' if n == 1 else 's'} could not be written to the disk tier "
+                f"({'; '.join(self.reasons)}: {self.folder}); the replay went on without "
+                f"{'it' if n == 1 else 'them'}, so a later process recomputes those tokens "
+                "(`kvtrace cache stats` counts failed writes)"]
 
 
 def _prepare(

@@ -32,6 +32,7 @@ across modes and with the oracle bound.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +42,7 @@ from kvtrace.replay.recording import output_text
 
 if TYPE_CHECKING:  # the engine imports torch: load it only when a backend is built
     from kvtrace.engine import Engine, KVCache, PrefillResult
+    from kvtrace.engine.faults import DiskFaults
 
 
 class LocalBackend:
@@ -81,6 +83,10 @@ class LocalBackend:
         from kvtrace.engine import settle
 
         settle(self._engine, self._cache)
+
+    def take_cache_faults(self) -> DiskFaults | None:
+        """The disk tier's faults since last asked (see `KVCache.take_disk_faults`)."""
+        return self._cache.take_disk_faults() if self._cache is not None else None
 
     def without_cache(self) -> Backend:
         return LocalBackend(self._engine, None, defer_output=self._defer_output)
@@ -163,18 +169,20 @@ def open_local_backend(
     kv_dir: Path | None = None,
     use_cache: bool = True,
     memory_bytes: int | None = None,
+    on_convert: Callable[[str], None] | None = None,
 ) -> LocalBackend:
     """Load the engine and a two-tier KV cache.
 
     `model` is a model folder, or None for the embedded default, converted
     once under `cache_dir/models`. Disk KV blocks go to `kv_dir` (default
     `cache_dir/kv`, where `kvtrace cache` looks): another `kv_dir` gives a
-    fresh, empty cache that still reuses the converted model.
+    fresh, empty cache that still reuses the converted model. `on_convert` is
+    told before that one-time conversion (`load_engine`).
     """
     from kvtrace.engine import KVCache, load_engine
     from kvtrace.engine.maintenance import default_kv_dir
 
-    engine = load_engine(model, cache_dir=cache_dir)
+    engine = load_engine(model, cache_dir=cache_dir, on_convert=on_convert)
     if not use_cache:
         return LocalBackend(engine, None)
     options: dict[str, Any] = {}

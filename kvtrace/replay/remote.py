@@ -91,6 +91,9 @@ class RemoteBackend:
     def settle(self) -> None:
         """Nothing to do: the server keeps its own cache."""
 
+    def take_cache_faults(self) -> None:
+        """None: the server's cache is its own business (and its own log's)."""
+
     def without_cache(self) -> Backend:
         raise UsageError(
             "a remote server's prefix cache cannot be switched off from here: "

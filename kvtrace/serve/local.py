@@ -79,7 +79,8 @@ class LocalAnswer:
                 extra["seed_chosen"] = True
             return recorder.record_model_call(
                 request.messages, completion, model=completion["model"], tools=request.tools,
-                params=self.params, usage=self.usage, timings=self.timings, extra=extra)
+                params=redactor.fields(self.params), usage=self.usage, timings=self.timings,
+                extra=extra)
 
         return write
 

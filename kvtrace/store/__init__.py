@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -70,14 +72,17 @@ def open_store(url: str | None = None, *, create: bool = True) -> Store:
 
     `None` means the embedded default. Plain ``postgresql://`` URLs use psycopg 3.
     With `create=False` a missing store is an error instead of being created,
-    so that a read in the wrong folder changes nothing.
+    so that a read in the wrong folder changes nothing. A new SQLite store is
+    private: the file is made 0600 (SQLite gives its -wal and -shm files the
+    same mode) and a folder made for it 0700, as Git does not but SSH does:
+    it holds every prompt and tool result (docs/store.md).
     """
     url = _full_url(url)
     if url.startswith("sqlite:///") and _sqlite_path(url) != ":memory:":
         path = Path(_sqlite_path(url))
         if not create and not path.is_file():
             raise StoreNotFoundError(f"no kvtrace store at {path}: run `kvtrace init` first")
-        path.parent.mkdir(parents=True, exist_ok=True)
+        _create_private_file(path)
     engine = create_db_engine(url)
     if not create and current_revision(engine) is None:
         engine.dispose()
@@ -129,6 +134,13 @@ def import_into(url: str | None, load: Callable[[Store], RunInfo]) -> RunInfo:
         store = open_store(url)
     with store:
         return load(store)
+
+
+def _create_private_file(path: Path) -> None:
+    """Make `path` an empty 0600 file in a folder made 0700 (existing ones are left alone)."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
 
 
 def _full_url(url: str | None) -> str:

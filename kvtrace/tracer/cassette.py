@@ -4,17 +4,21 @@
 
 The recording is the run's steps from its root to its head, like a VCR
 cassette. A chat-completions request matches a recorded model_call with the
-same URL path, messages, tools, model and params (`stream` aside: a recording
+same URL path, messages, tools, model and params (secret fields redacted on both
+sides; `stream` aside: a recording
 made without streaming answers a streaming request, as SSE, and the other
 way round); any other request matches a recorded http step with the same
-method, URL (secrets redacted on both sides) and body. Recorded exchanges are
+method, URL and body (secrets redacted on both sides). Recorded exchanges are
 served in order: the first not yet served among the matches, then the last
 match again once all were served. Modes (`ReplayMode`):
 
-- `none`: only the recording answers; an unrecorded request raises
-  UnrecordedRequestError naming the closest recorded request and how it
-  differs (with the `openai` SDK it arrives as the `__cause__` of an
-  `APIConnectionError`; pass `max_retries=0` to fail at once);
+- `none`: only the recording answers; an unrecorded request gets a 404
+  response whose JSON error body (OpenAI's shape) names the closest recorded
+  request and how it differs, with `x-should-retry: false`: an SDK shows it
+  as it is (`openai.NotFoundError`) and does not retry (a 404 is never
+  retried; a 409 would be). `on_unrecorded="raise"` raises
+  UnrecordedRequestError instead, for direct httpx users who want an
+  exception (an SDK would wrap it in a connection error and retry);
 - `new_episodes`: unrecorded requests go to `inner` and are recorded;
 - `all`: every request goes to `inner` and is recorded (re-recording).
 
@@ -31,7 +35,7 @@ import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import httpx
@@ -47,6 +51,7 @@ from kvtrace.tracer.recorder import Recorder, as_recorder
 from kvtrace.tracer.redact import REDACTED, Redactor
 from kvtrace.tracer.transport import AsyncRecordingTransport, RecordingTransport
 
+_Choice = TypeVar("_Choice", bound=StrEnum)
 _DROPPED_HEADERS = frozenset({"content-encoding", "content-length", "transfer-encoding"})
 _SNIPPET = 60
 
@@ -55,6 +60,16 @@ class ReplayMode(StrEnum):
     NONE = "none"
     NEW_EPISODES = "new_episodes"
     ALL = "all"
+
+
+class OnUnrecorded(StrEnum):
+    """What mode `none` does with a request the recording does not hold."""
+
+    RESPOND = "respond"  # a 404 with a JSON error body, not to be retried
+    RAISE = "raise"  # UnrecordedRequestError from the transport
+
+
+UNRECORDED_STATUS = 404  # not retried by the OpenAI and Anthropic SDKs (408, 409, 429, 5xx are)
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,10 +143,10 @@ def request_key(request: httpx.Request, redactor: Redactor) -> _Key:
                 model=body.get("model"),
                 messages=tuple(_canonical(m) for m in messages),
                 tools=_canonical(tools) if tools else None,
-                params=_canonical(request_params(body)),
+                params=_canonical(redactor.fields(request_params(body))),
             )
     return _Key(StepKind.HTTP, request.method.upper(), redactor.url(str(request.url)),
-                body=request.content)
+                body=redactor.body(request.content, request.headers.get("content-type")))
 
 
 def _step_key(step: Step, redactor: Redactor) -> _Key | None:
@@ -148,10 +163,11 @@ def _step_key(step: Step, redactor: Redactor) -> _Key | None:
             model=typed.request_model,
             messages=tuple(_canonical(m) for m in typed.messages),
             tools=_canonical(typed.tools) if typed.tools else None,
-            params=_canonical(params),
+            params=_canonical(redactor.fields(params)),  # recordings made before redaction
         )
     if isinstance(typed, HttpExchange):
-        return _Key(StepKind.HTTP, typed.method, redactor.url(typed.url), body=typed.request_body)
+        body = redactor.body(typed.request_body, typed.request_headers.get("content-type"))
+        return _Key(StepKind.HTTP, typed.method, redactor.url(typed.url), body=body)
     return None
 
 
@@ -209,6 +225,14 @@ def _describe(message_json: str) -> str:
     return f"{message.get('role')}: {text!r}"
 
 
+def unrecorded_response(message: str) -> httpx.Response:
+    """The answer to a request the recording does not hold: an error the client shows as is."""
+    error = {"message": message, "type": "unrecorded_request", "param": None,
+             "code": "unrecorded_request"}
+    return httpx.Response(UNRECORDED_STATUS, headers={"x-should-retry": "false"},
+                          json={"error": error})
+
+
 def served_response(step: Step, request: httpx.Request) -> httpx.Response:
     """The response a recorded step gives to `request`."""
     if step.kind == StepKind.HTTP:
@@ -255,8 +279,10 @@ class ReplayTransport(httpx.BaseTransport):
 
     def __init__(self, run: Run | Recorder, mode: str = ReplayMode.NONE,
                  inner: httpx.BaseTransport | None = None, *,
-                 redact_headers: Iterable[str] = ()) -> None:
+                 redact_headers: Iterable[str] = (),
+                 on_unrecorded: str = OnUnrecorded.RESPOND) -> None:
         self.mode = _mode(mode)
+        self.on_unrecorded = _on_unrecorded(on_unrecorded)
         self.recorder = as_recorder(run)
         self._redact_headers = tuple(redact_headers)
         self.cassette = Cassette(_steps(self.recorder), Redactor(redact_headers))
@@ -270,7 +296,7 @@ class ReplayTransport(httpx.BaseTransport):
             if step is not None:
                 return served_response(step, request)
             if self.mode == ReplayMode.NONE:
-                raise UnrecordedRequestError(self.cassette.explain_miss(request))
+                return _unrecorded(self.cassette.explain_miss(request), self.on_unrecorded)
         if self._live is None:
             self._live = RecordingTransport(self.recorder, self._inner,
                                             redact_headers=self._redact_headers)
@@ -286,8 +312,10 @@ class AsyncReplayTransport(httpx.AsyncBaseTransport):
 
     def __init__(self, run: Run | Recorder, mode: str = ReplayMode.NONE,
                  inner: httpx.AsyncBaseTransport | None = None, *,
-                 redact_headers: Iterable[str] = ()) -> None:
+                 redact_headers: Iterable[str] = (),
+                 on_unrecorded: str = OnUnrecorded.RESPOND) -> None:
         self.mode = _mode(mode)
+        self.on_unrecorded = _on_unrecorded(on_unrecorded)
         self.recorder = as_recorder(run)
         self._redact_headers = tuple(redact_headers)
         self.cassette = Cassette(_steps(self.recorder), Redactor(redact_headers))
@@ -301,7 +329,7 @@ class AsyncReplayTransport(httpx.AsyncBaseTransport):
             if step is not None:
                 return served_response(step, request)
             if self.mode == ReplayMode.NONE:
-                raise UnrecordedRequestError(self.cassette.explain_miss(request))
+                return _unrecorded(self.cassette.explain_miss(request), self.on_unrecorded)
         if self._live is None:
             self._live = AsyncRecordingTransport(self.recorder, self._inner,
                                                  redact_headers=self._redact_headers)
@@ -313,12 +341,26 @@ class AsyncReplayTransport(httpx.AsyncBaseTransport):
 
 
 def _mode(mode: str) -> ReplayMode:
+    return _member(ReplayMode, mode, "replay mode")
+
+
+def _on_unrecorded(value: str) -> OnUnrecorded:
+    return _member(OnUnrecorded, value, "on_unrecorded")
+
+
+def _member(kind: type[_Choice], value: str, what: str) -> _Choice:
     try:
-        return ReplayMode(mode)
+        return kind(value)
     except ValueError as exc:
         raise UsageError(
-            f"replay mode {mode!r}: use one of {', '.join(m.value for m in ReplayMode)}"
+            f"{what} {value!r}: use one of {', '.join(m.value for m in kind)}"
         ) from exc
+
+
+def _unrecorded(message: str, on_unrecorded: OnUnrecorded) -> httpx.Response:
+    if on_unrecorded == OnUnrecorded.RAISE:
+        raise UnrecordedRequestError(message)
+    return unrecorded_response(message)
 
 
 def _steps(recorder: Recorder) -> list[Step]:

@@ -8,7 +8,8 @@ request and response as bytes, secrets still in) and hand it to
   body holding `messages`, answered 2xx with a completion or an SSE stream of
   chunks) becomes a **model_call** step in the function-calling format:
   `messages`, `tools`, the response message (with its `tool_calls`), `params`
-  (every other request field but `model`, `stream` and `stream_options`),
+  (every other request field but `model`, `stream` and `stream_options`,
+  credential fields such as `api_key` or `metadata.password` redacted),
   `usage` as the provider sent it plus `cached_tokens` lifted out of
   `prompt_tokens_details` (absent when not reported: unknown, never 0) and
   `finish_reason`, `timings` (`total_s`, `first_byte_s`), and in `extra` the
@@ -16,7 +17,8 @@ request and response as bytes, secrets still in) and hand it to
   `id`, `created`, `system_fingerprint`;
 - anything else becomes an **http** step: method, URL, status and headers
   (secrets redacted, see redact.py) in the payload, the bodies as raw blobs
-  (`request_body`, `response_body`, content-decoded).
+  (`request_body`, `response_body`, content-decoded; credential fields of a
+  JSON or form body redacted, other bytes as they were).
 
 A stream the client closed before its end is recorded with what had arrived
 and `complete: false` (model_call) or `meta.complete = false` (http).
@@ -63,10 +65,7 @@ class Exchange:
 
     @property
     def is_stream(self) -> bool:
-        content_type = dict((k.lower(), v) for k, v in self.response_headers).get(
-            "content-type", ""
-        )
-        return content_type.startswith("text/event-stream")
+        return (_content_type(self.response_headers) or "").startswith("text/event-stream")
 
 
 def decoded_body(headers: httpx.Headers, raw: bytes) -> bytes:
@@ -177,7 +176,7 @@ def _record_model_call(
         completion,
         model=str(answered_by),
         tools=request.get("tools"),
-        params=request_params(request),
+        params=redactor.fields(request_params(request)),
         usage=usage_of(completion),
         timings=timings,
         extra=extra,
@@ -196,5 +195,14 @@ def _record_http(recorder: Recorder, exchange: Exchange, redactor: Redactor) -> 
         StepKind.HTTP,
         payload,
         meta=HttpExchange.meta(total_s=exchange.total_s, is_complete=exchange.is_complete),
-        raw={"request_body": exchange.request_body, "response_body": exchange.response_body},
+        raw={
+            "request_body": redactor.body(exchange.request_body,
+                                          _content_type(exchange.request_headers)),
+            "response_body": redactor.body(exchange.response_body,
+                                           _content_type(exchange.response_headers)),
+        },
     )
+
+
+def _content_type(headers: tuple[tuple[str, str], ...]) -> str | None:
+    return next((v for k, v in headers if k.lower() == "content-type"), None)

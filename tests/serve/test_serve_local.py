@@ -109,9 +109,10 @@ def test_no_blob_holds_the_bearer_token_or_api_keys(sqlite_store, serve_local, t
         "x-api-key": SERVER_KEY, "Cookie": f"session={SERVER_KEY}",
         "X-Org-Secret": SERVER_KEY},
         json={"model": tiny_engine.name, "messages": [{"role": "user", "content": "hi"}],
-              "max_tokens": 3})
+              "max_tokens": 3, "api_key": SERVER_KEY, "metadata": {"password": SERVER_KEY}})
     assert response.status_code == 200
     assert len(sqlite_store.path("secrets")) == 1
+    assert sqlite_store.path("secrets")[0].meta["params"]["metadata"] == {"password": "[redacted]"}
     secret = SERVER_KEY.encode()
     assert not any(secret in blob for blob in all_blob_bytes(sqlite_store))
     assert not any(SERVER_KEY in meta for meta in all_step_meta(sqlite_store))

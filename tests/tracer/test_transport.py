@@ -147,30 +147,63 @@ def test_replay_none_serves_recorded_answers_offline_streams_included(
     assert len(store.path("agent")) == 3  # nothing new recorded
 
 
-def test_replay_none_raises_naming_the_closest_request_and_the_difference(
+def test_replay_none_answers_404_naming_the_closest_request_and_the_difference(
     sqlite_store, canned_upstream
 ):
     run_weather_agent(sdk(canned_upstream.url, RecordingTransport(sqlite_store.run("agent"))))
     client = httpx.Client(transport=ReplayTransport(sqlite_store.run("agent")))
     changed = [QUESTION[0], {"role": "user", "content": "Weather in Rome?"}]
-    with pytest.raises(UnrecordedRequestError) as caught:
-        client.post(f"{canned_upstream.url}/chat/completions",
-                    json={"model": "canned-model", "messages": changed, "tools": TOOLS,
-                          "temperature": 0})
-    message = str(caught.value)
-    assert "POST /v1/chat/completions was not recorded" in message
+    response = client.post(f"{canned_upstream.url}/chat/completions",
+                           json={"model": "canned-model", "messages": changed, "tools": TOOLS,
+                                 "temperature": 0})
+    assert response.status_code == 404 and response.headers["x-should-retry"] == "false"
+    error = response.json()["error"]
+    assert error["code"] == "unrecorded_request"
+    assert "POST /v1/chat/completions was not recorded" in error["message"]
     assert "messages[1]: recorded user: 'Weather in Paris?', request user: 'Weather in Rome?'" \
-        in message
+        in error["message"]
 
 
-def test_replay_none_through_the_sdk_fails_with_the_cause_attached(sqlite_store, canned_upstream):
+def test_replay_none_can_raise_for_direct_httpx_users(sqlite_store, canned_upstream):
     run_weather_agent(sdk(canned_upstream.url, RecordingTransport(sqlite_store.run("agent"))))
-    client = sdk(canned_upstream.url, ReplayTransport(sqlite_store.run("agent")))
-    with pytest.raises(openai.APIConnectionError) as caught:
+    transport = ReplayTransport(sqlite_store.run("agent"), on_unrecorded="raise")
+    with pytest.raises(UnrecordedRequestError, match="/v1/models was not recorded"):
+        httpx.Client(transport=transport).get(f"{canned_upstream.url}/models")
+    with pytest.raises(UsageError, match="respond, raise"):
+        ReplayTransport(sqlite_store.run("agent"), on_unrecorded="ignore")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_replay_none_through_the_sdk_shows_the_message_once_without_retrying(
+    sqlite_store, canned_upstream, stream
+):
+    """Issue 23, item 12: not an `APIConnectionError` retried twice, but the message itself."""
+    run_weather_agent(sdk(canned_upstream.url, RecordingTransport(sqlite_store.run("agent"))))
+    seen: list[httpx.Request] = []
+    transport = ReplayTransport(sqlite_store.run("agent"))
+    counting = httpx.MockTransport(lambda request: (seen.append(request),
+                                                    transport.handle_request(request))[1])
+    client = openai.OpenAI(base_url=canned_upstream.url, api_key=SECRET_KEY,  # retries on
+                           http_client=httpx.Client(transport=counting))
+    with pytest.raises(openai.NotFoundError) as caught:
         client.chat.completions.create(model="canned-model", messages=QUESTION, temperature=0.5,
-                                       tools=TOOLS)
-    assert isinstance(caught.value.__cause__, UnrecordedRequestError)
-    assert "params temperature=0 (request: 0.5)" in str(caught.value.__cause__)
+                                       tools=TOOLS, stream=stream)
+    assert len(seen) == 1
+    assert "params temperature=0 (request: 0.5)" in caught.value.message
+    assert caught.value.code == "unrecorded_request"
+
+
+def test_async_replay_none_answers_404_too(sqlite_store, canned_upstream):
+    run_weather_agent(sdk(canned_upstream.url, RecordingTransport(sqlite_store.run("agent"))))
+
+    async def main() -> httpx.Response:
+        transport = AsyncReplayTransport(sqlite_store.run("agent"))
+        async with httpx.AsyncClient(transport=transport) as client:
+            return await client.get(f"{canned_upstream.url}/models")
+
+    response = asyncio.run(main())
+    assert response.status_code == 404
+    assert "/v1/models was not recorded" in response.json()["error"]["message"]
 
 
 def test_replay_new_episodes_records_what_is_new_and_serves_what_is_recorded(
