@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtrace.errors import UsageError
-from kvtrace.store import RunInfo, Store, validate_run_name
+from kvtrace.store import RunInfo, Store, jsontext, validate_run_name
 from kvtrace.store.encoding import canonical_json
 from kvtrace.store.messages import normalize_tools
 
@@ -94,14 +94,18 @@ def check_storable(document: Any) -> None:
 
 
 def parse_json(data: bytes | str, source: str) -> Any:
-    """A JSON document, or a one-line UsageError saying where it is not JSON."""
+    """A JSON document, or a one-line UsageError saying where it is not JSON.
+
+    So is nesting deeper than the store holds, and an integer too long to
+    convert (`jsontext.loads`).
+    """
 
     def refuse_constant(name: str) -> Any:
         raise UsageError(f"{source}: {name} is not JSON (NaN and infinity cannot be stored)")
 
     try:
         text = data.decode("utf-8") if isinstance(data, bytes) else data
-        return json.loads(text, parse_constant=refuse_constant)
+        return jsontext.loads(text, source, parse_constant=refuse_constant)
     except UnicodeDecodeError as exc:
         raise UsageError(f"{source} is not UTF-8 text (byte {exc.start})") from exc
     except json.JSONDecodeError as exc:

@@ -64,8 +64,15 @@ def _bad_files(tmp_path):
     atif = json.loads((DATA / "atif_v1_4_tools.json").read_text())
     unknown_call = json.loads(json.dumps(atif))
     unknown_call["steps"][2]["observation"]["results"][1]["source_call_id"] = "nope"
+    header = b'{"format": "kvtrace-bundle", "version": 2, "run": "x", "head": null}\n'
+    deep, digits = b"[" * 5000 + b"]" * 5000, b'{"n": ' + b"9" * 5000 + b"}"
     files = {
         "not-json.json": ("atif", b"{\"schema_version\": \"ATIF-v1.4\",", "is not JSON"),
+        "deep.json": ("openai", deep, "deep.json is nested more than 256 levels deep"),
+        "deep-otel.json": ("otel", deep, "is nested more than 256 levels deep"),
+        "digits.json": ("atif", digits, "digits.json holds a number of more than 4300 digits"),
+        "deep.kvtrace": ("bundle", header + deep, "line 2 is nested more than 256 levels"),
+        "digits.kvtrace": ("bundle", header + digits, "line 2 holds a number of more than"),
         "not-utf8.json": ("openai", b"[\xff]", "is not UTF-8"),
         "nan.json": ("openai", b"[{\"role\": \"user\", \"content\": NaN}]", "NaN is not JSON"),
         "shape.json": ("openai", b"{\"chat\": []}", "messages: missing"),

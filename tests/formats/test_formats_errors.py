@@ -6,6 +6,8 @@ import pytest
 
 from kvtrace.errors import UsageError
 from kvtrace.formats import import_atif, import_openai
+from kvtrace.formats.records import parse_json
+from kvtrace.store.encoding import MAX_DEPTH
 from tests.formats.conftest import state
 
 
@@ -102,3 +104,16 @@ def test_importing_onto_a_run_with_steps_is_refused_and_onto_an_empty_one_works(
     store.run("empty")
     info = import_atif(store, document("atif_v1_0_terminal.json"), run="empty")
     assert info.depth == 3
+
+
+def test_a_document_nests_as_deep_as_the_store_holds_and_no_deeper():
+    assert parse_json("[" * MAX_DEPTH + "]" * MAX_DEPTH, "f.json") is not None
+    for depth in (MAX_DEPTH + 1, 5000, 100_000):
+        with pytest.raises(UsageError, match=r"^f\.json is nested more than 256 levels deep$"):
+            parse_json("[" * depth + "]" * depth, "f.json")
+
+
+def test_an_integer_past_the_parsers_digit_limit_is_a_usage_error():
+    assert parse_json("[" + "9" * 4000 + "]", "f.json") == [int("9" * 4000)]
+    with pytest.raises(UsageError, match=r"^f\.json holds a number of more than 4300 digits"):
+        parse_json("[" + "9" * 5000 + "]", "f.json")
