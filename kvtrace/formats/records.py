@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtrace.errors import UsageError
-from kvtrace.store import RunInfo, Store, jsontext, validate_run_name
+from kvtrace.store import RunInfo, Store, jsontext, kinds, validate_run_name
 from kvtrace.store.encoding import canonical_json
 from kvtrace.store.messages import normalize_tools
 
@@ -148,3 +148,30 @@ def restore(mapped: Mapping[str, Any], kept: Mapping[str, Any] | None) -> dict[s
         elif mapped.get(key) is not None:
             out[key] = mapped[key]
     return out
+
+
+class Answers:
+    """The tool steps recorded after a model call, each taken at most once, in order.
+
+    An export pairs the tool results its document shows with these steps by
+    the call they answer; a call may be answered more than once (a retried
+    tool), so the first step not yet taken wins. The steps no result took
+    are `rest`.
+    """
+
+    def __init__(self, steps: Sequence[kinds.ToolCall]) -> None:
+        self.steps = list(steps)
+        self._taken: set[str] = set()  # step ids
+
+    def take(self, call_id: Any = None) -> kinds.ToolCall | None:
+        """The first step not taken that answers `call_id` (None: any call), or None."""
+        for tool in self.steps:
+            if (tool.step.id not in self._taken and tool.call_id is not None
+                    and (call_id is None or tool.call_id == call_id)):
+                self._taken.add(tool.step.id)
+                return tool
+        return None
+
+    def rest(self) -> list[kinds.ToolCall]:
+        """The steps no result took, in order."""
+        return [tool for tool in self.steps if tool.step.id not in self._taken]

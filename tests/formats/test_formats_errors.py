@@ -62,10 +62,31 @@ def test_an_atif_list_is_not_a_trajectory(store):
     assert store.runs() == []
 
 
+def _second_call_with_the_same_id(messages):
+    first = messages[2]["tool_calls"][0]
+    messages[2]["tool_calls"].append(
+        {**first, "function": {"name": "other_tool", "arguments": "{}"}})
+
+
+def _only_user_turns_and_a_number(messages):
+    messages[:] = [{"role": "user", "content": 5}]
+
+
 OPENAI_CASES = {
-    "tool result matching no call": (
-        lambda m: m[3].update(tool_call_id="call_nope"),
-        "messages[3]: tool_call_id 'call_nope' matches no tool call"),
+    "two tool calls with one id": (
+        _second_call_with_the_same_id,
+        "messages[2].tool_calls[1]: id 'call_7_000' is used twice in this message"),
+    "content a number": (
+        lambda m: m[1].update(content=5),
+        "messages[1].content must be a string, null or a list of content parts"),
+    "content a number, no assistant": (
+        _only_user_turns_and_a_number,
+        "messages[0].content must be a string, null or a list of content parts"),
+    "content a number after the last answer": (
+        lambda m: m.append({"role": "user", "content": 5}),
+        "messages[26].content must be a string, null or a list of content parts"),
+    "tool_call_id a number": (
+        lambda m: m[3].update(tool_call_id=3), "messages[3].tool_call_id must be a string"),
     "message without a role": (lambda m: m[1].pop("role"), "messages[1] is not a chat message"),
     "unknown role in a prompt": (
         lambda m: m[1].update(role="robot"), "messages[1].role is 'robot'"),
