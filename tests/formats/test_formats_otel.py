@@ -17,6 +17,7 @@ from kvtrace.formats import export_document, export_file, import_document
 from kvtrace.formats.otel import span_id, trace_id
 from kvtrace.store.compare import compare
 from tests.agent_runs import record_calc_run
+from tests.formats.conftest import state
 
 SPAN_KIND_CLIENT, SPAN_KIND_INTERNAL = 3, 1
 
@@ -203,3 +204,61 @@ def test_provider_server_and_request_parameters_come_from_what_was_recorded(stor
     assert local["gen_ai.provider.name"] == "kvtrace"  # kvtrace generated these tokens
     assert unknown["gen_ai.provider.name"] == "unknown"
     assert "gen_ai.usage.cache_read.input_tokens" not in unknown  # not reported: not 0
+
+
+def _spans(document):
+    return document["resourceSpans"][0]["scopeSpans"][0]["spans"]
+
+
+def _twice(document):
+    _spans(document).extend(copy.deepcopy(_spans(document)))
+
+
+def _own_parent(document):
+    first = _spans(document)[0]
+    first["parentSpanId"] = first["spanId"]
+
+
+def _cycle(document):
+    spans = _spans(document)
+    spans[0]["parentSpanId"] = spans[2]["spanId"]  # 0 <- 1 <- 2 <- 0
+
+
+SPAN_TREE_CASES = {
+    "a span id used twice": (_twice, r"^resourceSpans\[0\]\.scopeSpans\[0\]\.spans\[4\]: spanId "
+                                     r"'[0-9a-f]{16}' is used twice \(also by resourceSpans\[0\]"
+                                     r"\.scopeSpans\[0\]\.spans\[0\]\)"),
+    "a span its own parent": (_own_parent, r"spans\[0\]: parentSpanId is its own spanId"),
+    "a cycle of parents": (_cycle, r"spans\[\d\]: its parentSpanId leads back to itself"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SPAN_TREE_CASES))
+def test_spans_that_do_not_form_a_tree_are_refused_and_write_nothing(calc_store, case):
+    change, message = SPAN_TREE_CASES[case]
+    document = export_document(calc_store, "main", format="otel", include_content=True)
+    change(document)
+    before = state(calc_store)
+    with pytest.raises(UsageError, match=message):
+        import_document(calc_store, document, format="otel", run="back")
+    assert state(calc_store) == before
+
+
+def test_a_span_whose_parent_is_outside_the_document_imports(calc_store):
+    document = export_document(calc_store, "main", format="otel", include_content=True)
+    _spans(document)[0]["parentSpanId"] = "00000000000000aa"  # a trace exported in part
+    assert import_document(calc_store, document, format="otel", run="back").depth == 4
+
+
+def test_span_tree_errors_through_the_cli_are_one_line_exit_2(calc_store, store_url, tmp_path,
+                                                              capsys):
+    for case, (change, _) in sorted(SPAN_TREE_CASES.items()):
+        document = export_document(calc_store, "main", format="otel", include_content=True)
+        change(document)
+        path = tmp_path / "trace.json"
+        path.write_text(json.dumps(document))
+        with pytest.raises(SystemExit) as exit_info:
+            main(["--store", store_url, "import", str(path), "--format", "otel", "--run", "b"])
+        err = capsys.readouterr().err
+        assert (exit_info.value.code, err[:7], err.count("\n")) == (2, "error: ", 1), case
+    assert "b" not in {info.name for info in calc_store.runs()}
