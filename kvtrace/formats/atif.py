@@ -41,13 +41,14 @@ from kvtrace.formats.records import (
     ModelCall,
     Record,
     ToolCall,
+    arguments_value,
     check_storable,
     keep,
     record,
     restore,
     tools,
 )
-from kvtrace.rendering import parse_arguments, tool_result_content
+from kvtrace.rendering import tool_result_content
 from kvtrace.store import RunInfo, Store, kinds
 from kvtrace.store.messages import normalize_message, normalize_response, tool_calls_of
 
@@ -308,7 +309,7 @@ def _observation(
                 raise UsageError(
                     f"{at}: source_call_id {call_id!r} matches no tool call of this step")
             function = call["function"]
-            records.append(ToolCall(function["name"], parse_arguments(function["arguments"]),
+            records.append(ToolCall(function["name"], arguments_value(function["arguments"]),
                                     content, call_id=call_id))
             messages.append(normalize_message(
                 {"role": "tool", "tool_call_id": call_id, "content": content}, at))
@@ -416,7 +417,7 @@ def _agent_step(model_call: kinds.ModelCall, response: dict[str, Any],
     calls = []
     for index, call in enumerate(tool_calls_of(response)):
         function = call.get("function", {})
-        arguments = parse_arguments(function.get("arguments", "{}") or "{}")
+        arguments = arguments_value(function.get("arguments", "{}") or "{}")
         mapped = {"tool_call_id": call.get("id"), "function_name": function.get("name"),
                   "arguments": arguments if isinstance(arguments, dict) else {"input": arguments}}
         calls.append(restore(mapped, kept_calls[index] if index < len(kept_calls) else None))

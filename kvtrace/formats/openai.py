@@ -38,13 +38,14 @@ from kvtrace.formats.records import (
     ModelCall,
     Record,
     ToolCall,
+    arguments_value,
     check_storable,
     keep,
     record,
     restore,
     tools,
 )
-from kvtrace.rendering import parse_arguments, tool_result_content
+from kvtrace.rendering import tool_result_content
 from kvtrace.store import RunInfo, Step, Store, kinds
 from kvtrace.store.messages import ROLES, normalize_message, normalize_response, tool_calls_of
 
@@ -95,7 +96,7 @@ def openai_records(document: Any) -> list[Record]:
                                      extra={"openai": kept} if kept else {}))
         elif index in answering:
             function = answering[index]["function"]
-            records.append(ToolCall(function["name"], parse_arguments(function["arguments"]),
+            records.append(ToolCall(function["name"], arguments_value(function["arguments"]),
                                     item["content"], call_id=item["tool_call_id"]))
     return records
 

@@ -266,8 +266,9 @@ def _message_of(message: Any, where: str) -> dict[str, Any]:
         elif kind == "tool_call_response":
             out["role"], out["tool_call_id"] = "tool", part.get("id")
             response = part.get("response", part.get("result"))
-            texts.append({"type": "text", "text": response if isinstance(response, str)
-                          else json.dumps(response, ensure_ascii=False)})
+            if response is not None:  # a structured result is given to the model as JSON text
+                texts.append({"type": "text", "text": response if isinstance(response, str)
+                              else json.dumps(response, ensure_ascii=False)})
         else:
             texts.append(dict(part))  # images, files...: kept as content parts
     if all(part.get("type") == "text" for part in texts):

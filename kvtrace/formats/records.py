@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtrace.errors import UsageError
+from kvtrace.rendering import parse_arguments
 from kvtrace.store import RunInfo, Store, jsontext, kinds, validate_run_name
 from kvtrace.store.encoding import canonical_json
 from kvtrace.store.messages import normalize_tools
@@ -112,6 +113,18 @@ def parse_json(data: bytes | str, source: str) -> Any:
         raise UsageError(
             f"{source} is not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
         ) from exc
+
+
+def arguments_value(text: Any) -> Any:
+    """Tool-call arguments as a JSON value (`parse_arguments`), or the text itself when its
+    value cannot be stored (NaN, 1e400, nesting past the limit): a model may write anything."""
+    value = parse_arguments(text)
+    if value is not text:
+        try:
+            canonical_json(value)
+        except UsageError:
+            return text
+    return value
 
 
 def tools(value: Any, where: str) -> list[dict[str, Any]] | None:

@@ -170,3 +170,21 @@ def test_a_call_answered_twice_exports_both_answers_in_order(store):
     import_atif(store, export_atif(store, "retried"), run="back-atif")
     assert [s.content["result"] for s in store.path("back-atif")[1:]] == [
         "error: timeout", "page"]
+
+
+def test_arguments_whose_value_cannot_be_stored_are_kept_as_text(store):
+    # A model may write anything as arguments; the store keeps them as text (the server does).
+    texts = ["[" * 5000 + "]" * 5000, "NaN", "1e400", "[" * 300 + "]" * 300]
+    calls = [{"id": f"c{i}", "type": "function", "function": {"name": "f", "arguments": text}}
+             for i, text in enumerate(texts)]
+    document = [{"role": "user", "content": "go"},
+                {"role": "assistant", "content": None, "tool_calls": calls},
+                *({"role": "tool", "tool_call_id": c["id"], "content": "ok"} for c in calls),
+                {"role": "assistant", "content": "done"}]
+    import_openai(store, document, run="odd")
+    assert [s.content["arguments"] for s in store.path("odd")[1:-1]] == texts
+    import_openai(store, export_openai(store, "odd"), run="back")
+    assert _steps(store, "back") == _steps(store, "odd")
+    import_atif(store, export_atif(store, "odd"), run="back-atif")  # ATIF wants objects
+    assert [s.content["arguments"] for s in store.path("back-atif")[1:-1]] == [
+        {"input": text} for text in texts]

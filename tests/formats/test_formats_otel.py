@@ -14,7 +14,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from kvtrace.cli import main
 from kvtrace.errors import UsageError
 from kvtrace.formats import export_document, export_file, import_document
-from kvtrace.formats.otel import span_id, trace_id
+from kvtrace.formats.otel import any_value, span_id, trace_id
 from kvtrace.store.compare import compare
 from tests.agent_runs import record_calc_run
 from tests.formats.conftest import state
@@ -262,3 +262,43 @@ def test_span_tree_errors_through_the_cli_are_one_line_exit_2(calc_store, store_
         err = capsys.readouterr().err
         assert (exit_info.value.code, err[:7], err.count("\n")) == (2, "error: ", 1), case
     assert "b" not in {info.name for info in calc_store.runs()}
+
+
+def _attributes_of(values):
+    return [{"key": key, "value": any_value(value)} for key, value in values.items()]
+
+
+def _chat_span(span, inputs, outputs, **more):
+    return {"traceId": "t", "spanId": span, "name": "chat m", "endTimeUnixNano": span[-1],
+            "attributes": _attributes_of({"gen_ai.operation.name": "chat",
+                                          "gen_ai.input.messages": inputs,
+                                          "gen_ai.output.messages": outputs, **more})}
+
+
+def test_a_trace_from_another_instrumentation_exports_and_imports_back_to_the_same_steps(store):
+    # Each element once failed the round trip (found by tests/formats/test_import_properties.py).
+    image = {"type": "image", "url": "https://example.com/a.png"}
+    inputs = [
+        {"role": "user", "parts": [{"type": "text", "content": "hi"}, image]},  # parts kept
+        {"role": "system", "parts": []},  # a system message with no content, in its place
+        {"role": "assistant", "parts": [
+            {"type": "reasoning", "content": ""},  # empty reasoning is still reasoning
+            {"type": "tool_call", "id": "c1", "name": "f", "arguments": '{"x":1}'}]},  # as text
+        {"role": "tool", "parts": [{"type": "tool_call_response", "id": "c1"}]},  # no content
+    ]
+    outputs = [{"role": "assistant", "parts": [{"type": "text", "content": "done"}]}]
+    tool = {"traceId": "t", "spanId": "s1", "name": "execute_tool f", "endTimeUnixNano": "1",
+            "attributes": _attributes_of({
+                "gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": "f",
+                "gen_ai.tool.call.id": "c1", "gen_ai.tool.call.arguments": '{"x": 1}',
+                "gen_ai.tool.call.result": "[1, 2]"})}  # JSON text stays text
+    document = {"resourceSpans": [{"scopeSpans": [{"spans": [
+        tool, _chat_span("s2", inputs, outputs)]}]}]}
+    import_document(store, document, format="otel", run="other")
+    exported = export_document(store, "other", format="otel", include_content=True)
+    import_document(store, json.loads(json.dumps(exported)), format="otel", run="back")
+    original, back = store.path("other"), store.path("back")
+    assert [(s.kind, s.content) for s in back] == [(s.kind, s.content) for s in original]
+    assert original[0].content == {"arguments": '{"x": 1}', "result": "[1, 2]"}
+    assert [m["role"] for m in original[1].content["messages"]] == [
+        "user", "system", "assistant", "tool"]
