@@ -188,3 +188,18 @@ def test_arguments_whose_value_cannot_be_stored_are_kept_as_text(store):
     import_atif(store, export_atif(store, "odd"), run="back-atif")  # ATIF wants objects
     assert [s.content["arguments"] for s in store.path("back-atif")[1:-1]] == [
         {"input": text} for text in texts]
+
+
+def test_the_server_refuses_two_tool_calls_with_one_id_as_import_does():
+    from kvtrace.serve.api import APIError, parse_chat_request
+
+    calls = [{"id": "c1", "type": "function", "function": {"name": name, "arguments": "{}"}}
+             for name in ("f", "g")]
+    body = {"model": "m", "messages": [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": None, "tool_calls": calls},
+        {"role": "tool", "tool_call_id": "c1", "content": "r1"}]}
+    with pytest.raises(APIError) as error:
+        parse_chat_request(json.dumps(body).encode(), is_local=False)
+    assert error.value.status == 400 and error.value.param == "messages"
+    assert error.value.message.startswith("messages[1].tool_calls[1]: id 'c1' is used twice")

@@ -45,7 +45,7 @@ _RUNS = itertools.count()
 TEXT = st.text(max_size=6) | st.sampled_from(
     ["", "ok", "[1, 2]", '{"a": 1}', "\x00", "\u202e", "名前", "null"])
 HOSTILE = st.sampled_from([float("nan"), float("inf"), 10**400, 2**70, "\ud800"]) | st.integers(
-    255, 300).map(lambda n: json.loads("[" * n + "]" * n))  # NaN, huge, deep: never stored
+    240, 300).map(lambda n: json.loads("[" * n + "]" * n))  # NaN, huge, deep: rarely storable
 LEAF = (st.none() | st.booleans() | st.integers(-3, 3) | TEXT
         | st.floats(allow_nan=False, allow_infinity=False, width=32))
 JSON = st.recursive(
@@ -53,14 +53,36 @@ JSON = st.recursive(
     max_leaves=6)
 
 
-def maybe(strategy: st.SearchStrategy[Any], odds: int = 40) -> st.SearchStrategy[Any]:
-    """`strategy`, or about once in `odds` draws anything else in its place (now and then a
-    value the store refuses: NaN, a huge integer, a lone surrogate, deep nesting)."""
-    # Two values in the middle of the range: hypothesis favours a range's ends, and shrinks
+def maybe(strategy: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    """`strategy`, or once in 40 draws any JSON value in its place."""
+    # Draws in the middle of the range: hypothesis favours a range's ends, and shrinks
     # towards its start, so to the well-formed document.
-    middle = odds // 2
-    return st.integers(1, odds).flatmap(
-        lambda n: JSON if n == middle else HOSTILE if n == middle + 1 else strategy)
+    return st.integers(1, 400).flatmap(lambda n: JSON if 190 <= n < 200 else strategy)
+
+
+def _planted(document: Any, value: Any, position: int) -> Any:
+    """`document` with `value` in place of one of its elements (the position-th of a walk)."""
+    slots: list[tuple[Any, Any]] = []  # (container, key)
+    pending = [document]
+    while pending:
+        item = pending.pop()
+        keys = list(item) if isinstance(item, dict) else range(len(item)) if isinstance(
+            item, list) else []
+        for key in keys:
+            slots.append((item, key))
+            pending.append(item[key])
+    if not slots:
+        return value
+    container, key = slots[position % len(slots)]
+    container[key] = value
+    return document
+
+
+def hostile(document: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    """`document`, or once in eight draws with one element replaced by a value the store
+    refuses (NaN, infinity, a huge integer, a lone surrogate, deep nesting)."""
+    planted = st.builds(_planted, document, HOSTILE, st.integers(0, 10**6))
+    return st.integers(1, 16).flatmap(lambda n: planted if n == 8 else document)
 
 
 def obj(required: dict[str, Any], optional: dict[str, Any] | None = None) -> Any:
@@ -86,16 +108,16 @@ OPENAI_CALL = obj({"id": IDS, "type": st.just("function"),
 OPENAI_ANSWER = obj({"role": st.just("assistant"), "content": CONTENT},
                     {"tool_calls": st.lists(OPENAI_CALL, max_size=3), "reasoning_content": TEXT})
 OPENAI_MESSAGE = st.one_of(
-    OPENAI_ANSWER, OPENAI_ANSWER,
+    OPENAI_ANSWER, OPENAI_ANSWER, OPENAI_ANSWER,
     obj({"role": st.just("tool"), "content": CONTENT}, {"tool_call_id": IDS, "name": NAMES}),
     obj({"role": st.sampled_from(["system", "user", "developer", "exit", "robot"]),
          "content": CONTENT}, {"extra": JSON, "name": TEXT}),
 )
 OPENAI_TOOLS = st.lists(obj({"type": st.just("function"),
                              "function": obj({"name": NAMES}, {"parameters": JSON})}), max_size=2)
-OPENAI_MESSAGES = st.lists(OPENAI_MESSAGE, max_size=7)
-OPENAI = maybe(OPENAI_MESSAGES | obj({"messages": OPENAI_MESSAGES},
-                                     {"model": TEXT, "tools": OPENAI_TOOLS, "info": JSON}))
+OPENAI_MESSAGES = st.lists(OPENAI_MESSAGE, min_size=1, max_size=7)
+OPENAI = hostile(maybe(OPENAI_MESSAGES | obj(
+    {"messages": OPENAI_MESSAGES}, {"model": TEXT, "tools": OPENAI_TOOLS, "info": JSON})))
 
 ATIF_CALL = obj({"tool_call_id": IDS, "function_name": NAMES,
                  "arguments": st.none() | st.dictionaries(st.sampled_from(["x", "y"]), JSON)},
@@ -106,17 +128,18 @@ ATIF_METRICS = obj({}, {"prompt_tokens": st.integers(0, 9), "completion_tokens":
                         "completion_token_ids": st.lists(st.integers(0, 9), max_size=2),
                         "extra": JSON})
 ATIF_STEP = obj(
-    {"source": st.sampled_from(["system", "user", "agent", "agent", "agent"]), "message": CONTENT},
+    {"source": st.sampled_from(["system", "user", "agent", "agent", "agent"]),
+     "message": TEXT | st.lists(PART, max_size=2)},
     {"step_id": st.integers(1, 9), "timestamp": TEXT, "model_name": TEXT,
      "reasoning_content": TEXT, "tool_calls": st.lists(ATIF_CALL, max_size=3),
      "observation": obj({"results": st.lists(ATIF_RESULT, max_size=3)}),
      "metrics": ATIF_METRICS, "extra": JSON})
-ATIF = obj(
-    {"schema_version": st.sampled_from(["ATIF-v1.0", "ATIF-v1.4", "ATIF-v1.7", "ATIF-v2.0"]),
+ATIF = hostile(obj(
+    {"schema_version": st.sampled_from(["ATIF-v1.0", "ATIF-v1.4", "ATIF-v1.6", "ATIF-v1.7"]),
      "agent": obj({"name": TEXT, "version": TEXT},
                   {"model_name": TEXT, "tool_definitions": OPENAI_TOOLS, "extra": JSON}),
-     "steps": st.lists(ATIF_STEP, max_size=6)},
-    {"session_id": TEXT, "notes": TEXT, "final_metrics": JSON, "extra": JSON})
+     "steps": st.lists(ATIF_STEP, min_size=1, max_size=6)},
+    {"session_id": TEXT, "notes": TEXT, "final_metrics": JSON, "extra": JSON}))
 
 OTEL_PART = st.one_of(
     obj({"type": st.just("text"), "content": TEXT}),
@@ -158,9 +181,9 @@ OTEL_SPAN = obj(
      "startTimeUnixNano": st.integers(0, 3 * 10**9).map(str),
      "endTimeUnixNano": st.integers(0, 3 * 10**9).map(str),
      "status": obj({"code": st.sampled_from([0, 1, 2])}, {"message": TEXT})})
-OTEL = obj({"resourceSpans": st.lists(obj({"scopeSpans": st.lists(
+OTEL = hostile(obj({"resourceSpans": st.lists(obj({"scopeSpans": st.lists(
     obj({"spans": st.lists(OTEL_SPAN, min_size=1, max_size=5)}), min_size=1, max_size=2)}),
-    min_size=1, max_size=2)})
+    min_size=1, max_size=2)}))
 
 # -- the property -----------------------------------------------------------------
 
