@@ -14,6 +14,7 @@ original object from the run's steps plus what was kept.
 from __future__ import annotations
 
 import json
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -175,12 +176,17 @@ class Answers:
     def __init__(self, steps: Sequence[kinds.ToolCall]) -> None:
         self.steps = list(steps)
         self._taken: set[str] = set()  # step ids
+        self._answers = deque(tool for tool in self.steps if tool.call_id is not None)
+        self._by_call: dict[str, deque[kinds.ToolCall]] = {}
+        for tool in self._answers:
+            self._by_call.setdefault(tool.call_id or "", deque()).append(tool)
 
-    def take(self, call_id: Any = None) -> kinds.ToolCall | None:
+    def take(self, call_id: str | None = None) -> kinds.ToolCall | None:
         """The first step not taken that answers `call_id` (None: any call), or None."""
-        for tool in self.steps:
-            if (tool.step.id not in self._taken and tool.call_id is not None
-                    and (call_id is None or tool.call_id == call_id)):
+        queue = self._answers if call_id is None else self._by_call.get(call_id, deque())
+        while queue:
+            tool = queue.popleft()
+            if tool.step.id not in self._taken:
                 self._taken.add(tool.step.id)
                 return tool
         return None
