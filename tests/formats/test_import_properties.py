@@ -79,7 +79,7 @@ def _planted(document: Any, value: Any, position: int) -> Any:
 
 
 def hostile(document: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
-    """`document`, or once in eight draws with one element replaced by a value the store
+    """`document`, or once in sixteen draws with one element replaced by a value the store
     refuses (NaN, infinity, a huge integer, a lone surrogate, deep nesting)."""
     planted = st.builds(_planted, document, HOSTILE, st.integers(0, 10**6))
     return st.integers(1, 16).flatmap(lambda n: planted if n == 8 else document)
