@@ -227,7 +227,7 @@ def parse_arguments(arguments: Any) -> Any:
     if isinstance(arguments, str):
         try:
             return json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
             return arguments
     return {} if arguments is None else arguments
 

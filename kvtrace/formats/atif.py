@@ -37,16 +37,18 @@ from typing import Any
 from kvtrace.errors import UsageError
 from kvtrace.formats.records import (
     UNKNOWN_MODEL,
+    Answers,
     ModelCall,
     Record,
     ToolCall,
+    arguments_value,
     check_storable,
     keep,
     record,
     restore,
     tools,
 )
-from kvtrace.rendering import parse_arguments, tool_result_content
+from kvtrace.rendering import tool_result_content
 from kvtrace.store import RunInfo, Store, kinds
 from kvtrace.store.messages import normalize_message, normalize_response, tool_calls_of
 
@@ -307,7 +309,7 @@ def _observation(
                 raise UsageError(
                     f"{at}: source_call_id {call_id!r} matches no tool call of this step")
             function = call["function"]
-            records.append(ToolCall(function["name"], parse_arguments(function["arguments"]),
+            records.append(ToolCall(function["name"], arguments_value(function["arguments"]),
                                     content, call_id=call_id))
             messages.append(normalize_message(
                 {"role": "tool", "tool_call_id": call_id, "content": content}, at))
@@ -355,35 +357,38 @@ def _observe(
 
     The results are the prompt messages that follow the step's response (tool
     results and terminal output), else, after the last model call, the tool
-    steps and what was kept whole; tool steps no message shows come last.
+    steps and what was kept whole; tool steps no message shows come last. A
+    message or step takes the tool steps answering its call in order (a call
+    may be answered twice). A result names its call (`source_call_id`) only
+    when the step made that call: ATIF has no tool result of another step's
+    call (a trimmed conversation), so such a result is plain output.
     """
     observation = kept.get("observation")
     observation = observation if isinstance(observation, dict) else {}
     kept_results = observation.get("results")
     kept_results = kept_results if isinstance(kept_results, list) else []
-    open_ids = {s.call_id: s for s in results if s.call_id}
+    made = {call.get("tool_call_id") for call in agent.get("tool_calls") or []}
+
+    def mapped(call_id: str | None, content: Any) -> dict[str, Any]:
+        return {"source_call_id": call_id if call_id in made else None, "content": content}
+
+    answers = Answers(results)
     pairs: list[tuple[dict[str, Any], Any]] = []  # (mapped, kept) per result
     if messages:
         aligned = kept_results if len(kept_results) == len(messages) else [None] * len(messages)
         for message, kept_result in zip(messages, aligned, strict=True):
             call_id = message.get("tool_call_id") if message.get("role") == "tool" else None
-            tool = open_ids.pop(call_id, None) if call_id else None
+            tool = answers.take(call_id) if call_id else None
             content = _result_content(tool) if tool else message.get("content")
-            pairs.append(({"source_call_id": call_id, "content": content}, kept_result))
+            pairs.append((mapped(call_id, content), kept_result))
     elif is_last:
-        pending = [s for s in results if s.call_id]
         for kept_result in kept_results:
             if kept_result.get("whole"):
                 pairs.append(({}, kept_result))
-            elif pending:  # else the run stops before this result (a fork, say)
-                tool = pending.pop(0)
-                open_ids.pop(tool.call_id or "", None)
-                pairs.append(({"source_call_id": tool.call_id,
-                               "content": _result_content(tool)}, kept_result))
-    for tool in results:
-        call_id = tool.call_id
-        if call_id is None or call_id in open_ids:
-            pairs.append(({"source_call_id": call_id, "content": _result_content(tool)}, None))
+            elif tool := answers.take():  # else the run stops before this result (a fork, say)
+                pairs.append((mapped(tool.call_id, _result_content(tool)), kept_result))
+    for tool in answers.rest():
+        pairs.append((mapped(tool.call_id, _result_content(tool)), None))
     if not pairs and not observation:
         return
     agent["observation"] = restore(
@@ -412,7 +417,7 @@ def _agent_step(model_call: kinds.ModelCall, response: dict[str, Any],
     calls = []
     for index, call in enumerate(tool_calls_of(response)):
         function = call.get("function", {})
-        arguments = parse_arguments(function.get("arguments", "{}") or "{}")
+        arguments = arguments_value(function.get("arguments", "{}") or "{}")
         mapped = {"tool_call_id": call.get("id"), "function_name": function.get("name"),
                   "arguments": arguments if isinstance(arguments, dict) else {"input": arguments}}
         calls.append(restore(mapped, kept_calls[index] if index < len(kept_calls) else None))

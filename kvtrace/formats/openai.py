@@ -6,13 +6,20 @@ and optional `tools` and `model` (its other keys are kept). Import:
 - each assistant message becomes a model_call step whose messages are the
   ones before it and whose response is it (model: the document's `model`,
   else "unknown"; tools: the document's `tools`);
-- each `role: "tool"` message with a `tool_call_id` becomes a tool_call step
-  linked by that id (`call_id`), with the name and arguments of the matching
-  `tool_calls` entry of an earlier assistant message;
+- each `role: "tool"` message whose `tool_call_id` names a call of an
+  earlier assistant message (the latest with that id) becomes a tool_call
+  step linked by that id (`call_id`), with that call's name and arguments; a
+  tool message naming no call (a trimmed conversation, as the server
+  records it) stays a message of the conversation, with no step;
 - messages after the last assistant message are in no prompt: the last
   model call keeps them in `meta.extra.openai.tail` (a tool result's content
   is its tool_call step), the first keeps the document's other keys in
   `meta.extra.openai.root`.
+
+Every message is checked as the store checks it (`normalize_message`: the
+server and `record_model_call` take the same rule), those after the last
+answer too, so what one path accepts the others accept: an export imports
+back. One assistant message cannot use a tool-call id twice.
 
 Export gives the document back: the last model call's messages and
 response, then the tool results recorded after it, and the tools list.
@@ -27,18 +34,20 @@ from typing import Any
 from kvtrace.errors import UsageError
 from kvtrace.formats.records import (
     UNKNOWN_MODEL,
+    Answers,
     ModelCall,
     Record,
     ToolCall,
+    arguments_value,
     check_storable,
     keep,
     record,
     restore,
     tools,
 )
-from kvtrace.rendering import parse_arguments, tool_result_content
+from kvtrace.rendering import tool_result_content
 from kvtrace.store import RunInfo, Step, Store, kinds
-from kvtrace.store.messages import normalize_message, normalize_response
+from kvtrace.store.messages import ROLES, normalize_message, normalize_response, tool_calls_of
 
 ROOT_MAPPED = frozenset({"messages", "tools", "model"})
 
@@ -68,43 +77,63 @@ def openai_records(document: Any) -> list[Record]:
         if not isinstance(item, dict) or not isinstance(item.get("role"), str):
             raise UsageError(f"messages[{index}] is not a chat message (an object with a role)")
     answers = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    last = answers[-1] if answers else -1
+    stored = [_normalized(m, f"messages[{i}]", is_tail=i > last) for i, m in enumerate(messages)]
     if not answers:
         raise UsageError("messages: no assistant message, so there is no model call to import")
-    last = answers[-1]
-    stored = [normalize_message(m, f"messages[{i}]") for i, m in enumerate(messages[: last + 1])]
 
     # The first call keeps the document's own keys, the last the messages no prompt carries.
     first_kept = {"root": keep(root, ROOT_MAPPED)} if root is not None else {"form": "list"}
-    tail = [
-        {k: v for k, v in m.items() if k != "content"} if _is_linked(m) else m
-        for m in messages[last + 1 :]
-    ]
+    answering = _answered_calls(stored)
+    tail = [_tail_item(item, stored[i], is_answer=i in answering)
+            for i, item in enumerate(messages) if i > last]
     records: list[Record] = []
-    calls: dict[str, dict[str, Any]] = {}
-    for index, item in enumerate(messages):
+    for index, item in enumerate(stored):
         if item["role"] == "assistant":
             kept = {**(first_kept if index == answers[0] else {}),
                     **({"tail": tail} if index == last and tail else {})}
-            records.append(ModelCall(stored[:index], stored[index], model, tool_list,
+            records.append(ModelCall(stored[:index], item, model, tool_list,
                                      extra={"openai": kept} if kept else {}))
-            calls.update({c["id"]: c for c in stored[index].get("tool_calls", []) if "id" in c})
-        elif _is_linked(item):
-            call_id = item["tool_call_id"]
-            call = calls.get(call_id) if isinstance(call_id, str) else None
-            if call is None:
-                raise UsageError(
-                    f"messages[{index}]: tool_call_id {call_id!r} matches no tool call "
-                    "of an earlier assistant message"
-                )
-            function = call["function"]
-            records.append(ToolCall(function["name"], parse_arguments(function["arguments"]),
-                                    item.get("content"), call_id=call_id))
+        elif index in answering:
+            function = answering[index]["function"]
+            records.append(ToolCall(function["name"], arguments_value(function["arguments"]),
+                                    item["content"], call_id=item["tool_call_id"]))
     return records
 
 
-def _is_linked(message: dict[str, Any]) -> bool:
-    """A tool result that names the call it answers (it becomes a tool_call step)."""
-    return message["role"] == "tool" and message.get("tool_call_id") is not None
+def _answered_calls(messages: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """The tool call each tool result answers (by message index): the latest with its id.
+
+    A tool message whose id matches no earlier call (a client that trimmed the
+    conversation; the server records such requests as they come) answers
+    none: it stays a message of the conversation, and no tool_call step.
+    """
+    calls: dict[str, dict[str, Any]] = {}
+    answering: dict[int, dict[str, Any]] = {}
+    for index, message in enumerate(messages):
+        if message["role"] == "assistant":
+            calls.update({call["id"]: call for call in tool_calls_of(message) if "id" in call})
+        elif message["role"] == "tool" and message.get("tool_call_id") in calls:
+            answering[index] = calls[message["tool_call_id"]]
+    return answering
+
+
+def _tail_item(message: dict[str, Any], stored: dict[str, Any], *, is_answer: bool
+               ) -> dict[str, Any]:
+    """A message after the last answer as kept: a tool result's content, when its
+    tool_call step gives it back, is left to the step (so an edited fork exports its edit)."""
+    if is_answer and tool_result_content(stored["content"]) == stored["content"]:
+        return {key: value for key, value in message.items() if key != "content"}
+    return message
+
+
+def _normalized(message: dict[str, Any], where: str, *, is_tail: bool) -> dict[str, Any]:
+    """A message in the stored form; after the last answer a role kvtrace does not know
+    (mini-swe-agent's `exit`) is kept, its other fields checked as a user message's."""
+    if is_tail and message["role"] not in ROLES:
+        return {**normalize_message({**message, "role": "user"}, where),
+                "role": message["role"]}
+    return normalize_message(message, where)
 
 
 def export_openai(store: Store, spec: str) -> Any:
@@ -126,28 +155,31 @@ def export_openai(store: Store, spec: str) -> Any:
 
 
 def _tail(kept: Any, after: list[Step]) -> list[dict[str, Any]]:
-    """The messages after the last response: the kept tail, with tool results from their steps."""
-    results = kinds.tool_calls(after)
-    by_id = {s.call_id: s for s in results if s.call_id}
+    """The messages after the last response: the kept tail, with tool results from their steps.
+
+    A kept tool result takes the next tool step answering its call, in order
+    (a call may be answered twice); its content comes from that step unless
+    the content was kept. Tool steps no kept message takes follow.
+    """
+    answers = Answers(kinds.tool_calls(after))
     out: list[dict[str, Any]] = []
-    used: set[str] = set()
     for item in kept if isinstance(kept, list) else []:
-        call_id = item.get("tool_call_id")
-        if item.get("role") == "tool" and "content" not in item:
-            tool = by_id.get(call_id)
-            used.add(call_id)
+        tool = answers.take(item.get("tool_call_id")) if _is_result(item) else None
+        if "content" in item:
+            out.append(dict(item))
+        else:
             content = tool_result_content(tool.result, tool.error) if tool else None
             out.append({**item, "content": content})
-        else:
-            out.append(dict(item))
-    for tool in results:
-        call_id = tool.call_id
-        if call_id in used:
-            continue
-        head = {"tool_call_id": call_id} if call_id else {"name": tool.tool}
+    for tool in answers.rest():
+        head = {"tool_call_id": tool.call_id} if tool.call_id else {"name": tool.tool}
         out.append({"role": "tool", **head,
                     "content": tool_result_content(tool.result, tool.error)})
     return out
+
+
+def _is_result(message: dict[str, Any]) -> bool:
+    """A tool message naming the call it answers."""
+    return message.get("role") == "tool" and isinstance(message.get("tool_call_id"), str)
 
 
 def _kept(call: kinds.ModelCall) -> dict[str, Any]:

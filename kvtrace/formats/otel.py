@@ -145,8 +145,9 @@ def _span(step: Step, trace: str, parent: str, run: str, include_content: bool) 
             "gen_ai.conversation.id": run,
         }
         if include_content:
-            attributes["gen_ai.tool.call.arguments"] = _structured(typed.arguments)
-            attributes["gen_ai.tool.call.result"] = _structured(typed.result)
+            # As recorded: JSON text decoded here would come back as a value, not text.
+            attributes["gen_ai.tool.call.arguments"] = typed.arguments
+            attributes["gen_ai.tool.call.result"] = typed.result
         error = typed.error
         if error:
             attributes["error.type"] = "tool_error"
@@ -195,11 +196,13 @@ def _chat_attributes(call: ModelCall, run: str, include_content: bool) -> dict[s
             attributes[attribute] = value
     if include_content:
         messages = call.messages
-        system = [m for m in messages if isinstance(m, Mapping) and m.get("role") == "system"]
+        leading = 0  # the system prompt: system messages of text before any other message
+        while leading < len(messages) and messages[leading].get("role") == "system" and (
+                isinstance(messages[leading].get("content"), str)):
+            leading += 1
         attributes["gen_ai.system_instructions"] = [
-            {"type": "text", "content": content_text(m.get("content"))} for m in system] or None
-        attributes["gen_ai.input.messages"] = [
-            _message(m) for m in messages if m not in system]
+            {"type": "text", "content": m["content"]} for m in messages[:leading]] or None
+        attributes["gen_ai.input.messages"] = [_message(m) for m in messages[leading:]]
         output = _message(response) if isinstance(response, Mapping) else None
         if output is not None:
             output["finish_reason"] = attributes["gen_ai.response.finish_reasons"][0]
@@ -213,16 +216,26 @@ def _mapping(value: Any) -> Mapping[str, Any]:
 
 
 def _message(message: Mapping[str, Any]) -> dict[str, Any]:
-    """A chat message in the conventions' shape: role and parts (text, tool_call, response)."""
+    """A chat message in the conventions' shape: role and parts (text, tool_call, response).
+
+    Written so that otel_import reads the same message back: a null content
+    is no part; a tool result's text is its `response`, its content parts
+    (images, ...) follow it; content parts go one by one, text as text.
+    """
     parts: list[dict[str, Any]] = []
     role = str(message.get("role", "user"))
-    if message.get("reasoning_content"):
+    if message.get("reasoning_content") is not None:
         parts.append({"type": "reasoning", "content": message["reasoning_content"]})
+    content = message.get("content")
     if role == "tool":
-        parts.append({"type": "tool_call_response", "id": message.get("tool_call_id"),
-                      "response": content_text(message.get("content"))})
-    elif message.get("content") is not None:
-        parts.append({"type": "text", "content": content_text(message.get("content"))})
+        answer = {"type": "tool_call_response", "id": message.get("tool_call_id")}
+        parts.append({**answer, "response": content} if isinstance(content, str) else answer)
+    if isinstance(content, list):
+        parts += [{"type": "text", "content": content_text([part])}
+                  if isinstance(part, Mapping) and part.get("type") == "text" else dict(part)
+                  for part in content]
+    elif content is not None and role != "tool":
+        parts.append({"type": "text", "content": content_text(content)})
     for call in tool_calls_of(message):
         function = call.get("function") or {}
         parts.append({"type": "tool_call", "id": call.get("id"), "name": function.get("name"),
@@ -278,20 +291,22 @@ def _duration_s(timings: Any) -> float:
 
 
 def _parsed(arguments: Any) -> Any:
-    """Tool-call arguments as an object when they are JSON text (as the conventions ask)."""
-    if isinstance(arguments, str):
-        try:
-            return json.loads(arguments)
-        except ValueError:
-            return arguments
-    return arguments
-
-
-def _structured(value: Any) -> Any:
-    """A tool's arguments or result: text holding a JSON object or array becomes that value."""
-    if isinstance(value, str) and value.lstrip()[:1] in ("{", "["):
-        return _parsed(value)
+    """A tool call's arguments, structured as the conventions ask, when import gives them
+    back: JSON text that `json.dumps` writes the same (else, and for a string, text)."""
+    if not isinstance(arguments, str):
+        return arguments
+    try:
+        value = json.loads(arguments, parse_constant=_no_constant)
+    except (ValueError, RecursionError):
+        return arguments
+    if value is None or isinstance(value, str) or (
+            json.dumps(value, ensure_ascii=False) != arguments):
+        return arguments
     return value
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
 
 
 def _attributes(values: Mapping[str, Any]) -> list[dict[str, Any]]:

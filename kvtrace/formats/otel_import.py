@@ -10,7 +10,9 @@ usage, request parameters, the span's duration as `timings.total_s`), every
 status as its error). Spans of other operations are left out; steps follow
 the order in which the spans ended. Attributes kvtrace does not map are
 kept in `meta.extra.otel`. A chat span without its messages cannot become a
-step: the error says to export with content. One document is one trace.
+step: the error says to export with content. One document is one trace, and
+its spans a tree: a span id used twice, or a span its own ancestor, is
+refused.
 """
 
 from __future__ import annotations
@@ -90,13 +92,49 @@ def _spans(document: Any) -> list[tuple[str, dict[str, Any]]]:
                     raise UsageError(f"{where} must be a span with a name")
                 for key in ("startTimeUnixNano", "endTimeUnixNano"):
                     _nanos(span.get(key, "0"), f"{where}.{key}")
+                for key in ("traceId", "spanId", "parentSpanId"):
+                    if not isinstance(span.get(key, ""), str):
+                        raise UsageError(f"{where}.{key} must be hex text")
                 found.append((where, span))
     traces = {span.get("traceId") for _, span in found}
     if len(traces) > 1:
         raise UsageError(f"the document holds {len(traces)} traces: a run is one trace, "
                          "import them one by one")
+    _check_tree(found)
     return sorted(found, key=lambda item: (_nanos(item[1].get("endTimeUnixNano", "0"), ""),
                                            _nanos(item[1].get("startTimeUnixNano", "0"), "")))
+
+
+def _check_tree(found: list[tuple[str, dict[str, Any]]]) -> None:
+    """The spans form a tree: each span id once, no span its own ancestor.
+
+    A parent outside the document is allowed (a trace exported in part).
+    """
+    where_of: dict[str, str] = {}
+    parent_of: dict[str, str] = {}
+    for where, span in found:
+        span_id, parent = span.get("spanId") or None, span.get("parentSpanId") or None
+        if span_id is None:
+            continue
+        if span_id in where_of:
+            raise UsageError(f"{where}: spanId {span_id!r} is used twice (also by "
+                             f"{where_of[span_id]}): a trace holds each span once")
+        if parent == span_id:
+            raise UsageError(f"{where}: parentSpanId is its own spanId {span_id!r}")
+        where_of[span_id] = where
+        if parent is not None:
+            parent_of[span_id] = parent
+    is_rooted: set[str] = set()  # spans whose ancestors are known to end
+    for start in parent_of:
+        chain: set[str] = set()
+        current: str | None = start
+        while current is not None and current not in is_rooted:
+            if current in chain:
+                raise UsageError(f"{where_of[current]}: its parentSpanId leads back to itself "
+                                 "(a cycle): a trace's spans form a tree")
+            chain.add(current)
+            current = parent_of.get(current)
+        is_rooted.update(chain)
 
 
 def _nanos(value: Any, where: str) -> int:
@@ -228,8 +266,9 @@ def _message_of(message: Any, where: str) -> dict[str, Any]:
         elif kind == "tool_call_response":
             out["role"], out["tool_call_id"] = "tool", part.get("id")
             response = part.get("response", part.get("result"))
-            texts.append({"type": "text", "text": response if isinstance(response, str)
-                          else json.dumps(response, ensure_ascii=False)})
+            if response is not None:  # a structured result is given to the model as JSON text
+                texts.append({"type": "text", "text": response if isinstance(response, str)
+                              else json.dumps(response, ensure_ascii=False)})
         else:
             texts.append(dict(part))  # images, files...: kept as content parts
     if all(part.get("type") == "text" for part in texts):

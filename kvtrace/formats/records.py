@@ -14,12 +14,14 @@ original object from the run's steps plus what was kept.
 from __future__ import annotations
 
 import json
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvtrace.errors import UsageError
-from kvtrace.store import RunInfo, Store, validate_run_name
+from kvtrace.rendering import parse_arguments
+from kvtrace.store import RunInfo, Store, jsontext, kinds, validate_run_name
 from kvtrace.store.encoding import canonical_json
 from kvtrace.store.messages import normalize_tools
 
@@ -94,20 +96,36 @@ def check_storable(document: Any) -> None:
 
 
 def parse_json(data: bytes | str, source: str) -> Any:
-    """A JSON document, or a one-line UsageError saying where it is not JSON."""
+    """A JSON document, or a one-line UsageError saying where it is not JSON.
+
+    So is nesting deeper than the store holds, and an integer too long to
+    convert (`jsontext.loads`).
+    """
 
     def refuse_constant(name: str) -> Any:
         raise UsageError(f"{source}: {name} is not JSON (NaN and infinity cannot be stored)")
 
     try:
         text = data.decode("utf-8") if isinstance(data, bytes) else data
-        return json.loads(text, parse_constant=refuse_constant)
+        return jsontext.loads(text, source, parse_constant=refuse_constant)
     except UnicodeDecodeError as exc:
         raise UsageError(f"{source} is not UTF-8 text (byte {exc.start})") from exc
     except json.JSONDecodeError as exc:
         raise UsageError(
             f"{source} is not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
         ) from exc
+
+
+def arguments_value(text: Any) -> Any:
+    """Tool-call arguments as a JSON value (`parse_arguments`), or the text itself when its
+    value cannot be stored (NaN, 1e400, nesting past the limit): a model may write anything."""
+    value = parse_arguments(text)
+    if value is not text:
+        try:
+            canonical_json(value)
+        except UsageError:
+            return text
+    return value
 
 
 def tools(value: Any, where: str) -> list[dict[str, Any]] | None:
@@ -144,3 +162,35 @@ def restore(mapped: Mapping[str, Any], kept: Mapping[str, Any] | None) -> dict[s
         elif mapped.get(key) is not None:
             out[key] = mapped[key]
     return out
+
+
+class Answers:
+    """The tool steps recorded after a model call, each taken at most once, in order.
+
+    An export pairs the tool results its document shows with these steps by
+    the call they answer; a call may be answered more than once (a retried
+    tool), so the first step not yet taken wins. The steps no result took
+    are `rest`.
+    """
+
+    def __init__(self, steps: Sequence[kinds.ToolCall]) -> None:
+        self.steps = list(steps)
+        self._taken: set[str] = set()  # step ids
+        self._answers = deque(tool for tool in self.steps if tool.call_id is not None)
+        self._by_call: dict[str, deque[kinds.ToolCall]] = {}
+        for tool in self._answers:
+            self._by_call.setdefault(tool.call_id or "", deque()).append(tool)
+
+    def take(self, call_id: str | None = None) -> kinds.ToolCall | None:
+        """The first step not taken that answers `call_id` (None: any call), or None."""
+        queue = self._answers if call_id is None else self._by_call.get(call_id, deque())
+        while queue:
+            tool = queue.popleft()
+            if tool.step.id not in self._taken:
+                self._taken.add(tool.step.id)
+                return tool
+        return None
+
+    def rest(self) -> list[kinds.ToolCall]:
+        """The steps no result took, in order."""
+        return [tool for tool in self.steps if tool.step.id not in self._taken]

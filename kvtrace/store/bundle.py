@@ -29,7 +29,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from kvtrace.errors import ConflictError, IntegrityError, UsageError
-from kvtrace.store import history, lists
+from kvtrace.store import history, jsontext, lists
 from kvtrace.store.backend import insert_ignore
 from kvtrace.store.encoding import decode_body, decode_json_blob, is_address
 from kvtrace.store.history import chunks, skip_in_memory
@@ -202,11 +202,11 @@ Parsed = tuple[dict[str, Any], list[dict[str, Any]], list[dict[str, Any]], list[
 def _parse(file: IO[bytes]) -> Parsed:
     """Read and check every line; nothing is written until all of them pass."""
     try:
-        lines = [json.loads(line) for line in file.read().decode("utf-8").splitlines() if line]
+        text = file.read().decode("utf-8")
+        lines = [jsontext.loads(line, f"not a kvtrace bundle: line {number}")
+                 for number, line in enumerate(text.splitlines(), start=1) if line]
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise UsageError(f"not a kvtrace bundle: {exc}") from exc
-    except RecursionError as exc:
-        raise UsageError("not a kvtrace bundle: a line is nested too deeply") from exc
     if not lines or not isinstance(lines[0], dict) or lines[0].get("format") != FORMAT:
         raise UsageError("not a kvtrace bundle (bad or missing header line)")
     header = lines[0]

@@ -6,7 +6,8 @@ What `Run.record_model_call` stores (docs/store.md, "Model calls"):
   tool, function) and `content` (a string, null, or a list of content parts,
   each a dict with a `type`); an assistant message may carry `tool_calls`
   (each ``{"id", "type": "function", "function": {"name", "arguments"}}``,
-  arguments a JSON *string* as in OpenAI's API) and `reasoning_content`; a
+  arguments a JSON *string* as in OpenAI's API; ids distinct within the
+  message) and `reasoning_content`; a
   tool message carries the `tool_call_id` it answers; `name` is kept where
   given. Other keys a provider adds are kept as they are.
 - the **response** is the assistant message the call returned;
@@ -78,6 +79,7 @@ def normalize_message(message: Any, where: str = "message") -> dict[str, Any]:
             out["tool_calls"] = [
                 _tool_call(call, f"{where}.tool_calls[{i}]") for i, call in enumerate(calls)
             ]
+            _check_ids_unique(out["tool_calls"], where)
         else:
             del out["tool_calls"]  # an empty list says nothing: store it as absent
     return out
@@ -156,6 +158,17 @@ def _content(content: Any, where: str) -> Any:
                 raise UsageError(f"{where}[{index}] must be a content part with a type")
         return [{k: v for k, v in part.items() if v is not None} for part in content]
     raise UsageError(f"{where} must be a string, null or a list of content parts")
+
+
+def _check_ids_unique(calls: list[dict[str, Any]], where: str) -> None:
+    """A tool result names the call it answers by id, so one message cannot use an id twice."""
+    seen: set[str] = set()
+    for index, call in enumerate(calls):
+        if "id" in call:
+            if call["id"] in seen:
+                raise UsageError(f"{where}.tool_calls[{index}]: id {call['id']!r} is used twice "
+                                 "in this message (a tool result could not say which it answers)")
+            seen.add(call["id"])
 
 
 def _tool_call(call: Any, where: str) -> dict[str, Any]:

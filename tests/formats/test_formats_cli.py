@@ -64,8 +64,25 @@ def _bad_files(tmp_path):
     atif = json.loads((DATA / "atif_v1_4_tools.json").read_text())
     unknown_call = json.loads(json.dumps(atif))
     unknown_call["steps"][2]["observation"]["results"][1]["source_call_id"] = "nope"
+    header = b'{"format": "kvtrace-bundle", "version": 2, "run": "x", "head": null}\n'
+    deep, digits = b"[" * 5000 + b"]" * 5000, b'{"n": ' + b"9" * 5000 + b"}"
+    same_id = [{"id": "c1", "type": "function", "function": {"name": name, "arguments": "{}"}}
+               for name in ("f", "g")]
+    duplicate = [{"role": "user", "content": "go"},
+                 {"role": "assistant", "content": None, "tool_calls": same_id},
+                 {"role": "tool", "tool_call_id": "c1", "content": "r1"},
+                 {"role": "assistant", "content": "done"}]
     files = {
+        "duplicate-ids.json": ("openai", json.dumps(duplicate).encode(),
+                               "messages[1].tool_calls[1]: id 'c1' is used twice"),
+        "content-5.json": ("openai", b'[{"role": "user", "content": 5}]',
+                           "messages[0].content must be a string, null or a list"),
         "not-json.json": ("atif", b"{\"schema_version\": \"ATIF-v1.4\",", "is not JSON"),
+        "deep.json": ("openai", deep, "deep.json is nested more than 256 levels deep"),
+        "deep-otel.json": ("otel", deep, "is nested more than 256 levels deep"),
+        "digits.json": ("atif", digits, "digits.json holds a number of more than 4300 digits"),
+        "deep.kvtrace": ("bundle", header + deep, "line 2 is nested more than 256 levels"),
+        "digits.kvtrace": ("bundle", header + digits, "line 2 holds a number of more than"),
         "not-utf8.json": ("openai", b"[\xff]", "is not UTF-8"),
         "nan.json": ("openai", b"[{\"role\": \"user\", \"content\": NaN}]", "NaN is not JSON"),
         "shape.json": ("openai", b"{\"chat\": []}", "messages: missing"),
@@ -113,3 +130,19 @@ def test_a_file_name_that_is_no_run_name_asks_for_one(kv, tmp_path):
     code, _, err = kv("import", "--format", "atif", str(odd))
     assert code == 2 and "--run NAME" in err and err.count("\n") == 1
     assert kv("import", "--format", "atif", str(odd), "--run", "my-trace")[0] == 0
+
+
+def test_a_recorded_run_with_a_tool_result_answering_no_call_exports_and_imports_back(
+        kv, store_url, tmp_path):
+    from kvtrace import open_store
+
+    with open_store(store_url) as store:  # as the server records a client's trimmed history
+        store.run("served").record_model_call(
+            [{"role": "user", "content": "and then?"},
+             {"role": "tool", "tool_call_id": "call_gone", "content": "42"}],
+            "It was 42.", model="m")
+    for fmt in ("openai", "atif"):
+        target = tmp_path / f"served.{fmt}.json"
+        assert kv("export", "served", "--format", fmt, "-o", str(target))[0] == 0
+        code, out, err = kv("import", "--format", fmt, str(target), "--run", f"back-{fmt}")
+        assert (code, err) == (0, "") and out.startswith(f"imported back-{fmt} (1 steps)")

@@ -6,6 +6,8 @@ import pytest
 
 from kvtrace.errors import UsageError
 from kvtrace.formats import import_atif, import_openai
+from kvtrace.formats.records import parse_json
+from kvtrace.store.encoding import MAX_DEPTH
 from tests.formats.conftest import state
 
 
@@ -60,10 +62,31 @@ def test_an_atif_list_is_not_a_trajectory(store):
     assert store.runs() == []
 
 
+def _second_call_with_the_same_id(messages):
+    first = messages[2]["tool_calls"][0]
+    messages[2]["tool_calls"].append(
+        {**first, "function": {"name": "other_tool", "arguments": "{}"}})
+
+
+def _only_user_turns_and_a_number(messages):
+    messages[:] = [{"role": "user", "content": 5}]
+
+
 OPENAI_CASES = {
-    "tool result matching no call": (
-        lambda m: m[3].update(tool_call_id="call_nope"),
-        "messages[3]: tool_call_id 'call_nope' matches no tool call"),
+    "two tool calls with one id": (
+        _second_call_with_the_same_id,
+        "messages[2].tool_calls[1]: id 'call_7_000' is used twice in this message"),
+    "content a number": (
+        lambda m: m[1].update(content=5),
+        "messages[1].content must be a string, null or a list of content parts"),
+    "content a number, no assistant": (
+        _only_user_turns_and_a_number,
+        "messages[0].content must be a string, null or a list of content parts"),
+    "content a number after the last answer": (
+        lambda m: m.append({"role": "user", "content": 5}),
+        "messages[26].content must be a string, null or a list of content parts"),
+    "tool_call_id a number": (
+        lambda m: m[3].update(tool_call_id=3), "messages[3].tool_call_id must be a string"),
     "message without a role": (lambda m: m[1].pop("role"), "messages[1] is not a chat message"),
     "unknown role in a prompt": (
         lambda m: m[1].update(role="robot"), "messages[1].role is 'robot'"),
@@ -102,3 +125,16 @@ def test_importing_onto_a_run_with_steps_is_refused_and_onto_an_empty_one_works(
     store.run("empty")
     info = import_atif(store, document("atif_v1_0_terminal.json"), run="empty")
     assert info.depth == 3
+
+
+def test_a_document_nests_as_deep_as_the_store_holds_and_no_deeper():
+    assert parse_json("[" * MAX_DEPTH + "]" * MAX_DEPTH, "f.json") is not None
+    for depth in (MAX_DEPTH + 1, 5000, 100_000):
+        with pytest.raises(UsageError, match=r"^f\.json is nested more than 256 levels deep$"):
+            parse_json("[" * depth + "]" * depth, "f.json")
+
+
+def test_an_integer_past_the_parsers_digit_limit_is_a_usage_error():
+    assert parse_json("[" + "9" * 4000 + "]", "f.json") == [int("9" * 4000)]
+    with pytest.raises(UsageError, match=r"^f\.json holds a number of more than 4300 digits"):
+        parse_json("[" + "9" * 5000 + "]", "f.json")

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 
-from kvtrace.formats import export_openai, import_openai
+import pytest
+
+from kvtrace.errors import UsageError
+from kvtrace.formats import export_atif, export_openai, import_atif, import_openai
 from kvtrace.store.messages import normalize_messages
 
 TAU = "openai_tau_airline.json"
@@ -108,3 +111,95 @@ def test_an_object_with_model_and_tools_comes_back_whole(store, document):
     assert {s.meta["model"] for s in calls} == {"gpt-4o-2024-08-06"}
     assert all(s.content["tools"] == tools for s in calls)
     assert export_openai(store, "tau") == original
+
+
+def _steps(store, run):
+    """What an export must give back: each step's kind and content, a tool call's name and id."""
+    return [(s.kind, s.content, s.meta.get("tool"), s.meta.get("call_id"))
+            for s in store.path(run)]
+
+
+def test_two_tool_calls_with_one_id_are_refused_by_every_path_in(store):
+    calls = [{"id": "c1", "type": "function", "function": {"name": name, "arguments": "{}"}}
+             for name in ("f", "g")]
+    answered = {"role": "assistant", "content": None, "tool_calls": calls}
+    document = [{"role": "user", "content": "go"}, answered,
+                {"role": "tool", "tool_call_id": "c1", "content": "r1"},
+                {"role": "assistant", "content": "done"}]
+    with pytest.raises(UsageError, match=r"^messages\[1\]\.tool_calls\[1\]: id 'c1' is used twice"):
+        import_openai(store, document, run="dup")
+    with pytest.raises(UsageError, match=r"^response\.tool_calls\[1\]: id 'c1' is used twice"):
+        store.run("dup").record_model_call(document[:1], answered, model="m")
+    with pytest.raises(UsageError, match=r"^messages\[1\]\.tool_calls\[1\]: id 'c1' is used twice"):
+        store.run("dup").record_model_call(document[:3], "done", model="m")
+    assert store.path("dup") == []
+
+
+def test_a_tool_result_answering_no_call_exports_and_imports_back(store):
+    # What the server records when a client sends a trimmed conversation.
+    run = store.run("served")
+    orphan = {"role": "tool", "tool_call_id": "call_gone", "content": "42"}
+    prompt = [{"role": "user", "content": "and then?"}, orphan]
+    run.record_model_call(prompt, "It was 42.", model="m")
+    run.record_tool_call("calc", {"x": 1}, "7", call_id="call_elsewhere")
+    exported = export_openai(store, "served")
+    assert exported["messages"] == [
+        *prompt, {"role": "assistant", "content": "It was 42."},
+        {"role": "tool", "tool_call_id": "call_elsewhere", "content": "7"}]
+    import_openai(store, exported, run="back")
+    assert _steps(store, "back") == _steps(store, "served")[:1]  # no call, so no tool step
+    assert export_openai(store, "back") == exported
+    atif = export_atif(store, "served")
+    import_atif(store, atif, run="back-atif")
+    assert [s.kind for s in store.path("back-atif")] == ["model_call"]
+
+
+def test_a_call_answered_twice_exports_both_answers_in_order(store):
+    run = store.run("retried")
+    call = {"id": "c1", "type": "function", "function": {"name": "fetch", "arguments": "{}"}}
+    asked = [{"role": "user", "content": "fetch it"}]
+    run.record_model_call(asked, {"role": "assistant", "content": None, "tool_calls": [call]},
+                          model="m")
+    run.record_tool_call("fetch", {}, None, call_id="c1", error="timeout")
+    run.record_tool_call("fetch", {}, "page", call_id="c1")
+    exported = export_openai(store, "retried")
+    assert [m.get("content") for m in exported["messages"][2:]] == ["error: timeout", "page"]
+    import_openai(store, exported, run="back")
+    assert export_openai(store, "back") == exported
+    assert [s.content["result"] for s in store.path("back")[1:]] == ["error: timeout", "page"]
+    import_atif(store, export_atif(store, "retried"), run="back-atif")
+    assert [s.content["result"] for s in store.path("back-atif")[1:]] == [
+        "error: timeout", "page"]
+
+
+def test_arguments_whose_value_cannot_be_stored_are_kept_as_text(store):
+    # A model may write anything as arguments; the store keeps them as text (the server does).
+    texts = ["[" * 5000 + "]" * 5000, "NaN", "1e400", "[" * 300 + "]" * 300]
+    calls = [{"id": f"c{i}", "type": "function", "function": {"name": "f", "arguments": text}}
+             for i, text in enumerate(texts)]
+    document = [{"role": "user", "content": "go"},
+                {"role": "assistant", "content": None, "tool_calls": calls},
+                *({"role": "tool", "tool_call_id": c["id"], "content": "ok"} for c in calls),
+                {"role": "assistant", "content": "done"}]
+    import_openai(store, document, run="odd")
+    assert [s.content["arguments"] for s in store.path("odd")[1:-1]] == texts
+    import_openai(store, export_openai(store, "odd"), run="back")
+    assert _steps(store, "back") == _steps(store, "odd")
+    import_atif(store, export_atif(store, "odd"), run="back-atif")  # ATIF wants objects
+    assert [s.content["arguments"] for s in store.path("back-atif")[1:-1]] == [
+        {"input": text} for text in texts]
+
+
+def test_the_server_refuses_two_tool_calls_with_one_id_as_import_does():
+    from kvtrace.serve.api import APIError, parse_chat_request
+
+    calls = [{"id": "c1", "type": "function", "function": {"name": name, "arguments": "{}"}}
+             for name in ("f", "g")]
+    body = {"model": "m", "messages": [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": None, "tool_calls": calls},
+        {"role": "tool", "tool_call_id": "c1", "content": "r1"}]}
+    with pytest.raises(APIError) as error:
+        parse_chat_request(json.dumps(body).encode(), is_local=False)
+    assert error.value.status == 400 and error.value.param == "messages"
+    assert error.value.message.startswith("messages[1].tool_calls[1]: id 'c1' is used twice")

@@ -14,9 +14,10 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from kvtrace.cli import main
 from kvtrace.errors import UsageError
 from kvtrace.formats import export_document, export_file, import_document
-from kvtrace.formats.otel import span_id, trace_id
+from kvtrace.formats.otel import any_value, span_id, trace_id
 from kvtrace.store.compare import compare
 from tests.agent_runs import record_calc_run
+from tests.formats.conftest import state
 
 SPAN_KIND_CLIENT, SPAN_KIND_INTERNAL = 3, 1
 
@@ -203,3 +204,101 @@ def test_provider_server_and_request_parameters_come_from_what_was_recorded(stor
     assert local["gen_ai.provider.name"] == "kvtrace"  # kvtrace generated these tokens
     assert unknown["gen_ai.provider.name"] == "unknown"
     assert "gen_ai.usage.cache_read.input_tokens" not in unknown  # not reported: not 0
+
+
+def _spans(document):
+    return document["resourceSpans"][0]["scopeSpans"][0]["spans"]
+
+
+def _twice(document):
+    _spans(document).extend(copy.deepcopy(_spans(document)))
+
+
+def _own_parent(document):
+    first = _spans(document)[0]
+    first["parentSpanId"] = first["spanId"]
+
+
+def _cycle(document):
+    spans = _spans(document)
+    spans[0]["parentSpanId"] = spans[2]["spanId"]  # 0 <- 1 <- 2 <- 0
+
+
+SPAN_TREE_CASES = {
+    "a span id used twice": (_twice, r"^resourceSpans\[0\]\.scopeSpans\[0\]\.spans\[4\]: spanId "
+                                     r"'[0-9a-f]{16}' is used twice \(also by resourceSpans\[0\]"
+                                     r"\.scopeSpans\[0\]\.spans\[0\]\)"),
+    "a span its own parent": (_own_parent, r"spans\[0\]: parentSpanId is its own spanId"),
+    "a cycle of parents": (_cycle, r"spans\[\d\]: its parentSpanId leads back to itself"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SPAN_TREE_CASES))
+def test_spans_that_do_not_form_a_tree_are_refused_and_write_nothing(calc_store, case):
+    change, message = SPAN_TREE_CASES[case]
+    document = export_document(calc_store, "main", format="otel", include_content=True)
+    change(document)
+    before = state(calc_store)
+    with pytest.raises(UsageError, match=message):
+        import_document(calc_store, document, format="otel", run="back")
+    assert state(calc_store) == before
+
+
+def test_a_span_whose_parent_is_outside_the_document_imports(calc_store):
+    document = export_document(calc_store, "main", format="otel", include_content=True)
+    _spans(document)[0]["parentSpanId"] = "00000000000000aa"  # a trace exported in part
+    assert import_document(calc_store, document, format="otel", run="back").depth == 4
+
+
+def test_span_tree_errors_through_the_cli_are_one_line_exit_2(calc_store, store_url, tmp_path,
+                                                              capsys):
+    for case, (change, _) in sorted(SPAN_TREE_CASES.items()):
+        document = export_document(calc_store, "main", format="otel", include_content=True)
+        change(document)
+        path = tmp_path / "trace.json"
+        path.write_text(json.dumps(document))
+        with pytest.raises(SystemExit) as exit_info:
+            main(["--store", store_url, "import", str(path), "--format", "otel", "--run", "b"])
+        err = capsys.readouterr().err
+        assert (exit_info.value.code, err[:7], err.count("\n")) == (2, "error: ", 1), case
+    assert "b" not in {info.name for info in calc_store.runs()}
+
+
+def _attributes_of(values):
+    return [{"key": key, "value": any_value(value)} for key, value in values.items()]
+
+
+def _chat_span(span, inputs, outputs, **more):
+    return {"traceId": "t", "spanId": span, "name": "chat m", "endTimeUnixNano": span[-1],
+            "attributes": _attributes_of({"gen_ai.operation.name": "chat",
+                                          "gen_ai.input.messages": inputs,
+                                          "gen_ai.output.messages": outputs, **more})}
+
+
+def test_a_trace_from_another_instrumentation_exports_and_imports_back_to_the_same_steps(store):
+    # Each element once failed the round trip (found by tests/formats/test_import_properties.py).
+    image = {"type": "image", "url": "https://example.com/a.png"}
+    inputs = [
+        {"role": "user", "parts": [{"type": "text", "content": "hi"}, image]},  # parts kept
+        {"role": "system", "parts": []},  # a system message with no content, in its place
+        {"role": "assistant", "parts": [
+            {"type": "reasoning", "content": ""},  # empty reasoning is still reasoning
+            {"type": "tool_call", "id": "c1", "name": "f", "arguments": '{"x":1}'}]},  # as text
+        {"role": "tool", "parts": [{"type": "tool_call_response", "id": "c1"}]},  # no content
+    ]
+    outputs = [{"role": "assistant", "parts": [{"type": "text", "content": "done"}]}]
+    tool = {"traceId": "t", "spanId": "s1", "name": "execute_tool f", "endTimeUnixNano": "1",
+            "attributes": _attributes_of({
+                "gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": "f",
+                "gen_ai.tool.call.id": "c1", "gen_ai.tool.call.arguments": '{"x": 1}',
+                "gen_ai.tool.call.result": "[1, 2]"})}  # JSON text stays text
+    document = {"resourceSpans": [{"scopeSpans": [{"spans": [
+        tool, _chat_span("s2", inputs, outputs)]}]}]}
+    import_document(store, document, format="otel", run="other")
+    exported = export_document(store, "other", format="otel", include_content=True)
+    import_document(store, json.loads(json.dumps(exported)), format="otel", run="back")
+    original, back = store.path("other"), store.path("back")
+    assert [(s.kind, s.content) for s in back] == [(s.kind, s.content) for s in original]
+    assert original[0].content == {"arguments": '{"x": 1}', "result": "[1, 2]"}
+    assert [m["role"] for m in original[1].content["messages"]] == [
+        "user", "system", "assistant", "tool"]
