@@ -7,6 +7,7 @@ migrations (see migrations/versions). Times are UNIX seconds (float).
 
 from __future__ import annotations
 
+import sqlalchemy as sa
 from sqlalchemy import (
     Column,
     Float,
@@ -21,8 +22,12 @@ from sqlalchemy import (
 )
 
 # The revision the code expects; a test checks it is the migrations' head.
-SCHEMA_REVISION = "0003_message_lists"
+SCHEMA_REVISION = "0004_pause_index"
 APPEND_ONLY_TABLES = ("blobs", "steps", "reflog", "notes")
+PAUSE_REASONS = ("pause", "resume")  # the reflog entries that decide whether a run is paused
+# The condition of the partial index on those entries, as SQL: a query uses the
+# index on SQLite only if its WHERE repeats this term exactly (literals, not parameters).
+PAUSE_CONDITION = "reason IN ('pause', 'resume')"
 
 metadata = MetaData()
 
@@ -67,6 +72,9 @@ reflog = Table(
     Column("message", Text, nullable=False),
     Column("created_at", Float, nullable=False),
     Index("ix_reflog_ref", "ref", "id"),
+    # Only pauses and resumes: an append finds whether its run is paused in one probe.
+    Index("ix_reflog_pauses", "ref", "id", sqlite_where=sa.text(PAUSE_CONDITION),
+          postgresql_where=sa.text(PAUSE_CONDITION)),
 )
 
 notes = Table(

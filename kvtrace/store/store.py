@@ -52,14 +52,13 @@ from kvtrace.store.records import (
     Step,
 )
 from kvtrace.store.refs import (
-    PAUSE_REASONS,
     create_ref,
     last_logged,
     move_ref,
     pause_entry,
     set_paused,
 )
-from kvtrace.store.schema import blobs, notes, reflog, refs, steps
+from kvtrace.store.schema import PAUSE_REASONS, blobs, notes, reflog, refs, steps
 
 if TYPE_CHECKING:
     from kvtrace.store.run import Run
