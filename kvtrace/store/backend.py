@@ -139,11 +139,16 @@ def writer(engine: Engine) -> Engine:
 
 
 @contextmanager
-def write_transaction(engine: Engine) -> Iterator[Connection]:
-    """A transaction on a `writer` engine: all of it lands or none of it."""
+def write_transaction(engine: Engine | Connection) -> Iterator[Connection]:
+    """A transaction on a `writer` engine, or on a connection of one: all of it
+    lands or none of it."""
     try:
-        with engine.begin() as conn:
-            yield conn
+        if isinstance(engine, Connection):
+            with engine.begin():
+                yield engine
+        else:
+            with engine.begin() as conn:
+                yield conn
     except sa.exc.SQLAlchemyError as exc:
         raise _translate(exc, "database write failed") from exc
 

@@ -84,6 +84,10 @@ class Store:
         # always right; a model call finds the history it extends here.
         self._lists: dict[store_lists.ListKey, store_lists.Resolved] = {}
         self._batch: tuple[int, Connection] | None = None  # (thread, its transaction)
+        # SQLite: one connection held for writes (see _write), and the lock
+        # that gives it to one thread at a time.
+        self._held: Connection | None = None
+        self._held_lock = threading.Lock()
         self.url = url
 
     @property
@@ -95,6 +99,10 @@ class Store:
 
     def close(self) -> None:
         """Release database connections."""
+        with self._held_lock:
+            if self._held is not None:
+                self._held.close()
+                self._held = None
         self._engine.dispose()
 
     def __enter__(self) -> Store:
@@ -133,13 +141,26 @@ class Store:
 
         Other threads never write through a batch: they wait for the database's
         write lock (SQLite) or row locks (PostgreSQL) as with any writer.
+
+        On SQLite the transaction runs on a connection the store holds: taking
+        one from the pool and giving it back cost a fifth of an append
+        (~17 µs). SQLite runs one write transaction at a time anyway, so
+        threads queueing for the held connection lose no concurrency.
+        PostgreSQL writers use the pool and run side by side.
         """
         batch = self._batch
         if batch is not None and batch[0] == threading.get_ident():
             yield batch[1]
             return
-        with write_transaction(self._writer) as conn:
-            yield conn
+        if self._engine.dialect.name != "sqlite":
+            with write_transaction(self._writer) as conn:
+                yield conn
+            return
+        with self._held_lock:
+            if self._held is None or self._held.invalidated:
+                self._held = self._writer.connect()
+            with write_transaction(self._held) as conn:
+                yield conn
 
     # -- runs ------------------------------------------------------------------
 
