@@ -6,7 +6,7 @@ copied from the store's file) and the same settings (WAL, the store's
 `synchronous`). For each step the store recorded, the anchor reads its rows
 back from the store (untimed) and writes them with the `sqlite3` module alone
 in one transaction, as `Store.append` writes them: BEGIN IMMEDIATE, the
-step's blobs (INSERT ... ON CONFLICT DO NOTHING), its step row, the ref's
+step's blobs as the store keeps them (INSERT ... ON CONFLICT DO NOTHING), its step row, the ref's
 compare-and-swap, its reflog row, COMMIT. What `Store.append` costs above
 that (encoding, hashing, the pause check, SQLAlchemy) is the store's
 overhead; `bench store` reports the ratio of the two medians.
@@ -39,6 +39,8 @@ class SqliteAnchor:
         for sql in schema:
             self._conn.execute(sql)
         self._run = run
+        # Every column the store keeps for a blob (its codec too, once it has one).
+        self._blob_columns = [r[1] for r in self._source.execute("PRAGMA table_info(blobs)")]
         self._head: str | None = None
         self._reflog_seen = 0  # the store's reflog ids read so far
         self._conn.execute(
@@ -73,15 +75,16 @@ class SqliteAnchor:
         for entry in body.get("lists", {}).values():
             addresses.update(entry["items"])
         blob_rows = sorted(self._source.execute(
-            f"SELECT hash, size, data FROM blobs WHERE hash IN ({', '.join('?' * len(addresses))})",
-            sorted(addresses)).fetchall())
+            f"SELECT {', '.join(self._blob_columns)} FROM blobs "
+            f"WHERE hash IN ({', '.join('?' * len(addresses))})", sorted(addresses)).fetchall())
         return blob_rows, step_row
 
     def _write(self, blob_rows: list[tuple], step_row: tuple, reflog_row: tuple) -> None:
         conn = self._conn
         conn.execute("BEGIN IMMEDIATE")
         conn.executemany(
-            "INSERT INTO blobs (hash, size, data) VALUES (?, ?, ?) ON CONFLICT (hash) DO NOTHING",
+            f"INSERT INTO blobs ({', '.join(self._blob_columns)}) VALUES "
+            f"({', '.join('?' * len(self._blob_columns))}) ON CONFLICT (hash) DO NOTHING",
             blob_rows)
         conn.execute(
             f"INSERT INTO steps ({', '.join(_STEP_COLUMNS)}) VALUES "

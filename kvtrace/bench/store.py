@@ -1,14 +1,17 @@
-"""Store benchmark: append latency against its physical anchor, and fork/revert
-cost at 10 and 10,000 steps.
+"""Store benchmark: append latency against its physical anchor, fork/revert cost
+at 10 and 10,000 steps, and the bytes a store takes.
 
 On SQLite, appends are timed in rounds of `_ROUND` alternating with the
-anchor (anchor.py): the same rows written with plain `sqlite3`, so the
-ratio of the two medians compares like with like under the same machine
-noise. Fork and revert must not depend on the length of the run: fork adds one ref
+anchor (anchor.py): the same rows written with plain `sqlite3`, so the ratio
+of the two medians compares like with like under the same machine noise.
+Fork and revert must not depend on the length of the run: fork adds one ref
 row, and finding `RUN@2` from the head of a 10,000-step run (or checking that
-revert's target is an ancestor) follows skip pointers inside one query. Both are timed on a 10-step
-and a 10,000-step run in the same process, alternating, so machine noise hits
-both sides alike; the medians and their ratio are reported.
+revert's target is an ancestor) follows skip pointers inside one query. Both
+are timed on a 10-step and a 10,000-step run in the same process,
+alternating, so machine noise hits both sides alike; the medians and their
+ratio are reported. `store_bytes_over_distinct` counts blob and body bytes of
+a recorded conversation; `file_bytes_over_distinct` (footprint.py) what the
+disk holds after an import of realistic trajectories.
 """
 
 from __future__ import annotations
@@ -20,11 +23,13 @@ from pathlib import Path
 from typing import Any
 
 from kvtrace.bench.anchor import SqliteAnchor
+from kvtrace.bench.footprint import run_footprint_bench
 from kvtrace.errors import UsageError
 from kvtrace.store import Store, open_store
 
 APPEND_TARGET_MS = 0.35  # SQLite append p50
 ANCHOR_RATIO_TARGET = 3.0  # SQLite append p50 over the anchor's
+FILE_BYTES_TARGET = 1.5  # file bytes over distinct content bytes, ≥ 1 MB imported
 _ROUND = 50  # appends per turn of the store and of the anchor
 
 
@@ -105,12 +110,18 @@ def _measure(store: Store, num_appends: int, num_trials: int) -> dict[str, Any]:
     result["store_bytes_over_distinct"] = conversation["store_bytes_over_distinct"]
     result["store_bytes_over_distinct_with_tool_steps"] = with_tools["store_bytes_over_distinct"]
     result["conversation"] = conversation
+    # What the disk holds (SQLite: a new file; PostgreSQL: the growth of kvtrace's tables).
+    footprint = run_footprint_bench(None if is_sqlite else store.url)
+    result["file_bytes_over_distinct"] = footprint["file_bytes_over_distinct"]
+    result["read_step_ms_p50"] = footprint["read_step_ms_p50"]
+    result["footprint"] = footprint
     result["targets_met"] = (
         (not is_sqlite or (result["append_ms_p50"] <= APPEND_TARGET_MS
                            and result["append_over_anchor"] <= ANCHOR_RATIO_TARGET))
         and result["fork_ratio"] <= 1.2
         and result["revert_ratio"] <= 1.2
         and result["store_bytes_over_distinct"] <= 1.5
+        and result["file_bytes_over_distinct"] <= FILE_BYTES_TARGET
     )
     return result
 

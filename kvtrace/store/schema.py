@@ -22,7 +22,7 @@ from sqlalchemy import (
 )
 
 # The revision the code expects; a test checks it is the migrations' head.
-SCHEMA_REVISION = "0004_pause_index"
+SCHEMA_REVISION = "0005_blob_codecs"
 APPEND_ONLY_TABLES = ("blobs", "steps", "reflog", "notes")
 PAUSE_REASONS = ("pause", "resume")  # the reflog entries that decide whether a run is paused
 # The condition of the partial index on those entries, as SQL: a query uses the
@@ -35,8 +35,9 @@ blobs = Table(
     "blobs",
     metadata,
     Column("hash", String(64), primary_key=True),
-    Column("size", Integer, nullable=False),
+    Column("size", Integer, nullable=False),  # of the content, however it is kept
     Column("data", LargeBinary, nullable=False),
+    Column("codec", String(16), nullable=True),  # how `data` keeps the content: see codec.py
 )
 
 steps = Table(

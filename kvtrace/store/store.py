@@ -29,7 +29,7 @@ from kvtrace.errors import (
     StepNotFoundError,
     UsageError,
 )
-from kvtrace.store import encoding, history, resolve, validation, views
+from kvtrace.store import codec, encoding, history, resolve, validation, views
 from kvtrace.store import lists as store_lists
 from kvtrace.store.backend import (
     insert_ignore,
@@ -251,10 +251,10 @@ class Store:
     def read_blob(self, address: str) -> bytes:
         """The bytes stored at `address`."""
         with read_transaction(self._reader) as conn:
-            data = conn.execute(sa.select(blobs.c.data).where(blobs.c.hash == address)).scalar()
-        if data is None:
+            found = codec.read(conn, [address])
+        if address not in found:
             raise StepNotFoundError(f"no blob {address[:12]} in the store")
-        return bytes(data)
+        return found[address]
 
     # -- moving refs -----------------------------------------------------------
 
@@ -544,9 +544,13 @@ class Store:
             blob_rows = {addresses[key]: value for key, value in data.items()}
             for key, encoded in item_data.items():
                 item_addresses = [encoding.sha256_hex(item) for item in encoded]
-                blob_rows.update(zip(item_addresses, encoded, strict=True))
                 base = self._list_base(conn, parent_id, key)
                 entries[key], resolutions[key] = store_lists.entry_for(item_addresses, base)
+                # The base's items are stored already: only the new ones are written
+                # (and compressed), so a call costs what it adds, not its whole history.
+                new_items = len(entries[key]["items"])
+                blob_rows.update(zip(item_addresses[len(encoded) - new_items:],
+                                     encoded[len(encoded) - new_items:], strict=True))
             clean_meta = {key: value for key, value in meta.items() if value is not None}
             body = encoding.step_body(
                 kind=kind, parent=parent_id, payload=addresses, raw=list(raw),
@@ -559,8 +563,7 @@ class Store:
                 conn,
                 blobs,
                 [  # in hash order: writers sharing blobs then never wait on each other in a cycle
-                    {"hash": address, "size": len(value), "data": value}
-                    for address, value in sorted(blob_rows.items())
+                    codec.row(address, value) for address, value in sorted(blob_rows.items())
                 ],
                 "hash",
             )
