@@ -157,10 +157,18 @@ class Store:
                 yield conn
             return
         with self._held_lock:
-            if self._held is None or self._held.invalidated:
+            if self._held is None:
                 self._held = self._writer.connect()
-            with write_transaction(self._held) as conn:
-                yield conn
+            try:
+                with write_transaction(self._held) as conn:
+                    yield conn
+            except BaseException:
+                # A write that failed (a conflict too: rare) hands the connection
+                # back: whatever state a failed BEGIN or COMMIT left, the next
+                # write starts on a connection from the pool.
+                self._held.close()
+                self._held = None
+                raise
 
     # -- runs ------------------------------------------------------------------
 
