@@ -139,13 +139,14 @@ class CannedUpstream:
 
 
 def all_blob_bytes(store: Any) -> list[bytes]:
-    """Every blob of the store, raw."""
+    """The content of every blob of the store (decompressed: a secret must not hide in a frame)."""
     import sqlalchemy as sa
 
+    from kvtrace.store import codec
     from kvtrace.store.schema import blobs
 
     with store.engine.connect() as conn:
-        return [bytes(row[0]) for row in conn.execute(sa.select(blobs.c.data))]
+        return list(codec.read(conn, conn.execute(sa.select(blobs.c.hash)).scalars()).values())
 
 
 def all_step_meta(store: Any) -> list[str]:

@@ -29,7 +29,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from kvtrace.errors import ConflictError, IntegrityError, UsageError
-from kvtrace.store import history, jsontext, lists
+from kvtrace.store import codec, history, jsontext, lists
 from kvtrace.store.backend import insert_ignore
 from kvtrace.store.encoding import decode_body, decode_json_blob, is_address
 from kvtrace.store.history import chunks, skip_in_memory
@@ -58,8 +58,7 @@ def write_bundle(
         rows = {r.id: r for r in conn.execute(sa.select(steps).where(steps.c.id.in_(part)))}
         needs = {step_id: _blobs_of(bytes(row.body)) for step_id, row in rows.items()}
         wanted = sorted(set().union(*needs.values()) - written)
-        query = sa.select(blobs.c.hash, blobs.c.data).where(blobs.c.hash.in_(wanted))
-        data = {address: blob for address, blob in conn.execute(query)}
+        data = codec.read(conn, wanted)
         for step_id in part:
             row = rows[step_id]
             body = bytes(row.body)
@@ -68,7 +67,7 @@ def write_bundle(
                     continue
                 if address not in data:
                     raise IntegrityError(f"blob {address[:12]} is missing: run `kvtrace fsck`")
-                blob = base64.b64encode(bytes(data[address])).decode()
+                blob = base64.b64encode(data[address]).decode()
                 _line(file, {"blob": address, "data": blob})
                 written.add(address)
             _line(
@@ -178,7 +177,8 @@ def read_bundle(conn: Connection, file: IO[bytes], name: str | None) -> RunInfo:
             param="name",
         )
     # Key order, as in Store.append: concurrent writers never wait on each other in a cycle.
-    insert_ignore(conn, blobs, sorted(blob_rows, key=lambda row: row["hash"]), "hash")
+    insert_ignore(conn, blobs, [codec.row(row["hash"], row["data"])
+                                for row in sorted(blob_rows, key=lambda row: row["hash"])], "hash")
     insert_ignore(conn, steps, sorted(step_rows, key=lambda row: row["id"]), "id")
     for note in note_rows:
         duplicate = conn.execute(

@@ -39,55 +39,74 @@ MAX_INT_BITS = 1024
 _HEX = re.compile(r"[0-9a-f]+")
 
 
-def _check(value: Any, path: str, enclosing: list[int] | None = None) -> None:
+# Types that need no check (exact types: a subclass takes the full path).
+_PLAIN = frozenset({str, bool, type(None)})
+# Built once: json.dumps builds an encoder on every call with these options.
+_ENCODER = json.JSONEncoder(
+    sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+)
+
+
+def _check(value: Any, trail: list[str | int], enclosing: list[int]) -> None:
     """Reject anything that has no single canonical JSON spelling.
 
     Also refused, so that every stored value can be read back: nesting deeper
     than MAX_DEPTH, a container inside itself, integers wider than
-    MAX_INT_BITS, and mappings that are not dicts.
+    MAX_INT_BITS, and mappings that are not dicts. `trail` holds the keys and
+    indexes down to `value` (its path, spelled out only in an error);
+    `enclosing` the ids of the containers around it.
     """
     if value is None or isinstance(value, (bool, str)):
         return
     if isinstance(value, int):
         if value.bit_length() > MAX_INT_BITS:
             raise UsageError(
-                f"{path} is an integer of {value.bit_length()} bits: at most {MAX_INT_BITS} "
-                "bits can be recorded (store larger numbers as strings)"
+                f"{_path(trail)} is an integer of {value.bit_length()} bits: at most "
+                f"{MAX_INT_BITS} bits can be recorded (store larger numbers as strings)"
             )
         return
     if isinstance(value, float):
         if not math.isfinite(value):
-            raise UsageError(f"{path} is {value}: NaN and infinity have no canonical encoding")
+            raise UsageError(
+                f"{_path(trail)} is {value}: NaN and infinity have no canonical encoding")
         return
     if not isinstance(value, (dict, list, tuple)):
         hint = ": convert it to a dict" if isinstance(value, Mapping) else ""
         raise UsageError(
-            f"{path} is a {type(value).__name__}: only JSON values (dict, list, str, "
+            f"{_path(trail)} is a {type(value).__name__}: only JSON values (dict, list, str, "
             f"int, float, bool, None) can be recorded{hint}"
         )
-    enclosing = enclosing if enclosing is not None else []  # ids of the containers around value
     if id(value) in enclosing:
-        raise UsageError(f"{path} contains itself: a recorded value must be a tree")
+        raise UsageError(f"{_path(trail)} contains itself: a recorded value must be a tree")
     if len(enclosing) >= MAX_DEPTH:
-        raise UsageError(f"{path} is nested more than {MAX_DEPTH} levels deep")
+        raise UsageError(f"{_path(trail)} is nested more than {MAX_DEPTH} levels deep")
     enclosing.append(id(value))
     if isinstance(value, dict):
         for key, item in value.items():
             if not isinstance(key, str):
-                raise UsageError(f"{path} has a non-string key {key!r}: use string keys")
-            _check(item, f"{path}.{key}", enclosing)
+                raise UsageError(f"{_path(trail)} has a non-string key {key!r}: use string keys")
+            if type(item) not in _PLAIN:
+                trail.append(key)
+                _check(item, trail, enclosing)
+                trail.pop()
     else:
         for index, item in enumerate(value):
-            _check(item, f"{path}[{index}]", enclosing)
+            if type(item) not in _PLAIN:
+                trail.append(index)
+                _check(item, trail, enclosing)
+                trail.pop()
     enclosing.pop()
+
+
+def _path(trail: list[str | int]) -> str:
+    """How an error names a place: value.messages[3].content."""
+    return "value" + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in trail)
 
 
 def canonical_json(value: Any) -> bytes:
     """Encode a JSON value canonically (sorted keys, compact, UTF-8)."""
-    _check(value, "value")
-    text = json.dumps(
-        value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
-    )
+    _check(value, [], [])
+    text = _ENCODER.encode(value)
     try:
         return text.encode("utf-8")
     except UnicodeEncodeError as exc:

@@ -20,7 +20,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from kvtrace.errors import IntegrityError, UsageError
-from kvtrace.store import lists
+from kvtrace.store import codec, lists
 from kvtrace.store.encoding import decode_body, decode_json_blob
 from kvtrace.store.history import ancestor_in_memory, skip_in_memory
 from kvtrace.store.records import FsckReport
@@ -55,9 +55,16 @@ def check(conn: Connection) -> FsckReport:
     problems.extend(_check_history(rows))
 
     blob_ids: set[str] = set()
-    for address, size, data in stream.execute(sa.select(blobs.c.hash, blobs.c.size, blobs.c.data)):
+    for address, size, kept_as, data in stream.execute(
+        sa.select(blobs.c.hash, blobs.c.size, blobs.c.codec, blobs.c.data)
+    ):
         blob_ids.add(address)
-        problems.extend(_check_blob(address, size, bytes(data), wanted.get(address)))
+        try:
+            content = codec.decode(bytes(data), kept_as, size)
+        except IntegrityError as exc:
+            problems.append(f"blob {address[:12]}: {exc}")
+            continue
+        problems.extend(_check_blob(address, size, content, wanted.get(address)))
     for step_id, payload in payloads.items():
         for key, address in payload.items():
             if address not in blob_ids:

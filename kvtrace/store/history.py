@@ -19,9 +19,9 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from kvtrace.errors import IntegrityError, StepNotFoundError
-from kvtrace.store import lists
+from kvtrace.store import codec, lists
 from kvtrace.store.records import Step
-from kvtrace.store.schema import blobs, steps
+from kvtrace.store.schema import steps
 
 _IN_CHUNK = 500
 
@@ -193,12 +193,7 @@ def load_steps(
     resolved = lists.resolve(fetch, keys, known_lists if known_lists is not None else {})
     wanted = {address for body in bodies.values() for address in body["payload"].values()}
     wanted.update(item for key in keys for item in resolved[key][1])
-    data: dict[str, bytes] = {}
-    for part in chunks(sorted(wanted)):
-        for address, blob in conn.execute(
-            sa.select(blobs.c.hash, blobs.c.data).where(blobs.c.hash.in_(part))
-        ):
-            data[address] = bytes(blob)
+    data = codec.read(conn, wanted)
     return [_step(rows[i], bodies[i], data, resolved) for i in ids]
 
 

@@ -9,10 +9,18 @@ what makes every revert and reset undoable.
 
 A supervisor can **pause** a run: a `pause` reflog entry (head unchanged), and
 until a `resume` entry follows, an append to the run raises RunPausedError.
-The check runs after the swap has locked the ref's row, so a pause committed
-before the append takes the lock is always seen. On PostgreSQL every reflog
-entry also sends ``NOTIFY kvtrace_refs`` with the ref's name (delivered on
-commit), which `Store.watch` listens for instead of polling.
+The check runs after the swap has locked the ref's row, as a statement of its
+own, so a pause committed before the append takes the lock is always seen
+(PostgreSQL re-reads only the locked row when it re-checks an UPDATE's
+condition, so the check cannot ride inside the swap). It reads the newest
+pause or resume of the run through a partial index holding only those
+entries (`ix_reflog_pauses`): one index probe, however long the run.
+On PostgreSQL every reflog entry also sends ``NOTIFY kvtrace_refs`` with the
+ref's name (delivered on commit), which `Store.watch` listens for instead of
+polling.
+
+The statements an append runs are `Prepared` (backend.py): built once here,
+run by the driver.
 """
 
 from __future__ import annotations
@@ -24,15 +32,15 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
 from kvtrace.errors import ConflictError, RunPausedError, UsageError
-from kvtrace.store.schema import reflog, refs
+from kvtrace.store.backend import Prepared
+from kvtrace.store.schema import PAUSE_CONDITION, reflog, refs
 
 REASONS = ("create", "append", "fork", "revert", "reset", "import", "pause", "resume")
-PAUSE_REASONS = ("pause", "resume")
 NOTIFY_CHANNEL = "kvtrace_refs"
 
 # Built once: appending a step runs these on every call, and building
 # statements costs more than executing them on SQLite.
-_SWAP = (
+_SWAP = Prepared(
     sa.update(refs)
     .where(
         refs.c.name == sa.bindparam("ref_name", type_=sa.String),
@@ -40,7 +48,23 @@ _SWAP = (
     )
     .values(head=sa.bindparam("new_head", type_=sa.String))
 )
-_LOG = sa.insert(reflog)
+_LOG = Prepared(sa.insert(reflog).values(
+    {column: sa.bindparam(column) for column in
+     ("ref", "old_head", "new_head", "reason", "message", "created_at")}).inline())
+# PAUSE_CONDITION as written: SQLite uses the partial index only for a query
+# that repeats its condition term for term.
+_PAUSE = Prepared(sa.text(
+    f"SELECT reason, message FROM reflog WHERE ref = :ref_name AND {PAUSE_CONDITION} "
+    "ORDER BY id DESC LIMIT 1"))
+_CREATE = Prepared(**{
+    name: insert(refs)
+    .values(name=sa.bindparam("ref_name"), head=sa.bindparam("head"),
+            created_at=sa.bindparam("created_at"))
+    .on_conflict_do_nothing(index_elements=["name"])
+    .returning(refs.c.name)
+    for name, insert in (("postgresql", postgresql.insert), ("sqlite", sqlite.insert))
+})
+_NOTIFY = Prepared(sa.text(f"SELECT pg_notify('{NOTIFY_CHANNEL}', :ref_name)"))
 
 
 def create_ref(conn: Connection, name: str, head: str | None, *, reason: str, message: str) -> None:
@@ -50,14 +74,7 @@ def create_ref(conn: Connection, name: str, head: str | None, *, reason: str, me
     on PostgreSQL get one success and one ConflictError, never a raw error.
     """
     now = time.time()
-    dialect = postgresql if conn.dialect.name == "postgresql" else sqlite
-    inserted = conn.execute(
-        dialect.insert(refs)
-        .values(name=name, head=head, created_at=now)
-        .on_conflict_do_nothing(index_elements=["name"])
-        .returning(refs.c.name)
-    ).first()
-    if inserted is None:
+    if _CREATE.first(conn, {"ref_name": name, "head": head, "created_at": now}) is None:
         raise ConflictError(f"run {name!r} already exists: pick another name")
     _log(conn, name, None, head, reason, message, now)
 
@@ -76,8 +93,7 @@ def move_ref(
     An append to a paused run raises RunPausedError (a ConflictError); the
     caller's transaction then writes nothing.
     """
-    result = conn.execute(_SWAP, {"ref_name": name, "old_head": old, "new_head": new})
-    if result.rowcount != 1:
+    if _SWAP.execute(conn, {"ref_name": name, "old_head": old, "new_head": new}) != 1:
         current = conn.execute(sa.select(refs.c.head).where(refs.c.name == name)).scalar()
         raise ConflictError(
             f"run {name!r} moved to {str(current)[:12]} while this writer expected "
@@ -95,13 +111,8 @@ def move_ref(
 
 def pause_entry(conn: Connection, name: str) -> str | None:
     """The message of the pause in force on run `name`, or None when it is not paused."""
-    last = conn.execute(
-        sa.select(reflog.c.reason, reflog.c.message)
-        .where(reflog.c.ref == name, reflog.c.reason.in_(PAUSE_REASONS))
-        .order_by(reflog.c.id.desc())
-        .limit(1)
-    ).first()
-    return last.message if last is not None and last.reason == "pause" else None
+    last = _PAUSE.first(conn, {"ref_name": name})
+    return str(last[1]) if last is not None and last[0] == "pause" else None
 
 
 def set_paused(conn: Connection, name: str, *, paused: bool, message: str) -> None:
@@ -147,8 +158,8 @@ def _log(
 ) -> None:
     if reason not in REASONS:
         raise ValueError(f"unknown reflog reason {reason!r}")
-    conn.execute(
-        _LOG,
+    _LOG.execute(
+        conn,
         {
             "ref": name,
             "old_head": old,
@@ -159,4 +170,4 @@ def _log(
         },
     )
     if conn.dialect.name == "postgresql":
-        conn.execute(sa.select(sa.func.pg_notify(NOTIFY_CHANNEL, name)))
+        _NOTIFY.first(conn, {"ref_name": name})

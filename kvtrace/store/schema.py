@@ -7,6 +7,7 @@ migrations (see migrations/versions). Times are UNIX seconds (float).
 
 from __future__ import annotations
 
+import sqlalchemy as sa
 from sqlalchemy import (
     Column,
     Float,
@@ -21,8 +22,12 @@ from sqlalchemy import (
 )
 
 # The revision the code expects; a test checks it is the migrations' head.
-SCHEMA_REVISION = "0003_message_lists"
+SCHEMA_REVISION = "0005_blob_codecs"
 APPEND_ONLY_TABLES = ("blobs", "steps", "reflog", "notes")
+PAUSE_REASONS = ("pause", "resume")  # the reflog entries that decide whether a run is paused
+# The condition of the partial index on those entries, as SQL: a query uses the
+# index on SQLite only if its WHERE repeats this term exactly (literals, not parameters).
+PAUSE_CONDITION = "reason IN ('pause', 'resume')"
 
 metadata = MetaData()
 
@@ -30,8 +35,9 @@ blobs = Table(
     "blobs",
     metadata,
     Column("hash", String(64), primary_key=True),
-    Column("size", Integer, nullable=False),
+    Column("size", Integer, nullable=False),  # of the content, however it is kept
     Column("data", LargeBinary, nullable=False),
+    Column("codec", String(16), nullable=True),  # how `data` keeps the content: see codec.py
 )
 
 steps = Table(
@@ -67,6 +73,9 @@ reflog = Table(
     Column("message", Text, nullable=False),
     Column("created_at", Float, nullable=False),
     Index("ix_reflog_ref", "ref", "id"),
+    # Only pauses and resumes: an append finds whether its run is paused in one probe.
+    Index("ix_reflog_pauses", "ref", "id", sqlite_where=sa.text(PAUSE_CONDITION),
+          postgresql_where=sa.text(PAUSE_CONDITION)),
 )
 
 notes = Table(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import sqlalchemy as sa
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
@@ -88,4 +89,29 @@ def test_skip_pointer_migration_fills_existing_steps(tmp_path):
     assert store.fsck().problems == []
     assert store.show("old@3").meta == {"d": 3}
     assert store.run("old").record_note("new").depth == 12
+    store.close()
+
+
+def test_a_run_paused_before_the_pause_index_stays_paused(store_url):
+    from kvtrace.errors import RunPausedError
+
+    engine = create_db_engine(store_url)
+    with engine.begin() as conn:
+        _upgrade(conn, "0003_message_lists")
+        conn.execute(sa.text("INSERT INTO refs (name, head, created_at) VALUES ('old', NULL, 0)"))
+        for reason in ("create", "pause", "resume", "pause"):
+            conn.execute(
+                sa.text(
+                    "INSERT INTO reflog (ref, old_head, new_head, reason, message, created_at) "
+                    "VALUES ('old', NULL, NULL, :r, :m, 0)"
+                ),
+                {"r": reason, "m": f"a {reason}"},
+            )
+    engine.dispose()
+    store = open_store(store_url)  # builds ix_reflog_pauses over the entries already there
+    assert store.is_paused("old")
+    with pytest.raises(RunPausedError):
+        store.run("old").record_note("refused")
+    store.resume("old")
+    assert store.run("old").record_note("now").depth == 1
     store.close()

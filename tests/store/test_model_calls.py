@@ -14,7 +14,7 @@ import sqlalchemy as sa
 from kvtrace import open_store
 from kvtrace.bench.conversations import tool_calling_conversation
 from kvtrace.errors import IntegrityError, UsageError
-from kvtrace.store import lists
+from kvtrace.store import codec, lists
 from kvtrace.store.encoding import canonical_json
 from kvtrace.store.messages import normalize_message
 from tests.conftest import tamper
@@ -23,8 +23,9 @@ OLD_STORE = Path(__file__).parent / "data" / "store_v1.db"
 
 
 def _blobs(store) -> dict[str, bytes]:
+    """The content of every blob, by address."""
     with store.engine.connect() as conn:
-        return {h: bytes(d) for h, d in conn.execute(sa.text("SELECT hash, data FROM blobs"))}
+        return codec.read(conn, conn.execute(sa.text("SELECT hash FROM blobs")).scalars())
 
 
 def _list_entries(store) -> list[dict]:
