@@ -17,6 +17,7 @@
     │                            serialization failure (SQLSTATE 40P01, 40001); nothing was
     │                            written, and the same call may simply be made again
     ├── CacheError               the KV cache cannot serve a request
+    ├── GenerationCancelledError the caller cancelled a generation (a server's client left)
     ├── ReplayError              replay or continue cannot proceed
     │   ├── MissingToolError     a continued run asked for a tool nobody registered
     │   └── BackendError         a remote OpenAI-compatible backend failed (from httpx)
@@ -93,6 +94,10 @@ class RetryableError(StoreError):
 
 class CacheError(KvtraceError):
     """The KV cache cannot serve a request."""
+
+
+class GenerationCancelledError(KvtraceError):
+    """The caller cancelled a generation between two decode steps; its output was not kept."""
 
 
 class ReplayError(KvtraceError):

@@ -32,6 +32,7 @@ across modes and with the oracle bound.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -85,7 +86,10 @@ class LocalBackend:
     def without_cache(self) -> Backend:
         return LocalBackend(self._engine, None, defer_output=self._defer_output)
 
-    def generate(self, request: CallRequest) -> CallResult:
+    def generate(self, request: CallRequest, *,
+                 is_cancelled: Callable[[], bool] | None = None) -> CallResult:
+        """`request`'s answer; `is_cancelled` may stop it between decode steps (the engine's
+        `generate`: GenerationCancelledError)."""
         from kvtrace.engine import generate
 
         prompt = _prompt_ids(request)
@@ -100,6 +104,7 @@ class LocalBackend:
             seed=params.seed,
             draft_ids=request.draft_ids,
             defer_output=self._defer_output,
+            is_cancelled=is_cancelled,
         )
         ids = list(out.token_ids)
         # A backend that stores its output reports only KV the cache held,

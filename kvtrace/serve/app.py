@@ -14,6 +14,13 @@ context, a body over `max_body_bytes`, a missing or wrong bearer token) is a
 4xx with an OpenAI-style error body (api.py's `APIError`), and nothing is
 recorded. When the server stops, the answerer is closed and the store
 writes still queued are waited for.
+
+Authentication: with an `api_key`, every `/v1` request needs `Authorization:
+Bearer KEY` (401 otherwise); `GET /health` and `GET /openapi.json` stay open,
+as they describe the server and hold nothing recorded. A key is visible
+ASCII without spaces (what a bearer token is made of, RFC 6750): an empty
+key, or one with a space, would accept an empty token or never match, so
+`check_api_key` refuses it when the server is made.
 """
 
 from __future__ import annotations
@@ -27,8 +34,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvtrace.errors import UsageError
 from kvtrace.serve.answerer import Answerer
-from kvtrace.serve.api import CHAT_PATH, MODELS_PATH, APIError
+from kvtrace.serve.api import CHAT_PATH, MODELS_PATH, APIError, check_content_type
 from kvtrace.serve.openapi import chat_operation
 from kvtrace.serve.recording import DISCARD, Recording, RunStats
 
@@ -42,7 +50,7 @@ class ChatServer:
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
         self.answerer = answerer
         self.recording = recording
-        self.api_key = api_key
+        self.api_key = check_api_key(api_key)
         self.max_body_bytes = max_body_bytes
         self.app = self._build_app()
 
@@ -101,7 +109,11 @@ class ChatServer:
     async def _answer(self, request: Request) -> Response:
         self._authorize(request)
         sink = self.recording.sink(request)
-        return await self.answerer.answer(request, await self._body(request), sink)
+        if (request.method, request.url.path) == ("POST", CHAT_PATH):
+            check_content_type(request.headers.get("content-type"))
+        body = await self._body(request)
+        await sink.check_open()
+        return await self.answerer.answer(request, body, sink)
 
     def _authorize(self, request: Request) -> None:
         if self.api_key is None:
@@ -130,3 +142,16 @@ class ChatServer:
                 raise too_big
             chunks.append(chunk)
         return b"".join(chunks)
+
+
+def check_api_key(key: str | None, name: str = "api_key") -> str | None:
+    """`key` when it can be a bearer token (module docstring), else UsageError naming `name`."""
+    if key is None:
+        return None
+    if not key:
+        raise UsageError(f"{name} is empty: give the key clients must send, or leave {name} "
+                         "out to serve without one")
+    if not all("!" <= char <= "~" for char in key):
+        raise UsageError(f"{name} must be visible ASCII characters without spaces (a bearer "
+                         "token); this one has a space, a control or a non-ASCII character")
+    return key
