@@ -4,7 +4,6 @@ or around one program. Each builds a server with `kvtrace.serve.make_server` and
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from typing import TYPE_CHECKING
 
@@ -47,13 +46,21 @@ MAX_QUEUE = typer.Option(
 MAX_BODY = typer.Option(
     16 * 1024 * 1024, "--max-body-bytes", help="Largest request body accepted (else 413)."
 )
+UPSTREAM_TIMEOUT = typer.Option(
+    600.0, "--upstream-timeout",
+    help="Upstream mode: seconds the upstream may take to connect or to send the next bytes "
+    "of its answer (past it, 504).",
+)
+API_KEY_ENV = "KVTRACE_SERVE_API_KEY"
 
 
 def _chat_server(store: Store, *, upstream: str | None, model: str | None, run: str | None,
                  run_prefix: str, api_key: str | None, upstream_api_key: str | None,
-                 redact_headers: list[str], max_queue: int, max_body_bytes: int) -> ChatServer:
+                 redact_headers: list[str], max_queue: int, max_body_bytes: int,
+                 upstream_timeout: float) -> ChatServer:
     """Check the options (before any model loads), then build the server."""
     from kvtrace.serve import make_server
+    from kvtrace.serve.app import check_api_key
     from kvtrace.serve.recording import new_run_name
 
     if upstream is not None and model is not None:
@@ -62,6 +69,10 @@ def _chat_server(store: Store, *, upstream: str | None, model: str | None, run: 
         raise UsageError(f"--upstream {upstream!r} must start with http:// or https://")
     if max_queue < 0 or max_body_bytes < 1:
         raise UsageError("--max-queue must be >= 0 and --max-body-bytes >= 1")
+    if not upstream_timeout > 0:
+        raise UsageError(f"--upstream-timeout must be > 0 seconds, not {upstream_timeout}")
+    check_api_key(api_key, "--api-key")
+    check_api_key(upstream_api_key, "--upstream-api-key")
     run = validate_run_name(run) if run is not None else new_run_name(store, run_prefix)
     backend = None
     if upstream is None:
@@ -70,7 +81,8 @@ def _chat_server(store: Store, *, upstream: str | None, model: str | None, run: 
         backend = open_local_backend(model, cache_dir=default_cache_dir())
     return make_server(backend=backend, upstream=upstream, store=store, run=run, api_key=api_key,
                        upstream_api_key=upstream_api_key, redact_headers=redact_headers,
-                       max_queue=max_queue, max_body_bytes=max_body_bytes)
+                       max_queue=max_queue, max_body_bytes=max_body_bytes,
+                       upstream_timeout=upstream_timeout)
 
 
 @app.command("serve")
@@ -82,24 +94,33 @@ def serve_command(
     port: int = typer.Option(8000, "--port", help="Port to listen on (0: any free port)."),
     run: str = RUN,
     api_key: str = typer.Option(
-        None, "--api-key", envvar="KVTRACE_SERVE_API_KEY",
-        help="Require 'Authorization: Bearer KEY' from clients ($KVTRACE_SERVE_API_KEY).",
+        None, "--api-key", envvar=API_KEY_ENV,
+        help="Require 'Authorization: Bearer KEY' from clients ($KVTRACE_SERVE_API_KEY); "
+        "needed with a --host other than loopback.",
     ),
     upstream_api_key: str = UPSTREAM_KEY,
     redact_header: list[str] = REDACT,
     max_queue: int = MAX_QUEUE,
     max_body_bytes: int = MAX_BODY,
+    upstream_timeout: float = UPSTREAM_TIMEOUT,
 ) -> None:
     """An OpenAI-compatible server that records every call into a run (see docs/serve.md)."""
     from kvtrace.serve import BackgroundServer
+    from kvtrace.serve.runner import is_loopback
 
     if not 0 <= port <= 65535:
         raise UsageError(f"--port {port} is not a port number (0-65535)")
+    if api_key is None and os.environ.get(API_KEY_ENV) == "":
+        raise UsageError(f"${API_KEY_ENV} is set but empty: set it to the key clients must "
+                         "send, or unset it to serve without one")
+    if api_key is None and not is_loopback(host):
+        raise UsageError(f"--host {host} lets other machines reach the server: give --api-key "
+                         f"KEY (or ${API_KEY_ENV}) too, or keep the default 127.0.0.1")
     with open_store(store_url()) as store:
         server = _chat_server(store, upstream=upstream, model=model, run=run, run_prefix="serve",
                               api_key=api_key, upstream_api_key=upstream_api_key,
                               redact_headers=redact_header, max_queue=max_queue,
-                              max_body_bytes=max_body_bytes)
+                              max_body_bytes=max_body_bytes, upstream_timeout=upstream_timeout)
         running = BackgroundServer(server.app, host=host, port=port).start()
         typer.echo(f"kvtrace serve: {running.url} ({server.answerer.description}), recording "
                    f"into run '{server.default_run}' of {store.display_url}; Ctrl-C stops",
@@ -116,24 +137,26 @@ def record_command(
     run: str = RUN,
     upstream_api_key: str = UPSTREAM_KEY,
     redact_header: list[str] = REDACT,
+    upstream_timeout: float = UPSTREAM_TIMEOUT,
 ) -> None:
-    """Run COMMAND against a recording server on a free loopback port (OPENAI_BASE_URL)."""
+    """Run COMMAND against a recording server on a free loopback port (OPENAI_BASE_URL).
+
+    SIGTERM and SIGINT go on to COMMAND, which is waited for."""
     from kvtrace.serve import BackgroundServer
+    from kvtrace.serve.runner import run_command
 
     with open_store(store_url()) as store:
         server = _chat_server(store, upstream=upstream, model=model, run=run, run_prefix="record",
                               api_key=None, upstream_api_key=upstream_api_key,
                               redact_headers=redact_header, max_queue=MAX_QUEUE.default,
-                              max_body_bytes=MAX_BODY.default)
+                              max_body_bytes=MAX_BODY.default,
+                              upstream_timeout=upstream_timeout)
         env = dict(os.environ, OPENAI_BASE_URL="", OPENAI_API_BASE="")
         with BackgroundServer(server.app) as running:
             env["OPENAI_BASE_URL"] = env["OPENAI_API_BASE"] = running.url
             env.setdefault("OPENAI_API_KEY", "kvtrace")  # the SDK refuses to start without one
             typer.echo(f"kvtrace record: run '{server.default_run}', {running.url}", err=True)
-            try:
-                code = subprocess.call(command, env=env)
-            except FileNotFoundError as exc:
-                raise UsageError(f"cannot run {command[0]!r}: no such program") from exc
+            code = run_command(command, env)
     _print_summary(server.stats, default=server.default_run)
     raise typer.Exit(code)
 

@@ -10,16 +10,25 @@ httpx closes its connection) — waited for until it has ended, so that no
 work runs for a client that is gone, and `client_left()` (499, nginx's
 "client closed request") is raised. Nobody reads that answer; the point is
 that nothing after it (a store write) runs. Used before the first byte of
-an answer is sent; a stream the client drops later is Starlette's to notice.
+an answer is sent.
+
+A stream the client drops later is Starlette's to notice: it cancels the
+task sending it, but leaves the stream's generator suspended, to be closed
+whenever the garbage collector gets to it, so the generator's `finally`
+(where a dropped stream is recorded incomplete, and its upstream request
+closed) would run at no known time. `ClosingStream` closes it as the
+response ends, however it ends.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import TypeVar
 
 from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from kvtrace.serve.api import APIError
 
@@ -65,3 +74,20 @@ async def _stopped(task: asyncio.Future[T], stop: Callable[[], None] | None) -> 
 async def _disconnected(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+class ClosingStream(StreamingResponse):
+    """A streamed answer whose generator is closed when the response ends (module docstring)."""
+
+    def __init__(self, events: AsyncIterator[bytes], *, status_code: int = 200,
+                 headers: Mapping[str, str] | None = None, media_type: str | None = None) -> None:
+        super().__init__(events, status_code=status_code, headers=headers, media_type=media_type)
+        self._events = events
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            aclose = getattr(self._events, "aclose", None)
+            if aclose is not None:
+                await aclose()

@@ -48,12 +48,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from kvtrace.errors import GenerationCancelledError, UsageError
 from kvtrace.replay.backend import CallRequest, SamplingParams
 from kvtrace.serve.api import CHAT_PATH, MODELS_PATH, APIError, ChatRequest, parse_chat_request
-from kvtrace.serve.disconnect import client_left, unless_client_leaves
+from kvtrace.serve.disconnect import ClosingStream, client_left, unless_client_leaves
 from kvtrace.serve.recording import Sink, StepWrite
 from kvtrace.store.kinds import TOKEN_IDS_KEY
 from kvtrace.tracer import sse
@@ -158,14 +158,14 @@ class LocalAnswerer:
                 for event in sse.stream_events(reply.completion,
                                                include_usage=chat.includes_usage):
                     if event.startswith(b"data: " + sse.DONE):
-                        await sink.record(reply.step(chat, url))
-                        is_recorded = True
+                        is_recorded = True  # before the wait: the write goes on if we are
+                        await sink.record(reply.step(chat, url))  # cancelled meanwhile
                     yield event
             finally:
                 if not is_recorded:  # the client left early: the answer, marked incomplete
                     sink.record_later(reply.step(chat, url, is_complete=False))
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return ClosingStream(events(), media_type="text/event-stream")
 
     def prepare(self, body: bytes) -> tuple[ChatRequest, list[int]]:
         """The checked request and its prompt's token ids (on the prepare thread)."""

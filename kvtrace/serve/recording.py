@@ -11,9 +11,10 @@ must not be recorded (a 4xx from the upstream) is sent to `DISCARD`.
 
 Store writes run on one worker thread, so the event loop never waits on the
 database: `record` waits for its write (an answer goes out once its step is
-stored), `record_later` does not (a stream the client dropped: nobody waits
-for it). A bad run name in the header is a 400, checked before anything is
-read, answered or recorded. A run a supervisor paused is a 409
+stored; a write once asked for is made, even if the waiting is cancelled),
+`record_later` does not (a stream the client dropped: nobody waits for it).
+A bad run name in the header is a 400, checked before anything is read,
+answered or recorded. A run a supervisor paused is a 409
 (`run_paused`), checked before anything is computed or forwarded
 (`Sink.check_open`); a pause that lands while an answer is computed is the
 same 409 at the append, the answer not delivered.
@@ -139,8 +140,8 @@ class StoreWriter:
 
     async def record(self, run: str, write: StepWrite) -> None:
         loop = asyncio.get_running_loop()
-        try:
-            await loop.run_in_executor(self._worker, self._write, run, write)
+        try:  # shielded: a write the caller stops waiting for (its client left) still happens
+            await asyncio.shield(loop.run_in_executor(self._worker, self._write, run, write))
         except RunPausedError as exc:  # paused after check_open, while the answer was computed
             raise paused_error(run, is_answered=True) from exc
 

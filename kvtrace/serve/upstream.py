@@ -33,11 +33,11 @@ from typing import Any
 
 import httpx
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from kvtrace.errors import UsageError
 from kvtrace.serve.api import CHAT_PATH, APIError, parse_chat_request
-from kvtrace.serve.disconnect import unless_client_leaves
+from kvtrace.serve.disconnect import ClosingStream, unless_client_leaves
 from kvtrace.serve.recording import DISCARD, RUN_HEADER, Sink, StepWrite
 from kvtrace.tracer.exchange import Exchange, decoded_body, record_exchange
 
@@ -135,7 +135,7 @@ class UpstreamAnswerer:
                     sink.record_later(step(b"".join(chunks), first_byte_s, is_complete=False))
                 await response.aclose()
 
-        return StreamingResponse(relay(), status_code=response.status_code, headers=returned)
+        return ClosingStream(relay(), status_code=response.status_code, headers=returned)
 
     def _url_of(self, request: Request) -> str:
         path = request.url.path
