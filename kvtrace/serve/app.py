@@ -12,8 +12,12 @@ is in the answerers.
 Bad input (malformed JSON, wrong types, unknown model, a prompt past the
 context, a body over `max_body_bytes`, a missing or wrong bearer token) is a
 4xx with an OpenAI-style error body (api.py's `APIError`), and nothing is
-recorded. When the server stops, the answerer is closed and the store
-writes still queued are waited for.
+recorded. Anything else that fails while a request is answered (the store's
+database gone, a bug) is a 500 with the same kind of body, logged once with
+its traceback: an exception left to the ASGI server would be a plain-text
+500 that also closes the client's kept-alive connection. When the server
+stops, the answerer is closed and the store writes still queued are waited
+for.
 
 Authentication: with an `api_key`, every `/v1` request needs `Authorization:
 Bearer KEY` (401 otherwise); `GET /health` and `GET /openapi.json` stay open,
@@ -25,7 +29,9 @@ key, or one with a space, would accept an empty token or never match, so
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -41,6 +47,7 @@ from kvtrace.serve.openapi import chat_operation
 from kvtrace.serve.recording import DISCARD, Recording, RunStats
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+_log = logging.getLogger("uvicorn.error")  # where uvicorn logs its own errors
 
 
 class ChatServer:
@@ -107,6 +114,18 @@ class ChatServer:
         return app
 
     async def _answer(self, request: Request) -> Response:
+        try:
+            return await self._answer_checked(request)
+        except (APIError, asyncio.CancelledError):
+            raise
+        except Exception as exc:  # the module docstring: a JSON 500, the connection kept
+            _log.error("kvtrace serve: %s %s failed", request.method, request.url.path,
+                       exc_info=exc)
+            raise APIError(500, f"kvtrace serve failed to answer ({type(exc).__name__}: "
+                           f"{exc}); the server's log has the details", kind="server_error",
+                           code="internal_error") from exc
+
+    async def _answer_checked(self, request: Request) -> Response:
         self._authorize(request)
         sink = self.recording.sink(request)
         if (request.method, request.url.path) == ("POST", CHAT_PATH):

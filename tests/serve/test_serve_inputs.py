@@ -239,3 +239,19 @@ def test_a_long_prompt_is_tokenised_off_the_event_loop(store, serve_local, tiny_
     assert len(latencies) >= 3, "the request was refused before /health was asked"
     assert max(latencies) < tokenising_s / 2, (max(latencies), tokenising_s)
     assert store.runs() == []
+
+
+def test_a_failure_that_is_no_bad_input_is_a_json_500_and_the_connection_stays_usable(
+    store, serve_local, tiny_engine
+):
+    import sqlalchemy as sa
+
+    server = serve_local(store, run="broken")
+    with store.engine.begin() as conn:  # the database loses a table under the server
+        conn.execute(sa.text("DROP TABLE reflog"))
+    with httpx.Client() as http:
+        response = http.post(f"{server.url}/chat/completions", json=chat_body(tiny_engine.name),
+                             timeout=60)
+        error = assert_error(response, 500, "internal_error")
+        assert "StoreError" in error["message"]
+        assert http.get(f"{server.url}/models").status_code == 200  # the same connection
