@@ -6,16 +6,21 @@ Starts the server in its own process (the same ChatServer and uvicorn runner
 as `kvtrace serve`, on 127.0.0.1, port chosen by the kernel) with a new
 SQLite store and KV folder in a temporary directory and explicit cache
 budgets; then N client threads (httpx) send chat requests in turn: plain,
-streamed (with usage), with tools and a tool turn, and extending one
+streamed (with usage), with tools and a tool turn, extending one
 conversation the clients share (each answer appended, so prefixes are
-reused; it starts again past 24 messages). It prints one JSON object:
-requests served and errors (target 0), p50/p95 latency, the server's RSS
-after a warm-up request and at the end against the memory tier's budget
-(plus --other-mib for the rest of the process),
-the disk tier's size against its budget, and the store's fsck after the
-server stopped, with the number of steps recorded (one per answered
-request). Exit code 1 when an error, a missing step, fsck problems or RSS
-growth past the budgets shows up.
+reused; it starts again past 24 messages), and two kinds of clients that
+leave: one that gives up on a long answer after 0.3 s (a client timeout)
+and one that drops a stream after its first event. It prints one JSON
+object: requests served and errors (target 0), p50/p95 latency, the
+server's RSS after a warm-up request and at the end against the memory
+tier's budget (plus --other-mib for the rest of the process), the disk
+tier's size against its budget, and the store's fsck after the server
+stopped, with what was recorded checked request by request (each request's
+last message carries a tag): every answer a client received recorded once,
+complete; no answer a client gave up on recorded as complete; a dropped
+stream recorded at most once. Exit code 1 when an error, a missing or
+duplicated step, an undelivered answer recorded complete, fsck problems or
+RSS growth past the budgets shows up.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -36,6 +42,9 @@ import httpx
 
 RUN = "soak"
 MAX_TOKENS = 12
+LONG_TOKENS = 1000  # an answer no client waits for: seconds of decoding on any model here
+GIVE_UP_S = 0.3
+KINDS = ("plain", "stream", "tools", "shared", "gives_up", "drops_stream")
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -118,6 +127,9 @@ class Clients:
         self.errors: list[str] = []
         self.kinds: dict[str, int] = {}
         self.num_streamed_done = 0
+        self.delivered: set[str] = set()  # tags of the answers a client received in full
+        self.abandoned: set[str] = set()  # tags of requests whose client gave up before
+        self.dropped: set[str] = set()  # tags of streams dropped after their first event
         self._lock = threading.Lock()
         self._conversation: list[dict[str, Any]] = [SYSTEM]
 
@@ -134,18 +146,20 @@ class Clients:
         with httpx.Client(base_url=self.url, timeout=120) as http:
             turn = index
             while time.monotonic() < deadline:
-                kind = ("plain", "stream", "tools", "shared")[turn % 4]
+                kind = KINDS[turn % len(KINDS)]
                 turn += 1
                 started = time.perf_counter()
                 try:
-                    getattr(self, f"_{kind}")(http, index, turn)
+                    is_served = getattr(self, f"_{kind}")(http, index, turn) is not False
                 except Exception as exc:  # every failure is counted and named, none stops us
                     with self._lock:
                         self.errors.append(f"{kind}: {type(exc).__name__}: {exc}"[:300])
                     continue
                 with self._lock:
-                    self.latencies.append(time.perf_counter() - started)
                     self.kinds[kind] = self.kinds.get(kind, 0) + 1
+                    if is_served:
+                        self.latencies.append(time.perf_counter() - started)
+                        self.delivered.add(tag(index, turn))
 
     def _post(self, http: httpx.Client, messages: list[dict[str, Any]],
               **options: Any) -> dict[str, Any]:
@@ -157,12 +171,13 @@ class Clients:
 
     def _plain(self, http: httpx.Client, index: int, turn: int) -> None:
         self._post(http, [SYSTEM, {"role": "user", "content": f"Client {index}, turn {turn}: "
-                                   "name a colour."}])
+                                   f"name a colour. {tag(index, turn)}"}])
 
     def _stream(self, http: httpx.Client, index: int, turn: int) -> None:
         body = {"model": self.model, "max_tokens": MAX_TOKENS, "stream": True,
                 "stream_options": {"include_usage": True},
-                "messages": [SYSTEM, {"role": "user", "content": f"Count to {turn % 7 + 2}."}]}
+                "messages": [SYSTEM, {"role": "user", "content": f"Count to {turn % 7 + 2}. "
+                                      f"{tag(index, turn)}"}]}
         with http.stream("POST", "/chat/completions", json=body) as response:
             if response.status_code != 200:
                 raise RuntimeError(f"HTTP {response.status_code}")
@@ -175,13 +190,15 @@ class Clients:
     def _tools(self, http: httpx.Client, index: int, turn: int) -> None:
         city = ("Oslo", "Paris", "Lima", "Kyoto")[turn % 4]
         messages: list[dict[str, Any]] = [
-            SYSTEM, {"role": "user", "content": f"What is the weather in {city}?"}]
+            SYSTEM, {"role": "user", "content": f"What is the weather in {city}? "
+                     f"{tag(index, turn)}"}]
         if turn % 2:
             messages += [
                 {"role": "assistant", "content": None, "tool_calls": [{
                     "id": f"call_{index}_{turn}", "type": "function",
                     "function": {"name": "get_weather", "arguments": json.dumps({"city": city})}}]},
-                {"role": "tool", "tool_call_id": f"call_{index}_{turn}", "content": "sunny, 21 C"},
+                {"role": "tool", "tool_call_id": f"call_{index}_{turn}",
+                 "content": f"sunny, 21 C {tag(index, turn)}"},
             ]
         self._post(http, messages, tools=TOOLS, tool_choice="auto")
 
@@ -190,12 +207,45 @@ class Clients:
             if len(self._conversation) > 24:
                 self._conversation = [SYSTEM]
             messages = [*self._conversation,
-                        {"role": "user", "content": f"Client {index} adds point {turn}."}]
+                        {"role": "user", "content": f"Client {index} adds point {turn}. "
+                         f"{tag(index, turn)}"}]
         answer = self._post(http, messages)["choices"][0]["message"]
         with self._lock:
             if len(self._conversation) == len(messages) - 1:  # nobody extended it meanwhile
                 self._conversation = [*messages, {"role": "assistant",
                                                   "content": answer.get("content") or ""}]
+
+    def _gives_up(self, http: httpx.Client, index: int, turn: int) -> bool:
+        """A client that times out waiting for a long answer; False when it gave up."""
+        body = {"model": self.model, "max_tokens": LONG_TOKENS, "messages": [
+            SYSTEM, {"role": "user", "content": f"Write a long story. {tag(index, turn)}"}]}
+        try:
+            response = http.post("/chat/completions", json=body, timeout=GIVE_UP_S)
+        except httpx.TimeoutException:
+            with self._lock:
+                self.abandoned.add(tag(index, turn))
+            return False
+        if response.status_code != 200:
+            raise RuntimeError(f"HTTP {response.status_code}: {response.text[:200]}")
+        return True  # it was answered within GIVE_UP_S after all: delivered
+
+    def _drops_stream(self, http: httpx.Client, index: int, turn: int) -> bool:
+        """A client that reads a stream's first event, then closes the connection."""
+        body = {"model": self.model, "max_tokens": MAX_TOKENS, "stream": True, "messages": [
+            SYSTEM, {"role": "user", "content": f"Count to nine. {tag(index, turn)}"}]}
+        with httpx.stream("POST", f"{self.url}/chat/completions", json=body,
+                          timeout=120) as response:
+            if response.status_code != 200:
+                raise RuntimeError(f"HTTP {response.status_code}")
+            next(response.iter_lines())
+        with self._lock:
+            self.dropped.add(tag(index, turn))
+        return False
+
+
+def tag(index: int, turn: int) -> str:
+    """The mark of one request, in its last message: how its step is found again."""
+    return f"[req {index}.{turn}]"
 
 
 # -- the soak -------------------------------------------------------------------------------
@@ -219,6 +269,7 @@ def soak(folder: Path, args: argparse.Namespace) -> dict[str, Any]:
         clients = Clients(started["url"], started["model"])
         with httpx.Client(base_url=started["url"], timeout=120) as http:
             clients._plain(http, -1, 0)  # warm-up: torch's first allocations are not growth
+        clients.delivered.add(tag(-1, 0))
         rss_start = _rss_bytes(child.pid)
         rss_peak = rss_start
         sampling = threading.Event()
@@ -233,6 +284,7 @@ def soak(folder: Path, args: argparse.Namespace) -> dict[str, Any]:
         began = time.monotonic()
         clients.run(args.clients, args.seconds)
         elapsed = time.monotonic() - began
+        health = httpx.get(started["url"].removesuffix("/v1") + "/health", timeout=120).json()
         sampling.set()
         sampler.join()
         rss_end = _rss_bytes(child.pid)
@@ -244,16 +296,47 @@ def soak(folder: Path, args: argparse.Namespace) -> dict[str, Any]:
             child.kill()
             child.wait()
     return _report(folder, args, clients, elapsed=elapsed, code=code, rss=(rss_start, rss_end,
-                   rss_peak), disk_bytes=disk_bytes)
+                   rss_peak), disk_bytes=disk_bytes, num_cancelled=health["queue"]["cancelled"])
+
+
+def _recorded(store: Any, clients: Clients) -> dict[str, Any]:
+    """What the store holds, request by request (by the tag in each step's last message)."""
+    steps: dict[str, list[bool]] = {}  # tag -> the `complete` flag of each step with it
+    untagged = 0
+    for step in store.path(RUN):
+        found = re.search(r"\[req -?\d+\.\d+\]", json.dumps(step.content["messages"][-1]))
+        if found is None:
+            untagged += 1
+            continue
+        steps.setdefault(found.group(), []).append(step.meta["extra"]["http"]["complete"])
+    once = sum(steps.get(t) == [True] for t in clients.delivered)
+    return {
+        "steps": sum(len(flags) for flags in steps.values()) + untagged,
+        "delivered_recorded_once_complete": once,
+        "delivered_not_recorded_once": len(clients.delivered) - once,
+        "undelivered_recorded_complete": sum(
+            True in steps.get(t, []) for t in clients.abandoned),
+        "undelivered_recorded_incomplete": sum(
+            False in steps.get(t, []) for t in clients.abandoned),
+        "dropped_streams_recorded": {
+            "complete": sum(steps.get(t) == [True] for t in clients.dropped),
+            "incomplete": sum(steps.get(t) == [False] for t in clients.dropped),
+            "not_once": sum(len(steps.get(t, [])) != 1 for t in clients.dropped),
+        },
+        "unknown_steps": untagged + sum(
+            len(flags) for t, flags in steps.items()
+            if t not in clients.delivered | clients.abandoned | clients.dropped),
+    }
 
 
 def _report(folder: Path, args: argparse.Namespace, clients: Clients, *, elapsed: float,
-            code: int, rss: tuple[int, int, int], disk_bytes: int) -> dict[str, Any]:
+            code: int, rss: tuple[int, int, int], disk_bytes: int,
+            num_cancelled: int) -> dict[str, Any]:
     from kvtrace import open_store
 
     with open_store(f"sqlite:///{folder / 'store.db'}") as store:
         fsck = store.fsck()
-        num_recorded = len(store.path(RUN))
+        recorded = _recorded(store, clients)
     served = len(clients.latencies)
     latencies = sorted(clients.latencies)
     memory_budget = args.memory_mib * 2**20
@@ -272,7 +355,9 @@ def _report(folder: Path, args: argparse.Namespace, clients: Clients, *, elapsed
             "p95": round(latencies[int(0.95 * (len(latencies) - 1))], 3) if latencies else None,
             "max": round(latencies[-1], 3) if latencies else None,
         },
-        "steps_recorded": num_recorded - 1,  # less the warm-up request
+        "requests_abandoned": len(clients.abandoned), "streams_dropped": len(clients.dropped),
+        "cancelled_by_the_server": num_cancelled,
+        "recorded": recorded,
         "server_rss_mib": {"start": round(rss_start / 2**20, 1), "end": round(rss_end / 2**20, 1),
                            "peak": round(rss_peak / 2**20, 1),
                            "growth": round((rss_end - rss_start) / 2**20, 1)},
@@ -282,7 +367,11 @@ def _report(folder: Path, args: argparse.Namespace, clients: Clients, *, elapsed
         "server_exit_code": code,
         "fsck": fsck.to_dict(),
     }
-    report["ok"] = (not clients.errors and served > 0 and num_recorded - 1 == served
+    report["ok"] = (not clients.errors and served > 0
+                    and recorded["delivered_not_recorded_once"] == 0
+                    and recorded["undelivered_recorded_complete"] == 0
+                    and recorded["dropped_streams_recorded"]["not_once"] == 0
+                    and recorded["unknown_steps"] == 0
                     and fsck.is_ok and is_rss_ok and disk_bytes <= args.disk_mib * 2**20
                     and code == 0)
     return report

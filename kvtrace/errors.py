@@ -19,6 +19,7 @@
     ├── CacheError               the KV cache cannot serve a request
     │   └── BlockWriteError      a KV block could not be written to disk (full, read-only);
     │                            the disk tier logs it and goes on without the block
+    ├── GenerationCancelledError the caller cancelled a generation (a server's client left)
     ├── ReplayError              replay or continue cannot proceed
     │   ├── MissingToolError     a continued run asked for a tool nobody registered
     │   └── BackendError         a remote OpenAI-compatible backend failed (from httpx)
@@ -117,6 +118,10 @@ class BlockWriteError(CacheError):
     The disk tier is a cache: its callers log this (engine/faults.py) and go
     on computing without the block.
     """
+
+
+class GenerationCancelledError(KvtraceError):
+    """The caller cancelled a generation between two decode steps; its output was not kept."""
 
 
 class ReplayError(KvtraceError):

@@ -11,6 +11,8 @@ tracer's transports and `kvtrace serve --upstream` are tested against it
 from __future__ import annotations
 
 import json
+import select
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -71,6 +73,7 @@ class CannedUpstream:
     def __init__(self) -> None:
         self.seen: list[dict[str, Any]] = []
         self.release = threading.Event()
+        self.abandoned: list[str] = []
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -80,6 +83,15 @@ class CannedUpstream:
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
+
+            def _hang(self) -> bool:
+                """Wait for `release`; False when the client closed the connection first."""
+                while not server.release.wait(0.02):
+                    readable, _, _ = select.select([self.connection], [], [], 0)
+                    if readable and not self.connection.recv(1, socket.MSG_PEEK):
+                        server.abandoned.append(self.path)
+                        return False
+                return True
 
             def _headers(self) -> dict[str, str]:
                 return {k.lower(): v for k, v in self.headers.items()}
@@ -102,6 +114,10 @@ class CannedUpstream:
                                "application/json")
                     return
                 last = body["messages"][-1]
+                if last.get("content") == "hang" and not body.get("stream"):
+                    if self._hang():
+                        self._send(200, CANNED_COMPLETION, "application/json")
+                    return
                 if body.get("stream"):
                     self.send_response(200)
                     self.send_header("Content-Type", "text/event-stream")
@@ -111,7 +127,7 @@ class CannedUpstream:
                         self.wfile.write(event)
                         self.wfile.flush()
                     if last.get("content") == "hang":
-                        server.release.wait(timeout=60)
+                        self._hang()
                     return
                 answer = CANNED_TEXT_COMPLETION if last["role"] == "tool" else CANNED_COMPLETION
                 self._send(200, answer, "application/json")

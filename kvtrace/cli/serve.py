@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import subprocess
 import sys
 from typing import TYPE_CHECKING, Annotated
 
@@ -41,15 +40,23 @@ Redact = Annotated[list[str] | None, typer.Option(
     "--redact-header",
     help="Another header whose value must never be stored (repeatable); Authorization, "
     "api-key, x-api-key and cookies always are.")]
+UpstreamTimeout = Annotated[float, typer.Option(
+    "--upstream-timeout",
+    help="Upstream mode: seconds the upstream may take to connect or to send the next bytes "
+    "of its answer (past it, 504).")]
 MAX_QUEUE = 16
 MAX_BODY_BYTES = 16 * 1024 * 1024
+UPSTREAM_TIMEOUT_S = 600.0
+API_KEY_ENV = "KVTRACE_SERVE_API_KEY"
 
 
 def _chat_server(store: Store, *, upstream: str | None, model: str | None, run: str | None,
                  run_prefix: str, api_key: str | None, upstream_api_key: str | None,
-                 redact_headers: list[str], max_queue: int, max_body_bytes: int) -> ChatServer:
+                 redact_headers: list[str], max_queue: int, max_body_bytes: int,
+                 upstream_timeout: float) -> ChatServer:
     """Check the options (before any model loads), then build the server."""
     from kvtrace.serve import make_server
+    from kvtrace.serve.app import check_api_key
     from kvtrace.serve.recording import new_run_name
 
     if upstream is not None and model is not None:
@@ -58,6 +65,10 @@ def _chat_server(store: Store, *, upstream: str | None, model: str | None, run: 
         raise UsageError(f"--upstream {upstream!r} must start with http:// or https://")
     if max_queue < 0 or max_body_bytes < 1:
         raise UsageError("--max-queue must be >= 0 and --max-body-bytes >= 1")
+    if not upstream_timeout > 0:
+        raise UsageError(f"--upstream-timeout must be > 0 seconds, not {upstream_timeout}")
+    check_api_key(api_key, "--api-key")
+    check_api_key(upstream_api_key, "--upstream-api-key")
     run = validate_run_name(run) if run is not None else new_run_name(store, run_prefix)
     backend = None
     if upstream is None:
@@ -66,7 +77,8 @@ def _chat_server(store: Store, *, upstream: str | None, model: str | None, run: 
         backend = open_local_backend(model, cache_dir=default_cache_dir())
     return make_server(backend=backend, upstream=upstream, store=store, run=run, api_key=api_key,
                        upstream_api_key=upstream_api_key, redact_headers=redact_headers,
-                       max_queue=max_queue, max_body_bytes=max_body_bytes)
+                       max_queue=max_queue, max_body_bytes=max_body_bytes,
+                       upstream_timeout=upstream_timeout)
 
 
 @app.command("serve")
@@ -81,8 +93,9 @@ def serve_command(
         "--port", help="Port to listen on (0: any free port).")] = 8000,
     run: Run = None,
     api_key: Annotated[str | None, typer.Option(
-        "--api-key", envvar="KVTRACE_SERVE_API_KEY",
-        help="Require 'Authorization: Bearer KEY' from clients ($KVTRACE_SERVE_API_KEY).")] = None,
+        "--api-key", envvar=API_KEY_ENV,
+        help="Require 'Authorization: Bearer KEY' from clients ($KVTRACE_SERVE_API_KEY); "
+        "needed with a --host other than loopback.")] = None,
     upstream_api_key: UpstreamKey = None,
     redact_header: Redact = None,
     max_queue: Annotated[int, typer.Option(
@@ -90,22 +103,29 @@ def serve_command(
         help="Local mode: requests that may wait for the engine; past it, 429.")] = MAX_QUEUE,
     max_body_bytes: Annotated[int, typer.Option(
         "--max-body-bytes", help="Largest request body accepted (else 413).")] = MAX_BODY_BYTES,
+    upstream_timeout: UpstreamTimeout = UPSTREAM_TIMEOUT_S,
     as_json: Json = False,
 ) -> None:
     """An OpenAI-compatible server that records every call into a run (see docs/serve.md)."""
     from kvtrace.serve import BackgroundServer
+    from kvtrace.serve.runner import is_loopback
 
     if not 0 <= port <= 65535:
         raise UsageError(f"--port {port} is not a port number (0-65535)")
+    if api_key is None and os.environ.get(API_KEY_ENV) == "":
+        raise UsageError(f"${API_KEY_ENV} is set but empty: set it to the key clients must "
+                         "send, or unset it to serve without one")
+    if api_key is None and not is_loopback(host):
+        raise UsageError(f"--host {host} lets other machines reach the server: give --api-key "
+                         f"KEY (or ${API_KEY_ENV}) too, or keep the default 127.0.0.1")
     with open_store(store_url(ctx)) as store:
         server = _chat_server(store, upstream=upstream, model=model, run=run, run_prefix="serve",
                               api_key=api_key, upstream_api_key=upstream_api_key,
                               redact_headers=redact_header or [], max_queue=max_queue,
-                              max_body_bytes=max_body_bytes)
+                              max_body_bytes=max_body_bytes, upstream_timeout=upstream_timeout)
         running = BackgroundServer(server.app, host=host, port=port).start()
-        say(f"kvtrace serve: {running.url} ({server.answerer.description}), recording "
-                   f"into run '{server.default_run}' of {store.display_url}; Ctrl-C stops",
-                   err=True)
+        say(f"kvtrace serve: {running.url} ({server.answerer.description}), recording into run "
+            f"'{server.default_run}' of {store.display_url}; Ctrl-C stops", err=True)
         running.wait()
     if as_json:
         print_json(_summary(server.stats))
@@ -122,25 +142,26 @@ def record_command(
     run: Run = None,
     upstream_api_key: UpstreamKey = None,
     redact_header: Redact = None,
+    upstream_timeout: UpstreamTimeout = UPSTREAM_TIMEOUT_S,
     as_json: Json = False,
 ) -> None:
-    """Run COMMAND against a recording server on a free loopback port (OPENAI_BASE_URL)."""
+    """Run COMMAND against a recording server on a free loopback port (OPENAI_BASE_URL).
+
+    SIGTERM and SIGINT go on to COMMAND, which is waited for."""
     from kvtrace.serve import BackgroundServer
+    from kvtrace.serve.runner import run_command
 
     with open_store(store_url(ctx)) as store:
         server = _chat_server(store, upstream=upstream, model=model, run=run, run_prefix="record",
                               api_key=None, upstream_api_key=upstream_api_key,
                               redact_headers=redact_header or [], max_queue=MAX_QUEUE,
-                              max_body_bytes=MAX_BODY_BYTES)
+                              max_body_bytes=MAX_BODY_BYTES, upstream_timeout=upstream_timeout)
         env = dict(os.environ, OPENAI_BASE_URL="", OPENAI_API_BASE="")
         with BackgroundServer(server.app) as running:
             env["OPENAI_BASE_URL"] = env["OPENAI_API_BASE"] = running.url
             env.setdefault("OPENAI_API_KEY", "kvtrace")  # the SDK refuses to start without one
             say(f"kvtrace record: run '{server.default_run}', {running.url}", err=True)
-            try:
-                code = subprocess.call(command, env=env)
-            except FileNotFoundError as exc:
-                raise UsageError(f"cannot run {command[0]!r}: no such program") from exc
+            code = run_command(command, env)
     if as_json:
         sys.stdout.flush()
         print_json({"run": server.default_run, "exit_code": code, **_summary(server.stats)})

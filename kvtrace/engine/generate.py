@@ -35,7 +35,7 @@ margin, and half precision was not measured.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
@@ -44,7 +44,7 @@ import torch
 from kvtrace.engine.cache import KVCache
 from kvtrace.engine.model import Engine
 from kvtrace.engine.prefill import PrefillResult, prefill
-from kvtrace.errors import UsageError
+from kvtrace.errors import GenerationCancelledError, UsageError
 
 
 class DraftVerdict(StrEnum):
@@ -108,6 +108,7 @@ def generate(
     block_size: int | None = None,
     draft_ids: Sequence[int] | None = None,
     defer_output: bool = False,
+    is_cancelled: Callable[[], bool] | None = None,
 ) -> GenerateResult:
     """Prefill `prompt_ids`, then decode up to `max_new_tokens` tokens.
 
@@ -120,7 +121,10 @@ def generate(
     a whole generation (no stop token inside, ending on one or at
     `max_new_tokens`); the result is what decoding gives either way.
     `defer_output` leaves a decoded output owed to the cache instead of
-    re-prefilling it (module docstring); it changes no token.
+    re-prefilling it (module docstring); it changes no token. `is_cancelled`
+    is asked before each decode step: when it says True, generation stops
+    with GenerationCancelledError, and the output so far is not cached (the
+    prompt, prefilled, stays cached).
     """
     if max_new_tokens < 0:
         raise UsageError("max_new_tokens must be >= 0")
@@ -168,6 +172,8 @@ def generate(
     logits = pre.logits
     with torch.inference_mode():
         for step in range(max_new_tokens):
+            if is_cancelled is not None and is_cancelled():
+                raise GenerationCancelledError(f"generation cancelled after {step} tokens")
             token = _choose(logits, temperature, top_p, generator)
             out.append(token)
             if token in stops:

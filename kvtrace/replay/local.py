@@ -91,7 +91,10 @@ class LocalBackend:
     def without_cache(self) -> Backend:
         return LocalBackend(self._engine, None, defer_output=self._defer_output)
 
-    def generate(self, request: CallRequest) -> CallResult:
+    def generate(self, request: CallRequest, *,
+                 is_cancelled: Callable[[], bool] | None = None) -> CallResult:
+        """`request`'s answer; `is_cancelled` may stop it between decode steps (the engine's
+        `generate`: GenerationCancelledError)."""
         from kvtrace.engine import generate
 
         prompt = self._prompt_ids(request)
@@ -106,6 +109,7 @@ class LocalBackend:
             seed=params.seed,
             draft_ids=request.draft_ids,
             defer_output=self._defer_output,
+            is_cancelled=is_cancelled,
         )
         ids = list(out.token_ids)
         # A backend that stores its output reports only KV the cache held,

@@ -4,6 +4,7 @@
 `app` with `BackgroundServer` (runner.py) or any ASGI server. The modules:
 
 - app.py: `ChatServer`, the routes, the bearer-token and body-size checks;
+- disconnect.py: work stopped when its client leaves before the answer;
 - answerer.py: the `Answerer` interface the app calls, implemented by
   local.py (`LocalAnswerer`: the engine, through replay's local backend) and
   upstream.py (`UpstreamAnswerer`: forwards to another server);
@@ -25,10 +26,10 @@ from typing import TYPE_CHECKING
 
 from kvtrace.errors import UsageError
 from kvtrace.serve.answerer import Answerer
-from kvtrace.serve.app import DEFAULT_MAX_BODY_BYTES, ChatServer
+from kvtrace.serve.app import DEFAULT_MAX_BODY_BYTES, ChatServer, check_api_key
 from kvtrace.serve.recording import Recording, RunStats
 from kvtrace.serve.runner import BackgroundServer
-from kvtrace.serve.upstream import UpstreamAnswerer
+from kvtrace.serve.upstream import DEFAULT_TIMEOUT_S, UpstreamAnswerer
 
 if TYPE_CHECKING:
     from kvtrace.replay.local import LocalBackend
@@ -50,6 +51,7 @@ def make_server(
     redact_headers: Iterable[str] = (),
     max_queue: int = DEFAULT_MAX_QUEUE,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    upstream_timeout: float = DEFAULT_TIMEOUT_S,
 ) -> ChatServer:
     """A server answered by `backend` (the local engine) or by `upstream` (a base URL with
     its API prefix, e.g. http://host:8080/v1): exactly one of the two.
@@ -61,10 +63,13 @@ def make_server(
     `upstream_api_key`: the one sent upstream instead; `redact_headers`:
     headers never stored, besides the built-in secret ones; `max_queue`:
     local requests that may wait for the engine (past it, 429);
-    `max_body_bytes`: the largest request body (past it, 413).
+    `max_body_bytes`: the largest request body (past it, 413);
+    `upstream_timeout`: seconds the upstream may take for each wait (to
+    connect, for the next bytes of its answer; past it, 504).
     """
     if max_body_bytes < 1:
         raise UsageError(f"max_body_bytes must be >= 1, not {max_body_bytes}")
+    check_api_key(upstream_api_key, "upstream_api_key")
     answerer: Answerer
     if backend is not None and upstream is None:
         from kvtrace.serve.local import LocalAnswerer  # imports replay: not for upstream mode
@@ -72,7 +77,8 @@ def make_server(
         answerer = LocalAnswerer(backend, max_queue=max_queue)
     elif upstream is not None and backend is None:
         answerer = UpstreamAnswerer(upstream, api_key=upstream_api_key,
-                                    forwards_authorization=api_key is None)
+                                    forwards_authorization=api_key is None,
+                                    timeout=upstream_timeout)
     else:
         raise UsageError("make_server answers from a local backend or from an upstream URL: "
                          "give exactly one of backend= and upstream=")

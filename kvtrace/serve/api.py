@@ -9,21 +9,36 @@ store/messages.py), `model`, `tools`, `tool_choice`, `temperature` (0-2),
 `top_p` (0-1], `seed`, `max_tokens`/`max_completion_tokens` (>= 1), `stop`
 (a string or up to 4), `n` (1 only, in local mode), `stream`,
 `stream_options`; other fields are passed on (upstream) or recorded as params
-(local) unchecked. `CHAT_PATH` and `MODELS_PATH` are the two endpoints the
-server itself knows.
+(local), their values checked only as the store would check them.
+
+The body must be sent as `application/json` (else 415) and be JSON the
+store can keep, whatever field a value is in: no NaN or infinity (Python's
+parser takes them, the store's canonical encoding does not), no nesting
+past `MAX_BODY_DEPTH` (the store keeps `MAX_DEPTH` levels, and a step puts
+a request's values a few levels down), no text that is not Unicode (a lone
+surrogate, which no tokenizer or database takes), no integer wider than the
+store's `MAX_INT_BITS`. The walk is iterative, so no body, however deep,
+reaches a recursive function. `CHAT_PATH` and `MODELS_PATH` are the two
+endpoints the server itself knows.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
 from kvtrace.errors import UsageError
+from kvtrace.store.encoding import MAX_DEPTH, MAX_INT_BITS
 from kvtrace.store.messages import normalize_messages, normalize_tools
 
 CHAT_PATH = "/v1/chat/completions"
 MODELS_PATH = "/v1/models"
+JSON_MEDIA_TYPE = "application/json"
+# A step stores a request's values a few containers down (meta.params.NAME,
+# content.messages): the body keeps that much below the store's own limit.
+MAX_BODY_DEPTH = MAX_DEPTH - 8
 
 
 class APIError(Exception):
@@ -85,12 +100,85 @@ class ChatRequest:
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # what a 64-bit generator seed holds
 
 
+def check_content_type(content_type: str | None) -> None:
+    """A chat request is JSON, declared so (a charset parameter is fine); else 415."""
+    media_type = (content_type or "").split(";")[0].strip().lower()
+    if media_type != JSON_MEDIA_TYPE:
+        what = f"Content-Type {content_type!r}" if content_type else "no Content-Type"
+        raise APIError(415, f"the request was sent with {what}: send the body as JSON, with "
+                       f"'Content-Type: {JSON_MEDIA_TYPE}'", code="unsupported_media_type")
+
+
 def parse_json(data: bytes) -> Any:
+    """The JSON value of a request body, checked as the store would check it (module docstring)."""
     try:
-        return json.loads(data)
+        value = json.loads(data, parse_constant=_refuse_constant, parse_float=_finite_float)
+    except RecursionError as exc:
+        raise APIError(400, f"the request body is nested more than {MAX_BODY_DEPTH} levels "
+                       "deep", code="invalid_value") from exc
     except (ValueError, UnicodeDecodeError) as exc:
         raise APIError(400, f"the request body is not valid JSON ({exc}); send a JSON "
                        "object with model and messages") from exc
+    check_storable(value)
+    return value
+
+
+def check_storable(body: Any) -> None:
+    """Refuse, as a 400 naming where, a value of `body` the store could not record."""
+    stack: list[tuple[Any, int, tuple[Any, ...]]] = [(body, 0, ())]
+    while stack:
+        value, depth, where = stack.pop()
+        if isinstance(value, str):
+            if not value.isascii() and not _is_unicode(value):
+                raise APIError(400, f"{_path(where)} is not valid Unicode (it holds a lone "
+                               "surrogate, such as \\ud800): send UTF-8 text",
+                               code="invalid_value")
+        elif isinstance(value, int) and not isinstance(value, bool):
+            if value.bit_length() > MAX_INT_BITS:
+                raise APIError(400, f"{_path(where)} is an integer of {value.bit_length()} "
+                               f"bits: at most {MAX_INT_BITS} bits can be recorded",
+                               code="invalid_value")
+        elif isinstance(value, (dict, list)):
+            if depth >= MAX_BODY_DEPTH:
+                raise APIError(400, f"{_path(where)} is nested more than {MAX_BODY_DEPTH} "
+                               "levels deep", code="invalid_value")
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            for key, item in items:
+                if isinstance(key, str) and not key.isascii() and not _is_unicode(key):
+                    raise APIError(400, f"a key in {_path(where)} is not valid Unicode (a lone "
+                                   "surrogate): send UTF-8 text", code="invalid_value")
+                stack.append((item, depth + 1, (where, key)))
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _path(where: tuple[Any, ...]) -> str:
+    """`where` (nested (parent, key) pairs) as "body.messages[0].content"."""
+    keys: list[Any] = []
+    while where:
+        where, key = where
+        keys.append(key)
+    return "body" + "".join(f"[{key}]" if isinstance(key, int) else f".{key}"
+                            for key in reversed(keys))
+
+
+def _refuse_constant(name: str) -> Any:
+    raise APIError(400, f"the request body holds {name}, which is not a JSON number: send "
+                   "finite numbers only", code="invalid_value")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise APIError(400, f"the number {text[:40]} is past the range of a double: send "
+                       "finite numbers only", code="invalid_value")
+    return value
 
 
 def parse_chat_request(data: bytes, *, is_local: bool) -> ChatRequest:

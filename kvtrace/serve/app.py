@@ -12,13 +12,26 @@ is in the answerers.
 Bad input (malformed JSON, wrong types, unknown model, a prompt past the
 context, a body over `max_body_bytes`, a missing or wrong bearer token) is a
 4xx with an OpenAI-style error body (api.py's `APIError`), and nothing is
-recorded. When the server stops, the answerer is closed and the store
-writes still queued are waited for.
+recorded. Anything else that fails while a request is answered (the store's
+database gone, a bug) is a 500 with the same kind of body, logged once with
+its traceback: an exception left to the ASGI server would be a plain-text
+500 that also closes the client's kept-alive connection. When the server
+stops, the answerer is closed and the store writes still queued are waited
+for.
+
+Authentication: with an `api_key`, every `/v1` request needs `Authorization:
+Bearer KEY` (401 otherwise); `GET /health` and `GET /openapi.json` stay open,
+as they describe the server and hold nothing recorded. A key is visible
+ASCII without spaces (what a bearer token is made of, RFC 6750): an empty
+key, or one with a space, would accept an empty token or never match, so
+`check_api_key` refuses it when the server is made.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -27,12 +40,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvtrace.errors import UsageError
 from kvtrace.serve.answerer import Answerer
-from kvtrace.serve.api import CHAT_PATH, MODELS_PATH, APIError
+from kvtrace.serve.api import CHAT_PATH, MODELS_PATH, APIError, check_content_type
 from kvtrace.serve.openapi import chat_operation
 from kvtrace.serve.recording import DISCARD, Recording, RunStats
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+_log = logging.getLogger("uvicorn.error")  # where uvicorn logs its own errors
 
 
 class ChatServer:
@@ -42,7 +57,7 @@ class ChatServer:
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
         self.answerer = answerer
         self.recording = recording
-        self.api_key = api_key
+        self.api_key = check_api_key(api_key)
         self.max_body_bytes = max_body_bytes
         self.app = self._build_app()
 
@@ -99,9 +114,25 @@ class ChatServer:
         return app
 
     async def _answer(self, request: Request) -> Response:
+        try:
+            return await self._answer_checked(request)
+        except (APIError, asyncio.CancelledError):
+            raise
+        except Exception as exc:  # the module docstring: a JSON 500, the connection kept
+            _log.error("kvtrace serve: %s %s failed", request.method, request.url.path,
+                       exc_info=exc)
+            raise APIError(500, f"kvtrace serve failed to answer ({type(exc).__name__}: "
+                           f"{exc}); the server's log has the details", kind="server_error",
+                           code="internal_error") from exc
+
+    async def _answer_checked(self, request: Request) -> Response:
         self._authorize(request)
         sink = self.recording.sink(request)
-        return await self.answerer.answer(request, await self._body(request), sink)
+        if (request.method, request.url.path) == ("POST", CHAT_PATH):
+            check_content_type(request.headers.get("content-type"))
+        body = await self._body(request)
+        await sink.check_open()
+        return await self.answerer.answer(request, body, sink)
 
     def _authorize(self, request: Request) -> None:
         if self.api_key is None:
@@ -130,3 +161,16 @@ class ChatServer:
                 raise too_big
             chunks.append(chunk)
         return b"".join(chunks)
+
+
+def check_api_key(key: str | None, name: str = "api_key") -> str | None:
+    """`key` when it can be a bearer token (module docstring), else UsageError naming `name`."""
+    if key is None:
+        return None
+    if not key:
+        raise UsageError(f"{name} is empty: give the key clients must send, or leave {name} "
+                         "out to serve without one")
+    if not all("!" <= char <= "~" for char in key):
+        raise UsageError(f"{name} must be visible ASCII characters without spaces (a bearer "
+                         "token); this one has a space, a control or a non-ASCII character")
+    return key

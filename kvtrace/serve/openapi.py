@@ -97,6 +97,7 @@ def chat_operation(model: str | None = None) -> dict[str, Any]:
                     "`stream` is true; recorded as a model_call step",
                     "content": {"application/json": {"schema": {"type": "object"}},
                                 "text/event-stream": {"schema": {"type": "string"}}}},
-            **{status: error for status in ("400", "401", "404", "413", "429")},
+            **{status: error for status in ("400", "401", "404", "409", "413", "415", "429",
+                                            "502", "504")},
         },
     }

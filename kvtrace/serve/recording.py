@@ -11,9 +11,13 @@ must not be recorded (a 4xx from the upstream) is sent to `DISCARD`.
 
 Store writes run on one worker thread, so the event loop never waits on the
 database: `record` waits for its write (an answer goes out once its step is
-stored), `record_later` does not (a stream the client dropped: nobody waits
-for it). A bad run name in the header is a 400, checked before anything is
-read, answered or recorded.
+stored; a write once asked for is made, even if the waiting is cancelled),
+`record_later` does not (a stream the client dropped: nobody waits for it).
+A bad run name in the header is a 400, checked before anything is read,
+answered or recorded. A run a supervisor paused is a 409
+(`run_paused`), checked before anything is computed or forwarded
+(`Sink.check_open`); a pause that lands while an answer is computed is the
+same 409 at the append, the answer not delivered.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Protocol
 
-from kvtrace.errors import UsageError
+from kvtrace.errors import RunNotFoundError, RunPausedError, UsageError
 from kvtrace.serve.api import APIError
 from kvtrace.store import ModelCall, Step, StepKind, Store, validate_run_name
 from kvtrace.tracer.recorder import Recorder
@@ -66,6 +70,9 @@ class RunStats:
 class Sink(Protocol):
     """Where one answer's step goes."""
 
+    async def check_open(self) -> None:
+        """Raise APIError (409) when a step cannot go there now: the run is paused."""
+
     async def record(self, write: StepWrite) -> None:
         """Write the step and wait until it is stored."""
 
@@ -75,6 +82,9 @@ class Sink(Protocol):
 
 class _Discard:
     """The sink of an answer that is not recorded."""
+
+    async def check_open(self) -> None:
+        return None
 
     async def record(self, write: StepWrite) -> None:
         return None
@@ -123,15 +133,29 @@ class StoreWriter:
         self._recorders: dict[str, Recorder] = {}
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="kvtrace-store")
 
+    async def check_open(self, run: str) -> None:
+        loop = asyncio.get_running_loop()
+        if await loop.run_in_executor(self._worker, self._is_paused, run):
+            raise paused_error(run)
+
     async def record(self, run: str, write: StepWrite) -> None:
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._worker, self._write, run, write)
+        try:  # shielded: a write the caller stops waiting for (its client left) still happens
+            await asyncio.shield(loop.run_in_executor(self._worker, self._write, run, write))
+        except RunPausedError as exc:  # paused after check_open, while the answer was computed
+            raise paused_error(run, is_answered=True) from exc
 
     def record_later(self, run: str, write: StepWrite) -> None:
         self._worker.submit(self._write, run, write)
 
     def close(self) -> None:
         self._worker.shutdown(wait=True)
+
+    def _is_paused(self, run: str) -> bool:
+        try:
+            return self._store.is_paused(run)
+        except RunNotFoundError:  # made by its first step: not paused
+            return False
 
     def _write(self, run: str, write: StepWrite) -> Step:
         recorder = self._recorders.get(run)
@@ -149,11 +173,22 @@ class RunSink:
     writer: StoreWriter
     run: str
 
+    async def check_open(self) -> None:
+        await self.writer.check_open(self.run)
+
     async def record(self, write: StepWrite) -> None:
         await self.writer.record(self.run, write)
 
     def record_later(self, write: StepWrite) -> None:
         self.writer.record_later(self.run, write)
+
+
+def paused_error(run: str, *, is_answered: bool = False) -> APIError:
+    """The answer to a request for a paused run (`is_answered`: paused while it was answered)."""
+    what = ("it was paused while this request was answered: the answer was neither recorded "
+            "nor sent" if is_answered else "nothing was computed, forwarded or recorded")
+    return APIError(409, f"run {run!r} is paused by a supervisor ({what}); retry once it is "
+                    "resumed", kind="conflict_error", param=RUN_HEADER, code="run_paused")
 
 
 def new_run_name(store: Store | None, prefix: str = "serve") -> str:

@@ -4,17 +4,31 @@
 free one, so there is no race between choosing a port and listening on
 it), then runs uvicorn on a daemon thread and returns once it accepts
 connections. `kvtrace record`, the benchmark and the tests use it.
+
+`run_command` runs `kvtrace record`'s program: SIGTERM and SIGINT sent to
+this process go on to the program, which is waited for, so the server it
+talks to stops only after it (never an orphan pointed at a dead server).
+SIGINT is not sent on when this process is the terminal's foreground
+group: a Ctrl-C there reached the program already. `is_loopback` tells
+whether an address is reachable only from this machine.
 """
 
 from __future__ import annotations
 
+import ipaddress
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
+from collections.abc import Mapping, Sequence
+from types import FrameType
 from typing import Any
 
 import uvicorn
 
-from kvtrace.errors import TracerError
+from kvtrace.errors import TracerError, UsageError
 
 
 class BackgroundServer:
@@ -70,3 +84,47 @@ class BackgroundServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an address, or "localhost") is reachable only from this machine."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name: it may resolve to any address
+        return False
+
+
+def run_command(command: Sequence[str], env: Mapping[str, str]) -> int:
+    """Run `command` to its end, passing SIGTERM and SIGINT on (module docstring).
+
+    Returns its exit code, 128 + N when signal N ended it (as a shell reports it).
+    """
+    try:
+        child = subprocess.Popen(list(command), env=dict(env))
+    except FileNotFoundError as exc:
+        raise UsageError(f"cannot run {command[0]!r}: no such program") from exc
+
+    def forward(signum: int, _: FrameType | None) -> None:
+        if signum == signal.SIGINT and _is_foreground():
+            return  # the terminal sent it to the program's process group too
+        child.send_signal(signum)
+
+    is_main = threading.current_thread() is threading.main_thread()  # where handlers can be
+    previous = {signum: signal.signal(signum, forward)
+                for signum in (signal.SIGINT, signal.SIGTERM) if is_main}
+    try:
+        code = child.wait()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    return 128 - code if code < 0 else code
+
+
+def _is_foreground() -> bool:
+    """Whether this process's group is its terminal's foreground group (Ctrl-C reaches all)."""
+    try:
+        return os.tcgetpgrp(sys.stdin.fileno()) == os.getpgrp()
+    except (OSError, ValueError, AttributeError):  # no terminal: the signal came from a program
+        return False

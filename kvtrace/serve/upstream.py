@@ -13,21 +13,31 @@ What is recorded is exchange.py's model_call (or http) step, as the httpx
 transports record it; a 4xx from the upstream is returned and not recorded.
 A stream is recorded when its `data: [DONE]` arrives (before it is passed
 on), or at its end when it has none; a stream the client drops is recorded
-with what had arrived, marked incomplete.
+with what had arrived, marked incomplete, and its upstream request closed.
+
+The upstream gets `timeout` seconds for each wait (to connect, to send, for
+the next bytes of its answer): past it, before any byte was passed on, the
+client gets a 504 (`upstream_timeout`) and nothing is recorded; a stream
+that stalls past it is ended, recorded incomplete. A client that leaves
+before the answer starts has its upstream request closed (disconnect.py),
+and nothing is recorded.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from kvtrace.errors import UsageError
 from kvtrace.serve.api import CHAT_PATH, APIError, parse_chat_request
+from kvtrace.serve.disconnect import ClosingStream, unless_client_leaves
 from kvtrace.serve.recording import DISCARD, RUN_HEADER, Sink, StepWrite
 from kvtrace.tracer.exchange import Exchange, decoded_body, record_exchange
 
@@ -37,17 +47,22 @@ _HOP_BY_HOP = frozenset({
     "upgrade", "host", "content-length",
 })
 _NOT_RETURNED = frozenset({"connection", "keep-alive", "transfer-encoding", "date", "server"})
+DEFAULT_TIMEOUT_S = 600.0
 
 
 class UpstreamAnswerer:
     """Forwards to `url` and returns what it answers (see the module docstring)."""
 
     def __init__(self, url: str, *, api_key: str | None = None,
-                 forwards_authorization: bool = True) -> None:
+                 forwards_authorization: bool = True,
+                 timeout: float = DEFAULT_TIMEOUT_S) -> None:
         if not url.startswith(("http://", "https://")):
             raise UsageError(f"upstream {url!r} must start with http:// or https:// and end "
                              "with the API prefix (often /v1)")
+        if not timeout > 0:  # NaN too
+            raise UsageError(f"upstream_timeout must be a number of seconds > 0, not {timeout}")
         self.url = url.rstrip("/")
+        self.timeout = timeout
         self._api_key = api_key
         self._forwards_authorization = forwards_authorization and api_key is None
         self._client: httpx.AsyncClient | None = None
@@ -70,10 +85,10 @@ class UpstreamAnswerer:
 
     async def answer(self, request: Request, body: bytes, sink: Sink) -> Response:
         if (request.method, request.url.path) == ("POST", CHAT_PATH):
-            parse_chat_request(body, is_local=False)
+            await asyncio.to_thread(parse_chat_request, body, is_local=False)
         started = time.perf_counter()
         url = self._url_of(request)
-        response = await self._send(request, url, body)
+        response = await unless_client_leaves(request, self._send(request, url, body))
         if 400 <= response.status_code < 500:
             sink = DISCARD  # the upstream refused the request: returned, not recorded
         returned = {k: v for k, v in response.headers.items() if k.lower() not in _NOT_RETURNED}
@@ -90,10 +105,7 @@ class UpstreamAnswerer:
             return lambda recorder, redactor: record_exchange(recorder, exchange, redactor)
 
         if not response.headers.get("content-type", "").startswith("text/event-stream"):
-            try:
-                raw = b"".join([chunk async for chunk in response.aiter_raw()])
-            finally:
-                await response.aclose()
+            raw = await unless_client_leaves(request, self._read(response))
             await sink.record(step(raw, None, is_complete=True))
             return Response(raw, status_code=response.status_code, headers=returned)
 
@@ -102,23 +114,28 @@ class UpstreamAnswerer:
             first_byte_s: float | None = None
             is_recorded = False
             try:
-                async for chunk in response.aiter_raw():
-                    if first_byte_s is None:
-                        first_byte_s = time.perf_counter() - started
-                    chunks.append(chunk)
-                    if not is_recorded and chunk.rstrip().endswith(b"[DONE]"):
-                        is_recorded = True
-                        await sink.record(step(b"".join(chunks), first_byte_s, is_complete=True))
-                    yield chunk
+                try:
+                    async for chunk in response.aiter_raw():
+                        if first_byte_s is None:
+                            first_byte_s = time.perf_counter() - started
+                        chunks.append(chunk)
+                        if not is_recorded and chunk.rstrip().endswith(b"[DONE]"):
+                            is_recorded = True
+                            await sink.record(step(b"".join(chunks), first_byte_s,
+                                                   is_complete=True))
+                        yield chunk
+                except httpx.HTTPError as exc:  # the SDKs raise an SSE event holding "error"
+                    yield b"data: " + json.dumps(self._broken_off(exc).body()).encode() + b"\n\n"
+                    return
                 if not is_recorded:  # a stream without [DONE], read to its end
                     is_recorded = True
                     await sink.record(step(b"".join(chunks), first_byte_s, is_complete=True))
             finally:
-                await response.aclose()
-                if not is_recorded:  # the client left early
+                if not is_recorded:  # the client left early, or the upstream stalled
                     sink.record_later(step(b"".join(chunks), first_byte_s, is_complete=False))
+                await response.aclose()
 
-        return StreamingResponse(relay(), status_code=response.status_code, headers=returned)
+        return ClosingStream(relay(), status_code=response.status_code, headers=returned)
 
     def _url_of(self, request: Request) -> str:
         path = request.url.path
@@ -134,12 +151,36 @@ class UpstreamAnswerer:
         if self._api_key is not None:
             headers.append(("authorization", f"Bearer {self._api_key}"))
         if self._client is None:  # made on the server's event loop, closed with it
-            self._client = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=10.0))
+            self._client = httpx.AsyncClient(
+                timeout=httpx.Timeout(self.timeout, connect=min(self.timeout, 10.0)))
         try:
             return await self._client.send(
                 self._client.build_request(request.method, url, headers=headers, content=body),
                 stream=True)
+        except httpx.TimeoutException as exc:
+            raise self._timed_out(exc) from exc
         except httpx.HTTPError as exc:
             raise APIError(502, f"cannot reach the upstream {self.url} ({exc}): is it running, "
                            "and does --upstream end with its API prefix (often /v1)?",
                            kind="api_error", code="upstream_unreachable") from exc
+
+    async def _read(self, response: httpx.Response) -> bytes:
+        """The whole body of a response that is not a stream; closed in any case."""
+        try:
+            return b"".join([chunk async for chunk in response.aiter_raw()])
+        except httpx.HTTPError as exc:
+            raise self._broken_off(exc) from exc
+        finally:
+            await response.aclose()
+
+    def _broken_off(self, exc: httpx.HTTPError) -> APIError:
+        """The error of an answer the upstream stopped sending: it stalled, or broke off."""
+        if isinstance(exc, httpx.TimeoutException):
+            return self._timed_out(exc)
+        return APIError(502, f"the upstream {self.url} broke off its answer ({exc})",
+                        kind="api_error", code="upstream_error")
+
+    def _timed_out(self, exc: httpx.TimeoutException) -> APIError:
+        return APIError(504, f"the upstream {self.url} sent nothing for {self.timeout:g} s "
+                        f"({type(exc).__name__}): if it needs longer, raise the limit (kvtrace "
+                        "serve --upstream-timeout)", kind="api_error", code="upstream_timeout")

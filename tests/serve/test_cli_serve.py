@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import httpx
@@ -129,3 +130,114 @@ def test_serve_runs_until_interrupted_and_prints_what_it_recorded(home, canned_u
     assert "recorded run 'served': 1 model call" in rest
     with open_store() as store:
         assert store.show("served").kind == "model_call"
+
+
+# -- authentication options (issue 23, item 7) -------------------------------------------------
+
+
+@pytest.mark.parametrize(("argv", "env", "message"), [
+    (["--api-key", ""], {}, "--api-key is empty"),
+    (["--api-key", " "], {}, "--api-key must be visible ASCII"),
+    (["--api-key", "two words"], {}, "without spaces"),
+    ([], {"KVTRACE_SERVE_API_KEY": ""}, "$KVTRACE_SERVE_API_KEY is set but empty"),
+    (["--host", "0.0.0.0"], {}, "--host 0.0.0.0 lets other machines reach the server"),
+    (["--host", "example.org"], {}, "give --api-key"),
+    (["--upstream-api-key", ""], {}, "--upstream-api-key is empty"),
+    (["--upstream-timeout", "0"], {}, "--upstream-timeout must be > 0"),
+], ids=["empty key", "blank key", "key with a space", "empty env key", "all interfaces",
+        "a host name", "empty upstream key", "zero timeout"])
+def test_unsafe_auth_and_timeout_options_are_refused_before_the_server_starts(
+    home, capfd, monkeypatch, argv, env, message
+):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    code, _, err = kv(capfd, "serve", "--port", "0", "--upstream", "http://127.0.0.1:9/v1",
+                      *argv)
+    assert code == 2, err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines[-1].startswith("error: ") and message in lines[-1], err
+    assert not (home / "home").exists() or not any((home / "home").rglob("store.db-wal"))
+
+
+def test_a_non_loopback_host_with_a_key_serves_and_only_health_and_the_schema_are_open(
+    home, canned_upstream
+):
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kvtrace", "serve", "--host", "0.0.0.0", "--port", "0",
+         "--upstream", canned_upstream.url],
+        stderr=subprocess.PIPE, text=True,
+        env=dict(os.environ, KVTRACE_SERVE_API_KEY="a-key-of-ours"))
+    try:
+        assert process.stderr is not None
+        banner = process.stderr.readline()
+        port = banner.split()[2].rsplit(":", 1)[1].split("/")[0]
+        base = f"http://127.0.0.1:{port}"
+        assert httpx.get(f"{base}/health").status_code == 200
+        assert httpx.get(f"{base}/openapi.json").status_code == 200  # documented as open
+        assert httpx.get(f"{base}/v1/models").status_code == 401
+        assert httpx.get(f"{base}/v1/models", headers={"Authorization": ""}).status_code == 401
+        assert httpx.get(f"{base}/v1/models", headers={
+            "Authorization": "Bearer a-key-of-ours"}).status_code == 200
+    finally:
+        process.send_signal(signal.SIGINT)
+        process.communicate(timeout=60)
+
+
+# -- kvtrace record and signals (issue 23, item 9) ---------------------------------------------
+
+CHILD = textwrap.dedent("""
+    import os, signal, sys, time
+    from pathlib import Path
+
+    out = Path(sys.argv[1])
+    def leave(signum, frame):
+        out.with_suffix(".signal").write_text(str(signum))
+        sys.exit(7)
+    signal.signal(signal.SIGTERM, leave)
+    signal.signal(signal.SIGINT, leave)
+    out.write_text(str(os.getpid()))
+    time.sleep(120)
+""")
+
+
+def _is_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    status = Path(f"/proc/{pid}/status")
+    return not (status.exists() and "\nState:\tZ" in status.read_text())
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_to_record_goes_on_to_its_command_which_is_waited_for(
+    home, canned_upstream, signum
+):
+    (home / "child.py").write_text(CHILD)
+    pid_file = home / "child.pid"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kvtrace", "record", "--upstream", canned_upstream.url, "--",
+         sys.executable, str(home / "child.py"), str(pid_file)],
+        stderr=subprocess.PIPE, text=True, env=dict(os.environ), start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not pid_file.exists() or not pid_file.read_text():
+            assert process.poll() is None and time.monotonic() < deadline, "no child started"
+            time.sleep(0.05)
+        child = int(pid_file.read_text())
+        process.send_signal(signum)
+        _, err = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert (home / "child.signal").read_text() == str(int(signum))  # the child got it
+    assert not _is_running(child)  # and is gone: no orphan
+    assert process.returncode == 7, err  # record exits with the child's own code
+    assert "no model calls recorded" in err  # the summary still printed
+
+
+def test_record_reports_a_command_killed_by_a_signal_as_128_plus_its_number(home, capfd,
+                                                                            canned_upstream):
+    code, _, _ = kv(capfd, "record", "--upstream", canned_upstream.url, "--",
+                    sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
+    assert code == 128 + signal.SIGKILL
