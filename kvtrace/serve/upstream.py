@@ -138,7 +138,8 @@ class UpstreamAnswerer:
         return ClosingStream(relay(), status_code=response.status_code, headers=returned)
 
     def _url_of(self, request: Request) -> str:
-        path = request.url.path
+        # the path as the client sent it, still percent-encoded: forwarded unchanged
+        path = (request.scope.get("raw_path") or request.url.path.encode()).decode("latin-1")
         if path.startswith(_API_PREFIX):
             path = path[len(_API_PREFIX):]
         return self.url + path + (f"?{request.url.query}" if request.url.query else "")
@@ -154,9 +155,13 @@ class UpstreamAnswerer:
             self._client = httpx.AsyncClient(
                 timeout=httpx.Timeout(self.timeout, connect=min(self.timeout, 10.0)))
         try:
-            return await self._client.send(
-                self._client.build_request(request.method, url, headers=headers, content=body),
-                stream=True)
+            built = self._client.build_request(request.method, url, headers=headers,
+                                               content=body)
+        except httpx.InvalidURL as exc:
+            raise APIError(400, f"this request's path cannot be forwarded ({exc}): "
+                           "percent-encode it", code="invalid_url") from exc
+        try:
+            return await self._client.send(built, stream=True)
         except httpx.TimeoutException as exc:
             raise self._timed_out(exc) from exc
         except httpx.HTTPError as exc:

@@ -129,3 +129,12 @@ def test_an_unreachable_upstream_is_a_502_with_an_openai_error(sqlite_store, ser
     assert response.status_code == 502
     assert response.json()["error"]["code"] == "upstream_unreachable"
     assert sqlite_store.runs() == []
+
+
+def test_a_path_with_encoded_control_characters_is_forwarded_as_sent(
+    sqlite_store, canned_upstream, serve_upstream
+):
+    proxy = serve_upstream(sqlite_store, canned_upstream.url, run="paths")  # found by the fuzz
+    response = httpx.get(f"{proxy.url}/files%1Cx%F2%8E")  # test: decoded, it was a 500
+    assert response.status_code == 200
+    assert canned_upstream.seen[-1]["path"] == "/v1/files%1Cx%F2%8E"
