@@ -66,12 +66,26 @@ class BackgroundServer:
         return self
 
     def wait(self) -> None:
-        """Block until the server stops (Ctrl-C stops it)."""
+        """Block until the server stops: SIGINT (Ctrl-C) or SIGTERM stops it gracefully.
+
+        The handlers are set here rather than inherited: a shell starts a
+        background job with SIGINT ignored, and a server that is sent SIGINT
+        (or SIGTERM, as a service manager does) must still stop, and say what
+        it recorded.
+        """
+        stopping = threading.Event()
+        previous = {}
+        if threading.current_thread() is threading.main_thread():
+            previous = {signum: signal.signal(signum, lambda *_: stopping.set())
+                        for signum in (signal.SIGINT, signal.SIGTERM)}
         try:
-            while self._thread.is_alive():
-                self._thread.join(timeout=0.5)
+            while self._thread.is_alive() and not stopping.is_set():
+                self._thread.join(timeout=0.2)
         except KeyboardInterrupt:
             pass
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
         self.stop()
 
     def stop(self) -> None:
