@@ -237,8 +237,10 @@ class LocalAnswerer:
         try:
             result = self._backend.generate(CallRequest(list(request.messages), prompt, params),
                                             is_cancelled=cancelled.is_set)
-        except GenerationCancelledError as exc:
-            raise client_left() from exc
+        except GenerationCancelledError:
+            # not chained: its traceback holds the decoding's frames and their KV tensors,
+            # which would then live as long as this error and the futures that carry it
+            raise client_left() from None
         text, finish = result.text, result.finish_reason
         for stop in request.stop:
             if stop and stop in text:

@@ -52,3 +52,14 @@ def test_a_server_answers_from_exactly_one_of_backend_and_upstream(options):
 def test_an_upstream_url_must_be_http_with_its_api_prefix():
     with pytest.raises(UsageError, match="must start with http:// or https://"):
         make_server(upstream="ftp://example.org/v1")
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"api_key": ""}, "api_key is empty"),
+    ({"api_key": " "}, "api_key must be visible ASCII"),
+    ({"api_key": "clé"}, "api_key must be visible ASCII"),
+    ({"upstream_api_key": "a key"}, "upstream_api_key must be visible ASCII"),
+])
+def test_a_key_that_could_never_match_or_would_match_nothing_is_refused(options, message):
+    with pytest.raises(UsageError, match=message):
+        make_server(upstream="http://127.0.0.1:9/v1", **options)
