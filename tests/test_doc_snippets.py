@@ -263,13 +263,14 @@ def test_doc_snippet(snippet: Snippet, worlds: dict[str, World], tiny_default_mo
         if snippet.lang == "python":
             exec(compile(snippet.code, f"{snippet.doc}:{snippet.line}", "exec"), world.namespace)
         else:
-            _run_command(snippet, capsys)
+            code, output = _run_command(snippet, capsys)
+            assert code == 0, f"{snippet.label} exited {code}\n{output}"
     except Exception:
         world.failed = snippet.label
         raise
 
 
-def _run_command(snippet: Snippet, capsys) -> None:
+def _run_command(snippet: Snippet, capsys) -> tuple[int, str]:
     from kvtrace.cli import main
 
     argv = shlex.split(snippet.code)
@@ -285,8 +286,7 @@ def _run_command(snippet: Snippet, capsys) -> None:
     else:
         code = 0
     out, err = capsys.readouterr()
-    assert code == 0, (f"{snippet.doc}:{snippet.line}: `{snippet.code}` exited {code}\n"
-                       f"stdout:\n{out[-2000:]}\nstderr:\n{err[-2000:]}")
+    return code, f"stdout:\n{out[-2000:]}\nstderr:\n{err[-2000:]}"
 
 
 def test_markers_parse():
