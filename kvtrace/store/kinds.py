@@ -32,6 +32,7 @@ from enum import StrEnum
 from typing import Any, ClassVar
 
 from kvtrace.errors import UsageError
+from kvtrace.store.apis import LAYOUTS, ChatView, ProviderApi, chat_view
 from kvtrace.store.records import Step
 from kvtrace.store.usage import Usage
 
@@ -52,14 +53,6 @@ class StepKind(StrEnum):
     TOOL_CALL = "tool_call"
     HTTP = "http"
     NOTE = "note"
-
-
-class ProviderApi(StrEnum):
-    """The API a model call was spoken in; its request and response keep that API's shape."""
-
-    OPENAI_CHAT = "openai-chat"
-    OPENAI_RESPONSES = "openai-responses"
-    ANTHROPIC_MESSAGES = "anthropic-messages"
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,24 +103,41 @@ class ModelCall(_View):
         return meta
 
     @property
+    def chat(self) -> ChatView:
+        """The call in OpenAI chat shape, whatever API it was spoken in (apis.py)."""
+        return chat_view(self.api, self.step.content)
+
+    @property
     def messages(self) -> list[dict[str, Any]]:
-        messages = self.step.content.get("messages")
-        return [dict(m) for m in messages] if isinstance(messages, list) else []
+        """The conversation sent, as OpenAI chat messages."""
+        return self.chat.messages
 
     @property
     def has_messages(self) -> bool:
-        """Whether the step holds a list of messages (every model call kvtrace records does)."""
-        return isinstance(self.step.content.get("messages"), list)
+        """Whether the step holds its conversation (every model call kvtrace records does)."""
+        return isinstance(self.step.content.get(self.conversation_field), list)
 
     @property
     def tools(self) -> list[dict[str, Any]] | None:
-        tools = self.step.content.get("tools")
-        return [dict(t) for t in tools] if isinstance(tools, list) and tools else None
+        """The tool definitions sent, in OpenAI chat shape."""
+        return self.chat.tools
 
     @property
     def response(self) -> Any:
-        """The assistant message returned (a plain string in the oldest recordings)."""
-        return self.step.content.get("response")
+        """The assistant message returned, in chat shape (a string in the oldest recordings)."""
+        return self.chat.response
+
+    @property
+    def conversation_field(self) -> str:
+        """The content field holding the conversation in the call's own API (`messages`...)."""
+        return LAYOUTS[self.api].conversation
+
+    @property
+    def native(self) -> dict[str, Any]:
+        """The call's content in its own API's shape: conversation, system, tools, response."""
+        layout = LAYOUTS[self.api]
+        keys = (layout.conversation, layout.system, "tools", "response")
+        return {k: self.step.content[k] for k in keys if k and k in self.step.content}
 
     @property
     def model(self) -> str | None:

@@ -25,29 +25,14 @@ of this shape is a UsageError naming the offending element.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Mapping
 from typing import Any
 
 from kvtrace.errors import UsageError
-from kvtrace.store.kinds import StepKind
+from kvtrace.store.plain import to_plain
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
-
-
-def to_plain(value: Any) -> Any:
-    """`value` with SDK objects (pydantic models, dataclasses) turned into dicts and lists."""
-    dump = getattr(value, "model_dump", None)
-    if callable(dump) and not isinstance(value, type):
-        return to_plain(dump(mode="json"))
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return to_plain(dataclasses.asdict(value))
-    if isinstance(value, Mapping):
-        return {key: to_plain(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [to_plain(item) for item in value]
-    return value
 
 
 def normalize_messages(messages: Any) -> list[dict[str, Any]]:
@@ -193,17 +178,3 @@ def _tool_call(call: Any, where: str) -> dict[str, Any]:
         "arguments": arguments,
     }
     return out
-
-
-def edited_content(kind: str, content: Mapping[str, Any], edit: Mapping[str, Any]) -> dict:
-    """A step's content with the fields of `edit` replaced, normalised as recording does."""
-    normalizers = _MODEL_CALL_FIELDS if kind == StepKind.MODEL_CALL else {}
-    out = dict(content)
-    for key, value in edit.items():
-        out[key] = normalizers.get(key, to_plain)(value)
-    return out
-
-
-_MODEL_CALL_FIELDS = {
-    "messages": normalize_messages, "response": normalize_response, "tools": normalize_tools,
-}

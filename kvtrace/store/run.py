@@ -12,8 +12,9 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from kvtrace.errors import UsageError
+from kvtrace.store.apis import stored_fields
 from kvtrace.store.kinds import ModelCall, NoteStep, ProviderApi, StepKind, ToolCall
-from kvtrace.store.messages import normalize_messages, normalize_response, normalize_tools, to_plain
+from kvtrace.store.plain import to_plain
 
 if TYPE_CHECKING:
     from kvtrace.store.records import Step
@@ -71,29 +72,36 @@ class Run:
         usage: Mapping[str, Any] | None = None,
         timings: Mapping[str, Any] | None = None,
         extra: Mapping[str, Any] | None = None,
-        api: ProviderApi = ProviderApi.OPENAI_CHAT,
+        api: ProviderApi | str = ProviderApi.OPENAI_CHAT,
+        system: Any = None,
     ) -> Step:
-        """Record one model call: the chat messages and tools sent, the response received.
+        """Record one model call: the conversation and tools sent, the response received.
 
-        Messages, response and tools are in OpenAI chat shape; SDK objects are
-        converted (see messages.py). Each message is stored once however many
-        calls send it. `usage` keeps the provider's counts (`prompt_tokens`,
-        `completion_tokens`, `cached_tokens`, ...), `extra` any fields of an
-        imported trajectory that kvtrace does not model.
+        By default messages, response and tools are in OpenAI chat shape (see
+        messages.py). With `api="anthropic-messages"` they are the Messages
+        API's (`messages`, the response or its content blocks, `tools`, and
+        `system`); with `api="openai-responses"` the Responses API's (`input`
+        items or a string as `messages`, the response or its output items,
+        `tools`, and `instructions` as `system`). Each is stored in its own
+        shape and read in chat shape too (apis.py). SDK objects are converted.
+        Each message is stored once however many calls send it. `usage` keeps
+        the provider's counts as sent, `extra` any fields of an imported
+        trajectory that kvtrace does not model.
         """
         if not isinstance(model, str) or not model:
             raise UsageError("model must name the model that answered (a non-empty string)")
-        normalized = normalize_messages(messages)
-        payload: dict[str, Any] = {"response": normalize_response(response)}
-        tool_list = normalize_tools(tools)
-        if tool_list is not None:
-            payload["tools"] = tool_list
+        try:
+            api = ProviderApi(api)
+        except ValueError:
+            raise UsageError(f"api is {api!r}: use one of "
+                             f"{', '.join(a.value for a in ProviderApi)}", param="api") from None
+        payload, lists = stored_fields(api, messages, response, tools=tools, system=system)
         meta = ModelCall.meta(
             model=model, params=_mapping(params, "params"), usage=_mapping(usage, "usage"),
             timings=_mapping(timings, "timings"), extra=_mapping(extra, "extra"), api=api,
         )
         step = self.store.append(self.name, self._head, StepKind.MODEL_CALL, payload, meta,
-                                 lists={"messages": normalized})
+                                 lists=lists)
         self._head = step
         return step
 

@@ -40,7 +40,7 @@ from kvtrace.store.backend import (
     write_transaction,
     writer,
 )
-from kvtrace.store.kinds import EDIT_OF, MEASUREMENTS, StepKind
+from kvtrace.store.kinds import EDIT_OF, MEASUREMENTS, ModelCall, StepKind
 from kvtrace.store.names import normalize_run_name, validate_run_name
 from kvtrace.store.records import (
     Divergence,
@@ -291,7 +291,7 @@ class Store:
         return Run(self, new_name, head)
 
     def _fork_edited(self, spec: str, new_name: str, edit: Mapping[str, Any]) -> Step:
-        from kvtrace.store.messages import edited_content
+        from kvtrace.store.edits import editable_fields, edited_content
 
         if not isinstance(edit, Mapping) or not edit:
             raise UsageError("edit must map content fields to their new values")
@@ -301,15 +301,14 @@ class Store:
                 sa.select(steps.c.body).where(steps.c.id == original.id)).scalar_one()))
             parent = (history.load_steps(conn, [original.parent_id], self._lists)[0]
                       if original.parent_id else None)
-        is_model_call = original.kind == StepKind.MODEL_CALL
-        optional = {"tools"} if is_model_call else set()
-        unknown = sorted(set(edit) - set(original.content) - optional)
+        unknown = sorted(set(edit) - editable_fields(original))
         if unknown:
             raise UsageError(f"step {original.short_id} has no field {unknown[0]!r} to edit "
                              f"(its fields: {', '.join(sorted(original.content))})")
-        content = edited_content(original.kind, original.content, edit)
+        content = edited_content(original, edit)
         list_fields = set(store_lists.lists_of(body)) | (
-            {"messages"} if is_model_call else set())
+            {ModelCall(original).conversation_field}
+            if original.kind == StepKind.MODEL_CALL else set())
         raw_fields = set(body["raw"])
         # Measurements of the original call (usage, timings) do not describe the copy.
         meta = {k: v for k, v in original.meta.items() if k not in MEASUREMENTS}

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvtrace.errors import UsageError
-from kvtrace.store.messages import to_plain
+from kvtrace.store.plain import to_plain
 
 if TYPE_CHECKING:
     from kvtrace.tracer.recorder import Recorder

@@ -1,0 +1,135 @@
+"""The three provider APIs a model call can be spoken in, and how each is stored and read.
+
+A model call keeps its own API's shape (nothing a provider sent is lost, and
+an exchange can be served back byte for byte in meaning), and every reader
+sees the same call in OpenAI chat shape (docs/store.md, "Three APIs"):
+
+| API | list field (item by item) | payload fields | normalised by |
+| --- | --- | --- | --- |
+| `openai-chat` | `messages` | `response`, `tools` | messages.py (stored as is) |
+| `anthropic-messages` | `messages` | `system`, `response`, `tools` | anthropic.py |
+| `openai-responses` | `input` | `instructions`, `response`, `tools` | responses.py |
+
+The chat view of an Anthropic or Responses call is derived on reading, by
+pure functions, never stored beside it: the store keeps each conversation
+once (per-message dedup), and a derivation that improves needs no
+migration. Steps recorded before this module have no `api` meta key and are
+chat calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from kvtrace.errors import UsageError
+from kvtrace.store import anthropic, messages, responses
+from kvtrace.store.plain import to_plain
+
+
+class ProviderApi(StrEnum):
+    """The API a model call was spoken in; its request and response keep that API's shape."""
+
+    OPENAI_CHAT = "openai-chat"
+    OPENAI_RESPONSES = "openai-responses"
+    ANTHROPIC_MESSAGES = "anthropic-messages"
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Where one API's call lives in a step's content."""
+
+    conversation: str  # the list field, stored item by item
+    system: str | None  # the payload field of the system prompt, if the API has one apart
+
+
+LAYOUTS = {
+    ProviderApi.OPENAI_CHAT: Layout("messages", None),
+    ProviderApi.ANTHROPIC_MESSAGES: Layout("messages", "system"),
+    ProviderApi.OPENAI_RESPONSES: Layout("input", "instructions"),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ChatView:
+    """A model call in OpenAI chat shape, whatever API it was spoken in."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    response: Any
+
+
+def stored_fields(api: ProviderApi, conversation: Any, response: Any, *, tools: Any = None,
+                  system: Any = None, prior: list[dict[str, Any]] | None = None,
+                  ) -> tuple[dict[str, Any], dict[str, list[Any]]]:
+    """(payload, lists) of a model call in `api`'s shape, checked; UsageError names what is wrong.
+
+    `prior` (Responses only) holds the items of a previous response the input
+    continues, for checking that each tool output answers a call.
+    """
+    layout = LAYOUTS[api]
+    if api is ProviderApi.OPENAI_CHAT:
+        if system is not None:
+            raise UsageError("system is for Anthropic and Responses calls: a chat call puts "
+                             "its system prompt in messages", param="system")
+        items = messages.normalize_messages(conversation)
+        payload: dict[str, Any] = {"response": messages.normalize_response(response)}
+        tool_list = messages.normalize_tools(tools)
+    elif api is ProviderApi.ANTHROPIC_MESSAGES:
+        items = anthropic.normalize_messages(conversation)
+        payload = {"response": anthropic.normalize_response(response),
+                   "system": anthropic.normalize_system(system)}
+        tool_list = anthropic.normalize_tools(tools)
+    else:
+        if system is not None and not isinstance(system, str):
+            raise UsageError("instructions must be a string", param="system")
+        items = responses.normalize_input(conversation, prior or ())
+        payload = {"response": responses.normalize_response(response), "instructions": system}
+        tool_list = responses.normalize_tools(tools)
+    payload["tools"] = tool_list
+    return ({k: v for k, v in payload.items() if v is not None},
+            {layout.conversation: items})
+
+
+def chat_view(api: ProviderApi, content: Mapping[str, Any]) -> ChatView:
+    """The call stored in `content` as OpenAI chat (see the module docstring)."""
+    layout = LAYOUTS[api]
+    items = content.get(layout.conversation)
+    items = [dict(m) for m in items] if isinstance(items, list) else []
+    tools = content.get("tools")
+    tools = [dict(t) for t in tools] if isinstance(tools, list) and tools else None
+    response = content.get("response")
+    if api is ProviderApi.OPENAI_CHAT:
+        return ChatView(items, tools, response)
+    system = content.get(layout.system) if layout.system else None
+    if api is ProviderApi.ANTHROPIC_MESSAGES:
+        return ChatView(anthropic.chat_messages(system, items), anthropic.chat_tools(tools),
+                        anthropic.chat_response(response) if isinstance(response, Mapping)
+                        else response)
+    return ChatView(responses.chat_messages(system, items), responses.chat_tools(tools),
+                    responses.chat_response(response) if isinstance(response, Mapping)
+                    else response)
+
+
+def finish_reason(api: ProviderApi, response: Mapping[str, Any]) -> str | None:
+    """A stored native response's end in OpenAI chat's finish_reason vocabulary."""
+    if api is ProviderApi.ANTHROPIC_MESSAGES:
+        return anthropic.finish_reason(response)
+    if api is ProviderApi.OPENAI_RESPONSES:
+        return responses.finish_reason(response)
+    return None
+
+
+def edit_normalizers(api: ProviderApi) -> dict[str, Callable[[Any], Any]]:
+    """How each editable content field of a model call in `api` is normalised."""
+    layout = LAYOUTS[api]
+    if api is ProviderApi.ANTHROPIC_MESSAGES:
+        return {"messages": anthropic.normalize_messages, "response": anthropic.normalize_response,
+                "tools": anthropic.normalize_tools, "system": anthropic.normalize_system}
+    if api is ProviderApi.OPENAI_RESPONSES:
+        return {"input": responses.normalize_input, "response": responses.normalize_response,
+                "tools": responses.normalize_tools, "instructions": to_plain}
+    return {layout.conversation: messages.normalize_messages,
+            "response": messages.normalize_response, "tools": messages.normalize_tools}

@@ -1,0 +1,232 @@
+"""OpenAI Responses calls: their own shape checked, and the chat conversation they mean.
+
+A model call spoken in the Responses API (Codex, the OpenAI Agents SDK, the
+`openai` package's `responses.create`) is stored as it was sent
+(docs/store.md, "Three APIs"): the `input` items one by one (a string input
+is the one user message it stands for), `instructions` and `tools` as
+payload fields, and the response's `output` items with its `status`. A
+request that continues a stored response by `previous_response_id` is
+stored with that response's conversation in front of its own items, so a
+step always holds its whole conversation (`extra.previous_items` says how
+many items came from there). What analyze, replay, diff, report and export
+read is the same call in OpenAI chat shape, derived here by one pure
+function:
+
+- `instructions` becomes a first system message; `message` items keep
+  their role, `input_text` / `output_text` parts become text parts (one
+  part: the content string);
+- `function_call` and `custom_tool_call` items become `tool_calls` of the
+  assistant turn they follow (a custom tool's free-form `input` is its
+  arguments string); their `*_output` items become `tool` messages;
+- a `reasoning` item's summary text becomes the next assistant turn's
+  `reasoning_content` (`encrypted_content` lives only in the stored items);
+- items of other types (web search, computer, shell, MCP calls...) become
+  content parts of their own type on an assistant turn: kept, not rendered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from kvtrace.errors import UsageError
+from kvtrace.store.plain import to_plain
+
+ROLES = frozenset({"system", "developer", "user", "assistant"})
+_CALLS = frozenset({"function_call", "custom_tool_call"})
+_OUTPUTS = frozenset({"function_call_output", "custom_tool_call_output"})
+_TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
+_RESPONSE_KEYS = ("output", "status", "incomplete_details")
+FINISH_REASONS = {"completed": "stop", "incomplete": "length", "failed": "error"}
+
+
+def normalize_input(items: Any, prior: Iterable[Mapping[str, Any]] = ()) -> list[dict[str, Any]]:
+    """The request's `input` in stored form: a list of items, checked, nulls dropped.
+
+    `prior` holds the items that come before it (a previous response's
+    conversation): an output item must answer a call made in one or the other.
+    """
+    plain = to_plain(items)
+    if isinstance(plain, str):
+        plain = [{"type": "message", "role": "user", "content": plain}]
+    if not isinstance(plain, list):
+        raise UsageError("input must be a string or a list of Responses input items")
+    out = [_item(item, f"input[{i}]") for i, item in enumerate(plain)]
+    called = {str(i.get("call_id")) for i in prior if i.get("type") in _CALLS}
+    for index, item in enumerate(out):
+        if item["type"] in _CALLS:
+            called.add(item["call_id"])
+        elif item["type"] in _OUTPUTS and item["call_id"] not in called:
+            raise UsageError(f"input[{index}]: {item['type']} for {item['call_id']!r} answers "
+                             "no function call made before it")
+    return out
+
+
+def normalize_tools(tools: Any) -> list[dict[str, Any]] | None:
+    """The request's tool definitions (function tools by name; hosted tools by type)."""
+    plain = to_plain(tools)
+    if plain is None or plain == []:
+        return None
+    if not isinstance(plain, list):
+        raise UsageError("tools must be a list of tool definitions")
+    out = []
+    for index, tool in enumerate(plain):
+        if not isinstance(tool, dict) or not isinstance(tool.get("type"), str):
+            raise UsageError(f"tools[{index}] must be an object with a type")
+        if tool["type"] in ("function", "custom") and not (
+                isinstance(tool.get("name"), str) and tool["name"]):
+            raise UsageError(f"tools[{index}] needs a name")
+        out.append(_drop_nulls(tool))
+    return out
+
+
+def normalize_response(response: Any) -> dict[str, Any]:
+    """The stored response: its `output` items, `status` and `incomplete_details`.
+
+    Takes a whole Responses object (its id, model and usage are the caller's to
+    keep elsewhere) or just its list of output items.
+    """
+    plain = to_plain(response)
+    if isinstance(plain, list):
+        plain = {"output": plain}
+    if not isinstance(plain, dict) or not isinstance(plain.get("output"), list):
+        raise UsageError("response must be a Responses object with a list of output items")
+    out = _drop_nulls({k: plain.get(k) for k in _RESPONSE_KEYS})
+    out["output"] = [_item(item, f"response.output[{i}]") for i, item in enumerate(out["output"])]
+    return out
+
+
+def chat_messages(instructions: Any, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The conversation in OpenAI chat shape (see the module docstring)."""
+    out: list[dict[str, Any]] = []
+    if isinstance(instructions, str) and instructions:
+        out.append({"role": "system", "content": instructions})
+    reasoning: list[str] = []
+    for item in items:
+        kind = item["type"]
+        if kind == "reasoning":
+            reasoning.extend(str(s.get("text", "")) for s in item.get("summary") or []
+                             if isinstance(s, Mapping))
+            continue
+        if kind in _OUTPUTS:
+            out.append({"role": "tool", "tool_call_id": item["call_id"],
+                        "content": _content(item.get("output"))})
+            continue
+        if kind == "message" and item["role"] != "assistant":
+            out.append({"role": item["role"], "content": _content(item.get("content"))})
+            continue
+        turn = out[-1] if _is_open_assistant(out, kind) else None
+        if turn is None:
+            turn = {"role": "assistant", "content": None}
+            out.append(turn)
+        if reasoning:
+            turn["reasoning_content"] = turn.get("reasoning_content", "") + "".join(reasoning)
+            reasoning = []
+        if kind == "message":
+            turn["content"] = _content(item.get("content"))
+        elif kind in _CALLS:
+            arguments = item.get("arguments") if kind == "function_call" else item.get("input")
+            turn.setdefault("tool_calls", []).append({
+                "id": item["call_id"], "type": "function",
+                "function": {"name": item["name"], "arguments": str(arguments or "")}})
+        else:
+            parts = turn["content"] if isinstance(turn["content"], list) else (
+                [{"type": "text", "text": turn["content"]}] if turn["content"] else [])
+            turn["content"] = [*parts, dict(item)]
+    if reasoning:
+        out.append({"role": "assistant", "content": None, "reasoning_content": "".join(reasoning)})
+    return out
+
+
+def chat_response(response: Mapping[str, Any]) -> dict[str, Any]:
+    """The stored response's output items as one assistant message in chat shape."""
+    turns = chat_messages(None, list(response.get("output") or []))
+    merged: dict[str, Any] = {"role": "assistant", "content": None}
+    for turn in turns:
+        if turn.get("content") is not None:
+            merged["content"] = turn["content"]
+        if turn.get("tool_calls"):
+            merged.setdefault("tool_calls", []).extend(turn["tool_calls"])
+        if turn.get("reasoning_content"):
+            merged["reasoning_content"] = (merged.get("reasoning_content", "")
+                                           + turn["reasoning_content"])
+    return merged
+
+
+def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """Tool definitions in chat shape: function tools wrapped, hosted tools as they are."""
+    if not tools:
+        return None
+    out = []
+    for tool in tools:
+        if tool["type"] == "function":
+            function = {k: v for k, v in tool.items() if k != "type"}
+            out.append({"type": "function", "function": function})
+        elif tool["type"] == "custom":
+            function = {"name": tool["name"], "description": tool.get("description")}
+            out.append({"type": "function", "function": _drop_nulls(function)})
+        else:
+            out.append(dict(tool))
+    return out
+
+
+def finish_reason(response: Mapping[str, Any]) -> str | None:
+    """The response's status in OpenAI chat's finish_reason vocabulary."""
+    output = response.get("output") or []
+    if any(isinstance(i, Mapping) and i.get("type") in _CALLS for i in output):
+        return "tool_calls"
+    status = response.get("status")
+    return FINISH_REASONS.get(status, status) if isinstance(status, str) else None
+
+
+def _is_open_assistant(out: list[dict[str, Any]], kind: str) -> bool:
+    """Whether an item of `kind` joins the assistant turn before it (calls follow text)."""
+    if not out or out[-1]["role"] != "assistant":
+        return False
+    return kind != "message" or (out[-1]["content"] is None and not out[-1].get("tool_calls"))
+
+
+def _content(content: Any) -> Any:
+    """Message content in chat shape: text parts as `text` parts, one of them as a string."""
+    if content is None or isinstance(content, str):
+        return content if content is not None else ""
+    parts = [{"type": "text", "text": p.get("text", "")} if p.get("type") in _TEXT_PARTS
+             else dict(p) for p in content if isinstance(p, Mapping)]
+    if len(parts) == 1 and parts[0]["type"] == "text":
+        return str(parts[0]["text"])
+    return parts
+
+
+def _item(item: Any, where: str) -> dict[str, Any]:
+    if not isinstance(item, dict):
+        raise UsageError(f"{where} must be an object (a Responses item)")
+    out = _drop_nulls(item)
+    if "type" not in out and "role" in out:
+        out["type"] = "message"  # an "easy" input message: the same item
+    kind = out.get("type")
+    if not isinstance(kind, str):
+        raise UsageError(f"{where} must have a type")
+    if kind == "message":
+        if out.get("role") not in ROLES:
+            raise UsageError(f"{where}.role is {out.get('role')!r}: use one of "
+                             f"{', '.join(sorted(ROLES))}")
+        content = out.get("content")
+        if not isinstance(content, (str, list)) or (isinstance(content, list) and not all(
+                isinstance(p, dict) and isinstance(p.get("type"), str) for p in content)):
+            raise UsageError(f"{where}.content must be a string or a list of typed parts")
+    elif kind in _CALLS or kind in _OUTPUTS:
+        if not isinstance(out.get("call_id"), str) or not out["call_id"]:
+            raise UsageError(f"{where}: a {kind} item needs a call_id")
+        if kind in _CALLS and not (isinstance(out.get("name"), str) and out["name"]):
+            raise UsageError(f"{where}: a {kind} item needs a name")
+        if kind == "function_call" and not isinstance(out.get("arguments"), str):
+            raise UsageError(f"{where}.arguments must be a JSON string")
+        if kind in _OUTPUTS and not isinstance(out.get("output"), (str, list)):
+            raise UsageError(f"{where}.output must be a string or a list of parts")
+    elif kind == "reasoning" and not isinstance(out.get("summary", []), list):
+        raise UsageError(f"{where}.summary must be a list")
+    return out
+
+
+def _drop_nulls(value: Mapping[str, Any]) -> dict[str, Any]:
+    return {key: item for key, item in value.items() if item is not None}
