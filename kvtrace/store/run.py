@@ -74,6 +74,7 @@ class Run:
         extra: Mapping[str, Any] | None = None,
         api: ProviderApi | str = ProviderApi.OPENAI_CHAT,
         system: Any = None,
+        raw: Mapping[str, bytes] | None = None,
     ) -> Step:
         """Record one model call: the conversation and tools sent, the response received.
 
@@ -86,7 +87,8 @@ class Run:
         shape and read in chat shape too (apis.py). SDK objects are converted.
         Each message is stored once however many calls send it. `usage` keeps
         the provider's counts as sent, `extra` any fields of an imported
-        trajectory that kvtrace does not model.
+        trajectory that kvtrace does not model. `raw` adds byte fields kept as
+        they are (`stream`: the SSE body of a streamed call, `ModelCall.recorded_stream`).
         """
         if not isinstance(model, str) or not model:
             raise UsageError("model must name the model that answered (a non-empty string)")
@@ -101,7 +103,7 @@ class Run:
             timings=_mapping(timings, "timings"), extra=_mapping(extra, "extra"), api=api,
         )
         step = self.store.append(self.name, self._head, StepKind.MODEL_CALL, payload, meta,
-                                 lists=lists)
+                                 raw, lists=lists)
         self._head = step
         return step
 
