@@ -55,6 +55,7 @@ class Run:
         *,
         meta: Mapping[str, Any] | None = None,
         raw: Mapping[str, bytes] | None = None,
+        prior: list[dict[str, Any]] | None = None,
     ) -> Step:
         """Append a step of any kind: JSON `payload` fields, raw-bytes `raw` fields."""
         step = self.store.append(self.name, self._head, kind, payload, meta or {}, raw)
@@ -75,6 +76,7 @@ class Run:
         api: ProviderApi | str = ProviderApi.OPENAI_CHAT,
         system: Any = None,
         raw: Mapping[str, bytes] | None = None,
+        prior: list[dict[str, Any]] | None = None,
     ) -> Step:
         """Record one model call: the conversation and tools sent, the response received.
 
@@ -89,6 +91,9 @@ class Run:
         the provider's counts as sent, `extra` any fields of an imported
         trajectory that kvtrace does not model. `raw` adds byte fields kept as
         they are (`stream`: the SSE body of a streamed call, `ModelCall.recorded_stream`).
+        `prior` (Responses only) holds items that come before the input but are
+        not stored with it (a previous response the run does not hold): only
+        for checking that each tool output answers a call.
         """
         if not isinstance(model, str) or not model:
             raise UsageError("model must name the model that answered (a non-empty string)")
@@ -97,7 +102,8 @@ class Run:
         except ValueError:
             raise UsageError(f"api is {api!r}: use one of "
                              f"{', '.join(a.value for a in ProviderApi)}", param="api") from None
-        payload, lists = stored_fields(api, messages, response, tools=tools, system=system)
+        payload, lists = stored_fields(api, messages, response, tools=tools, system=system,
+                                       prior=prior)
         meta = ModelCall.meta(
             model=model, params=_mapping(params, "params"), usage=_mapping(usage, "usage"),
             timings=_mapping(timings, "timings"), extra=_mapping(extra, "extra"), api=api,
