@@ -15,7 +15,9 @@ in one module.
   (HTTP facts, the requested model name, the response's own ids, fields of
   an imported trajectory kvtrace does not model); a streamed call recorded
   over HTTP may keep its SSE body as the raw field `stream`
-  (`recorded_stream`), so a replay sends the same events.
+  (`recorded_stream`), so a replay sends the same events; a response that
+  repeats its settings (Responses) keeps them in `response_settings`, one
+  blob shared by the calls whose settings stay the same.
 - `ToolCall`: tool name, `arguments`, `result`, `error`, `call_id` (the
   model's tool-call id it answers).
 - `HttpExchange`: method, URL, status, headers, raw bodies, and, for an
@@ -46,6 +48,7 @@ _TOOL, _ERROR, _CALL_ID, _AUTHOR, _TOTAL_S, _COMPLETE, _NOT_MODEL_CALL = (
     "tool", "error", "call_id", "author", "total_s", "complete", "not_model_call")
 EDIT_OF = "edit_of"  # a step forked with an edit names the step it copies
 STREAM_FIELD = "stream"  # a model call's raw field: the SSE body as it arrived
+RESPONSE_SETTINGS = "response_settings"  # a model call's payload field (see ModelCall)
 TOKEN_IDS_KEY = "completion_token_ids"  # in usage: the exact ids kvtrace generated
 MEASUREMENTS = (_USAGE, _TIMINGS)  # what an edited copy drops: they describe the original call
 
@@ -142,6 +145,11 @@ class ModelCall(_View):
         layout = LAYOUTS[self.api]
         keys = (layout.conversation, layout.system, "tools", "response")
         return {k: self.step.content[k] for k in keys if k and k in self.step.content}
+
+    @property
+    def response_settings(self) -> dict[str, Any]:
+        """What the response repeated of the settings it ran with ({} for none)."""
+        return _dict(self.step.content.get(RESPONSE_SETTINGS))
 
     @property
     def recorded_stream(self) -> bytes | None:
