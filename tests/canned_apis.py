@@ -12,7 +12,8 @@ test that kvtrace reads them right is not a round trip of kvtrace's code.
 
 What they answer depends on the request's last user text:
 
-- a tool result last: a text answer; otherwise, with tools, a short text and
+- a tool result last: a text answer, unless the tool is `bash` (a coding
+  agent, which goes on calling it); otherwise, with tools, a short text and
   a tool call (Anthropic: thinking first when `thinking` is enabled;
   Responses: a reasoning item first when `reasoning` is set);
 - "cut": a stream that stops halfway through a tool call and closes;
@@ -123,6 +124,11 @@ def _tool_input(name: str, number: int) -> dict[str, Any]:
     return {"city": "Paris", "units": "celsius"}
 
 
+def _is_coding(body: dict[str, Any]) -> bool:
+    """Whether the request is the coding agent's, which calls `bash` call after call."""
+    return any(tool.get("name") == "bash" for tool in body.get("tools") or [])
+
+
 def last_user_text(turns: list[dict[str, Any]]) -> str:
     """The text of the last turn of a conversation (Anthropic messages or Responses input)."""
     last = turns[-1] if turns else {}
@@ -141,7 +147,7 @@ class CannedAnthropic(_Server):
         messages = body["messages"]
         last = messages[-1]
         is_result = isinstance(last["content"], list) and any(
-            b.get("type") == "tool_result" for b in last["content"])
+            b.get("type") == "tool_result" for b in last["content"]) and not _is_coding(body)
         blocks: list[dict[str, Any]] = []
         if (body.get("thinking") or {}).get("type") == "enabled":
             blocks.append({"type": "thinking", "signature": SIGNATURE + str(number),
@@ -238,7 +244,8 @@ class CannedResponses(_Server):
         items = body["input"]
         items = [{"role": "user", "content": items}] if isinstance(items, str) else items
         variant = last_user_text(items)
-        is_result = bool(items) and items[-1].get("type") == "function_call_output"
+        is_result = (bool(items) and items[-1].get("type") == "function_call_output"
+                     and not _is_coding(body))
         output: list[dict[str, Any]] = []
         if body.get("reasoning"):
             reasoning = {"type": "reasoning", "id": f"rs_canned{number:04d}",

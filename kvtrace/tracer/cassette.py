@@ -324,8 +324,8 @@ def served_response(step: Step, request: httpx.Request) -> httpx.Response:
         body = endpoint.request(request.content) or {}
         if body.get("stream"):
             return respond(200, headers={"content-type": "text/event-stream"},
-                           content=served_stream(step, body))
-        return respond(200, json=rebuilt_response(step, body))
+                           content=served_stream(step))
+        return respond(200, json=rebuilt_response(step))
     completion = recorded_completion(step)
     body = chat_request(request.content) or {}
     if body.get("stream"):

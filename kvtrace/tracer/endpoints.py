@@ -13,12 +13,15 @@ a `POST …/v1/messages` (Anthropic) or `POST …/responses` (OpenAI) exchange:
   stream assembled (sse_anthropic.py, sse_responses.py);
 - `response_fields`: how the response splits between the step's native
   `response` (content blocks and stop reason; output items and status),
-  `meta.usage`, and `extra.response` (id, type or object, model, created
-  time, anything else). A Responses response also echoes the request's
-  fields (`instructions`, `tools`, `temperature`, ...): one equal to what
-  the request sent is not kept twice, its name goes to `extra.echo` and a
-  replay takes its value from the request it answers (a long `instructions`
-  would otherwise be kept in every step's meta);
+  `meta.usage`, `extra.response` (what is the call's own: id, type or
+  object, model, created time, error, previous_response_id; for Anthropic,
+  anything else too) and, for Responses, `response_settings`: everything
+  else the response repeats of the settings it ran with (`instructions`,
+  `tools` with the provider's defaults filled in, `temperature`,
+  `reasoning`, ...), a payload blob that every call of a conversation with
+  unchanged settings shares, where `extra.response` would keep a long
+  `instructions` again in every step. A response is rebuilt from the step
+  alone, whatever request asks for it;
 - `previous_items`: the conversation a Responses `previous_response_id`
   continues, found among a run's steps by response id;
 - `rebuilt_response`, `served_stream`, `not_found_body`: what a replay sends.
@@ -49,7 +52,7 @@ class Endpoint:
     conversation: str  # the request field holding the conversation
     system: str  # the request field holding the system prompt
     native: tuple[str, ...]  # response fields kept as the step's response, or as usage
-    is_echoing: bool  # whether a response repeats the request's fields
+    own: tuple[str, ...] | None  # fields that are the call's own (None: all but the native)
     assemble: Callable[[bytes], Assembled]
     stream_bytes: Callable[[Mapping[str, Any]], bytes]
 
@@ -82,11 +85,12 @@ class Endpoint:
 
 ANTHROPIC = Endpoint(
     ProviderApi.ANTHROPIC_MESSAGES, "/v1/messages", "messages", "system",
-    ("role", "content", "stop_reason", "stop_sequence", "usage"), False,
+    ("role", "content", "stop_reason", "stop_sequence", "usage"), None,
     sse_anthropic.assemble, sse_anthropic.stream_bytes)
 RESPONSES = Endpoint(
     ProviderApi.OPENAI_RESPONSES, "/responses", "input", "instructions",
-    ("output", "status", "incomplete_details", "usage"), True,
+    ("output", "status", "incomplete_details", "usage"),
+    ("id", "object", "created_at", "completed_at", "model", "error", "previous_response_id"),
     sse_responses.assemble, sse_responses.stream_bytes)
 ENDPOINTS = {endpoint.api: endpoint for endpoint in (ANTHROPIC, RESPONSES)}
 
@@ -99,19 +103,19 @@ def endpoint_for(method: str, url: str) -> Endpoint | None:
     return next((e for e in (ANTHROPIC, RESPONSES) if path.endswith(e.suffix)), None)
 
 
-def response_fields(endpoint: Endpoint, response: Mapping[str, Any],
-                    request: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """(extra.response, extra.echo): the response's fields the step keeps nowhere else."""
-    kept: dict[str, Any] = {}
-    echo: list[str] = []
+def response_fields(endpoint: Endpoint, response: Mapping[str, Any]
+                    ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(extra.response, response_settings): the response's fields beside its native ones."""
+    own: dict[str, Any] = {}
+    settings: dict[str, Any] = {}
     for key, value in response.items():
         if key in endpoint.native:
             continue
-        if endpoint.is_echoing and key != "model" and key in request and request[key] == value:
-            echo.append(key)
+        if endpoint.own is None or key in endpoint.own:
+            own[key] = value
         else:
-            kept[key] = value
-    return kept, sorted(echo)
+            settings[key] = value
+    return own, settings
 
 
 def previous_items(steps: Iterable[Step], response_id: str) -> list[dict[str, Any]] | None:
@@ -163,28 +167,27 @@ def normalized_request(endpoint: Endpoint, request: Mapping[str, Any],
             normalize["tools"](request.get("tools")))
 
 
-def rebuilt_response(step: Step, request: Mapping[str, Any]) -> dict[str, Any]:
-    """A recorded call as the JSON response that answered it (echoed fields from `request`)."""
+def rebuilt_response(step: Step) -> dict[str, Any]:
+    """A recorded call as the JSON response that answered it."""
     call = ModelCall(step)
     native = dict(call.native.get("response") or {})
     usage = call.raw_usage
     usage.pop("finish_reason", None)  # kvtrace's, in chat's vocabulary
     extra = call.extra.get("response")
     extra = dict(extra) if isinstance(extra, Mapping) else {}
-    echo = call.extra.get("echo")
-    echoed = {k: request[k] for k in (echo if isinstance(echo, list) else []) if k in request}
     if call.api is ProviderApi.ANTHROPIC_MESSAGES:
         return {"id": f"msg_{step.short_id}", "type": "message", "role": "assistant",
                 "model": call.model, **extra, "content": native.get("content", []),
                 "stop_reason": native.get("stop_reason"),
                 "stop_sequence": native.get("stop_sequence"), "usage": usage or None}
     return {"id": f"resp_{step.short_id}", "object": "response",
-            "created_at": int(step.recorded_at), "model": call.model, **extra, **echoed,
-            "status": native.get("status", "completed"), "output": native.get("output", []),
+            "created_at": int(step.recorded_at), "model": call.model, **extra,
+            **call.response_settings, "status": native.get("status", "completed"),
+            "output": native.get("output", []),
             "incomplete_details": native.get("incomplete_details"), "usage": usage or None}
 
 
-def served_stream(step: Step, request: Mapping[str, Any]) -> bytes:
+def served_stream(step: Step) -> bytes:
     """What a streaming request is sent: the recorded stream, event for event, when the step
     kept one that still adds up to its response (an edited copy does not); else the
     response written as a stream."""
@@ -193,7 +196,7 @@ def served_stream(step: Step, request: Mapping[str, Any]) -> bytes:
     recorded = call.recorded_stream
     if recorded is not None and _adds_up(endpoint, recorded, call.native.get("response")):
         return recorded
-    return endpoint.stream_bytes(rebuilt_response(step, request))
+    return endpoint.stream_bytes(rebuilt_response(step))
 
 
 def not_found_body(endpoint: Endpoint | None, message: str) -> dict[str, Any]:

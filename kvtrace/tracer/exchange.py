@@ -24,7 +24,8 @@ request and response as bytes, secrets still in) and hand it to
   `stream_options`, credentials redacted), `usage` as the provider sent it
   plus `finish_reason`, `timings`, `extra.http` (with `complete`: the
   stream's terminal event arrived; `unknown_events`: event types skipped),
-  `extra.response`, `extra.echo`, `extra.request_model`. A streamed call also
+  `extra.response`, `extra.request_model`, and a Responses object's
+  repeated settings as `response_settings`. A streamed call also
   keeps its SSE body as it arrived (the raw field `stream`), so a replay
   sends the same events. A Responses call that names a `previous_response_id`
   recorded in the run is stored with that call's input and output in front
@@ -225,9 +226,7 @@ def _api_call(recorder: Recorder, exchange: Exchange, endpoint: Endpoint,
                                                      unstored=unstored)
     stored_fields(endpoint.api, conversation, response, tools=tools, system=system,
                   prior=unstored)  # checked here: a failure keeps the exchange as http
-    extra["response"], echo = response_fields(endpoint, response, request)
-    if echo:
-        extra["echo"] = echo
+    extra["response"], settings = response_fields(endpoint, response)
     answered_by = response.get("model") or request.get("model") or "unknown"
     if request.get("model") not in (None, answered_by):
         extra["request_model"] = request["model"]
@@ -243,7 +242,7 @@ def _api_call(recorder: Recorder, exchange: Exchange, endpoint: Endpoint,
         "params": redactor.fields(endpoint.params(request)), "usage": usage,
         "timings": _timings(exchange), "extra": extra,
         "raw": {STREAM_FIELD: exchange.response_body} if exchange.is_stream else None,
-        "prior": unstored or None,
+        "prior": unstored or None, "response_settings": settings or None,
     }
 
 

@@ -83,13 +83,15 @@ def test_responses_become_model_calls_with_items_tools_and_usage(store, response
     assert one.params == {"reasoning": {"effort": "low", "summary": "auto"},
                           "include": ["reasoning.encrypted_content"], "temperature": 0}
     assert one.model == RESPONSES_MODEL and one.request_model == MODEL
-    assert one.extra["response"]["id"] == "resp_canned0001"
-    assert one.extra["response"]["object"] == "response"
-    assert one.extra["response"]["created_at"] == 1760000001
-    # Echoes equal to the request are not kept twice; the tools came back with a default added.
-    assert {"instructions", "temperature"} <= set(one.extra["echo"])
-    assert "instructions" not in one.extra["response"]
-    assert one.extra["response"]["tools"] == [{"strict": True, **TOOLS[0]}]
+    assert one.extra["response"] == {"id": "resp_canned0001", "object": "response",
+                                     "created_at": 1760000001, "model": RESPONSES_MODEL,
+                                     "error": None, "previous_response_id": None}
+    # What the response repeats of its settings: one blob for both calls.
+    assert one.response_settings["instructions"] == INSTRUCTIONS
+    assert one.response_settings["tools"] == [{"strict": True, **TOOLS[0]}]  # a default added
+    assert one.response_settings["temperature"] == 0
+    first_step, second_step = store.path("agent")
+    assert first_step.payload["response_settings"] == second_step.payload["response_settings"]
     assert one.raw_usage["input_tokens_details"] == {"cached_tokens": 800}
     assert one.raw_usage["finish_reason"] == "tool_calls"
     assert one.usage.prompt_tokens == 940 and one.usage.cached_tokens == 800  # cached inside
@@ -160,7 +162,7 @@ def test_replay_serves_responses_offline_with_identical_items_and_events(
     replayed = weather_agent(offline)
     assert [dumped(r.output) for r in replayed[:2]] == [dumped(r.output) for r in recorded[:2]]
     assert replayed[0].usage == recorded[0].usage and replayed[0].id == recorded[0].id
-    assert replayed[0].instructions == INSTRUCTIONS  # an echo, taken from the request
+    assert replayed[0].instructions == INSTRUCTIONS  # from the step's response_settings
     assert replayed[0].tools == recorded[0].tools
     replayed_continued = weather_agent(offline, stream=True, continued=True)
     assert replayed_continued[2:] == recorded_continued[2:]  # every event, one for one
