@@ -20,7 +20,8 @@ from the bytes it arrived as). The outcomes that are not a plain message:
   `error` set: there is no message to record;
 - no `message_stop` (the connection closed early, or the client left):
   `is_finished` is false and the message holds what had arrived; a tool
-  input whose JSON was cut before its block stopped is left out with its block;
+  block that had not stopped is kept only when the JSON of its input had
+  arrived whole;
 - an event out of order (a delta before its block's start) or data that is
   not JSON raises ValueError: the stream is not one this module can read.
 """
@@ -162,7 +163,7 @@ def _finish(message: dict[str, Any], blocks: dict[int, dict[str, Any]],
     content = []
     for index in sorted(blocks):
         block = blocks[index]
-        if pieces.get(index):
+        if index in pieces and (pieces[index] or index not in stopped):
             try:
                 block["input"] = json.loads("".join(pieces[index]))
             except ValueError:
