@@ -39,6 +39,7 @@ from kvtrace.errors import UsageError
 from kvtrace.store import Step
 from kvtrace.store.apis import ProviderApi, edit_normalizers
 from kvtrace.store.kinds import ModelCall, StepKind
+from kvtrace.store.responses import normalize_input
 from kvtrace.tracer import sse_anthropic, sse_responses
 from kvtrace.tracer.sse import Assembled
 
@@ -157,8 +158,6 @@ def normalized_request(endpoint: Endpoint, request: Mapping[str, Any],
     normalize = edit_normalizers(endpoint.api)
     conversation = request.get(endpoint.conversation)
     if endpoint.api is ProviderApi.OPENAI_RESPONSES:
-        from kvtrace.store.responses import normalize_input
-
         items = [*prior, *normalize_input(conversation, [*prior, *unstored])]
     else:
         items = normalize[endpoint.conversation](conversation)

@@ -280,3 +280,23 @@ def test_the_sdk_sees_an_error_event_as_an_error_and_the_exchange_is_kept(
                                     messages=[{"role": "user", "content": "error"}]))
     (step,) = sqlite_store.path("e")
     assert step.kind == "http" and b"event: error" in HttpExchange(step).response_body
+
+
+def test_an_edited_copy_of_a_streamed_call_is_replayed_from_its_edited_response(
+    sqlite_store, anthropic_upstream
+):
+    client = sdk(anthropic_upstream.url, RecordingTransport(sqlite_store.run("a")))
+    ask(client, QUESTION, stream=True)
+    original = ModelCall(sqlite_store.show("a"))
+    edited = [{"type": "text", "text": "I would rather not say."}]
+    sqlite_store.fork("a", "edited", edit={"response": {**original.native["response"],
+                                                       "content": edited,
+                                                       "stop_reason": "end_turn"}})
+    assert ModelCall(sqlite_store.show("edited")).recorded_stream == original.recorded_stream
+    offline = sdk("http://127.0.0.1:9", ReplayTransport(sqlite_store.run("edited")))
+    message, _ = ask(offline, QUESTION, stream=True)
+    assert blocks(message) == edited  # the kept stream no longer adds up: written anew
+    assert message.stop_reason == "end_turn"
+    original_run = sdk("http://127.0.0.1:9", ReplayTransport(sqlite_store.run("a")))
+    assert [b["type"] for b in blocks(ask(original_run, QUESTION, stream=True)[0])] == [
+        "thinking", "text", "tool_use"]
