@@ -32,11 +32,15 @@ A chat model call is served as a chat completion rebuilt from the step: the
 recorded response message, finish reason, usage (with
 `prompt_tokens_details.cached_tokens` when it was known), id and created
 time. An Anthropic or Responses call is served as JSON rebuilt from its
-native response, `extra.response` and usage (endpoints.py); a streaming
+native response, `extra.response`, `response_settings` and usage
+(endpoints.py); a streaming
 request gets the recorded stream as it arrived, event for event and byte for
-byte, or, for a call recorded without streaming, the response written as
-that API's stream. An http step is served with its recorded status, headers (less the
-redacted ones, content-encoding and length: the stored body is decoded) and body.
+byte, or, for a call recorded without streaming (or an edited copy whose
+stream no longer adds up to its response), the response written as that
+API's stream. An http step is served with its recorded status, headers
+(less the redacted ones, content-encoding and length: the stored body is
+decoded) and body. Responses are of the request's own library, httpx or
+httpx2 (clients.py).
 """
 
 from __future__ import annotations
@@ -152,7 +156,6 @@ class Cassette:
             f"{what} was not recorded; the closest recorded request is step "
             f"{step.short_id} (#{step.depth}), which differs: {_difference(key, entry_key)}"
         )
-
 
     def key(self, request: httpx.Request) -> _Key:
         """The match key of a live request."""
@@ -399,7 +402,7 @@ class ReplayTransport:
 
 
 class AsyncReplayTransport:
-    """The async twin of ReplayTransport, for `httpx.AsyncClient`."""
+    """The async twin of ReplayTransport, for `httpx.AsyncClient` and `httpx2.AsyncClient`."""
 
     def __init__(self, run: Run | Recorder, mode: str = ReplayMode.NONE,
                  inner: Any = None, *,
