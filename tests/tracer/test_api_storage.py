@@ -103,8 +103,9 @@ def distinct_bytes(calls: list[ModelCall]) -> int:
     for call in calls:
         native = call.native
         distinct.update(canonical_json(item) for item in native[call.conversation_field])
-        distinct.update(canonical_json(native[k]) for k in ("system", "instructions", "tools")
-                        if k in native)
+        # The system prompt and the tools, as the one blob the store keeps them in.
+        distinct.add(canonical_json({k: native[k] for k in ("system", "instructions", "tools")
+                                     if k in native}))
         if call.response_settings:
             distinct.add(canonical_json(call.response_settings))
     return sum(len(d) for d in distinct)
