@@ -62,8 +62,6 @@ class Run:
         *,
         meta: Mapping[str, Any] | None = None,
         raw: Mapping[str, bytes] | None = None,
-        prior: list[dict[str, Any]] | None = None,
-        response_settings: Mapping[str, Any] | None = None,
     ) -> Step:
         """Append a step of any kind: JSON `payload` fields, raw-bytes `raw` fields."""
         step = self.store.append(self.name, self._head, kind, payload, meta or {}, raw)
