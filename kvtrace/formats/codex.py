@@ -101,7 +101,7 @@ class _Builder:
         self.total: dict[str, Any] | None = None  # the last total_token_usage
         self.open: _Call | None = None
         self.records: list[Record] = []
-        self.pending: list[dict[str, Any]] = []  # kept lines no step carries yet
+        self.pending: list[dict[str, Any]] = []  # kept entries no step carries yet
 
     def build(self) -> list[Record]:
         for line in self.lines:
@@ -122,7 +122,7 @@ class _Builder:
                              "model call to import")
         if self.pending:
             last = self.records[-1]
-            last.extra.setdefault(KEY, {})["after"] = self.pending
+            last.extra.setdefault(KEY, {})["after"] = [entry["line"] for entry in self.pending]
         return self.records
 
     # -- lines --
@@ -228,10 +228,7 @@ class _Builder:
 
     def _keep(self, value: dict[str, Any]) -> None:
         """Keep a line with the open call (between its items), else for the next step."""
-        if self.open is not None:
-            self.open.kept.append({"line": value})
-        else:
-            self.pending.append(value)
+        (self.open.kept if self.open is not None else self.pending).append({"line": value})
 
     # -- steps --
 

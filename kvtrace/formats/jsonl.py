@@ -73,7 +73,7 @@ def parse_jsonl(data: bytes | str, source: str) -> JsonLines:
         try:
             value = jsontext.loads(raw, where, parse_constant=_refuse_constant(where))
         except json.JSONDecodeError as exc:
-            hint = " (a truncated line?)" if exc.pos >= len(raw.rstrip()) else ""
+            hint = "" if raw.rstrip().endswith("}") else " (a truncated line?)"
             raise UsageError(f"{where} is not JSON: {exc.msg} at column {exc.colno}{hint}"
                              ) from exc
         if not isinstance(value, dict):

@@ -146,16 +146,17 @@ def parse_prices(document: Any, source: str = "the prices file") -> Prices:
 def read_prices(path: str | Path) -> Prices:
     """The prices file at `path` (TOML when its name ends in .toml, else JSON)."""
     path = Path(path)
+    source = f"prices={path}"  # the CLI writes it as its flag: --prices PATH
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
-        raise UsageError(f"cannot read the prices file {path}: {exc.strerror or exc}",
+        raise UsageError(f"{source}: cannot read it ({exc.strerror or exc})",
                          param="prices") from exc
     except UnicodeDecodeError as exc:
-        raise UsageError(f"{path} is not UTF-8 text", param="prices") from exc
+        raise UsageError(f"{source} is not UTF-8 text", param="prices") from exc
     try:
         document = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
         kind = "TOML" if path.suffix == ".toml" else "JSON"
-        raise UsageError(f"{path} is not {kind}: {exc}", param="prices") from exc
-    return parse_prices(document, str(path))
+        raise UsageError(f"{source} is not {kind}: {exc}", param="prices") from exc
+    return parse_prices(document, source)
