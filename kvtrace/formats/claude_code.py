@@ -179,8 +179,13 @@ def _first_session_id(path: Path) -> Any:
 
 
 def _split(transcript: JsonLines) -> tuple[JsonLines, list[JsonLines]]:
-    """The main thread's lines, and sidechains kept in the same file (Claude Code before 1.0)."""
-    if not any(line.value.get("isSidechain") is True for line in transcript):
+    """The main thread's lines, and sidechains kept in the same file (Claude Code before 1.0).
+
+    A file of sidechain lines only (a subagent's own file, imported alone) is its own main.
+    """
+    sidechain = [line.value.get("isSidechain") is True for line in transcript
+                 if line.value.get("type") in ("user", "assistant")]
+    if not any(sidechain) or all(sidechain):
         return transcript, []
     main = [line for line in transcript if line.value.get("isSidechain") is not True]
     chains: dict[str, list[Line]] = {}
@@ -251,7 +256,8 @@ class _Builder:
     """One transcript's lines in file order, turned into records (see the module docstring)."""
 
     def __init__(self, lines: JsonLines) -> None:
-        check_storable([line.value for line in lines])
+        for line in lines:
+            check_storable(line.value, lines.where(line))
         self.lines = lines
         self.by_uuid = {line.value["uuid"]: line for line in lines
                         if isinstance(line.value.get("uuid"), str)}

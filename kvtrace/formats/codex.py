@@ -68,7 +68,8 @@ def codex_records(document: Any) -> list[Record]:
         document = JsonLines.of(document, "the rollout")
     if not isinstance(document, JsonLines):
         raise UsageError("a Codex rollout is its lines (JSONL: one JSON object a line)")
-    check_storable([line.value for line in document])
+    for line in document:
+        check_storable(line.value, document.where(line))
     return _Builder(document).build()
 
 

@@ -117,12 +117,12 @@ def record_into(store: Store, run: str, records: Sequence[Record]) -> list[Step]
     return steps
 
 
-def check_storable(document: Any) -> None:
+def check_storable(document: Any, where: str = "the document") -> None:
     """Refuse, before anything is written, values the store cannot encode (NaN, lone surrogates)."""
     try:
         canonical_json(document)
     except UsageError as exc:
-        raise UsageError(f"the document cannot be stored: {exc}") from exc
+        raise UsageError(f"{where} cannot be stored: {exc}") from exc
 
 
 def parse_json(data: bytes | str, source: str) -> Any:
