@@ -175,7 +175,7 @@ def _response_blocks(call: kinds.ModelCall) -> list[dict[str, Any]]:
         native = call.native.get("response")
         if isinstance(native, dict) and isinstance(native.get("content"), list):
             return [dict(b) for b in native["content"]]
-    response = call.response if isinstance(call.response, dict) else {
+    response: dict[str, Any] = call.response if isinstance(call.response, dict) else {
         "content": str(call.response)}
     blocks: list[dict[str, Any]] = []
     if response.get("reasoning_content"):

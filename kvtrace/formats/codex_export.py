@@ -166,7 +166,7 @@ def _output_items(call: kinds.ModelCall) -> list[dict[str, Any]]:
         native = call.native.get("response")
         if isinstance(native, dict) and isinstance(native.get("output"), list):
             return [dict(i) for i in native["output"]]
-    response = call.response if isinstance(call.response, dict) else {
+    response: dict[str, Any] = call.response if isinstance(call.response, dict) else {
         "content": str(call.response)}
     items: list[dict[str, Any]] = []
     if response.get("reasoning_content"):

@@ -9,6 +9,7 @@ import shutil
 
 import pytest
 
+from kvtrace.cli import main
 from kvtrace.errors import UsageError
 from kvtrace.formats import (
     export_claude_code,
@@ -258,3 +259,38 @@ def test_a_session_passed_as_parsed_lines_imports_without_its_subagents(store):
     assert info.depth == 61 and subagent_runs(store, "lines") == []
     session = read_session(MAIN.read_bytes(), str(MAIN))
     assert len(session.subagents) == 1
+
+
+def _kv(store_url, capsys, *argv):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--store", store_url, *argv])
+    out, err = capsys.readouterr()
+    return int(exit_info.value.code or 0), out, err
+
+
+def test_the_cli_imports_the_session_and_names_its_subagent(store_url, capsys, tmp_path):
+    code, out, _ = _kv(store_url, capsys, "import", "--format", "claude-code", str(MAIN),
+                       "--run", "cc")
+    assert code == 0
+    assert out.splitlines() == ["imported cc (61 steps)",
+                                f"imported cc/agent-{AGENT} (7 steps), a subagent of cc"]
+    code, out, _ = _kv(store_url, capsys, "import", "-f", "claude-code", str(MAIN), "--run",
+                       "cc2", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["name"] == "cc2"
+    assert [s["name"] for s in data["subagents"]] == [f"cc2/agent-{AGENT}"]
+    target = tmp_path / "out.jsonl"
+    assert _kv(store_url, capsys, "export", "cc", "-f", "claude-code", "-o", str(target))[0] == 0
+    assert [json.loads(x) for x in target.read_text().splitlines()] == _lines(MAIN)
+
+
+def test_the_cli_refuses_a_truncated_transcript_in_one_line_exit_2(store, store_url, capsys,
+                                                                  tmp_path):
+    path = _broken(tmp_path, lambda ls: [*ls[:-1], ls[-1][:40]])
+    before = state(store)
+    code, out, err = _kv(store_url, capsys, "import", "--format", "claude-code", str(path),
+                         "--run", "x")
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert err.startswith("error: ") and "broken.jsonl line 107 is not JSON" in err
+    assert err.rstrip().endswith("(a truncated line?)")
+    assert state(store) == before
