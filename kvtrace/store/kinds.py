@@ -32,7 +32,7 @@ from enum import StrEnum
 from typing import Any, ClassVar
 
 from kvtrace.errors import UsageError
-from kvtrace.store.apis import LAYOUTS, ChatView, ProviderApi, chat_view
+from kvtrace.store.apis import LAYOUTS, ChatView, ProviderApi, chat_view, native_request
 from kvtrace.store.records import Step
 from kvtrace.store.usage import Usage
 
@@ -134,10 +134,15 @@ class ModelCall(_View):
 
     @property
     def native(self) -> dict[str, Any]:
-        """The call's content in its own API's shape: conversation, system, tools, response."""
-        layout = LAYOUTS[self.api]
-        keys = (layout.conversation, layout.system, "tools", "response")
-        return {k: self.step.content[k] for k in keys if k and k in self.step.content}
+        """The call in its own API's shape: its conversation field (`messages` or `input`),
+        system prompt (`system` or `instructions`), `tools` and `response`, where present."""
+        content = self.step.content
+        conversation = LAYOUTS[self.api].conversation
+        out = {conversation: content[conversation]} if conversation in content else {}
+        out.update(native_request(self.api, content))
+        if "response" in content:
+            out["response"] = content["response"]
+        return out
 
     @property
     def model(self) -> str | None:

@@ -173,6 +173,53 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
     return out
 
 
+def from_chat(messages: list[dict[str, Any]]) -> tuple[str | None, list[dict[str, Any]]]:
+    """(instructions, input items) of a Responses request meaning the chat conversation.
+
+    The inverse of `chat_messages` on what chat can say: a first system turn
+    becomes `instructions`, tool calls `function_call` items, tool turns
+    `function_call_output` items.
+    """
+    instructions = None
+    if messages and messages[0].get("role") == "system" and isinstance(
+            messages[0].get("content"), str):
+        instructions, messages = messages[0]["content"], messages[1:]
+    items: list[dict[str, Any]] = []
+    for message in messages:
+        items.extend(_items_of(message))
+    return instructions, items
+
+
+def response_from_chat(message: Mapping[str, Any], finish: str | None) -> dict[str, Any]:
+    """The stored response for a chat-shaped assistant message and its finish reason."""
+    status = "incomplete" if finish == "length" else "completed"
+    return {"output": _items_of({**message, "role": "assistant"}), "status": status}
+
+
+def _items_of(message: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """One chat message as Responses items."""
+    role = message.get("role")
+    content = message.get("content")
+    if role == "tool":
+        return [{"type": "function_call_output", "call_id": message["tool_call_id"],
+                 "output": content if content is not None else ""}]
+    if role != "assistant":
+        return [{"type": "message", "role": role, "content": content}]
+    items: list[dict[str, Any]] = []
+    if message.get("reasoning_content"):
+        items.append({"type": "reasoning", "summary": [
+            {"type": "summary_text", "text": message["reasoning_content"]}]})
+    if isinstance(content, str) and content:
+        items.append({"type": "message", "role": "assistant",
+                      "content": [{"type": "output_text", "text": content}]})
+    for call in message.get("tool_calls") or []:
+        function = call.get("function") or {}
+        items.append({"type": "function_call", "call_id": call.get("id") or "",
+                      "name": function.get("name", ""),
+                      "arguments": function.get("arguments") or ""})
+    return items
+
+
 def finish_reason(response: Mapping[str, Any]) -> str | None:
     """The response's status in OpenAI chat's finish_reason vocabulary."""
     output = response.get("output") or []
