@@ -34,6 +34,9 @@ from kvtrace.store.plain import to_plain
 
 ROLES = frozenset({"system", "developer", "user", "assistant"})
 _CALLS = frozenset({"function_call", "custom_tool_call"})
+# Calls whose output comes back as a function_call_output, though they are no function call:
+# the built-in local shell (Codex on codex-mini), answered with its call_id.
+_ANSWERABLE = _CALLS | {"local_shell_call"}
 _OUTPUTS = frozenset({"function_call_output", "custom_tool_call_output"})
 _TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
 _RESPONSE_KEYS = ("output", "status", "incomplete_details")
@@ -52,9 +55,9 @@ def normalize_input(items: Any, prior: Iterable[Mapping[str, Any]] = ()) -> list
     if not isinstance(plain, list):
         raise UsageError("input must be a string or a list of Responses input items")
     out = [_item(item, f"input[{i}]") for i, item in enumerate(plain)]
-    called = {str(i.get("call_id")) for i in prior if i.get("type") in _CALLS}
+    called = {str(i.get("call_id")) for i in prior if i.get("type") in _ANSWERABLE}
     for index, item in enumerate(out):
-        if item["type"] in _CALLS:
+        if item["type"] in _ANSWERABLE and isinstance(item.get("call_id"), str):
             called.add(item["call_id"])
         elif item["type"] in _OUTPUTS and item["call_id"] not in called:
             raise UsageError(f"input[{index}]: {item['type']} for {item['call_id']!r} answers "
