@@ -157,6 +157,10 @@ class Cassette:
             f"{step.short_id} (#{step.depth}), which differs: {_difference(key, entry_key)}"
         )
 
+    def step_key(self, step: Step) -> _Key | None:
+        """The match key of a recorded step (None: it holds no request to match)."""
+        return _step_key(step, self._redactor)
+
     def key(self, request: httpx.Request) -> _Key:
         """The match key of a live request."""
         endpoint = endpoint_for(request.method, str(request.url))
