@@ -21,16 +21,21 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 import typing
 from collections.abc import Callable
 from typing import Any
 
+import anyio.from_thread
+from mcp.server.mcpserver import Context
 from mcp.types import CallToolResult, TextContent
 
 from kvtrace.errors import KvtraceError
 from kvtrace.inert import inert, inert_json
 
 DescribeError = Callable[[KvtraceError, str], str]
+PROGRESS = "on_progress"
+_log = logging.getLogger("kvtrace.mcp")
 
 
 def library_message(exc: KvtraceError, tool: str) -> str:
@@ -40,26 +45,50 @@ def library_message(exc: KvtraceError, tool: str) -> str:
 
 def as_tool(method: Callable[..., dict[str, Any]],
             describe_error: DescribeError) -> Callable[..., CallToolResult]:
-    """`method` as a tool function: its parameters, a `CallToolResult` (module docstring)."""
-    name = method.__name__
+    """`method` as a tool function: its parameters, a `CallToolResult` (module docstring).
 
-    def call(**arguments: Any) -> CallToolResult:
+    A method with an `on_progress(done, total)` parameter gets one that sends the
+    client progress notifications (when it asked for them); the parameter is not
+    one of the tool's arguments.
+    """
+    name = method.__name__
+    signature = inspect.signature(method)
+    wants_progress = PROGRESS in signature.parameters
+
+    def call(context: Context, **arguments: Any) -> CallToolResult:
+        if wants_progress:
+            arguments[PROGRESS] = _reporter(context)
         try:
             value = method(**arguments)
         except KvtraceError as exc:
             return failed(describe_error(exc, name))
         return succeeded(value)
 
-    # The SDK reads the parameters' schema from the signature: the method's, with its
-    # annotations resolved (they are strings under `from __future__ import annotations`).
+    # The SDK reads the arguments' schema from the signature: the method's, with its
+    # annotations resolved (they are strings under `from __future__ import annotations`),
+    # and the request's Context, which it passes (and leaves out of the schema).
     hints = typing.get_type_hints(method, include_extras=True)
     parameters = [parameter.replace(annotation=hints[parameter.name])
-                  for parameter in inspect.signature(method).parameters.values()]
+                  for parameter in signature.parameters.values() if parameter.name != PROGRESS]
+    context = inspect.Parameter("context", inspect.Parameter.KEYWORD_ONLY, annotation=Context)
     call.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
-        parameters, return_annotation=CallToolResult)
+        [*parameters, context], return_annotation=CallToolResult)
+    call.__annotations__ = {"context": Context, "return": CallToolResult}
     call.__name__ = name
     call.__doc__ = method.__doc__
     return call
+
+
+def _reporter(context: Context) -> Callable[[int, int], None]:
+    """`on_progress(done, total)` for a tool running on one of the SDK's worker threads."""
+
+    def report(done: int, total: int) -> None:
+        try:
+            anyio.from_thread.run(context.report_progress, done, total)
+        except Exception:  # a client gone or slow never stops the work it asked for
+            _log.debug("progress notification not sent", exc_info=True)
+
+    return report
 
 
 def succeeded(value: dict[str, Any]) -> CallToolResult:

@@ -16,7 +16,7 @@ here, before anything is read.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Annotated, Any, Literal
 
@@ -25,7 +25,9 @@ from pydantic import Field
 from kvtrace.errors import UsageError
 from kvtrace.mcp.models import Models
 from kvtrace.mcp.paging import DEFAULT_MAX_BYTES, Budget, read_page, step_document
-from kvtrace.replay import SamplingParams, analyze, branch_out, replay
+from kvtrace.replay import SamplingParams, StepReport, branch_out
+from kvtrace.replay import analyze as analyze_run
+from kvtrace.replay import replay as replay_run
 from kvtrace.replay.tools import DEMO_TOOLS
 from kvtrace.store import Store
 from kvtrace.store.compare import compare
@@ -182,7 +184,7 @@ class Tools:
     def analyze(self, run: Spec) -> dict[str, Any]:
         """The oracle bound per model call and the prefix breakers, with the tokenizer only
         (`kvtrace analyze --json`): where and why prompts stop sharing a prefix."""
-        return analyze(self.store, run, self.models.tokenizer()).to_dict()
+        return analyze_run(self.store, run, self.models.tokenizer()).to_dict()
 
     # -- supervising ---------------------------------------------------------------------
 
@@ -264,13 +266,21 @@ class Tools:
         = "rebuild",
         to: Annotated[str | None, Field(
             description="Stop at this step of the run (default: its head).")] = None,
+        on_progress: Callable[[int, int], None] | None = None,
     ) -> dict[str, Any]:
         """Replay a run from its root through the server's model, reusing the KV cache of
         every matching prefix (`kvtrace replay --json`): per model call and in total, prompt
         tokens reused and computed, the hit rate against the oracle bound, and (verify) the
-        first step and token where the response differs."""
+        first step and token where the response differs. Sends progress (model calls
+        replayed of all) to a client that asks for it."""
+
+        def on_step(done: int, total: int, step: StepReport) -> None:
+            if on_progress is not None:
+                on_progress(done, total)
+
         with self.models.backend() as backend:
-            return replay(self.store, run, backend, to=to, mode=mode).to_dict()
+            return replay_run(self.store, run, backend, to=to, mode=mode,
+                              on_step=on_step).to_dict()
 
     def branch(
         self,

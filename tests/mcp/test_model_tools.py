@@ -76,3 +76,15 @@ def test_branch_with_an_edit_starts_every_branch_from_the_edited_step(client, st
     with open_store(stores) as store:
         fork_step = store.show(report["fork_step"])
         assert fork_step.content["result"] == "392" and fork_step.depth == 2
+
+
+def test_replay_sends_progress_to_a_client_that_asks_for_it(sqlite_client, calc):
+    seen: list[tuple[float, float | None]] = []
+
+    async def on_progress(progress: float, total: float | None, message: str | None) -> None:
+        seen.append((progress, total))
+
+    result = sqlite_client.run(sqlite_client.session.call_tool(
+        "replay", {"run": calc}, progress_callback=on_progress))
+    assert not result.is_error and result.structured_content["total"]["steps"] == 2
+    assert seen == [(1, 2), (2, 2)]  # model calls replayed, of all
