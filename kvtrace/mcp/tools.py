@@ -24,7 +24,14 @@ from pydantic import Field
 
 from kvtrace.errors import UsageError
 from kvtrace.mcp.models import Models
-from kvtrace.mcp.paging import DEFAULT_MAX_BYTES, Budget, read_page, step_document
+from kvtrace.mcp.paging import (
+    DEFAULT_MAX_BYTES,
+    MAX_MAX_BYTES,
+    MIN_MAX_BYTES,
+    Budget,
+    read_page,
+    step_document,
+)
 from kvtrace.replay import SamplingParams, StepReport, branch_out
 from kvtrace.replay import analyze as analyze_run
 from kvtrace.replay import replay as replay_run
@@ -43,9 +50,9 @@ Spec = Annotated[str, Field(
     description="A step address: RUN (its head), RUN@N (its Nth step, from 1), RUN~K (K steps "
     "before its head) or a step-id prefix.")]
 MaxBytes = Annotated[int, Field(
-    description=f"Page size: the most bytes of step content the result holds ({DEFAULT_MAX_BYTES} "
-    "by default, 1024 to 16777216). A content field left out is listed under its step's "
-    "`paged`, with the pointer that reads it (show_step).")]
+    description=f"Page size: the most bytes of step content the result holds "
+    f"({DEFAULT_MAX_BYTES} by default, {MIN_MAX_BYTES} to {MAX_MAX_BYTES}). A content field "
+    "left out is listed under its step's `paged`, with the pointer that reads it (show_step).")]
 Edit = Annotated[dict[str, Any] | None, Field(
     description='Content fields of the step to replace, e.g. {"result": ...} for a tool call, '
     '{"response": ...} or {"messages": [...]} for a model call: the fork starts from an edited '
@@ -113,12 +120,13 @@ class Tools:
         Without `pointer`, content fields that do not fit `max_bytes` are listed under `paged`;
         with it, the value comes in pages: list items from `offset`, or text from byte
         `offset`, with `next_offset` and what remains (`remaining_bytes`, `remaining_items`)."""
+        budget = Budget(max_bytes)
+        if offset < 0 or (offset and not pointer):
+            raise UsageError(f"offset={offset}: " + ("an offset is 0 or more" if offset < 0 else
+                             "an offset pages a value: name it with pointer"), param="offset")
         step = self.store.show(spec)
         if not pointer:
-            if offset:
-                raise UsageError(f"offset={offset} pages a value: name it with pointer",
-                                 param="offset")
-            return step_document(step, Budget(max_bytes), notes=self.store.notes(step.id))
+            return step_document(step, budget, notes=self.store.notes(step.id))
         return read_page(step, pointer, offset, max_bytes)
 
     def watch(

@@ -92,7 +92,8 @@ def test_pausing_twice_and_resuming_a_running_run_are_refused(client, stores, jo
 @pytest.mark.parametrize(("tool", "arguments", "start"), [
     ("log", {"limit": 0}, "--limit 0: "),
     ("show_step", {"max_bytes": 10}, "max_bytes=10: "),
-    ("show_step", {"offset": 5}, "offset=5 pages a value"),
+    ("show_step", {"offset": 5}, "offset=5: an offset pages a value: name it with pointer"),
+    ("show_step", {"offset": -1, "pointer": "/result"}, "offset=-1: an offset is 0 or more"),
     ("watch", {"timeout": -1}, "timeout=-1.0: "),
     ("watch", {"max_events": 0}, "max_events=0: "),
     ("watch", {"cursor": -2}, "cursor=-2: "),
