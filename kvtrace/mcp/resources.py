@@ -43,7 +43,7 @@ def register_resources(server: MCPServer, tools: Tools, describe_error: Describe
             raise ResourceNotFoundError(_line(describe_error(exc, tool))) from exc
         except KvtraceError as exc:
             raise ResourceError(_line(describe_error(exc, tool))) from exc
-        return inert_json(json.dumps(value, ensure_ascii=False, indent=1))
+        return inert_json(json.dumps(value, ensure_ascii=False))
 
     @server.resource("kvtrace://runs", name="runs", mime_type=JSON,
                      description="Every run (branch): name, head step id, steps, creation time.")

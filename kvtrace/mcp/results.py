@@ -93,7 +93,7 @@ def _reporter(context: Context) -> Callable[[int, int], None]:
 
 def succeeded(value: dict[str, Any]) -> CallToolResult:
     """A tool's JSON object, structured and as text."""
-    text = inert_json(json.dumps(value, ensure_ascii=False, indent=1))
+    text = inert_json(json.dumps(value, ensure_ascii=False))
     return CallToolResult(content=[TextContent(type="text", text=text)],
                           structured_content=value)
 

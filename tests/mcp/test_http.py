@@ -37,9 +37,7 @@ def start(sqlite_url, tmp_path) -> Iterator[Callable[..., str]]:
              "--port", "0", "--json", *options],
             cwd=tmp_path, env=server_env(tmp_path / "cache"), stdout=subprocess.PIPE, text=True)
         started.append(process)
-        line = process.stdout.readline() if process.stdout else ""
-        assert line, f"kvtrace mcp ended with {process.wait(timeout=30)} before listening"
-        said = json.loads(line)
+        said = _json_document(process)
         assert said["transport"] == "http" and said["url"].startswith("http://127.0.0.1:")
         return said["url"]
 
@@ -47,6 +45,18 @@ def start(sqlite_url, tmp_path) -> Iterator[Callable[..., str]]:
     for process in started:
         process.terminate()  # SIGTERM: the server stops gracefully
         assert process.wait(timeout=30) == 0
+
+
+def _json_document(process: subprocess.Popen[str]) -> dict[str, Any]:
+    """The JSON document `--json` prints once the server listens (it may span lines)."""
+    assert process.stdout is not None
+    text = ""
+    while True:
+        line = process.stdout.readline()
+        assert line, f"kvtrace mcp ended with {process.wait(timeout=30)} before listening"
+        text += line
+        if line.rstrip() == "}":
+            return json.loads(text)
 
 
 def http(url: str, headers: dict[str, str] | None = None) -> Callable[[], Any]:

@@ -44,7 +44,8 @@ def _pages(client, spec, pointer, **options):
 def test_a_step_too_big_for_a_page_lists_what_it_leaves_out(sqlite_client, big):
     name, step_id, messages = big
     shown = sqlite_client.call("show_step", spec=name, max_bytes=PAGE)
-    assert shown["id"] == step_id and shown["content"] == {"response": "done"}
+    assert shown["id"] == step_id and list(shown["content"]) == ["response"]
+    assert shown["content"]["response"]["content"] == "done"
     paged = shown["paged"]["messages"]
     assert paged["pointer"] == "/messages" and paged["num_items"] == 300
     assert paged["num_bytes"] == len(json.dumps(messages, ensure_ascii=False,
