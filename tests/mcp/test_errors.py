@@ -54,23 +54,34 @@ def test_a_bad_step_address_is_the_clis_error(client, stores, job, capsys, spec)
         capsys, stores, "note", spec, "t")
 
 
-@pytest.mark.parametrize("edit", [{"nonsense": 1}, {}, {"result": 1, "tool": "x"}])
-def test_a_bad_edit_is_refused_as_the_cli_refuses_it_and_makes_no_run(client, stores, job,
-                                                                       capsys, tmp_path, edit):
+@pytest.mark.parametrize(("at", "edit"), [
+    ("@2", {"nonsense": 1}),
+    ("@2", {"result": 1, "tool": "x"}),
+    ("@1", {"response": {"role": "user", "content": "x"}}),
+])
+def test_a_bad_edit_is_refused_as_the_cli_refuses_it_and_makes_no_run(
+        client, stores, job, capsys, tmp_path, at, edit):
     edit_file = tmp_path / "edit.json"
     edit_file.write_text(json.dumps(edit))
-    expected = cli_error(capsys, stores, "branch", f"{job}@2", "--n", "1",
+    expected = cli_error(capsys, stores, "branch", f"{job}{at}", "--n", "1",
                          "--edit", str(edit_file))
-    assert _refused(client, stores, "fork", spec=f"{job}@2", new=f"{job}-x",
+    assert _refused(client, stores, "fork", spec=f"{job}{at}", new=f"{job}-x",
                     edit=edit) == expected
-    assert _refused(client, stores, "branch", spec=f"{job}@2", n=1, edit=edit) == expected
-    assert "edit" in expected or "field" in expected
+    assert _refused(client, stores, "branch", spec=f"{job}{at}", n=1, edit=edit) == expected
+
+
+def test_an_empty_edit_is_refused(client, stores, job):
+    assert _refused(client, stores, "fork", spec=f"{job}@2", new=f"{job}-x", edit={}) == (
+        "edit must map content fields to their new values")
 
 
 def test_a_parameter_the_library_names_is_written_as_the_clis_flag(client, stores, job,
                                                                    capsys):
-    wrong = _refused(client, stores, "replay", run=job, to="elsewhere@1")
-    assert wrong == cli_error(capsys, stores, "replay", job, "--to", "elsewhere@1")
+    with open_store(stores) as store:
+        store.run(f"{job}-other").record_note("elsewhere")
+    wrong = _refused(client, stores, "replay", run=job, to=f"{job}-other@1")
+    assert wrong == cli_error(capsys, stores, "replay", job, "--to", f"{job}-other@1")
+    assert wrong.startswith(f"--to '{job}-other@1' is not a step of '{job}'")
     assert _refused(client, stores, "branch", spec=job, n=0) == cli_error(
         capsys, stores, "branch", job, "--n", "0")
     assert _refused(client, stores, "branch", spec=job, n=0).startswith("--n 0: ")
