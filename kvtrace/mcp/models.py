@@ -7,8 +7,8 @@ first call that computes with it, not at start, so a server that only
 supervises never loads torch; and it stays loaded, with its KV cache in
 memory, so a second replay of a prefix reuses the first's KV.
 
-The engine is not shared between threads: a lock gives it to one tool call
-at a time (a second replay waits). What a call hands the replay API is a
+The engine is not shared between threads: a lock gives it (and its
+tokenizer) to one tool call at a time (a second replay waits). What a call hands the replay API is a
 stand-in that loads the model on its first use, after the API has checked
 its input: a bad address fails at once, not after a model load.
 """
@@ -45,9 +45,12 @@ class Models:
         with self._in_use:
             yield cast("Backend", _OnFirstUse(self._load_backend))
 
-    def tokenizer(self) -> Tokenizer:
-        """The model's tokenizer (the loaded backend's, else loaded alone, without weights)."""
-        return cast("Tokenizer", _OnFirstUse(self._load_tokenizer))
+    @contextmanager
+    def tokenizer(self) -> Iterator[Tokenizer]:
+        """The model's tokenizer (the loaded backend's, else loaded alone, without weights),
+        for one call: a fast tokenizer is not to be used by two threads at once."""
+        with self._in_use:
+            yield cast("Tokenizer", _OnFirstUse(self._load_tokenizer))
 
     def _load_backend(self) -> Backend:
         with self._loading:

@@ -192,7 +192,8 @@ class Tools:
     def analyze(self, run: Spec) -> dict[str, Any]:
         """The oracle bound per model call and the prefix breakers, with the tokenizer only
         (`kvtrace analyze --json`): where and why prompts stop sharing a prefix."""
-        return analyze_run(self.store, run, self.models.tokenizer()).to_dict()
+        with self.models.tokenizer() as tokenizer:
+            return analyze_run(self.store, run, tokenizer).to_dict()
 
     # -- supervising ---------------------------------------------------------------------
 
