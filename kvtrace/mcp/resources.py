@@ -19,7 +19,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver import MCPServer, ResourceSecurity
 from mcp.server.mcpserver.exceptions import ResourceError, ResourceNotFoundError
 
 from kvtrace.errors import KvtraceError, NotFoundError, UsageError
@@ -57,8 +57,9 @@ def register_resources(server: MCPServer, tools: Tools, describe_error: Describe
     def run(run: str) -> str:
         return answer("log", lambda: run_document(tools, run))
 
+    # A JSON pointer starts with "/": no file path, so the SDK's path checks do not apply.
     @server.resource("kvtrace://step/{+spec}{?pointer,offset,max_bytes}", name="step",
-                     mime_type=JSON,
+                     mime_type=JSON, security=ResourceSecurity(exempt_params={"pointer"}),
                      description="One step by address (RUN, RUN@N, RUN~K, id prefix): metadata, "
                      "content, notes; fields over max_bytes are listed under `paged`. With "
                      "?pointer=/field (a JSON pointer) and &offset=, one page of that value.")

@@ -16,7 +16,7 @@ from tests.mcp.conftest import cli_error, state
 @pytest.fixture
 def job(stores, name):
     with open_store(stores) as store:
-        record_calc_run(store.run(name))
+        record_calc_run(store.run(name), question=f"What is 17 * 23? ({name})")
     return name
 
 
@@ -90,7 +90,10 @@ def test_a_parameter_the_library_names_is_written_as_the_clis_flag(client, store
 def test_a_move_that_is_not_backwards_is_refused(client, stores, job, capsys):
     assert _refused(client, stores, "revert", run=job, to=f"{job}@3") == cli_error(
         capsys, stores, "revert", job, "--to", f"{job}@3")
-    assert _refused(client, stores, "undo", run=job) == cli_error(capsys, stores, "undo", job)
+    with open_store(stores) as store:
+        store.fork(f"{job}@1", f"{job}-new")  # a fork has no move of its own to undo
+    assert _refused(client, stores, "undo", run=f"{job}-new") == cli_error(
+        capsys, stores, "undo", f"{job}-new")
 
 
 def test_pausing_twice_and_resuming_a_running_run_are_refused(client, stores, job):
@@ -116,6 +119,7 @@ def test_bad_limits_are_one_line_naming_the_argument(client, stores, job, tool, 
 
 
 def test_an_error_quoting_what_the_caller_sent_is_one_inert_line(client, stores, job):
-    message = _refused(client, stores, "show_step", spec=job, pointer="/res\x1b[2J\nult\u202e")
+    message = _refused(client, stores, "show_step", spec=f"{job}@2",
+                       pointer="/res\x1b[2J\nult\u202e")
     assert message.startswith("pointer='/res\\x1b[2J\\nult\\u202e' names nothing in step ")
     assert "keys arguments, result" in message

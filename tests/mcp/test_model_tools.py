@@ -15,7 +15,7 @@ from tests.mcp.conftest import cli
 @pytest.fixture
 def calc(sqlite_url, name):
     with open_store(sqlite_url) as store:
-        record_calc_run(store.run(name))
+        record_calc_run(store.run(name), question=f"What is 17 * 23? ({name})")
     return name
 
 
@@ -54,7 +54,7 @@ def test_verify_gives_a_verdict_for_every_model_call(sqlite_client, calc):
 
 def test_branch_forks_n_runs_from_a_step_and_continues_each(client, stores, name):
     with open_store(stores) as store:
-        record_calc_run(store.run(name))
+        record_calc_run(store.run(name), question=f"What is 17 * 23? ({name})")
     report = client.call("branch", spec=f"{name}@2", n=2, steps=1, max_new_tokens=4,
                          prefix=f"{name}-try", seed=3)
     assert report["fork_depth"] == 2 and not report["edited"]
@@ -69,7 +69,7 @@ def test_branch_forks_n_runs_from_a_step_and_continues_each(client, stores, name
 
 def test_branch_with_an_edit_starts_every_branch_from_the_edited_step(client, stores, name):
     with open_store(stores) as store:
-        record_calc_run(store.run(name))
+        record_calc_run(store.run(name), question=f"What is 17 * 23? ({name})")
     report = client.call("branch", spec=f"{name}@2", n=1, steps=1, max_new_tokens=4,
                          edit={"result": "392"})
     assert report["edited"]

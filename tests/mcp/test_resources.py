@@ -16,7 +16,7 @@ from tests.mcp.conftest import cli_error
 @pytest.fixture
 def calc(sqlite_url, name):
     with open_store(sqlite_url) as store:
-        record_calc_run(store.run(name))
+        record_calc_run(store.run(name), question=f"What is 17 * 23? ({name})")
     return name
 
 

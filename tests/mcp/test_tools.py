@@ -22,7 +22,7 @@ from tests.mcp.conftest import cli, unpaged
 def calc(sqlite_url, name):
     """A recorded three-step run (model call, tool call, model call) on the SQLite store."""
     with open_store(sqlite_url) as store:
-        record_calc_run(store.run(name))
+        record_calc_run(store.run(name), question=f"What is 17 * 23? ({name})")
     return name
 
 
@@ -154,7 +154,7 @@ def test_recorded_strings_come_back_as_recorded_and_the_text_is_inert(sqlite_cli
 def job(stores, name):
     """A recorded three-step run on the module's store (each backend)."""
     with open_store(stores) as store:
-        record_calc_run(store.run(name))
+        record_calc_run(store.run(name), question=f"What is 17 * 23? ({name})")
     return name
 
 
