@@ -144,8 +144,9 @@ class Tools:
         """The next events of a run after a cursor: steps appended, moves (revert, reset,
         fork), pauses and resumes, from any process, in order, none twice.
 
-        Returns as soon as there is at least one event, or after `timeout` seconds with none.
-        Pass the returned `cursor` to the next call: nothing falls between two calls."""
+        Returns the events already there (up to `max_events`), else the first one to come,
+        as soon as it comes, or none after `timeout` seconds. Pass the returned `cursor` to
+        the next call: nothing falls between two calls."""
         if not 0 <= timeout <= MAX_WATCH_S:  # NaN too
             raise UsageError(f"timeout={timeout}: wait from 0 to {MAX_WATCH_S:g} seconds",
                              param="timeout")
@@ -165,13 +166,17 @@ class Tools:
         }
 
     def _next_events(self, run: str, since: int, timeout: float, limit: int) -> list[WatchEvent]:
-        """The first event after `since` (waiting up to `timeout`), and those already behind it."""
+        """The events after `since` that are there already, else the first one to come
+        within `timeout` (the next call gets those behind it: none is lost)."""
+        with _watching(self.store, run, since, 0) as ready:
+            events = list(itertools.islice(ready, limit))
+        if events or not timeout:
+            return events
+        # Returning at the first event keeps its latency to the store's own (PostgreSQL:
+        # a NOTIFY; SQLite: a poll), not that of another read after it.
         with _watching(self.store, run, since, timeout) as waiting:
             first = next(waiting, None)
-        if first is None:
-            return []
-        with _watching(self.store, run, first.cursor, 0) as rest:
-            return [first, *itertools.islice(rest, limit - 1)]
+        return [first] if first is not None else []
 
     def diff(self, a: Spec, b: Spec, max_bytes: MaxBytes = DEFAULT_MAX_BYTES) -> dict[str, Any]:
         """Where two runs (or steps) part, and field by field what differs at the first step

@@ -98,6 +98,15 @@ def test_watch_gives_the_events_after_a_cursor_and_the_cursor_to_go_on(
     assert quiet["events"] == [] and quiet["cursor"] == after["cursor"]
 
 
+def test_watch_hands_a_backlog_out_max_events_at_a_time_losing_none(sqlite_client, calc):
+    first = sqlite_client.call("watch", run=calc, cursor=0, max_events=3)
+    rest = sqlite_client.call("watch", run=calc, cursor=first["cursor"], max_events=3)
+    events = first["events"] + rest["events"]
+    assert [len(first["events"]), len(rest["events"])] == [3, 1]
+    assert [e["kind"] for e in events] == ["moved", "step", "step", "step"]
+    assert [e["step"]["depth"] for e in events[1:]] == [1, 2, 3]
+
+
 def test_watch_without_a_cursor_starts_now_and_keeps_what_follows(sqlite_client, sqlite_url,
                                                                    calc):
     now = sqlite_client.call("watch", run=calc, timeout=0)
