@@ -1,4 +1,4 @@
-"""Layers import one way: store -> formats, tracer; engine -> replay -> serve; page -> cli
+"""Layers import one way: store -> formats, tracer; engine -> replay -> serve; page, mcp -> cli
 (as dulwich)."""
 
 from __future__ import annotations
@@ -21,8 +21,10 @@ ALLOWED = {
     "tracer": {"tracer", "store"},
     "serve": {"serve", "tracer", "store", "replay"},
     "page": {"page", "store", "replay"},
+    "mcp": {"mcp", "store", "engine", "replay", "serve"},
     "bench": {"bench", "store", "engine", "replay", "formats", "tracer", "serve"},
-    "cli": {"cli", "store", "engine", "replay", "bench", "formats", "tracer", "serve", "page"},
+    "cli": {"cli", "store", "engine", "replay", "bench", "formats", "tracer", "serve", "page",
+            "mcp"},
 }
 # The package's own module re-exports the public surface: the light layers only, so that
 # `import kvtrace` loads neither torch nor the server.

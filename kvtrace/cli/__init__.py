@@ -21,6 +21,7 @@ import typer
 from kvtrace.cli import (  # noqa: F401  (registers commands)
     bench,
     cache,
+    mcp,
     page,
     replay,
     serve,

@@ -445,12 +445,25 @@ class Store:
         from kvtrace.store.watch import watch
 
         name = normalize_run_name(name)
-        with read_transaction(self._reader) as conn:
-            resolve.head_id(conn, name)  # an unknown run fails here, not on first iteration
-            if since is None:  # "from now on" means from this call, not the first next()
-                last = last_logged(conn, name)
-                since = last[0] if last is not None else 0
+        # "From now on" means from this call, not the first next(); an unknown run fails
+        # here, not on first iteration.
+        start = self.watch_cursor(name)
+        since = start if since is None else since
         return watch(self, name, since=since, timeout=timeout, poll_interval=poll_interval)
+
+    def watch_cursor(self, name: str) -> int:
+        """The cursor of the latest event of run `name` (0 before any): what happens after
+        this call is what `watch(name, since=cursor)` yields.
+
+        For a caller that watches in separate calls (an MCP client polling, say):
+        it keeps the cursor between them, so no event falls between two calls.
+        One indexed row, however long the run.
+        """
+        name = normalize_run_name(name)
+        with read_transaction(self._reader) as conn:
+            resolve.head_id(conn, name)  # an unknown run is an error
+            last = last_logged(conn, name)
+        return last[0] if last is not None else 0
 
     # -- notes -----------------------------------------------------------------
 
