@@ -136,7 +136,7 @@ class UiServer:
     def _html(frame: Frame, text: str, status: int = 200) -> HTMLResponse:
         return HTMLResponse(text, status_code=status, headers={
             "Content-Security-Policy": _csp(frame.nonce), "X-Content-Type-Options": "nosniff",
-            "Referrer-Policy": "no-referrer", "X-Frame-Options": "DENY",
+            "Referrer-Policy": "same-origin", "X-Frame-Options": "DENY",
             "Cache-Control": "no-store"})
 
     # -- pages -----------------------------------------------------------------------------
