@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 import html
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
+import httpx
 import pytest
 
+from kvtrace import open_store
 from kvtrace.cli import main
 from tests.replay.conftest import ByteTokenizer
 from tests.ui.served import BIDI, HOSTILE, record_hostile_runs
@@ -202,3 +210,31 @@ def test_bidi_controls_in_a_tool_name_show_as_escapes(store, start_ui):
     store.run("main").record_tool_call(BIDI, {"path": "/"}, "\x1b]52;c;aGk=\x07 done")
     text = start_ui(store).client.get("/step?at=main@1").text
     assert "\x1b" not in text and "rm\\u202e\\u200bfdp.exe" in text
+
+
+def test_cli_ui_serves_the_store_and_stops_on_ctrl_c_with_a_stream_open(tmp_path):
+    url_of_store = f"sqlite:///{tmp_path / 'store.db'}"
+    with open_store(url_of_store) as store:
+        record_hostile_runs(store)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kvtrace", "--store", url_of_store, "ui", "--port", "0",
+         "--no-tokens", "--no-replay", "--json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+    try:
+        assert process.stdout is not None
+        lines = [process.stdout.readline() for _ in range(4)]  # one indented JSON object
+        while not lines[-1].startswith("}"):
+            lines.append(process.stdout.readline())
+        url = json.loads("".join(lines))["url"]
+        assert url.startswith("http://127.0.0.1:")
+        assert "main" in httpx.get(url).text
+        with httpx.stream("GET", f"{url}events/tail?name=main", timeout=30) as stream:
+            assert stream.status_code == 200
+            started = time.monotonic()
+            process.send_signal(signal.SIGINT)
+            assert process.wait(timeout=30) == 0
+            assert time.monotonic() - started < 10  # the open stream did not hold it up
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.communicate(timeout=30)
