@@ -57,6 +57,7 @@ MAX_FORM_BYTES = 16 * 1024 * 1024
 TAIL_STEPS = 50  # steps the tail page shows before the live ones
 GRAPH_RUNS = 8  # runs whose branch graph the runs page draws
 HEADS_POLL_S = 0.25
+MAX_FLASHES = 256  # one-line outcomes of actions waiting for their redirect's page
 
 
 def _csp(nonce: str) -> str:
@@ -315,6 +316,8 @@ class UiServer:
                 raise UsageError(f"no action {action!r}: use one of {', '.join(handlers)}")
             where, message = await run_in_threadpool(handler, form)
             done = secrets.token_urlsafe(8)
+            while len(self._flashes) >= MAX_FLASHES:  # redirects never followed: drop the oldest
+                self._flashes.pop(next(iter(self._flashes)))
             self._flashes[done] = message
             separator = "&" if "?" in where else "?"
             return RedirectResponse(f"{where}{separator}done={done}", status_code=303)

@@ -120,6 +120,23 @@ def test_the_live_tail_shows_a_step_another_process_appends(sqlite_url, start_ui
     assert chromium.problems == []
 
 
+def test_the_runs_page_shows_a_new_head_live(sqlite_url, start_ui, chromium):
+    store = open_store(sqlite_url)
+    record_hostile_runs(store)
+    ui = start_ui(store)
+    page = chromium.page
+    page.goto(ui.base + "/")
+    row = "#runs tr[data-run='fixed']"
+    assert page.inner_text(f"{row} .depth") == "3"
+    page.wait_for_timeout(500)  # the stream's first event (the heads as they are) has come
+    store.run("fixed").record_note("one more")
+    page.wait_for_selector(f"{row}.fresh", timeout=10_000)
+    assert page.inner_text(f"{row} .depth") == "4"
+    assert page.inner_text(f"{row} .head") == store.head("fixed").id[:12]
+    store.close()
+    assert chromium.problems == []
+
+
 def test_a_fork_made_with_the_form_is_in_the_store_with_its_edit(sqlite_url, start_ui,
                                                                   chromium, capsys):
     store = open_store(sqlite_url)
