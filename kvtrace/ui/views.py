@@ -262,12 +262,16 @@ def step_page(frame: Frame, address: str, run: str | None, item: PageStep,
 
 
 def _edit_field(step: Step) -> tuple[str, str, bool] | None:
-    """The field a fork edits here (a tool's result, a model's response), its text, is it text."""
+    """The field a fork edits here (a tool's result, a model's response), its text, is it text.
+
+    A response is shown in its call's own API shape (Anthropic content blocks,
+    Responses output items): that is the shape an edit of it is read in.
+    """
     value: Any
     if step.kind == StepKind.TOOL_CALL:
         name, value = "result", ToolCall(step).result
     elif step.kind == StepKind.MODEL_CALL:
-        name, value = "response", ModelCall(step).response
+        name, value = "response", ModelCall(step).native.get("response")
     else:
         return None
     if isinstance(value, str):

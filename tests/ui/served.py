@@ -34,8 +34,8 @@ class RunningUi:
         self.base = f"http://127.0.0.1:{server.port}"
         self.client = httpx.Client(base_url=self.base, timeout=30)
 
-    def token(self) -> str:
-        found = re.search(r'name="csrf" value="([^"]+)"', self.client.get("/run?name=main").text)
+    def token(self, page: str = "/run?name=main") -> str:
+        found = re.search(r'name="csrf" value="([^"]+)"', self.client.get(page).text)
         if found is None:
-            raise AssertionError("the run page has no form with a CSRF token")
+            raise AssertionError(f"{page} has no form with a CSRF token")
         return found.group(1)

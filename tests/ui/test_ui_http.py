@@ -15,6 +15,7 @@ import pytest
 
 from kvtrace import open_store
 from kvtrace.cli import main
+from kvtrace.store import ModelCall
 from tests.replay.conftest import ByteTokenizer
 from tests.ui.served import BIDI, HOSTILE, record_hostile_runs
 
@@ -129,6 +130,27 @@ def test_each_action_changes_the_store_as_its_api_call_does(store, start_ui):
     edited = store.head("edited")
     assert edited.content["result"] == "1000" and edited.parent_id == store.show("main@1").id
     assert "forked edited with an edited result" in page
+
+
+def test_a_fork_of_an_anthropic_call_edits_its_response_in_its_own_shape(store, start_ui):
+    from tests.store.test_apis import ANSWER, _anthropic_call
+
+    original = _anthropic_call(store.run("claude"))
+    ui = start_ui(store)
+    page = ui.client.get("/step?at=claude@1").text
+    shown = html.unescape(page.split('id="edit-value">')[1].split("</textarea>")[0])
+    value = json.loads(shown)
+    assert value["content"] == ANSWER["content"]  # thinking and signatures as recorded
+    value["content"][2]["text"] = "Checking twice."
+    response = ui.client.post("/action/fork", data={
+        "at": "claude@1", "name": "claude-edit", "field": "response", "as_text": "0",
+        "value": json.dumps(value), "csrf": ui.token("/run?name=claude")})
+    assert response.status_code == 303
+    edited = ModelCall(store.head("claude-edit"))
+    assert edited.native["response"]["content"][2]["text"] == "Checking twice."
+    assert edited.native["response"]["content"][0] == ANSWER["content"][0]
+    assert edited.response["content"] == "Checking twice."
+    assert store.head("claude-edit").parent_id == original.parent_id
 
 
 @pytest.mark.parametrize(("form", "message"), [
