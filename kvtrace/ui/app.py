@@ -46,7 +46,7 @@ from kvtrace.replay.backend import Tokenizer
 from kvtrace.store import Store
 from kvtrace.store.compare import compare
 from kvtrace.store.kinds import StepKind
-from kvtrace.ui import views
+from kvtrace.ui import live, views
 from kvtrace.ui.guard import KEY_COOKIE, Guard, Refused
 from kvtrace.ui.jobs import Jobs
 from kvtrace.ui.views import Frame, link
@@ -190,7 +190,7 @@ class UiServer:
             cursor = entries[0].id if entries else 0  # at most, and the page drops the copy
             steps = list(reversed(list(store.log(name, limit=TAIL_STEPS))))
             frame = self._frame(request)
-            return self._html(frame, views.tail_page(frame, name, steps, cursor))
+            return self._html(frame, live.tail_page(frame, name, steps, cursor))
 
         @app.get("/replay")
         def replay_page(request: Request, id: int) -> Response:
@@ -199,7 +199,7 @@ class UiServer:
                 raise UsageError(f"no replay {id} in this kvtrace ui (replays are kept until "
                                  "it stops)")
             frame = self._frame(request)
-            return self._html(frame, views.replay_page(frame, job.snapshot()))
+            return self._html(frame, live.replay_page(frame, job.snapshot()))
 
         @app.post("/login")
         async def login(request: Request) -> Response:
@@ -232,7 +232,7 @@ class UiServer:
                 while await self._streaming(request):
                     heads = await run_in_threadpool(self._heads)
                     if heads != last:
-                        yield views.sse("heads", heads)
+                        yield live.sse("heads", heads)
                         last = heads
                     await asyncio.sleep(HEADS_POLL_S)
             return self._stream(events())
@@ -251,10 +251,10 @@ class UiServer:
                         cursor = event.cursor
                         if event.kind == "step" and event.step is not None:
                             row = views.step_row(name, views.plain_item(event.step))
-                            yield views.sse("step", {"id": event.step.id, "row": row},
+                            yield live.sse("step", {"id": event.step.id, "row": row},
                                             ident=event.cursor)
                         else:
-                            yield views.sse("move", {"kind": event.kind, "message":
+                            yield live.sse("move", {"kind": event.kind, "message":
                                                      event.message}, ident=event.cursor)
             return self._stream(events())
 
@@ -270,7 +270,7 @@ class UiServer:
                     snapshot = job.snapshot()
                     if snapshot["done"] != seen or job.is_over:
                         seen = snapshot["done"]
-                        yield views.sse("progress", snapshot)
+                        yield live.sse("progress", snapshot)
                     if job.is_over:
                         return
                     await run_in_threadpool(job.wait_change, seen, 1.0)
@@ -278,7 +278,7 @@ class UiServer:
 
     def _heads(self) -> dict[str, Any]:
         runs = self.store.runs()
-        return views.heads_event(runs, {r.name for r in runs if self.store.is_paused(r.name)})
+        return live.heads_event(runs, {r.name for r in runs if self.store.is_paused(r.name)})
 
     def _next_events(self, name: str, cursor: int) -> list[Any]:
         """The events of run `name` after `cursor`, waiting up to a second for the first."""

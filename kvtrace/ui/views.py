@@ -4,7 +4,8 @@ Each function takes what it shows (records gathered from the store by
 `kvtrace.page.gather`, `kvtrace.store.compare`, a replay job's snapshot)
 and returns HTML; nothing here reads the store. Recorded values go through
 the report's `escape` (`kvtrace.inert`, then `html.escape`) and the report's
-own drawing helpers (graph, token bars, step bodies). Every form carries the
+own drawing helpers (graph, token bars, step bodies). The pages that change
+as one looks (the live tail, a replay) and their events are in live.py. Every form carries the
 server's CSRF token (guard.py). The one script of a page runs under the
 CSP nonce of its response: a recorded `<script>`, were it ever unescaped,
 would still not run.
@@ -35,6 +36,7 @@ table.list { border-collapse: collapse; width: 100%; background: #fff; }
 table.list td, table.list th { border-bottom: 1px solid #eef0f2; padding: 4px 8px;
                                text-align: left; vertical-align: middle; }
 table.list tr.fresh { background: #fff8d6; }
+table.list td:nth-child(-n+2), .badge { white-space: nowrap; }
 form.inline { display: inline-flex; gap: 6px; align-items: center; margin: 4px 8px 4px 0; }
 form.block { margin: 8px 0; padding: 8px; border: 1px solid #e1e4e8; border-radius: 6px;
              background: #fff; }
@@ -134,13 +136,6 @@ def _run_row(run: RunInfo, is_paused: bool) -> str:
             f'<td class="head mono">{escape(head)}</td>'
             f'<td class="state">{"<span class=paused>paused</span>" if is_paused else ""}</td>'
             f'<td><a href="{escape(link("/tail", name=run.name))}">live tail</a></td></tr>')
-
-
-def heads_event(runs: list[RunInfo], paused: set[str]) -> dict[str, Any]:
-    """What the runs page's live stream sends: each run's depth, head and state."""
-    return {"runs": [{"name": r.name, "depth": r.depth,
-                      "head": r.head_id[:12] if r.head_id else "(empty)",
-                      "paused": r.name in paused} for r in runs]}
 
 
 _RUNS_SCRIPT = """
@@ -320,7 +315,8 @@ def diff_page(frame: Frame, comparison: Comparison, path_a: list[Step],
     a, b = comparison.a, comparison.b
     common = comparison.divergence.common
     start = common.depth if common else 0
-    parted = (f"they share {start} steps (last common @{start}, {common.short_id})"
+    parted = (f"they share {start} step{'' if start == 1 else 's'} (the last @{start}, "
+              f"{common.short_id})"
               if common else "no common step: aligned from the root")
     first = (f"first differing content at @{comparison.position}" if comparison.position
              else "the same content throughout")
@@ -348,115 +344,3 @@ def _diff_line(line: str) -> str:
     css = ("hunk" if line.startswith("@@") else "add" if line.startswith("+")
            else "del" if line.startswith("-") else "")
     return f'<span class="{css}">{escape(line)}</span>'
-
-
-# -- the live tail -------------------------------------------------------------------------
-
-
-def tail_page(frame: Frame, name: str, steps: list[Step], cursor: int) -> str:
-    rows = "".join(step_row(name, plain_item(step)) for step in steps)
-    body = (f'<h1>live tail of <a href="{escape(link("/run", name=name))}"><code>'
-            f"{escape(name)}</code></a></h1>"
-            f'<p class="meta" id="tail-state">showing the last {len(steps)} steps; new ones '
-            "appear as they are recorded</p>"
-            f'<table class="list" id="tail" data-events="'
-            f'{escape(link("/events/tail", name=name, since=str(cursor)))}"><tbody>{rows}'
-            '</tbody></table><ul id="moves" class="notes"></ul>')
-    return document(frame, f"kvtrace ui: tail {name}", body, _TAIL_SCRIPT)
-
-
-_TAIL_SCRIPT = """
-(function () {
-  var table = document.getElementById("tail");
-  var source = new EventSource(table.dataset.events);
-  source.addEventListener("step", function (event) {
-    var data = JSON.parse(event.data);
-    var body = table.querySelector("tbody");
-    if (body.querySelector('tr[data-step="' + data.id + '"]')) { return; }  /* shown already */
-    body.insertAdjacentHTML("beforeend", data.row);  /* escaped by the server */
-    body.lastElementChild.classList.add("fresh");
-  });
-  source.addEventListener("move", function (event) {
-    var data = JSON.parse(event.data);
-    var item = document.createElement("li");
-    item.textContent = data.kind + ": " + data.message;
-    document.getElementById("moves").appendChild(item);
-  });
-})();
-"""
-
-
-# -- a replay ------------------------------------------------------------------------------
-
-
-def replay_page(frame: Frame, snapshot: dict[str, Any]) -> str:
-    page = escape(link("/run", name=snapshot["run"]))
-    body = (f'<h1>{escape(snapshot["mode"])} of <a href="{page}">'
-            f'<code>{escape(snapshot["run"])}</code></a></h1>'
-            f'<p class="meta" id="replay-state">{escape(snapshot["state"])}: 0 of '
-            f'{snapshot["total"]} model calls</p>'
-            '<div class="progress"><span id="progress" style="width:0%"></span></div>'
-            '<p class="error" id="replay-error" hidden></p>'
-            '<h2>hit per model call</h2><p class="legend"><span><i class="dot" '
-            'style="background:var(--reuse)"></i>reused</span><span><i class="dot" '
-            'style="background:var(--compute)"></i>computed</span><span>the black mark: the '
-            'oracle bound</span></p>'
-            f'<table class="list" id="hits" data-events="/events/replay/{snapshot["id"]}">'
-            "<tbody></tbody></table>")
-    return document(frame, f"kvtrace ui: replay {snapshot['run']}", body, _REPLAY_SCRIPT)
-
-
-_REPLAY_SCRIPT = """
-(function () {
-  var table = document.getElementById("hits");
-  var source = new EventSource(table.dataset.events);
-  function cell(text) { var td = document.createElement("td"); td.textContent = text; return td; }
-  source.addEventListener("progress", function (event) {
-    var data = JSON.parse(event.data);
-    var share = data.total ? 100 * data.done / data.total : 100;
-    document.getElementById("progress").style.width = share + "%";
-    document.getElementById("replay-state").textContent =
-      data.state + ": " + data.done + " of " + data.total + " model calls" +
-      (data.hit_rate === null ? "" : ", hit rate " + (100 * data.hit_rate).toFixed(1) + "%");
-    var body = table.querySelector("tbody");
-    for (var i = body.children.length; i < data.steps.length; i++) {
-      var step = data.steps[i], row = document.createElement("tr");
-      row.className = "hit";
-      row.appendChild(cell("@" + step.depth));
-      var bar = document.createElement("span"), reused = document.createElement("span"),
-          computed = document.createElement("span");
-      bar.className = "bar"; reused.className = "reuse"; computed.className = "computed";
-      var known = step.reused_tokens !== null && step.prompt_tokens > 0;
-      var r = known ? 100 * step.reused_tokens / step.prompt_tokens : 0;
-      reused.style.width = r + "%"; computed.style.width = (known ? 100 - r : 0) + "%";
-      bar.appendChild(reused); bar.appendChild(computed);
-      if (step.oracle_tokens !== null && step.prompt_tokens > 0) {
-        var mark = document.createElement("span");
-        mark.className = "mark";
-        mark.style.left = (100 * step.oracle_tokens / step.prompt_tokens) + "%";
-        bar.appendChild(mark);
-      }
-      var td = document.createElement("td"); td.appendChild(bar); row.appendChild(td);
-      row.appendChild(cell((known ? step.reused_tokens : "?") + " of " + step.prompt_tokens +
-                           " reused" + (step.is_match === false ? " · differs" : "")));
-      body.appendChild(row);
-    }
-    if (data.error) {
-      var error = document.getElementById("replay-error");
-      error.textContent = data.error; error.hidden = false;
-    }
-    if (data.state === "done" || data.state === "failed") { source.close(); }
-  });
-})();
-"""
-
-
-def sse(event: str, data: dict[str, Any], *, ident: int | None = None) -> str:
-    """One server-sent event: its data one line of ASCII JSON (newlines, controls escaped).
-
-    `ident` becomes the event's id, which a reconnecting EventSource sends back
-    (Last-Event-ID) so that the stream resumes after it.
-    """
-    head = f"id: {ident}\n" if ident is not None else ""
-    return f"{head}event: {event}\ndata: {json.dumps(data)}\n\n"
-

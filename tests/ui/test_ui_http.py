@@ -60,7 +60,7 @@ def test_the_step_page_shows_messages_tool_calls_and_usage_bars(store, start_ui)
 def test_the_diff_page_parts_the_runs_at_the_first_differing_step(store, start_ui):
     record_hostile_runs(store)
     text = start_ui(store).client.get("/diff?a=main&b=fixed").text
-    assert "they share 1 steps" in text and "first differing content at @2" in text
+    assert "they share 1 step (the last @1" in text and "first differing content at @2" in text
     assert '<span class="del">-391</span>' in text and '<span class="add">+392</span>' in text
 
 
