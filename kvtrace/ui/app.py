@@ -282,9 +282,15 @@ class UiServer:
 
     def _next_events(self, name: str, cursor: int) -> list[Any]:
         """The events of run `name` after `cursor`, waiting up to a second for the first."""
-        for event in self.store.watch(name, since=cursor, timeout=1.0, poll_interval=0.05):
-            return [event]  # one at a time: the next call resumes after its cursor
-        return []
+        events = self.store.watch(name, since=cursor, timeout=1.0, poll_interval=0.05)
+        try:
+            for event in events:
+                return [event]  # one at a time: the next call resumes after its cursor
+            return []
+        finally:
+            close = getattr(events, "close", None)  # a generator: its PostgreSQL LISTEN
+            if callable(close):  # connection closes now, not when it is collected
+                close()
 
     async def _streaming(self, request: Request) -> bool:
         if self._closing.is_set():

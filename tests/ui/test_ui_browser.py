@@ -95,8 +95,9 @@ def test_every_page_loads_without_errors_and_runs_no_recorded_script(sqlite_url,
     assert chromium.problems == []
 
 
-def test_the_live_tail_shows_a_step_another_process_appends(sqlite_url, start_ui, chromium):
-    store = open_store(sqlite_url)
+def test_the_live_tail_shows_a_step_another_process_appends(store_urls, start_ui, chromium):
+    url = store_urls()  # SQLite (polled) and PostgreSQL (LISTEN/NOTIFY)
+    store = open_store(url)
     record_hostile_runs(store)
     ui = start_ui(store)
     page = chromium.page
@@ -106,7 +107,7 @@ def test_the_live_tail_shows_a_step_another_process_appends(sqlite_url, start_ui
     code = ("import sys; from kvtrace import open_store\n"
             "with open_store(sys.argv[1]) as s:\n"
             "    s.run('main').record_tool_call('lookup', {'q': 'x'}, 'from another <process>')\n")
-    subprocess.run([sys.executable, "-c", code, sqlite_url], check=True, cwd=ROOT,
+    subprocess.run([sys.executable, "-c", code, url], check=True, cwd=ROOT,
                    env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, timeout=60)
     appended = store.head("main")
     page.wait_for_selector(f"#tail tr[data-step='{appended.id}']", timeout=10_000)
