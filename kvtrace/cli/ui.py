@@ -1,19 +1,18 @@
 """`kvtrace ui`: the live web UI over the store, in the foreground (`kvtrace.ui.UiServer`).
 
-Loopback only by default; another `--host` needs `--api-key` (the check
-`kvtrace serve` makes). The tokenizer for the oracle bound loads at start
-(skip it with `--no-tokens`); the replay backend loads on the first replay.
+Loopback only by default; another `--host` needs `--api-key` (`check_listening`,
+the check `kvtrace serve` makes). The tokenizer for the oracle bound loads at
+start (skip it with `--no-tokens`); the replay backend loads on the first replay.
 """
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from kvtrace.cli.app import Json, announce_conversion, app, print_json, say, store_url
-from kvtrace.errors import UsageError
+from kvtrace.cli.serve import check_listening
 from kvtrace.paths import default_cache_dir
 from kvtrace.store import open_store
 
@@ -47,17 +46,10 @@ def ui_command(
     """A live local web UI: runs, steps, diffs, live tails; note, pause, revert, fork, replay."""
     from kvtrace.serve import BackgroundServer
     from kvtrace.serve.app import check_api_key
-    from kvtrace.serve.runner import is_loopback
     from kvtrace.ui import UiServer
 
-    if not 0 <= port <= 65535:
-        raise UsageError(f"--port {port} is not a port number (0-65535)")
-    if api_key is None and os.environ.get(API_KEY_ENV) == "":
-        raise UsageError(f"${API_KEY_ENV} is set but empty: set it to the key, or unset it")
+    check_listening(host, port, api_key, env=API_KEY_ENV, what="UI")
     check_api_key(api_key, "--api-key")
-    if api_key is None and not is_loopback(host):
-        raise UsageError(f"--host {host} lets other machines reach the UI: give --api-key KEY "
-                         f"(or ${API_KEY_ENV}) too, or keep the default 127.0.0.1")
     with open_store(store_url(ctx), create=False) as store:
         tokenizer = None
         if not no_tokens:
