@@ -171,9 +171,10 @@ def test_a_fork_made_with_the_form_is_in_the_store_with_its_edit(sqlite_url, sta
     assert chromium.problems == []
 
 
+@pytest.mark.parametrize("mode", ["rebuild", "verify"])
 def test_a_replay_shows_its_progress_and_a_hit_bar_per_model_call(sqlite_url, start_ui,
                                                                    chromium, tiny_model_factory,
-                                                                   tmp_path):
+                                                                   tmp_path, mode):
     from playwright.sync_api import expect
 
     from kvtrace.replay import open_local_backend
@@ -186,7 +187,7 @@ def test_a_replay_shows_its_progress_and_a_hit_bar_per_model_call(sqlite_url, st
         str(folder), cache_dir=tmp_path / "cache", kv_dir=tmp_path / "kv"))
     page = chromium.page
     page.goto(ui.base + "/run?name=main")
-    page.select_option("#replay-form select[name=mode]", "rebuild")
+    page.select_option("#replay-form select[name=mode]", mode)
     page.click("#replay-form button")
     page.wait_for_selector("#replay-state")
     expect(page.locator("#replay-state")).to_have_text(re.compile("^done"), timeout=120_000)
@@ -194,7 +195,7 @@ def test_a_replay_shows_its_progress_and_a_hit_bar_per_model_call(sqlite_url, st
     assert page.evaluate("document.getElementById('progress').style.width") == "100%"
     widths = page.eval_on_selector_all("#hits .bar .reuse", "bars => bars.map(b => b.style.width)")
     assert widths[0] == "0%" and float(widths[1].rstrip("%")) > 0  # the 2nd call reuses the 1st
-    chromium.shot("replay")
+    chromium.shot(f"replay-{mode}")
     page.goto(ui.base + "/step?at=main@3")  # the step page shows what the replay computed
     assert "last replay (of main):" in page.inner_text("#usage")
     assert page.is_visible("#replay-bar")
