@@ -26,6 +26,7 @@ from kvtrace.cli import (  # noqa: F401  (registers commands)
     replay,
     serve,
     store_commands,
+    ui,
 )
 from kvtrace.cli.app import CliState, app, flag_message
 from kvtrace.errors import KvtraceError
