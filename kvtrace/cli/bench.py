@@ -154,3 +154,21 @@ def bench_serve(
     _print_figures(run_serve_bench(cache_dir=default_cache_dir(), model=model,
                                    num_requests=num_requests, max_tokens=max_tokens,
                                    num_rounds=num_rounds), as_json)
+
+
+@bench_app.command("fork")
+def bench_fork(
+    model: Model = None,
+    calls: Annotated[int, typer.Option("--calls", min=2, help="Model calls of the agent.")] = 10,
+    k: Annotated[int, typer.Option(
+        "--k", min=1, help="Answer calls 1..K from the recording (--from base@K).")] = 6,
+    trials: Annotated[int, typer.Option(
+        "--trials", min=1, help="Runs per case, alternating (the fastest counts).")] = 2,
+    as_json: Json = False,
+) -> None:
+    """An agent forked at step K (--from) against re-running it whole, on the local engine."""
+    from kvtrace.bench.fork import run_fork_bench
+
+    if k >= calls:
+        raise typer.BadParameter(f"--k must be below --calls ({calls})", param_hint="--k")
+    _print_figures(run_fork_bench(model=model, calls=calls, k=k, trials=trials), as_json)
