@@ -10,7 +10,10 @@ type named from the status). Required: `model`, `max_tokens` (>= 1) and
 an earlier `tool_use`); `system`, `tools`, `tool_choice` (`auto`, `any`,
 `tool` with a name, `none`), `temperature` [0, 1], `top_p` (0, 1], `top_k`,
 `stop_sequences`, `stream`, `metadata` are checked; other fields are
-passed on (upstream) or recorded as params (local).
+passed on (upstream) or recorded as params (local). `POST
+/v1/messages/count_tokens` takes the same body without `max_tokens`; local
+mode answers it with the rendered prompt's length (`{"input_tokens": N}`,
+nothing generated or recorded).
 
 In local mode the request is rendered as its chat view (store/apis.py,
 the form the recorded step is read back in), and `MessagesReply` answers
@@ -59,6 +62,7 @@ if TYPE_CHECKING:
     from kvtrace.tracer.redact import Redactor
 
 MESSAGES_PATH = "/v1/messages"
+COUNT_TOKENS_PATH = "/v1/messages/count_tokens"  # Claude Code asks it; local mode answers
 NOT_PARAMS = frozenset({"messages", "system", "tools", "model", "stream"})
 TOOL_CHOICES = ("auto", "any", "tool", "none")
 # Anthropic's error types, by the HTTP status they come with.
@@ -116,8 +120,14 @@ class MessagesRequest:
                                          and choice.get("type") == "none")
 
 
-def parse_messages_request(data: bytes) -> MessagesRequest:
-    """Check a Messages request body (see the module docstring)."""
+def is_anthropic_path(path: str) -> bool:
+    """Whether `path` belongs to the Messages API (its errors are in Anthropic's shape)."""
+    return path == MESSAGES_PATH or path.startswith(MESSAGES_PATH + "/")
+
+
+def parse_messages_request(data: bytes, *, is_counted_only: bool = False) -> MessagesRequest:
+    """Check a Messages request body (see the module docstring); `is_counted_only`: a
+    `count_tokens` request, which has no `max_tokens`."""
     body = parse_json(data)
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object with model, max_tokens "
@@ -126,7 +136,8 @@ def parse_messages_request(data: bytes) -> MessagesRequest:
     if not isinstance(model, str) or not model:
         raise APIError(400, "'model' must be a non-empty string", param="model",
                        code="invalid_type")
-    require(body, "max_tokens", "an integer >= 1: the most tokens to generate")
+    if not is_counted_only:
+        require(body, "max_tokens", "an integer >= 1: the most tokens to generate")
     check_max_tokens(body, "max_tokens")
     if not isinstance(require(body, "messages", "a list of messages"), list) or not (
             body["messages"]):

@@ -14,7 +14,7 @@ Bad input (malformed JSON, wrong types, a prompt past the context, a body
 over `max_body_bytes`, a missing or wrong bearer token) is a 4xx with an
 error body in the shape of the API the path belongs to (api.py's
 `APIError`: OpenAI's `{"error": {...}}`, or Anthropic's `{"type": "error",
-"error": {...}}` on `/v1/messages`), and nothing is recorded. Anything else
+"error": {...}}` under `/v1/messages`), and nothing is recorded. Anything else
 that fails while a request is answered (the store's database gone, a bug)
 is a 500 with the same kind of body, logged once with its traceback: an
 exception left to the ASGI server would be a plain-text 500 that also
@@ -50,7 +50,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvtrace.errors import UsageError
 from kvtrace.serve.answerer import Answerer
-from kvtrace.serve.anthropic_api import MESSAGES_PATH, error_body
+from kvtrace.serve.anthropic_api import (
+    COUNT_TOKENS_PATH,
+    MESSAGES_PATH,
+    error_body,
+    is_anthropic_path,
+)
 from kvtrace.serve.api import CHAT_PATH, MODELS_PATH, APIError, check_content_type
 from kvtrace.serve.openapi import chat_operation, messages_operation, responses_operation
 from kvtrace.serve.recording import DISCARD, Recording, RunStats
@@ -58,7 +63,7 @@ from kvtrace.serve.responses_api import RESPONSES_PATH
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 _log = logging.getLogger("uvicorn.error")  # where uvicorn logs its own errors
-JSON_PATHS = frozenset({CHAT_PATH, MESSAGES_PATH, RESPONSES_PATH})  # bodies sent as JSON
+JSON_PATHS = frozenset({CHAT_PATH, MESSAGES_PATH, COUNT_TOKENS_PATH, RESPONSES_PATH})
 UPGRADE_REQUIRED = 426
 
 
@@ -202,7 +207,7 @@ class ChatServer:
 
 def error_response(path: str, error: APIError) -> JSONResponse:
     """`error` as a JSON response in the shape of the API `path` belongs to."""
-    body = error_body(error) if path == MESSAGES_PATH else error.body()
+    body = error_body(error) if is_anthropic_path(path) else error.body()
     return JSONResponse(body, status_code=error.status)
 
 

@@ -1,8 +1,9 @@
 """The local answerer: the engine answers three APIs, one request at a time, in a queue.
 
 `LocalAnswerer.answer` serves `POST /v1/chat/completions`, `POST
-/v1/messages` (Anthropic) and `POST /v1/responses` (OpenAI Responses), and
-`GET /v1/models` (the one model it serves); any other path is a 404. Each
+/v1/messages` (Anthropic) and `POST /v1/responses` (OpenAI Responses), `GET
+/v1/models` (the one model it serves) and `POST /v1/messages/count_tokens`
+(the rendered prompt's length); any other path is a 404. Each
 API checks its own request and writes its own answer (`DIALECTS`:
 api.py and chat_reply.py, anthropic_api.py, responses_api.py); everything
 between, described here, is shared, so the three APIs get the same queue,
@@ -65,7 +66,12 @@ from starlette.responses import JSONResponse, Response
 
 from kvtrace.errors import GenerationCancelledError, UsageError
 from kvtrace.replay.backend import CallRequest, SamplingParams
-from kvtrace.serve.anthropic_api import MESSAGES_PATH, MessagesReply, parse_messages_request
+from kvtrace.serve.anthropic_api import (
+    COUNT_TOKENS_PATH,
+    MESSAGES_PATH,
+    MessagesReply,
+    parse_messages_request,
+)
 from kvtrace.serve.api import CHAT_PATH, MODELS_PATH, APIError, parse_chat_request
 from kvtrace.serve.chat_reply import ChatReply
 from kvtrace.serve.disconnect import ClosingStream, client_left, unless_client_leaves
@@ -93,6 +99,8 @@ DIALECTS = {
     RESPONSES_PATH: Dialect(lambda data: parse_responses_request(data, is_local=True),
                             ResponsesReply),
 }
+COUNTING = Dialect(lambda data: parse_messages_request(data, is_counted_only=True),
+                   MessagesReply)  # count_tokens: prepared as a Messages call, never answered
 
 
 class LocalAnswerer:
@@ -145,12 +153,15 @@ class LocalAnswerer:
         if route == ("GET", MODELS_PATH):
             return JSONResponse({"object": "list", "data": [{
                 "id": self.model, "object": "model", "created": 0, "owned_by": "kvtrace"}]})
+        loop = asyncio.get_running_loop()
+        if route == ("POST", COUNT_TOKENS_PATH):  # the prompt's length: nothing generated
+            _, prompt = await loop.run_in_executor(self._preparer, self.prepare, COUNTING, body)
+            return JSONResponse({"input_tokens": len(prompt)})
         dialect = DIALECTS.get(request.url.path) if request.method == "POST" else None
         if dialect is None:
             raise APIError(404, f"{request.method} {request.url.path} is not served in local "
                            f"mode (POST {CHAT_PATH}, POST {MESSAGES_PATH}, POST "
                            f"{RESPONSES_PATH}, GET {MODELS_PATH})", code="not_found")
-        loop = asyncio.get_running_loop()
         call, prompt = await loop.run_in_executor(self._preparer, self.prepare, dialect, body)
         generation = await self._queued(request, call, prompt)
         reply = dialect.reply(call, generation, model=self.model)

@@ -10,7 +10,7 @@ answered here and never forwarded. The client's credentials
 (`Authorization`, Anthropic's `x-api-key`) go along unless
 `forwards_authorization` is off (the server checks its own key: then they
 are dropped) or the upstream has its own `api_key` (then that is sent
-instead: as `x-api-key` on `/messages`, Anthropic's header, else as a
+instead: as `x-api-key` under `/messages`, Anthropic's header, else as a
 bearer token).
 
 What is recorded is exchange.py's model_call (or http) step, as the httpx
@@ -42,7 +42,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from kvtrace.errors import UsageError
-from kvtrace.serve.anthropic_api import MESSAGES_PATH, error_event, parse_messages_request
+from kvtrace.serve.anthropic_api import (
+    COUNT_TOKENS_PATH,
+    MESSAGES_PATH,
+    error_event,
+    is_anthropic_path,
+    parse_messages_request,
+)
 from kvtrace.serve.api import CHAT_PATH, APIError, parse_chat_request
 from kvtrace.serve.disconnect import ClosingStream, unless_client_leaves
 from kvtrace.serve.recording import DISCARD, RUN_HEADER, Sink, StepWrite
@@ -61,6 +67,7 @@ _CREDENTIALS = frozenset({"authorization", "x-api-key"})
 _CHECKS = {
     CHAT_PATH: lambda body: parse_chat_request(body, is_local=False),
     MESSAGES_PATH: parse_messages_request,
+    COUNT_TOKENS_PATH: lambda body: parse_messages_request(body, is_counted_only=True),
     RESPONSES_PATH: lambda body: parse_responses_request(body, is_local=False),
 }
 # The `event:` names that end a stream of Anthropic Messages or OpenAI Responses.
@@ -175,7 +182,7 @@ class UpstreamAnswerer:
         if not self._forwards_authorization:
             headers = [(k, v) for k, v in headers if k.lower() not in _CREDENTIALS]
         if self._api_key is not None:
-            headers.append(("x-api-key", self._api_key) if request.url.path == MESSAGES_PATH
+            headers.append(("x-api-key", self._api_key) if is_anthropic_path(request.url.path)
                            else ("authorization", f"Bearer {self._api_key}"))
         if self._client is None:  # made on the server's event loop, closed with it
             self._client = httpx.AsyncClient(
@@ -238,6 +245,6 @@ class _StreamEnd:
 
 def _error_event(path: str, error: APIError) -> bytes:
     """The SSE event that ends a broken-off stream, in its API's shape (the SDKs raise it)."""
-    if path == MESSAGES_PATH:
+    if is_anthropic_path(path):
         return error_event(error)
     return b"data: " + json.dumps(error.body()).encode() + b"\n\n"

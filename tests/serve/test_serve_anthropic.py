@@ -111,6 +111,17 @@ def test_the_stream_helper_assembles_the_same_message(sqlite_store, serve_local)
     assert final.usage.output_tokens == plain.usage.output_tokens
 
 
+def test_count_tokens_is_the_rendered_prompt_s_length_and_records_nothing(
+    sqlite_store, serve_local, tiny_engine
+):
+    server = serve_local(sqlite_store, run="counted")
+    counted = client(server).messages.count_tokens(model=ASKED, system=SYSTEM,
+                                                   messages=QUESTION)
+    prompt = tiny_engine.chat_tokens([{"role": "system", "content": SYSTEM}, *QUESTION])
+    assert counted.input_tokens == len(prompt)
+    assert sqlite_store.runs() == []
+
+
 def test_a_recorded_messages_conversation_replays_at_the_oracle_bound(
     store, serve_local, tiny_engine, tmp_path
 ):
