@@ -34,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
@@ -64,7 +64,7 @@ _HOP_BY_HOP = frozenset({
 _NOT_RETURNED = frozenset({"connection", "keep-alive", "transfer-encoding", "date", "server"})
 _CREDENTIALS = frozenset({"authorization", "x-api-key"})
 # How each API's request is checked before it goes on.
-_CHECKS = {
+_CHECKS: dict[str, Callable[[bytes], object]] = {
     CHAT_PATH: lambda body: parse_chat_request(body, is_local=False),
     MESSAGES_PATH: parse_messages_request,
     COUNT_TOKENS_PATH: lambda body: parse_messages_request(body, is_counted_only=True),

@@ -61,9 +61,9 @@ AGENT = textwrap.dedent('''
 GREETER = textwrap.dedent('''
     from agents import Agent, Runner
 
-    agent = Agent(name="greeter", instructions="Reply with one short, friendly sentence.",
+    agent = Agent(name="geographer", instructions="You are a helpful assistant.",
                   model="gpt-4o-mini")
-    print("final:", Runner.run_sync(agent, "Say hello to Ada.").final_output)
+    print("final:", Runner.run_sync(agent, "What is the capital of France?").final_output)
 ''')
 FINAL = "final: Done: sunny in Paris; noon in Paris"
 
@@ -131,13 +131,13 @@ def test_a_toolless_agent_runs_unchanged_against_the_local_engine(home, capfd):
     code, out, err = record(capfd, "--run", "greeter", "--", sys.executable,
                             str(home / "greeter.py"))
     assert code == 0, err
-    assert out.startswith("final: ") and out.strip() != "final:"
+    assert out.startswith("final: ") and "Paris" in out  # the default model, greedy
     assert err.count("every model name is answered by the local model") == 1
     with open_store() as store:
         [step] = store.path("greeter")
     call = ModelCall(step)
     assert call.api == ProviderApi.OPENAI_RESPONSES
     assert call.request_model == "gpt-4o-mini" and call.model != "gpt-4o-mini"
-    assert call.native["instructions"] == "Reply with one short, friendly sentence."
+    assert call.native["instructions"] == "You are a helpful assistant."
     assert call.native["response"]["status"] == "completed"
     assert call.response["content"].strip() in out

@@ -126,7 +126,7 @@ def test_a_recorded_responses_conversation_replays_at_the_oracle_bound(
 
 
 BAD_INPUTS = [
-    ("malformed JSON", b'{"model": "m", "input": [', "input", None),
+    ("malformed JSON", b'{"model": "m", "input": [', "not valid JSON", None),
     ("missing input", {"input": None}, "input", "input"),
     ("input a number", {"input": 5}, "input", "input"),
     ("an item without a type", {"input": [{"content": "x"}]}, "must have a type", "input"),
