@@ -19,6 +19,9 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
+from kvtrace.store import anthropic, responses
+from kvtrace.store.apis import ProviderApi
+
 TOOLS: list[dict[str, Any]] = [
     {
         "type": "function",
@@ -83,6 +86,7 @@ class Call:
     tools: list[dict[str, Any]]
     usage: dict[str, Any]
     results: list[tuple[str, str, Any, str]]  # (call id, tool, arguments, result) after it
+    system: str | None = None  # Anthropic `system` / Responses `instructions` (in_api)
 
 
 def tool_calling_conversation(num_calls: int, *, seed: int = 0) -> list[Call]:
@@ -130,6 +134,39 @@ def tool_calling_conversation(num_calls: int, *, seed: int = 0) -> list[Call]:
         messages = [*messages, response,
                     {"role": "tool", "tool_call_id": call_id, "name": name, "content": result}]
     return calls
+
+
+def in_api(calls: list[Call], api: ProviderApi) -> list[Call]:
+    """The same calls spoken in another provider API: its own messages, tools and usage.
+
+    Converted with the store's own inverse mappings (anthropic.py, responses.py
+    `from_chat`), so the conversation means the same in every API.
+    """
+    if api is ProviderApi.OPENAI_CHAT:
+        return calls
+    module = anthropic if api is ProviderApi.ANTHROPIC_MESSAGES else responses
+    out = []
+    for call in calls:
+        system, messages = module.from_chat(call.messages)
+        finish = "tool_calls" if call.response.get("tool_calls") else "stop"
+        prompt, cached = call.usage["prompt_tokens"], call.usage["cached_tokens"]
+        usage: dict[str, Any] = (
+            {"input_tokens": prompt - cached, "cache_read_input_tokens": cached,
+             "cache_creation_input_tokens": 0, "output_tokens": call.usage["completion_tokens"]}
+            if module is anthropic else
+            {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
+             "output_tokens": call.usage["completion_tokens"]})
+        out.append(Call(messages, module.response_from_chat(call.response, finish),
+                        _tools_in(call.tools, api), usage, call.results, system))
+    return out
+
+
+def _tools_in(tools: list[dict[str, Any]], api: ProviderApi) -> list[dict[str, Any]]:
+    functions = [t["function"] for t in tools]
+    if api is ProviderApi.ANTHROPIC_MESSAGES:
+        return [{"name": f["name"], "description": f["description"],
+                 "input_schema": f["parameters"]} for f in functions]
+    return [{"type": "function", **f} for f in functions]
 
 
 def _tool_use(rng: random.Random, index: int) -> tuple[str, dict[str, Any], str]:

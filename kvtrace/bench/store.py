@@ -26,6 +26,7 @@ from kvtrace.bench.anchor import SqliteAnchor
 from kvtrace.bench.footprint import run_footprint_bench
 from kvtrace.errors import UsageError
 from kvtrace.store import Store, open_store
+from kvtrace.store.apis import ProviderApi
 
 APPEND_TARGET_MS = 0.35  # SQLite append p50
 ANCHOR_RATIO_TARGET = 3.0  # SQLite append p50 over the anchor's
@@ -110,6 +111,10 @@ def _measure(store: Store, num_appends: int, num_trials: int) -> dict[str, Any]:
     result["store_bytes_over_distinct"] = conversation["store_bytes_over_distinct"]
     result["store_bytes_over_distinct_with_tool_steps"] = with_tools["store_bytes_over_distinct"]
     result["conversation"] = conversation
+    by_api = {api.value: run_conversation_bench(store.url, with_tool_steps=False, api=api)
+              for api in ProviderApi}
+    result["store_bytes_over_distinct_by_api"] = {
+        name: figures["store_bytes_over_distinct"] for name, figures in by_api.items()}
     # What the disk holds (SQLite: a new file; PostgreSQL: the growth of kvtrace's tables).
     footprint = run_footprint_bench(None if is_sqlite else store.url)
     result["file_bytes_over_distinct"] = footprint["file_bytes_over_distinct"]
@@ -121,6 +126,7 @@ def _measure(store: Store, num_appends: int, num_trials: int) -> dict[str, Any]:
         and result["fork_ratio"] <= 1.2
         and result["revert_ratio"] <= 1.2
         and result["store_bytes_over_distinct"] <= 1.5
+        and all(r <= 1.5 for r in result["store_bytes_over_distinct_by_api"].values())
         and result["file_bytes_over_distinct"] <= FILE_BYTES_TARGET
     )
     return result
@@ -159,7 +165,8 @@ def _time_appends(store: Store, name: str, num_appends: int) -> tuple[list[float
 
 
 def run_conversation_bench(
-    url: str | None = None, *, num_calls: int = 60, with_tool_steps: bool = True, seed: int = 0
+    url: str | None = None, *, num_calls: int = 60, with_tool_steps: bool = True, seed: int = 0,
+    api: ProviderApi = ProviderApi.OPENAI_CHAT,
 ) -> dict[str, Any]:
     """Bytes a `num_calls`-call tool-calling conversation takes in the store.
 
@@ -171,14 +178,14 @@ def run_conversation_bench(
     run adds (measured as the growth of those tables, so a shared database
     works too); the denominator is the canonical bytes of the conversation's
     distinct messages and its tool list, what an ideal store would keep.
+    With `api`, the same conversation is spoken in another provider API
+    (conversations.py `in_api`) and the denominator counts its own shape.
     """
     import json
 
-    from kvtrace.bench.conversations import tool_calling_conversation
-    from kvtrace.store.encoding import canonical_json
-    from kvtrace.store.messages import normalize_message
+    from kvtrace.bench.conversations import in_api, tool_calling_conversation
 
-    calls = tool_calling_conversation(num_calls, seed=seed)  # new content: no dedup with others
+    calls = in_api(tool_calling_conversation(num_calls, seed=seed), api)  # new content
     with tempfile.TemporaryDirectory() as tmp:
         store = open_store(url or f"sqlite:///{Path(tmp) / 'bench.db'}")
         try:
@@ -187,17 +194,17 @@ def run_conversation_bench(
             model_call_ms = []
             for call in calls:
                 model_call_ms.append(_time_ms(lambda c=call: run.record_model_call(
-                    c.messages, c.response, model="bench", tools=c.tools, usage=c.usage)))
+                    c.messages, c.response, model="bench", tools=c.tools, usage=c.usage,
+                    api=api, system=c.system)))
                 if with_tool_steps:
                     for call_id, name, arguments, result in call.results:
                         run.record_tool_call(name, arguments, result, call_id=call_id)
             stored = _stored_bytes(store) - before
         finally:
             store.close()
-    distinct = {canonical_json(normalize_message(m)) for c in calls
-                for m in [*c.messages, c.response]}
-    distinct_bytes = sum(len(d) for d in distinct) + len(canonical_json(calls[0].tools))
+    distinct_bytes = _distinct_bytes(calls, api)
     return {
+        "api": api.value,
         "num_calls": num_calls,
         "num_messages": len(calls[-1].messages) + 1,
         "with_tool_steps": with_tool_steps,
@@ -208,6 +215,20 @@ def run_conversation_bench(
         "one_blob_per_call_bytes": sum(
             len(json.dumps([*c.messages], separators=(",", ":"))) for c in calls),
     }
+
+
+def _distinct_bytes(calls: list[Any], api: ProviderApi) -> int:
+    """Canonical bytes of the distinct messages, responses, tool list and system prompt."""
+    from kvtrace.store.apis import stored_fields
+    from kvtrace.store.encoding import canonical_json
+
+    distinct: set[bytes] = set()
+    for call in calls:
+        payload, lists = stored_fields(api, call.messages, call.response, tools=call.tools,
+                                       system=call.system)
+        distinct.update(canonical_json(item) for items in lists.values() for item in items)
+        distinct.update(canonical_json(value) for value in payload.values())
+    return sum(len(d) for d in distinct)
 
 
 def _stored_bytes(store: Store) -> int:

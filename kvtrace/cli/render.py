@@ -94,17 +94,35 @@ def render_replay(report: ReplayReport, console: Console | None = None) -> None:
 
 
 def render_analysis(analysis: Analysis, console: Console | None = None) -> None:
-    """Print the per-step oracle bound and the prefix breakers."""
+    """Print the per-step oracle bound, the provider's cache and costs, and the prefix breakers.
+
+    Provider columns appear when some call reports usage, cost columns when
+    analyze was given prices.
+    """
     console = console or Console()
-    table = Table(title=f"analyze {analysis.spec} → {analysis.target_id[:12]}",
+    table = Table(title=_shown(f"analyze {analysis.spec} → {analysis.target_id[:12]}"),
                   title_justify="left")
+    has_provider = any(s.provider_prompt_tokens is not None for s in analysis.steps)
+    costs = analysis.costs
     # "@" is the step's position on the run (RUN@N), tool calls included.
-    for name in ("@", "step", "prompt", "oracle", "oracle hit", "shared w/ previous"):
+    names = ["@", "step", "prompt", "oracle", "oracle hit", "shared w/ previous"]
+    if has_provider:
+        names += ["prov. prompt", "cache read", "cache write", "read hit"]
+    if costs is not None:
+        names += ["billed", "uncached"]
+    for name in names:
         table.add_column(name, justify="left" if name == "step" else "right")
     for s in analysis.steps:
-        table.add_row(str(s.depth), s.step_id[:12], str(s.prompt_tokens), str(s.oracle_tokens),
-                      f"{100 * s.oracle_hit_rate:.1f}%",
-                      "" if s.shared_with_previous is None else str(s.shared_with_previous))
+        row = [str(s.depth), s.step_id[:12], str(s.prompt_tokens), str(s.oracle_tokens),
+               f"{100 * s.oracle_hit_rate:.1f}%",
+               "" if s.shared_with_previous is None else str(s.shared_with_previous)]
+        if has_provider:
+            row += [_n(s.provider_prompt_tokens), _n(s.provider_cached_tokens),
+                    _n(s.provider_cache_write_tokens), _pct(s.provider_hit_rate)]
+        if costs is not None:
+            row += [_money(s.cost.billed if s.cost else None),
+                    _money(s.cost.uncached if s.cost else None)]
+        table.add_row(*row)
     console.print(table)
     total = analysis.prompt_tokens
     rate = analysis.oracle_tokens / total if total else 0.0
@@ -113,12 +131,21 @@ def render_analysis(analysis: Analysis, console: Console | None = None) -> None:
     provider = analysis.provider
     if provider is not None:
         console.print(
-            f"provider cache: reused {provider.cached_tokens} of {provider.prompt_tokens} prompt "
-            f"tokens ({100 * provider.hit_rate:.1f}%) on the {_calls(provider.num_calls)} that "
+            f"provider cache: read {provider.cached_tokens} of {provider.prompt_tokens} prompt "
+            f"tokens ({100 * provider.hit_rate:.1f}%), wrote {provider.cache_write_tokens}, on "
+            f"the {_calls(provider.num_calls)} that "
             f"{'reports' if provider.num_calls == 1 else 'report'} it; an exact-prefix cache "
             "could have reused "
             f"{100 * provider.oracle_hit_rate:.1f}% (oracle bound, this tokenizer)"
         )
+    if costs is not None:
+        line = (f"cost: {_money(costs.billed)} as billed, {_money(costs.uncached)} without the "
+                f"cache (saved {_money(costs.saved)}) over the {_calls(costs.num_calls)} priced")
+        if costs.unpriced_models:
+            line += f"; no price for {', '.join(costs.unpriced_models)}"
+        if costs.num_unknown:
+            line += f"; {_calls(costs.num_unknown)} without usage"
+        console.print(_shown(line), highlight=False)
     for s in analysis.steps:
         if s.context_problem:
             console.print(f"[bold]too long:[/bold] {_shown(s.context_problem)}", highlight=False)
@@ -189,6 +216,11 @@ def _calls(n: int) -> str:
 
 def _n(value: int | None) -> str:
     return "?" if value is None else str(value)
+
+
+def _money(value: float | None) -> str:
+    """A cost in the price list's currency: four decimals (a call often costs under a cent)."""
+    return "?" if value is None else f"{value:.4f}"
 
 
 def _pct(value: float | None) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from enum import StrEnum
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, cast
 
 import typer
@@ -316,19 +317,28 @@ def analyze_command(
     model: Annotated[str | None, typer.Option(
         "--model",
         help="Model folder whose tokenizer to use (default: the embedded model).")] = None,
+    prices: Annotated[Path | None, typer.Option(
+        "--prices",
+        help="Prices per million tokens by model (JSON, or TOML ending in .toml; see "
+        "docs/replay.md): adds the cost as billed and without the cache.")] = None,
     as_json: Json = False,
 ) -> None:
-    """Oracle bound per step and prefix breakers, with the tokenizer only (no forward pass)."""
+    """Oracle bound, the provider's cache reads and writes, and prefix breakers, per step.
+
+    Tokenizer only (no forward pass). With --prices, the cost per step and in total.
+    """
     from kvtrace.cli.render import render_analysis
     from kvtrace.engine import load_tokenizer
     from kvtrace.replay import analyze
+    from kvtrace.replay.prices import read_prices
 
+    price_list = read_prices(prices) if prices is not None else None
     tokenizer = cast(
         "Tokenizer", _Lazy(lambda: load_tokenizer(model, cache_dir=default_cache_dir(),
                                                   on_convert=announce_conversion))
     )
     with open_store(store_url(ctx), create=False) as store:
-        analysis = analyze(store, run, tokenizer)
+        analysis = analyze(store, run, tokenizer, prices=price_list)
     if as_json:
         print_json(analysis.to_dict())
         return

@@ -19,8 +19,8 @@ import typer
 from kvtrace.cli.app import Json, app, print_json, say, store_url
 from kvtrace.cli.output import Force, output_file
 from kvtrace.errors import UsageError
-from kvtrace.formats import Format, export_file, import_file
-from kvtrace.store import ReflogEntry, Store, import_into, init_store, open_store
+from kvtrace.formats import Format, export_file, import_file, subagent_runs
+from kvtrace.store import ReflogEntry, RunInfo, Store, import_into, init_store, open_store
 from kvtrace.store.compare import compare
 from kvtrace.store.kinds import edit_of
 from kvtrace.store.summary import step_summary
@@ -330,8 +330,9 @@ def export_run(
         help="File to write (an existing one only with --force); default: stdout.")] = None,
     fmt: Annotated[Format, typer.Option(
         "--format", "-f",
-        help="bundle (kvtrace's own, lossless), openai (chat messages), atif (Harbor ATIF) "
-        "or otel (OpenTelemetry OTLP-JSON spans, GenAI conventions).")] = Format.BUNDLE,
+        help="bundle (kvtrace's own, lossless), openai (chat messages), atif (Harbor ATIF), "
+        "otel (OpenTelemetry OTLP-JSON spans, GenAI conventions), claude-code (a Claude Code "
+        "session transcript, JSONL) or codex (a Codex rollout, JSONL).")] = Format.BUNDLE,
     include_content: Annotated[bool, typer.Option(
         "--include-content",
         help="otel: also put prompts, responses, tool arguments and results in the spans "
@@ -339,7 +340,7 @@ def export_run(
     force: Force = False,
     as_json: Json = False,
 ) -> None:
-    """Write a run to a file: a bundle (steps, blobs, notes), OpenAI messages, ATIF or OTel."""
+    """Write a run to a file: a bundle, OpenAI messages, ATIF, OTel, or an agent's own log."""
     if include_content and fmt is not Format.OTEL:
         raise UsageError("--include-content applies to --format otel only")
     if output is None:
@@ -368,12 +369,13 @@ def export_run(
 def import_run(
     ctx: typer.Context,
     file: Annotated[Path, typer.Argument(
-        help="File to import: a bundle, OpenAI chat messages, an ATIF trajectory or an "
-        "OTLP-JSON trace.")],
+        help="File to import: a bundle, OpenAI chat messages, an ATIF trajectory, an "
+        "OTLP-JSON trace, a Claude Code session transcript or a Codex rollout.")],
     fmt: Annotated[Format, typer.Option(
         "--format", "-f",
-        help="bundle (written by `kvtrace export`), openai, atif or otel (OTLP-JSON spans "
-        "with content).")] = Format.BUNDLE,
+        help="bundle (written by `kvtrace export`), openai, atif, otel (OTLP-JSON spans "
+        "with content), claude-code (a session's .jsonl; its subagents' files beside it "
+        "become runs RUN/agent-ID) or codex (a rollout .jsonl).")] = Format.BUNDLE,
     run: Annotated[str | None, typer.Option(
         "--run", "--as",
         help="Run to create (default: a bundle's own run, else the file name to its first "
@@ -384,9 +386,18 @@ def import_run(
     if not file.is_file():
         raise UsageError(f"no such file: {file}")
     data = file.read_bytes()
-    info = import_into(store_url(ctx), lambda store: import_file(
-        store, io.BytesIO(data), format=fmt, run=run, filename=str(file)))
+    infos = import_into(store_url(ctx), lambda store: _imported(store, import_file(
+        store, io.BytesIO(data), format=fmt, run=run, filename=str(file)), fmt))
+    info, subagents = infos[0], infos[1:]
     if as_json:
-        print_json(info.to_dict())
+        print_json({**info.to_dict(), **({"subagents": [s.to_dict() for s in subagents]}
+                                          if fmt is Format.CLAUDE_CODE else {})})
         return
     say(f"imported {info.name} ({info.depth} steps)")
+    for agent in subagents:
+        say(f"imported {agent.name} ({agent.depth} steps), a subagent of {info.name}")
+
+
+def _imported(store: Store, info: RunInfo, fmt: Format) -> list[RunInfo]:
+    """The run an import made, then the runs of its subagents (Claude Code)."""
+    return [info, *(subagent_runs(store, info.name) if fmt is Format.CLAUDE_CODE else [])]

@@ -3,8 +3,11 @@
 One module per format, each converting a whole document to the store's
 records and back (`import_X(store, document, *, run)`, `export_X(store,
 spec)`): `openai.py` (a list of chat messages), `atif.py` (Harbor's Agent
-Trajectory Interchange Format) and `otel.py` / `otel_import.py`
-(OpenTelemetry OTLP-JSON spans with the GenAI conventions). Bundles,
+Trajectory Interchange Format), `otel.py` / `otel_import.py`
+(OpenTelemetry OTLP-JSON spans with the GenAI conventions), and the
+agents' own logs, JSON Lines (jsonl.py): `claude_code.py` /
+`claude_code_export.py` (Claude Code session transcripts, subagents as
+runs of their own) and `codex.py` / `codex_export.py` (Codex rollouts). Bundles,
 kvtrace's own lossless format, stay in the store (`Store.export_run`,
 `Store.import_bundle`). This module picks one by name for the CLI and for
 programs; docs/formats.md has the mappings.
@@ -19,6 +22,16 @@ from typing import IO, Any
 
 from kvtrace.errors import UsageError
 from kvtrace.formats.atif import atif_records, export_atif, import_atif
+from kvtrace.formats.claude_code import (
+    claude_code_plan,
+    claude_code_records,
+    import_claude_code,
+    read_session,
+)
+from kvtrace.formats.claude_code_export import export_claude_code
+from kvtrace.formats.codex import codex_records, import_codex
+from kvtrace.formats.codex_export import export_codex
+from kvtrace.formats.jsonl import dump_jsonl, parse_jsonl
 from kvtrace.formats.openai import export_openai, import_openai, openai_records
 from kvtrace.formats.otel import export_otel
 from kvtrace.formats.otel_import import import_otel, otel_records
@@ -28,19 +41,27 @@ from kvtrace.store import RunInfo, Store, validate_run_name
 __all__ = [
     "Format",
     "atif_records",
+    "claude_code_plan",
+    "claude_code_records",
+    "codex_records",
     "default_run_name",
     "export_atif",
+    "export_claude_code",
+    "export_codex",
     "export_document",
     "export_file",
     "export_openai",
     "export_otel",
     "import_atif",
+    "import_claude_code",
+    "import_codex",
     "import_document",
     "import_file",
     "import_openai",
     "import_otel",
     "openai_records",
     "otel_records",
+    "subagent_runs",
 ]
 
 
@@ -51,28 +72,40 @@ class Format(StrEnum):
     OPENAI = "openai"
     ATIF = "atif"
     OTEL = "otel"
+    CLAUDE_CODE = "claude-code"
+    CODEX = "codex"
 
 
+JSON_LINES = frozenset({Format.CLAUDE_CODE, Format.CODEX})  # one JSON object a line
 _IMPORTERS: dict[Format, Callable[..., RunInfo]] = {
     Format.OPENAI: import_openai,
     Format.ATIF: import_atif,
     Format.OTEL: import_otel,
+    Format.CLAUDE_CODE: import_claude_code,
+    Format.CODEX: import_codex,
 }
 _EXPORTERS: dict[Format, Callable[[Store, str], Any]] = {
     Format.OPENAI: export_openai,
     Format.ATIF: export_atif,
+    Format.CLAUDE_CODE: export_claude_code,
+    Format.CODEX: export_codex,
 }
 
 
 def import_document(store: Store, document: Any, *, format: str, run: str) -> RunInfo:
-    """Record a parsed JSON document of `format` (openai, atif or otel) as the new run `run`."""
+    """Record a parsed document of `format` as the new run `run`.
+
+    A JSON value for openai, atif and otel; for claude-code and codex the
+    log's lines (`parse_jsonl`, or a list of line objects; a Claude Code
+    session with its subagents' files from `read_session`).
+    """
     return _IMPORTERS[_document_format(format)](store, document, run=run)
 
 
 def export_document(
     store: Store, spec: str, *, format: str, include_content: bool = False
 ) -> Any:
-    """The run up to `spec` as a JSON document of `format` (openai, atif or otel).
+    """The run up to `spec` as a document of `format` (claude-code, codex: a list of lines).
 
     `include_content` puts prompts, responses, tool arguments and results
     into OTel spans (they are left out by default); the other formats always
@@ -90,8 +123,10 @@ def import_file(
 ) -> RunInfo:
     """Import a file of any format; nothing is written unless the whole file is good.
 
-    `run` defaults to the bundle's own run, or for openai and atif to the
-    file's name without its extensions (`default_run_name`).
+    `run` defaults to the bundle's own run, or for the other formats to the
+    file's name without its extensions (`default_run_name`). A Claude Code
+    session's subagents are read from their files beside `filename`
+    (`read_session`).
     """
     kind = Format(_known(format))
     if kind is Format.BUNDLE:
@@ -101,7 +136,14 @@ def import_file(
         if filename is None:
             raise UsageError("name the run to import into")
         run = default_run_name(filename)
-    return import_document(store, parse_json(file.read(), source), format=kind, run=run)
+    data = file.read()
+    if kind is Format.CLAUDE_CODE:
+        document: Any = read_session(data, filename)
+    elif kind is Format.CODEX:
+        document = parse_jsonl(data, source)
+    else:
+        document = parse_json(data, source)
+    return import_document(store, document, format=kind, run=run)
 
 
 def export_file(
@@ -117,7 +159,16 @@ def export_file(
         store.export_run(spec, file)
         return
     document = export_document(store, spec, format=kind, include_content=include_content)
+    if kind in JSON_LINES:
+        file.write(dump_jsonl(document))
+        return
     file.write(json.dumps(document, indent=2, ensure_ascii=False).encode("utf-8") + b"\n")
+
+
+def subagent_runs(store: Store, run: str) -> list[RunInfo]:
+    """The runs a Claude Code import made of run `run`'s subagents (`RUN/agent-<id>`)."""
+    prefix = f"{run}/agent-"
+    return [info for info in store.runs() if info.name.startswith(prefix)]
 
 
 def default_run_name(filename: str) -> str:

@@ -4,8 +4,13 @@ The document is a JSON list of chat messages, or an object with `messages`
 and optional `tools` and `model` (its other keys are kept). Import:
 
 - each assistant message becomes a model_call step whose messages are the
-  ones before it and whose response is it (model: the document's `model`,
-  else "unknown"; tools: the document's `tools`);
+  ones before it and whose response is it (tools: the document's `tools`);
+  its model and usage are the provider's own when the message keeps the
+  provider's raw response, as mini-swe-agent v2 does in `extra.response`
+  (`model`, `usage` with `prompt_tokens_details.cached_tokens` and
+  DeepSeek's `prompt_cache_hit_tokens`: analyze sets them against its
+  oracle bound); else the model is the document's `model`, mini-swe-agent's
+  `info.config.model.model_name`, or "unknown", and there is no usage;
 - each `role: "tool"` message whose `tool_call_id` names a call of an
   earlier assistant message (the latest with that id) becomes a tool_call
   step linked by that id (`call_id`), with that call's name and arguments; a
@@ -49,7 +54,7 @@ from kvtrace.rendering import tool_result_content
 from kvtrace.store import RunInfo, Step, Store, kinds
 from kvtrace.store.messages import ROLES, normalize_message, normalize_response, tool_calls_of
 
-ROOT_MAPPED = frozenset({"messages", "tools", "model"})
+ROOT_MAPPED = frozenset({"messages", "tools"})  # a root `model` is kept as written
 
 
 def import_openai(store: Store, document: Any, *, run: str) -> RunInfo:
@@ -69,7 +74,7 @@ def openai_records(document: Any) -> list[Record]:
             "messages: missing: an openai document is a list of chat messages "
             "or an object with 'messages'"
         )
-    model = root.get("model", UNKNOWN_MODEL) if root else UNKNOWN_MODEL
+    model = root.get("model", _configured_model(root)) if root else UNKNOWN_MODEL
     if not isinstance(model, str) or not model:
         raise UsageError("model must name the model (a non-empty string)")
     tool_list = tools(root.get("tools"), "tools") if root else None
@@ -92,13 +97,38 @@ def openai_records(document: Any) -> list[Record]:
         if item["role"] == "assistant":
             kept = {**(first_kept if index == answers[0] else {}),
                     **({"tail": tail} if index == last and tail else {})}
-            records.append(ModelCall(stored[:index], item, model, tool_list,
+            raw = _raw_response(messages[index])
+            records.append(ModelCall(stored[:index], item, raw.get("model", model), tool_list,
+                                     usage=raw.get("usage"),
                                      extra={"openai": kept} if kept else {}))
         elif index in answering:
             function = answering[index]["function"]
             records.append(ToolCall(function["name"], arguments_value(function["arguments"]),
                                     item["content"], call_id=item["tool_call_id"]))
     return records
+
+
+def _raw_response(message: dict[str, Any]) -> dict[str, Any]:
+    """The model and usage of the provider's raw response a message keeps (mini-swe-agent v2's
+    `extra.response`), those that are well formed; {} when it keeps none."""
+    extra = message.get("extra")
+    raw = extra.get("response") if isinstance(extra, dict) else None
+    if not isinstance(raw, dict):
+        return {}
+    found: dict[str, Any] = {}
+    if isinstance(raw.get("model"), str) and raw["model"]:
+        found["model"] = raw["model"]
+    if isinstance(raw.get("usage"), dict) and raw["usage"]:
+        found["usage"] = raw["usage"]
+    return found
+
+
+def _configured_model(root: dict[str, Any]) -> str:
+    """The model a mini-swe-agent trajectory was configured with (`info.config.model`)."""
+    config = (root.get("info") or {}).get("config") if isinstance(root.get("info"), dict) else None
+    model = (config or {}).get("model") if isinstance(config, dict) else None
+    name = model.get("model_name") if isinstance(model, dict) else None
+    return name if isinstance(name, str) and name else UNKNOWN_MODEL
 
 
 def _answered_calls(messages: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:

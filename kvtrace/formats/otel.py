@@ -16,9 +16,12 @@ bytes over the trace id and the step id. Both are hex, as OTLP-JSON wants
   name; else "unknown"), `server.address` and `server.port` of the recorded
   URL, `gen_ai.request.model`,
   `gen_ai.response.finish_reasons` (recorded, else derived: tool_calls or
-  stop), `gen_ai.usage.input_tokens`, `gen_ai.usage.output_tokens`,
-  `gen_ai.usage.cache_read.input_tokens` (only when the provider reported
-  it: unknown is never 0), `gen_ai.conversation.id` (the run), sampling
+  stop), `gen_ai.usage.input_tokens` (everything the model read, cache
+  reads and writes included, as the conventions ask: `Usage.prompt_tokens`,
+  so Anthropic's `input_tokens` + both cache counts), `gen_ai.usage.output_tokens`,
+  `gen_ai.usage.cache_read.input_tokens` and
+  `gen_ai.usage.cache_creation.input_tokens` (each only when the provider
+  reported it: unknown is never 0), `gen_ai.conversation.id` (the run), sampling
   parameters as `gen_ai.request.*`, `gen_ai.response.id`.
 - tool_call → span `execute_tool {tool}` (kind INTERNAL): `gen_ai.tool.name`,
   `gen_ai.tool.call.id`, `gen_ai.tool.type` function; an error sets the

@@ -37,7 +37,8 @@ from kvtrace.store.messages import normalize_message, normalize_response
 _MAPPED = frozenset({
     "gen_ai.operation.name", "gen_ai.request.model", "gen_ai.response.model",
     "gen_ai.response.finish_reasons", "gen_ai.usage.input_tokens", "gen_ai.usage.output_tokens",
-    "gen_ai.usage.cache_read.input_tokens", "gen_ai.input.messages", "gen_ai.output.messages",
+    "gen_ai.usage.cache_read.input_tokens", "gen_ai.usage.cache_creation.input_tokens",
+    "gen_ai.input.messages", "gen_ai.output.messages",
     "gen_ai.system_instructions", "gen_ai.tool.definitions", "gen_ai.tool.name",
     "gen_ai.tool.call.id", "gen_ai.tool.call.arguments", "gen_ai.tool.call.result",
     *REQUEST_PARAMS.values(),
@@ -207,6 +208,7 @@ def _model_call(span: dict[str, Any], attributes: dict[str, Any], where: str) ->
         "prompt_tokens": attributes.get("gen_ai.usage.input_tokens"),
         "completion_tokens": attributes.get("gen_ai.usage.output_tokens"),
         "cached_tokens": attributes.get("gen_ai.usage.cache_read.input_tokens"),
+        "cache_creation_input_tokens": attributes.get("gen_ai.usage.cache_creation.input_tokens"),
         "finish_reason": reasons[0] if isinstance(reasons, list) and reasons else None,
     }
     params = {key: attributes[attribute] for key, attribute in REQUEST_PARAMS.items()

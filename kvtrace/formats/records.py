@@ -21,7 +21,8 @@ from typing import Any
 
 from kvtrace.errors import UsageError
 from kvtrace.rendering import parse_arguments
-from kvtrace.store import RunInfo, Store, jsontext, kinds, validate_run_name
+from kvtrace.store import ProviderApi, RunInfo, Step, Store, jsontext, kinds, validate_run_name
+from kvtrace.store.apis import stored_fields
 from kvtrace.store.encoding import canonical_json
 from kvtrace.store.messages import normalize_tools
 
@@ -30,7 +31,12 @@ UNKNOWN_MODEL = "unknown"
 
 @dataclass(frozen=True, slots=True)
 class ModelCall:
-    """One model call to record (arguments of `Run.record_model_call`)."""
+    """One model call to record (arguments of `Run.record_model_call`).
+
+    `messages`, `response`, `tools` and `system` are in the shape of `api`
+    (OpenAI chat by default; Anthropic Messages or OpenAI Responses for the
+    agents' own logs).
+    """
 
     messages: list[dict[str, Any]]
     response: dict[str, Any]
@@ -40,6 +46,16 @@ class ModelCall:
     extra: dict[str, Any] = field(default_factory=dict)
     params: dict[str, Any] | None = None
     timings: dict[str, Any] | None = None
+    api: ProviderApi = ProviderApi.OPENAI_CHAT
+    system: Any = None
+
+    def check(self, where: str) -> None:
+        """Refuse, naming `where`, a call the store would refuse (checked before any write)."""
+        try:
+            stored_fields(self.api, self.messages, self.response, tools=self.tools,
+                          system=self.system)
+        except UsageError as exc:
+            raise UsageError(f"{where}: {exc}") from exc
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +68,7 @@ class ToolCall:
     call_id: str | None = None
     error: str | None = None
     timings: dict[str, Any] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 Record = ModelCall | ToolCall
@@ -66,33 +83,46 @@ def record(store: Store, run: str, records: Sequence[Record]) -> RunInfo:
     """
     validate_run_name(run)
     with store.batch():
-        _record_all(store, run, records)
+        record_into(store, run, records)
+    return run_info(store, run)
+
+
+def run_info(store: Store, run: str) -> RunInfo:
+    """The run `run` as `Store.runs` describes it."""
     return next(info for info in store.runs() if info.name == run)
 
 
-def _record_all(store: Store, run: str, records: Sequence[Record]) -> None:
+def record_into(store: Store, run: str, records: Sequence[Record]) -> list[Step]:
+    """Append `records` to run `run`, which must be new or empty; the steps written.
+
+    The caller holds the transaction (`Store.batch`): an importer that writes
+    several runs (a session and its subagents) writes them all or none.
+    """
     writer = store.run(run)
     if writer.head is not None:
         raise UsageError(f"run {run!r} exists with {writer.head.depth} steps: "
                          "import under a new name")
+    steps = []
     for item in records:
         if isinstance(item, ModelCall):
-            writer.record_model_call(
+            steps.append(writer.record_model_call(
                 item.messages, item.response, model=item.model, tools=item.tools,
                 usage=item.usage, extra=item.extra or None, params=item.params,
-                timings=item.timings,
-            )
+                timings=item.timings, api=item.api, system=item.system,
+            ))
         else:
-            writer.record_tool_call(item.name, item.arguments, item.result, call_id=item.call_id,
-                                    error=item.error, timings=item.timings)
+            steps.append(writer.record_tool_call(
+                item.name, item.arguments, item.result, call_id=item.call_id,
+                error=item.error, timings=item.timings, extra=item.extra or None))
+    return steps
 
 
-def check_storable(document: Any) -> None:
+def check_storable(document: Any, where: str = "the document") -> None:
     """Refuse, before anything is written, values the store cannot encode (NaN, lone surrogates)."""
     try:
         canonical_json(document)
     except UsageError as exc:
-        raise UsageError(f"the document cannot be stored: {exc}") from exc
+        raise UsageError(f"{where} cannot be stored: {exc}") from exc
 
 
 def parse_json(data: bytes | str, source: str) -> Any:

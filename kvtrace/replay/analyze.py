@@ -1,7 +1,10 @@
 """Why prompts miss the cache, found with the tokenizer alone (no forward pass).
 
-For every model call on the path to a step: the oracle bound (see oracle.py)
-and whether the prompt extends the previous call's context (its prompt and
+For every model call on the path to a step: the oracle bound (see oracle.py),
+what the recording's provider read from its cache and wrote to it (its
+usage, read through `Usage`: the one parser of every provider's names), and
+with a price list (prices.py) what the call cost as billed and without the
+cache; and whether the prompt extends the previous call's context (its prompt and
 output). A call that does not is a **prefix breaker**: every token of the
 previous context after the break point must be computed again. For each
 breaker, analyze gives the token and character position, a snippet of both
@@ -35,6 +38,7 @@ from kvtrace.errors import ReplayError
 from kvtrace.rendering import assistant_text
 from kvtrace.replay.backend import Message, Tokenizer
 from kvtrace.replay.oracle import PrefixOracle, common_prefix_length
+from kvtrace.replay.prices import Cost, Costs, Prices
 from kvtrace.replay.recording import (
     check_context,
     expected_output_ids,
@@ -99,24 +103,42 @@ class StepAnalysis:
     oracle_tokens: int
     shared_with_previous: int | None  # tokens shared with the previous call's context
     provider_prompt_tokens: int | None = None  # as the recording's provider counted them
-    provider_cached_tokens: int | None = None  # None: the provider did not report it
+    provider_cached_tokens: int | None = None  # read from its cache; None: not reported
     context_problem: str | None = None  # set when prompt + output exceed the model's context
+    provider_cache_write_tokens: int | None = None  # written to its cache; None: not reported
+    provider_completion_tokens: int | None = None
+    model: str | None = None
+    cost: Cost | None = None  # with a price list, when the model has a price and counts
 
     @property
     def oracle_hit_rate(self) -> float:
         return self.oracle_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
+    @property
+    def provider_hit_rate(self) -> float | None:
+        """The fraction of its prompt the provider read from its cache (None: not reported)."""
+        if self.provider_cached_tokens is None or not self.provider_prompt_tokens:
+            return None
+        return self.provider_cached_tokens / self.provider_prompt_tokens
+
     def to_dict(self) -> dict[str, Any]:
+        rate = self.provider_hit_rate
         return {
             "index": self.index,
             "step_id": self.step_id,
             "depth": self.depth,
+            "model": self.model,
             "prompt_tokens": self.prompt_tokens,
             "oracle_tokens": self.oracle_tokens,
             "oracle_hit_rate": round(self.oracle_hit_rate, 6),
             "shared_with_previous": self.shared_with_previous,
             "provider_prompt_tokens": self.provider_prompt_tokens,
             "provider_cached_tokens": self.provider_cached_tokens,
+            "provider_cache_write_tokens": self.provider_cache_write_tokens,
+            "provider_completion_tokens": self.provider_completion_tokens,
+            "provider_hit_rate": None if rate is None else round(rate, 6),
+            "cost_billed": None if self.cost is None else self.cost.billed,
+            "cost_uncached": None if self.cost is None else self.cost.uncached,
             "context_problem": self.context_problem,
         }
 
@@ -129,6 +151,22 @@ class Analysis:
     target_id: str
     steps: list[StepAnalysis]
     breakers: list[PrefixBreaker]
+    is_priced: bool = False  # analyzed with a price list
+
+    @property
+    def costs(self) -> Costs | None:
+        """The run's cost with and without the cache (None: analyzed without prices)."""
+        if not self.is_priced:
+            return None
+        priced = [s for s in self.steps if s.cost is not None]
+        return Costs(
+            num_calls=len(priced),
+            billed=sum(s.cost.billed for s in priced if s.cost),
+            uncached=sum(s.cost.uncached for s in priced if s.cost),
+            unpriced_models=sorted({s.model or "unknown" for s in self.steps
+                                    if s.cost is None and s.provider_prompt_tokens is not None}),
+            num_unknown=sum(1 for s in self.steps if s.provider_prompt_tokens is None),
+        )
 
     @property
     def prompt_tokens(self) -> int:
@@ -151,11 +189,13 @@ class Analysis:
             cached_tokens=sum(s.provider_cached_tokens or 0 for s in known),
             oracle_hit_rate=sum(s.oracle_tokens for s in known)
             / max(1, sum(s.prompt_tokens for s in known)),
+            cache_write_tokens=sum(s.provider_cache_write_tokens or 0 for s in known),
         )
 
     def to_dict(self) -> dict[str, Any]:
         total = self.prompt_tokens
         provider = self.provider
+        costs = self.costs
         return {
             "run": self.spec,
             "target": self.target_id,
@@ -171,6 +211,7 @@ class Analysis:
                 "context_problems": sum(1 for s in self.steps if s.context_problem),
             },
             "provider": provider.to_dict() if provider else None,
+            "cost": costs.to_dict() if costs else None,
         }
 
 
@@ -184,8 +225,9 @@ class ProviderCache:
 
     num_calls: int
     prompt_tokens: int
-    cached_tokens: int
+    cached_tokens: int  # read from the provider's cache
     oracle_hit_rate: float
+    cache_write_tokens: int = 0  # written to it (0 also when the provider does not say)
 
     @property
     def hit_rate(self) -> float:
@@ -196,13 +238,18 @@ class ProviderCache:
             "num_calls": self.num_calls,
             "prompt_tokens": self.prompt_tokens,
             "cached_tokens": self.cached_tokens,
+            "cache_write_tokens": self.cache_write_tokens,
             "hit_rate": round(self.hit_rate, 6),
             "oracle_hit_rate": round(self.oracle_hit_rate, 6),
         }
 
 
-def analyze(store: Store, spec: str, tokenizer: Tokenizer) -> Analysis:
-    """The oracle bound and the prefix breakers of the run (or step) `spec`."""
+def analyze(store: Store, spec: str, tokenizer: Tokenizer, *,
+            prices: Prices | None = None) -> Analysis:
+    """The oracle bound and the prefix breakers of the run (or step) `spec`.
+
+    With `prices`, each call's cost as billed and without the cache (prices.py).
+    """
     path = store.path(spec)
     if not path:
         raise ReplayError(f"{spec!r} has no steps to analyze: record a model call on it first")
@@ -220,13 +267,18 @@ def analyze(store: Store, spec: str, tokenizer: Tokenizer) -> Analysis:
             shared = common_prefix_length(prompt, context)
             if shared < len(context):
                 breakers.append(_breaker(index, step, prompt, previous, shared, tokenizer))
-        usage = ModelCall(step).usage
-        steps.append(StepAnalysis(index, step.id, step.depth, len(prompt), oracle.bound(prompt),
-                                  shared, usage.prompt_tokens, usage.cached_tokens,
-                                  check_context(tokenizer, step, len(prompt) + len(output))))
+        call = ModelCall(step)
+        usage = call.usage
+        steps.append(StepAnalysis(
+            index, step.id, step.depth, len(prompt), oracle.bound(prompt), shared,
+            usage.prompt_tokens, usage.cached_tokens,
+            check_context(tokenizer, step, len(prompt) + len(output)),
+            provider_cache_write_tokens=usage.cache_write_tokens,
+            provider_completion_tokens=usage.completion_tokens, model=call.model,
+            cost=prices.cost(call.model, usage) if prices is not None else None))
         oracle.add(prompt + output, label=step.id)
         previous = (step, prompt, output)
-    return Analysis(spec, path[-1].id, steps, breakers)
+    return Analysis(spec, path[-1].id, steps, breakers, is_priced=prices is not None)
 
 
 def _breaker(

@@ -6,6 +6,7 @@ import contextlib
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import sqlalchemy as sa
 
@@ -33,6 +34,8 @@ from kvtrace.store.records import (
 from kvtrace.store.run import Run
 from kvtrace.store.store import Store
 from kvtrace.store.usage import Usage
+
+T = TypeVar("T")  # what an import returns (the run, or the runs, it made)
 
 __all__ = [
     "Divergence",
@@ -115,7 +118,7 @@ def init_store(url: str | None = None, *, force: bool = False) -> Store:
     return open_store(url)
 
 
-def import_into(url: str | None, load: Callable[[Store], RunInfo]) -> RunInfo:
+def import_into(url: str | None, load: Callable[[Store], T]) -> T:
     """Run an import `load(store)` on the store at `url`, creating the store only if it succeeds.
 
     When no store exists yet, the import first runs on a scratch store in a

@@ -91,9 +91,11 @@ def normalize_response(response: Any) -> dict[str, Any]:
     """The stored response: `role`, `content` blocks, `stop_reason`, `stop_sequence`.
 
     Takes a whole Messages response (its id, model and usage are the caller's
-    to keep elsewhere) or just its content blocks.
+    to keep elsewhere), just its content blocks, or a plain string (one text block).
     """
     plain = to_plain(response)
+    if isinstance(plain, str):
+        plain = [{"type": "text", "text": plain}]
     if isinstance(plain, list):
         plain = {"content": plain}
     if not isinstance(plain, dict):
@@ -137,6 +139,71 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
         else:
             out.append(dict(tool))
     return out
+
+
+def from_chat(messages: list[dict[str, Any]]) -> tuple[str | None, list[dict[str, Any]]]:
+    """(system, messages) of an Anthropic request meaning the chat conversation `messages`.
+
+    The inverse of `chat_messages` on what chat can say: system turns become
+    `system`, tool calls `tool_use` blocks, tool turns `tool_result` blocks
+    of the user turn that follows (turns of one role are merged, as the
+    Messages API wants them alternating).
+    """
+    system = [m for m in messages if m.get("role") in ("system", "developer")]
+    out: list[dict[str, Any]] = []
+    for message in messages:
+        role = message.get("role")
+        if role in ("system", "developer"):
+            continue
+        blocks = _blocks_of(message)
+        role = "assistant" if role == "assistant" else "user"
+        if out and out[-1]["role"] == role:
+            out[-1]["content"] = _as_blocks(out[-1]["content"]) + blocks
+        else:
+            simple = len(blocks) == 1 and blocks[0]["type"] == "text" and role == "user"
+            out.append({"role": role, "content": blocks[0]["text"] if simple else blocks})
+    text = "\n\n".join(str(m.get("content") or "") for m in system)
+    return (text or None), out
+
+
+def response_from_chat(message: Mapping[str, Any], finish: str | None) -> dict[str, Any]:
+    """The stored response for a chat-shaped assistant message and its finish reason."""
+    stop = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+    reason = "tool_use" if message.get("tool_calls") else stop.get(finish or "stop", "end_turn")
+    return {"role": "assistant", "content": _blocks_of(message), "stop_reason": reason}
+
+
+def _blocks_of(message: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """A chat message's content as Anthropic blocks (tool turns as one tool_result)."""
+    content = message.get("content")
+    if message.get("role") == "tool":
+        block: dict[str, Any] = {"type": "tool_result", "tool_use_id": message["tool_call_id"],
+                                 "content": content if content is not None else ""}
+        if message.get("is_error"):
+            block["is_error"] = True
+        return [block]
+    blocks: list[dict[str, Any]] = []
+    if message.get("reasoning_content"):
+        blocks.append({"type": "thinking", "thinking": message["reasoning_content"],
+                       "signature": ""})
+    if isinstance(content, str) and content:
+        blocks.append({"type": "text", "text": content})
+    elif isinstance(content, list):
+        blocks.extend(dict(p) for p in content)
+    for call in message.get("tool_calls") or []:
+        function = call.get("function") or {}
+        try:
+            arguments = json.loads(function.get("arguments") or "{}")
+        except ValueError:
+            arguments = {"arguments": function.get("arguments")}
+        blocks.append({"type": "tool_use", "id": call.get("id") or "",
+                       "name": function.get("name", ""),
+                       "input": arguments if isinstance(arguments, dict) else {"value": arguments}})
+    return blocks
+
+
+def _as_blocks(content: Any) -> list[dict[str, Any]]:
+    return [{"type": "text", "text": content}] if isinstance(content, str) else list(content)
 
 
 def finish_reason(response: Mapping[str, Any]) -> str | None:

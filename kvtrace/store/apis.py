@@ -7,8 +7,13 @@ sees the same call in OpenAI chat shape (docs/store.md, "Three APIs"):
 | API | list field (item by item) | payload fields | normalised by |
 | --- | --- | --- | --- |
 | `openai-chat` | `messages` | `response`, `tools` | messages.py (stored as is) |
-| `anthropic-messages` | `messages` | `system`, `response`, `tools` | anthropic.py |
-| `openai-responses` | `input` | `instructions`, `response`, `tools` | responses.py |
+| `anthropic-messages` | `messages` | `response`, `request`: {`system`, `tools`} | anthropic.py |
+| `openai-responses` | `input` | `response`, `request`: {`instructions`, `tools`} | responses.py |
+
+`request` holds the parts of a request that rarely change within a run (the
+system prompt and the tool list) as one blob: one address per step instead
+of two keeps a step's body, the store's per-call overhead, as small as a
+chat call's.
 
 The chat view of an Anthropic or Responses call is derived on reading, by
 pure functions, never stored beside it: the store keeps each conversation
@@ -42,7 +47,7 @@ class Layout:
     """Where one API's call lives in a step's content."""
 
     conversation: str  # the list field, stored item by item
-    system: str | None  # the payload field of the system prompt, if the API has one apart
+    system: str | None  # the system prompt's key in `request`, if the API keeps it apart
 
 
 LAYOUTS = {
@@ -88,7 +93,12 @@ def stored_fields(api: ProviderApi, conversation: Any, response: Any, *, tools: 
         items = responses.normalize_input(conversation, prior or ())
         payload = {"response": responses.normalize_response(response), "instructions": system}
         tool_list = responses.normalize_tools(tools)
-    payload["tools"] = tool_list
+    if api is ProviderApi.OPENAI_CHAT:
+        payload["tools"] = tool_list
+    else:
+        system_key = layout.system or ""
+        request = {system_key: payload.pop(system_key), "tools": tool_list}
+        payload["request"] = {k: v for k, v in request.items() if v is not None} or None
     return ({k: v for k, v in payload.items() if v is not None},
             {layout.conversation: items})
 
@@ -98,12 +108,13 @@ def chat_view(api: ProviderApi, content: Mapping[str, Any]) -> ChatView:
     layout = LAYOUTS[api]
     items = content.get(layout.conversation)
     items = [dict(m) for m in items] if isinstance(items, list) else []
-    tools = content.get("tools")
+    request = native_request(api, content)
+    tools = request.get("tools")
     tools = [dict(t) for t in tools] if isinstance(tools, list) and tools else None
     response = content.get("response")
     if api is ProviderApi.OPENAI_CHAT:
         return ChatView(items, tools, response)
-    system = content.get(layout.system) if layout.system else None
+    system = request.get(layout.system) if layout.system else None
     if api is ProviderApi.ANTHROPIC_MESSAGES:
         return ChatView(anthropic.chat_messages(system, items), anthropic.chat_tools(tools),
                         anthropic.chat_response(response) if isinstance(response, Mapping)
@@ -111,6 +122,14 @@ def chat_view(api: ProviderApi, content: Mapping[str, Any]) -> ChatView:
     return ChatView(responses.chat_messages(system, items), responses.chat_tools(tools),
                     responses.chat_response(response) if isinstance(response, Mapping)
                     else response)
+
+
+def native_request(api: ProviderApi, content: Mapping[str, Any]) -> dict[str, Any]:
+    """The system prompt (Anthropic `system`, Responses `instructions`) and `tools` of a call."""
+    if api is ProviderApi.OPENAI_CHAT:
+        return {"tools": content["tools"]} if "tools" in content else {}
+    request = content.get("request")
+    return dict(request) if isinstance(request, Mapping) else {}
 
 
 def finish_reason(api: ProviderApi, response: Mapping[str, Any]) -> str | None:
@@ -123,13 +142,24 @@ def finish_reason(api: ProviderApi, response: Mapping[str, Any]) -> str | None:
 
 
 def edit_normalizers(api: ProviderApi) -> dict[str, Callable[[Any], Any]]:
-    """How each editable content field of a model call in `api` is normalised."""
-    layout = LAYOUTS[api]
+    """How each editable field of a model call in `api` is normalised.
+
+    The fields are the call's own: `request`'s parts (`system` or
+    `instructions`, `tools`) are edited by their names (edits.py puts them
+    back into `request`).
+    """
     if api is ProviderApi.ANTHROPIC_MESSAGES:
         return {"messages": anthropic.normalize_messages, "response": anthropic.normalize_response,
                 "tools": anthropic.normalize_tools, "system": anthropic.normalize_system}
     if api is ProviderApi.OPENAI_RESPONSES:
         return {"input": responses.normalize_input, "response": responses.normalize_response,
-                "tools": responses.normalize_tools, "instructions": to_plain}
-    return {layout.conversation: messages.normalize_messages,
-            "response": messages.normalize_response, "tools": messages.normalize_tools}
+                "tools": responses.normalize_tools, "instructions": _instructions}
+    return {"messages": messages.normalize_messages, "response": messages.normalize_response,
+            "tools": messages.normalize_tools}
+
+
+def _instructions(value: Any) -> str | None:
+    plain = to_plain(value)
+    if plain is not None and not isinstance(plain, str):
+        raise UsageError("instructions must be a string")
+    return plain or None

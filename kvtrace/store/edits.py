@@ -12,24 +12,42 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from kvtrace.store.apis import edit_normalizers
+from kvtrace.store.apis import LAYOUTS, ProviderApi, edit_normalizers, native_request
 from kvtrace.store.kinds import ModelCall, StepKind
 from kvtrace.store.plain import to_plain
 from kvtrace.store.records import Step
 
 
 def edited_content(step: Step, edit: Mapping[str, Any]) -> dict[str, Any]:
-    """`step`'s content with the fields of `edit` replaced, each normalised."""
-    normalizers = (edit_normalizers(ModelCall(step).api)
-                   if step.kind == StepKind.MODEL_CALL else {})
+    """`step`'s content with the fields of `edit` replaced, each normalised.
+
+    An Anthropic or Responses call keeps its system prompt and tools in one
+    `request` field (apis.py): an edit names them, and they go back there.
+    """
     out = dict(step.content)
+    if step.kind != StepKind.MODEL_CALL:
+        out.update({key: to_plain(value) for key, value in edit.items()})
+        return out
+    api = ModelCall(step).api
+    normalizers = edit_normalizers(api)
+    request = None if api is ProviderApi.OPENAI_CHAT else dict(native_request(api, out))
     for key, value in edit.items():
-        out[key] = normalizers.get(key, to_plain)(value)
+        new = normalizers.get(key, to_plain)(value)
+        if request is not None and key in ("tools", LAYOUTS[api].system):
+            request[key] = new
+        else:
+            out[key] = new
+    if request is not None:
+        request = {k: v for k, v in request.items() if v is not None}
+        if request:
+            out["request"] = request
+        else:
+            out.pop("request", None)
     return out
 
 
 def editable_fields(step: Step) -> set[str]:
     """The fields an edit may name: the step's own, and a model call's optional ones."""
-    optional = set(edit_normalizers(ModelCall(step).api)) if (
-        step.kind == StepKind.MODEL_CALL) else set()
-    return set(step.content) | optional
+    if step.kind != StepKind.MODEL_CALL:
+        return set(step.content)
+    return (set(step.content) - {"request"}) | set(edit_normalizers(ModelCall(step).api))

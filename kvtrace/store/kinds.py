@@ -13,10 +13,15 @@ in one module.
   `model`, sampling `params`, the provider's `usage` as sent (read through
   `Usage.parse`), `timings`, and `extra`: what a recorder or importer kept
   (HTTP facts, the requested model name, the response's own ids, fields of
-  an imported trajectory kvtrace does not model).
+  an imported trajectory kvtrace does not model); a streamed call recorded
+  over HTTP may keep its SSE body as the raw field `stream`
+  (`recorded_stream`), so a replay sends the same events; a response that
+  repeats its settings (Responses) keeps them in `response_settings`, one
+  blob shared by the calls whose settings stay the same.
 - `ToolCall`: tool name, `arguments`, `result`, `error`, `call_id` (the
   model's tool-call id it answers).
-- `HttpExchange`: method, URL, status, headers, raw bodies.
+- `HttpExchange`: method, URL, status, headers, raw bodies, and, for an
+  exchange with a model API that could not be read as a model call, why not.
 - `NoteStep`: a note recorded as a step of the run (annotations made
   afterwards are `Note` records, not steps).
 
@@ -32,16 +37,18 @@ from enum import StrEnum
 from typing import Any, ClassVar
 
 from kvtrace.errors import UsageError
-from kvtrace.store.apis import LAYOUTS, ChatView, ProviderApi, chat_view
+from kvtrace.store.apis import LAYOUTS, ChatView, ProviderApi, chat_view, native_request
 from kvtrace.store.records import Step
 from kvtrace.store.usage import Usage
 
 # Keys a view writes in `meta` (module-private names on purpose: read through the views).
 _MODEL, _PARAMS, _USAGE, _TIMINGS, _EXTRA, _API = (
     "model", "params", "usage", "timings", "extra", "api")
-_TOOL, _ERROR, _CALL_ID, _AUTHOR, _TOTAL_S, _COMPLETE = (
-    "tool", "error", "call_id", "author", "total_s", "complete")
+_TOOL, _ERROR, _CALL_ID, _AUTHOR, _TOTAL_S, _COMPLETE, _NOT_MODEL_CALL = (
+    "tool", "error", "call_id", "author", "total_s", "complete", "not_model_call")
 EDIT_OF = "edit_of"  # a step forked with an edit names the step it copies
+STREAM_FIELD = "stream"  # a model call's raw field: the SSE body as it arrived
+RESPONSE_SETTINGS = "response_settings"  # a model call's payload field (see ModelCall)
 TOKEN_IDS_KEY = "completion_token_ids"  # in usage: the exact ids kvtrace generated
 MEASUREMENTS = (_USAGE, _TIMINGS)  # what an edited copy drops: they describe the original call
 
@@ -134,10 +141,26 @@ class ModelCall(_View):
 
     @property
     def native(self) -> dict[str, Any]:
-        """The call's content in its own API's shape: conversation, system, tools, response."""
-        layout = LAYOUTS[self.api]
-        keys = (layout.conversation, layout.system, "tools", "response")
-        return {k: self.step.content[k] for k in keys if k and k in self.step.content}
+        """The call in its own API's shape: its conversation field (`messages` or `input`),
+        system prompt (`system` or `instructions`), `tools` and `response`, where present."""
+        content = self.step.content
+        conversation = LAYOUTS[self.api].conversation
+        out = {conversation: content[conversation]} if conversation in content else {}
+        out.update(native_request(self.api, content))
+        if "response" in content:
+            out["response"] = content["response"]
+        return out
+
+    @property
+    def response_settings(self) -> dict[str, Any]:
+        """What the response repeated of the settings it ran with ({} for none)."""
+        return _dict(self.step.content.get(RESPONSE_SETTINGS))
+
+    @property
+    def recorded_stream(self) -> bytes | None:
+        """The SSE body of a streamed call as it arrived, when the recorder kept it."""
+        body = self.step.content.get(STREAM_FIELD)
+        return body if isinstance(body, bytes) else None
 
     @property
     def model(self) -> str | None:
@@ -246,11 +269,21 @@ class HttpExchange(_View):
     KIND = StepKind.HTTP
 
     @staticmethod
-    def meta(*, total_s: float | None, is_complete: bool = True) -> dict[str, Any]:
+    def meta(*, total_s: float | None, is_complete: bool = True,
+             not_model_call: str | None = None) -> dict[str, Any]:
+        """`not_model_call`: why an exchange with a model API's path was kept as http."""
         meta: dict[str, Any] = {_TOTAL_S: total_s}
         if not is_complete:
             meta[_COMPLETE] = False
+        if not_model_call:
+            meta[_NOT_MODEL_CALL] = not_model_call
         return meta
+
+    @property
+    def not_model_call(self) -> str | None:
+        """Why this exchange, sent to a model API, is not a model_call step (None: not one)."""
+        reason = self.step.meta.get(_NOT_MODEL_CALL)
+        return reason if isinstance(reason, str) else None
 
     @property
     def method(self) -> str:

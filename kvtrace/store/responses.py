@@ -34,6 +34,9 @@ from kvtrace.store.plain import to_plain
 
 ROLES = frozenset({"system", "developer", "user", "assistant"})
 _CALLS = frozenset({"function_call", "custom_tool_call"})
+# Calls whose output comes back as a function_call_output, though they are no function call:
+# the built-in local shell (Codex on codex-mini), answered with its call_id.
+_ANSWERABLE = _CALLS | {"local_shell_call"}
 _OUTPUTS = frozenset({"function_call_output", "custom_tool_call_output"})
 _TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
 _RESPONSE_KEYS = ("output", "status", "incomplete_details")
@@ -52,9 +55,9 @@ def normalize_input(items: Any, prior: Iterable[Mapping[str, Any]] = ()) -> list
     if not isinstance(plain, list):
         raise UsageError("input must be a string or a list of Responses input items")
     out = [_item(item, f"input[{i}]") for i, item in enumerate(plain)]
-    called = {str(i.get("call_id")) for i in prior if i.get("type") in _CALLS}
+    called = {str(i.get("call_id")) for i in prior if i.get("type") in _ANSWERABLE}
     for index, item in enumerate(out):
-        if item["type"] in _CALLS:
+        if item["type"] in _ANSWERABLE and isinstance(item.get("call_id"), str):
             called.add(item["call_id"])
         elif item["type"] in _OUTPUTS and item["call_id"] not in called:
             raise UsageError(f"input[{index}]: {item['type']} for {item['call_id']!r} answers "
@@ -168,6 +171,53 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
         else:
             out.append(dict(tool))
     return out
+
+
+def from_chat(messages: list[dict[str, Any]]) -> tuple[str | None, list[dict[str, Any]]]:
+    """(instructions, input items) of a Responses request meaning the chat conversation.
+
+    The inverse of `chat_messages` on what chat can say: a first system turn
+    becomes `instructions`, tool calls `function_call` items, tool turns
+    `function_call_output` items.
+    """
+    instructions = None
+    if messages and messages[0].get("role") == "system" and isinstance(
+            messages[0].get("content"), str):
+        instructions, messages = messages[0]["content"], messages[1:]
+    items: list[dict[str, Any]] = []
+    for message in messages:
+        items.extend(_items_of(message))
+    return instructions, items
+
+
+def response_from_chat(message: Mapping[str, Any], finish: str | None) -> dict[str, Any]:
+    """The stored response for a chat-shaped assistant message and its finish reason."""
+    status = "incomplete" if finish == "length" else "completed"
+    return {"output": _items_of({**message, "role": "assistant"}), "status": status}
+
+
+def _items_of(message: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """One chat message as Responses items."""
+    role = message.get("role")
+    content = message.get("content")
+    if role == "tool":
+        return [{"type": "function_call_output", "call_id": message["tool_call_id"],
+                 "output": content if content is not None else ""}]
+    if role != "assistant":
+        return [{"type": "message", "role": role, "content": content}]
+    items: list[dict[str, Any]] = []
+    if message.get("reasoning_content"):
+        items.append({"type": "reasoning", "summary": [
+            {"type": "summary_text", "text": message["reasoning_content"]}]})
+    if isinstance(content, str) and content:
+        items.append({"type": "message", "role": "assistant",
+                      "content": [{"type": "output_text", "text": content}]})
+    for call in message.get("tool_calls") or []:
+        function = call.get("function") or {}
+        items.append({"type": "function_call", "call_id": call.get("id") or "",
+                      "name": function.get("name", ""),
+                      "arguments": function.get("arguments") or ""})
+    return items
 
 
 def finish_reason(response: Mapping[str, Any]) -> str | None:

@@ -13,7 +13,14 @@ from typing import TYPE_CHECKING, Any
 
 from kvtrace.errors import UsageError
 from kvtrace.store.apis import stored_fields
-from kvtrace.store.kinds import ModelCall, NoteStep, ProviderApi, StepKind, ToolCall
+from kvtrace.store.kinds import (
+    RESPONSE_SETTINGS,
+    ModelCall,
+    NoteStep,
+    ProviderApi,
+    StepKind,
+    ToolCall,
+)
 from kvtrace.store.plain import to_plain
 
 if TYPE_CHECKING:
@@ -74,6 +81,9 @@ class Run:
         extra: Mapping[str, Any] | None = None,
         api: ProviderApi | str = ProviderApi.OPENAI_CHAT,
         system: Any = None,
+        raw: Mapping[str, bytes] | None = None,
+        prior: list[dict[str, Any]] | None = None,
+        response_settings: Mapping[str, Any] | None = None,
     ) -> Step:
         """Record one model call: the conversation and tools sent, the response received.
 
@@ -86,7 +96,14 @@ class Run:
         shape and read in chat shape too (apis.py). SDK objects are converted.
         Each message is stored once however many calls send it. `usage` keeps
         the provider's counts as sent, `extra` any fields of an imported
-        trajectory that kvtrace does not model.
+        trajectory that kvtrace does not model. `raw` adds byte fields kept as
+        they are (`stream`: the SSE body of a streamed call, `ModelCall.recorded_stream`).
+        `prior` (Responses only) holds items that come before the input but are
+        not stored with it (a previous response the run does not hold): only
+        for checking that each tool output answers a call. `response_settings`
+        keeps what a response repeats of the settings it ran with (a Responses
+        object's `instructions`, `tools`, `temperature`...): one blob, shared by
+        every call of a conversation whose settings stay the same.
         """
         if not isinstance(model, str) or not model:
             raise UsageError("model must name the model that answered (a non-empty string)")
@@ -95,13 +112,17 @@ class Run:
         except ValueError:
             raise UsageError(f"api is {api!r}: use one of "
                              f"{', '.join(a.value for a in ProviderApi)}", param="api") from None
-        payload, lists = stored_fields(api, messages, response, tools=tools, system=system)
+        payload, lists = stored_fields(api, messages, response, tools=tools, system=system,
+                                       prior=prior)
+        settings = _mapping(response_settings, "response_settings")
+        if settings:
+            payload[RESPONSE_SETTINGS] = settings
         meta = ModelCall.meta(
             model=model, params=_mapping(params, "params"), usage=_mapping(usage, "usage"),
             timings=_mapping(timings, "timings"), extra=_mapping(extra, "extra"), api=api,
         )
         step = self.store.append(self.name, self._head, StepKind.MODEL_CALL, payload, meta,
-                                 lists=lists)
+                                 raw, lists=lists)
         self._head = step
         return step
 

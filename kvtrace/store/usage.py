@@ -9,7 +9,8 @@ reader goes through `Usage.parse`, which knows each provider's names:
   DeepSeek adds `prompt_cache_hit_tokens`. Cached tokens are counted inside
   `prompt_tokens`.
 - OpenAI Responses: `input_tokens` (cached ones inside it), `output_tokens`,
-  `input_tokens_details.cached_tokens`.
+  `input_tokens_details.cached_tokens`; Codex's rollouts flatten the same
+  counts to `cached_input_tokens` (and, lately, `cache_write_input_tokens`).
 - Anthropic Messages: `input_tokens` *excludes* cache reads and writes, so
   everything the model read is `input_tokens + cache_creation_input_tokens +
   cache_read_input_tokens`. Adding them the wrong way mis-prices cached
@@ -30,6 +31,7 @@ _CACHED_PATHS = (
     ("cached_tokens",),
     ("prompt_tokens_details", "cached_tokens"),
     ("input_tokens_details", "cached_tokens"),
+    ("cached_input_tokens",),
     ("cache_read_input_tokens",),
     ("prompt_cache_hit_tokens",),
 )
@@ -42,7 +44,7 @@ class Usage:
     prompt_tokens: int | None = None  # everything the model read, cache reads and writes included
     completion_tokens: int | None = None
     cached_tokens: int | None = None  # prompt tokens read from the provider's cache
-    cache_write_tokens: int | None = None  # prompt tokens written to it (Anthropic)
+    cache_write_tokens: int | None = None  # prompt tokens written to it (Anthropic, Codex)
     finish_reason: str | None = None
 
     @classmethod
@@ -53,6 +55,8 @@ class Usage:
         cached = next((value for path in _CACHED_PATHS
                        if (value := _count(_at(raw, path))) is not None), None)
         write = _count(raw.get("cache_creation_input_tokens"))
+        if write is None:
+            write = _count(raw.get("cache_write_input_tokens"))
         prompt = _count(raw.get("prompt_tokens"))
         if prompt is None and (given := _count(raw.get("input_tokens"))) is not None:
             is_anthropic = ("cache_read_input_tokens" in raw

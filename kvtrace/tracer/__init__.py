@@ -3,9 +3,11 @@
 - `recording(store, name)` / `Recorder`: the Python API (record calls by
   hand; `@rec.tool` and `tool` for the current recording record each call
   of a tool function);
-- `RecordingTransport` / `AsyncRecordingTransport`: httpx transports that
-  record every exchange of an httpx-based client (the OpenAI and Anthropic
-  SDKs take an `http_client`), chat completions as model_call steps;
+- `RecordingTransport` / `AsyncRecordingTransport`: transports that record
+  every exchange of an httpx- or httpx2-based client (the OpenAI and
+  Anthropic SDKs take an `http_client`; clients.py), chat completions,
+  Anthropic Messages and OpenAI Responses calls as model_call steps, plain
+  or streamed (exchange.py, endpoints.py, the sse*.py readers);
 - `ReplayTransport` / `AsyncReplayTransport`: their twins that answer from
   the recording (VCR-like modes `none`, `new_episodes`, `all`).
 

@@ -1,4 +1,9 @@
-"""Server-sent events of OpenAI chat completions: parse, assemble, and write.
+"""Server-sent events: parsing any stream, and OpenAI chat completions' assembled and written.
+
+`events` and `json_events` read the events of any SSE stream; `Assembled`
+is what a stream of a provider API adds up to (sse_anthropic.py and
+sse_responses.py fill it for their APIs, which name each event by a `type`
+in its JSON).
 
 A streamed chat completion is a sequence of `data: {chunk}` events ending
 with `data: [DONE]`; each chunk carries a `delta` of the message (role,
@@ -13,6 +18,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 DONE = b"[DONE]"
@@ -25,6 +31,42 @@ def events(data: bytes) -> Iterator[bytes]:
         lines = [line[5:].lstrip(b" ") for line in block.split(b"\n") if line.startswith(b"data:")]
         if lines:
             yield b"\n".join(lines)
+
+
+def json_events(data: bytes) -> Iterator[dict[str, Any]]:
+    """The JSON object of each event of a stream; ValueError when one is not a JSON object.
+
+    A last event cut before its end (no blank line after it, data that does
+    not parse) is dropped: it never arrived whole.
+    """
+    payloads = list(events(data))
+    is_terminated = data.replace(b"\r\n", b"\n").endswith(b"\n\n")
+    for number, payload in enumerate(payloads, 1):
+        try:
+            event = json.loads(payload)
+        except ValueError:
+            if number == len(payloads) and not is_terminated:
+                return
+            raise
+        if not isinstance(event, dict):
+            raise ValueError("an SSE event's data is not a JSON object")
+        yield event
+
+
+def encode_event(event: Mapping[str, Any]) -> bytes:
+    """One `event: TYPE` / `data: JSON` block, as Anthropic and the Responses API send them."""
+    return (f"event: {event['type']}\ndata: ".encode()
+            + json.dumps(event, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n")
+
+
+@dataclass(frozen=True, slots=True)
+class Assembled:
+    """What the events of a provider's stream add up to (Anthropic, Responses)."""
+
+    response: dict[str, Any]  # the one non-streamed response the events make
+    is_finished: bool  # the API's terminal event arrived (False: the stream was cut)
+    error: dict[str, Any] | None = None  # an `error` event's body: the stream failed
+    unknown_events: tuple[str, ...] = ()  # event types skipped, as the providers ask
 
 
 def is_finished(data: bytes) -> bool:

@@ -1,16 +1,20 @@
-"""httpx transports that record every exchange of any httpx-based client.
+"""Transports that record every exchange of any httpx- or httpx2-based client.
 
     client = openai.OpenAI(http_client=httpx.Client(transport=RecordingTransport(run)))
+    client = anthropic.Anthropic(http_client=httpx2.Client(transport=RecordingTransport(run)))
 
-`RecordingTransport(run, inner=None)` hands each request to `inner` (a
-plain `httpx.HTTPTransport()` by default) and returns the response with its
+One class serves both libraries (clients.py says how). `RecordingTransport(run,
+inner=None)` hands each request to `inner` (by default a plain
+`HTTPTransport()` of the request's library) and returns the response with its
 body wrapped: the bytes pass through to the client as they arrive (an SSE
 stream stays a stream), and the exchange is recorded (exchange.py) once the
 body has been read to its end or the client closes it, whichever comes
-first. A stream closed before its end (and before `data: [DONE]`) is
-recorded as abandoned, with what had arrived. The bodies recorded are
+first. A chat stream closed before its end (and before `data: [DONE]`) is
+recorded as abandoned, with what had arrived; an Anthropic or Responses
+stream is complete when its terminal event arrived (exchange.py). The bodies recorded are
 content-decoded; the client receives the upstream's bytes unchanged.
-`AsyncRecordingTransport` is the same for `httpx.AsyncClient`.
+`AsyncRecordingTransport` is the same for `httpx.AsyncClient` and
+`httpx2.AsyncClient`.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import httpx
 
 from kvtrace.store import Run
 from kvtrace.tracer import sse
+from kvtrace.tracer.clients import AsyncStream, SyncStream, default_transport
 from kvtrace.tracer.exchange import Exchange, decoded_body, record_exchange
 from kvtrace.tracer.recorder import Recorder, as_recorder
 from kvtrace.tracer.redact import Redactor
@@ -69,7 +74,7 @@ class _Capture:
         )
 
 
-class _RecordingStream(httpx.SyncByteStream):
+class _RecordingStream(SyncStream):
     def __init__(self, inner: Iterable[bytes], capture: _Capture,
                  record: Callable[[Exchange], Any], close: Callable[[], None]) -> None:
         self._inner = inner
@@ -95,7 +100,7 @@ class _RecordingStream(httpx.SyncByteStream):
             self._record(exchange)
 
 
-class _AsyncRecordingStream(httpx.AsyncByteStream):
+class _AsyncRecordingStream(AsyncStream):
     def __init__(self, inner: Any, capture: _Capture,
                  record: Callable[[Exchange], Any], close: Callable[[], Any]) -> None:
         self._inner = inner
@@ -123,56 +128,86 @@ class _AsyncRecordingStream(httpx.AsyncByteStream):
             await anyio.to_thread.run_sync(self._record, exchange)
 
 
-class RecordingTransport(httpx.BaseTransport):
+class RecordingTransport:
     """Records every exchange into `run` (a Run or Recorder); see the module docstring.
 
     `redact_headers` adds header names whose values must never be stored.
     """
 
-    def __init__(self, run: Run | Recorder, inner: httpx.BaseTransport | None = None, *,
+    def __init__(self, run: Run | Recorder, inner: Any = None, *,
                  redact_headers: Iterable[str] = ()) -> None:
         self.recorder = as_recorder(run)
-        self.inner = inner if inner is not None else httpx.HTTPTransport()
+        self.inner = inner  # None: a plain transport of each request's library, made on first use
+        self._defaults: dict[type, Any] = {}
         self.redactor = Redactor(redact_headers)
+
+    def __enter__(self) -> RecordingTransport:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def record(self, exchange: Exchange) -> None:
         record_exchange(self.recorder, exchange, self.redactor)
+
+    def _default(self, request: httpx.Request) -> Any:
+        if type(request) not in self._defaults:
+            self._defaults[type(request)] = default_transport(request, is_async=False)
+        return self._defaults[type(request)]
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         request.read()
         started = time.perf_counter()
-        response = self.inner.handle_request(request)
+        inner = self.inner if self.inner is not None else self._default(request)
+        response = inner.handle_request(request)
         capture = _Capture(request, response, started)
-        if not isinstance(response.stream, httpx.SyncByteStream):
+        if not isinstance(response.stream, Iterable):
             raise TypeError("the inner transport of a sync client returned an async stream")
         stream = _RecordingStream(response.stream, capture, self.record, response.close)
-        return httpx.Response(response.status_code, headers=response.headers, stream=stream,
+        return type(response)(response.status_code, headers=response.headers, stream=stream,
                               extensions=response.extensions)
 
     def close(self) -> None:
-        self.inner.close()
+        for transport in [self.inner, *self._defaults.values()]:
+            if transport is not None:
+                transport.close()
 
 
-class AsyncRecordingTransport(httpx.AsyncBaseTransport):
-    """The async twin of RecordingTransport, for `httpx.AsyncClient`."""
+class AsyncRecordingTransport:
+    """The async twin of RecordingTransport, for `httpx.AsyncClient` and `httpx2.AsyncClient`."""
 
-    def __init__(self, run: Run | Recorder, inner: httpx.AsyncBaseTransport | None = None, *,
+    def __init__(self, run: Run | Recorder, inner: Any = None, *,
                  redact_headers: Iterable[str] = ()) -> None:
         self.recorder = as_recorder(run)
-        self.inner = inner if inner is not None else httpx.AsyncHTTPTransport()
+        self.inner = inner
+        self._defaults: dict[type, Any] = {}
         self.redactor = Redactor(redact_headers)
+
+    async def __aenter__(self) -> AsyncRecordingTransport:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
 
     def record(self, exchange: Exchange) -> None:
         record_exchange(self.recorder, exchange, self.redactor)
 
+    def _default(self, request: httpx.Request) -> Any:
+        if type(request) not in self._defaults:
+            self._defaults[type(request)] = default_transport(request, is_async=True)
+        return self._defaults[type(request)]
+
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         await request.aread()
         started = time.perf_counter()
-        response = await self.inner.handle_async_request(request)
+        inner = self.inner if self.inner is not None else self._default(request)
+        response = await inner.handle_async_request(request)
         capture = _Capture(request, response, started)
         stream = _AsyncRecordingStream(response.stream, capture, self.record, response.aclose)
-        return httpx.Response(response.status_code, headers=response.headers, stream=stream,
+        return type(response)(response.status_code, headers=response.headers, stream=stream,
                               extensions=response.extensions)
 
     async def aclose(self) -> None:
-        await self.inner.aclose()
+        for transport in [self.inner, *self._defaults.values()]:
+            if transport is not None:
+                await transport.aclose()

@@ -8,6 +8,7 @@ import pytest
 
 from kvtrace.errors import UsageError
 from kvtrace.formats import export_atif, export_openai, import_atif, import_openai
+from kvtrace.store import kinds
 from kvtrace.store.messages import normalize_messages
 
 TAU = "openai_tau_airline.json"
@@ -203,3 +204,38 @@ def test_the_server_refuses_two_tool_calls_with_one_id_as_import_does():
         parse_chat_request(json.dumps(body).encode(), is_local=False)
     assert error.value.status == 400 and error.value.param == "messages"
     assert error.value.message.startswith("messages[1].tool_calls[1]: id 'c1' is used twice")
+
+
+MINI_DEEPSEEK = "openai_mini_swe_agent_v2_deepseek.json"
+
+
+def test_mini_swe_agent_v2_calls_take_model_and_usage_from_the_raw_response(store, document):
+    original = document(MINI_DEEPSEEK)
+    import_openai(store, original, run="ds")
+    calls = kinds.model_calls(store.path("ds"))
+    raw = [m["extra"]["response"] for m in original["messages"] if m["role"] == "assistant"]
+    assert len(calls) == len(raw) == 10
+    assert {c.model for c in calls} == {"deepseek-chat"}
+    assert [c.raw_usage for c in calls] == [r["usage"] for r in raw]
+    assert [c.usage.cached_tokens for c in calls] == [
+        r["usage"]["prompt_cache_hit_tokens"] for r in raw]
+    assert [c.usage.prompt_tokens for c in calls] == [r["usage"]["prompt_tokens"] for r in raw]
+    assert calls[-1].usage.cached_tokens > 0
+    assert export_openai(store, "ds") == original  # the raw responses stay on the messages
+
+
+def test_without_a_raw_response_the_configured_model_names_the_calls(store, document):
+    import_openai(store, document(MINI), run="mini")
+    calls = kinds.model_calls(store.path("mini"))
+    assert {c.model for c in calls} == {"made-up/model-1"} and calls[0].raw_usage == {}
+
+
+def test_a_raw_response_without_usable_fields_is_left_to_the_document(store, document):
+    original = document(MINI_DEEPSEEK)
+    for message in original["messages"]:
+        if message["role"] == "assistant":
+            message["extra"]["response"] = {"model": "", "usage": "lots"}
+    import_openai(store, original, run="odd")
+    call = kinds.model_calls(store.path("odd"))[0]
+    assert call.model == "deepseek/deepseek-chat" and call.raw_usage == {}
+    assert export_openai(store, "odd") == original

@@ -13,8 +13,9 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 from kvtrace.cli import main
 from kvtrace.errors import UsageError
-from kvtrace.formats import export_document, export_file, import_document
+from kvtrace.formats import export_document, export_file, import_document, import_otel
 from kvtrace.formats.otel import any_value, span_id, trace_id
+from kvtrace.store import kinds
 from kvtrace.store.compare import compare
 from tests.agent_runs import record_calc_run
 from tests.formats.conftest import state
@@ -302,3 +303,30 @@ def test_a_trace_from_another_instrumentation_exports_and_imports_back_to_the_sa
     assert original[0].content == {"arguments": '{"x": 1}', "result": "[1, 2]"}
     assert [m["role"] for m in original[1].content["messages"]] == [
         "user", "system", "assistant", "tool"]
+
+
+def test_anthropic_cache_reads_and_writes_are_both_attributes_inside_input_tokens(store):
+    usage = {"input_tokens": 3, "cache_read_input_tokens": 15_400,
+             "cache_creation_input_tokens": 210, "output_tokens": 57}
+    store.run("cc").record_model_call(
+        [{"role": "user", "content": "Fix the header."}],
+        {"role": "assistant", "content": [{"type": "text", "text": "Done."}],
+         "stop_reason": "end_turn"},
+        model="claude-sonnet-4-5-20250929", usage=usage, api="anthropic-messages")
+    document = export_document(store, "cc", format="otel", include_content=True)
+    found = attributes(parse_otlp(document).resource_spans[0].scope_spans[0].spans[0])
+    assert found["gen_ai.provider.name"] == "anthropic"
+    assert found["gen_ai.usage.input_tokens"] == 3 + 15_400 + 210  # the cached ones included
+    assert found["gen_ai.usage.cache_read.input_tokens"] == 15_400
+    assert found["gen_ai.usage.cache_creation.input_tokens"] == 210
+    assert found["gen_ai.usage.output_tokens"] == 57
+    import_otel(store, document, run="back")
+    call = kinds.ModelCall(store.path("back")[0])
+    assert (call.usage.prompt_tokens, call.usage.cached_tokens, call.usage.cache_write_tokens
+            ) == (15_613, 15_400, 210)
+
+
+def test_a_provider_that_reports_no_cache_write_has_no_such_attribute(calc_store):
+    found = attributes(parse_otlp(export_document(calc_store, "main", format="otel"))
+                       .resource_spans[0].scope_spans[0].spans[0])
+    assert "gen_ai.usage.cache_creation.input_tokens" not in found  # unknown is not 0

@@ -1,6 +1,7 @@
 """Property-based tests (hypothesis) of every importer, on both backends.
 
-One property per format (openai, atif, otel): a generated document, given
+One property per format (openai, atif, otel, claude-code, codex): a generated
+document (for the agents' logs, a list of lines written as JSONL), given
 as a file's bytes, either imports, and then its export imports again to
 steps of the same content (kind, content, tool, call id, error, model), or
 is refused with a UsageError that writes nothing (row counts of every table
@@ -185,6 +186,64 @@ OTEL = hostile(obj({"resourceSpans": st.lists(obj({"scopeSpans": st.lists(
     obj({"spans": st.lists(OTEL_SPAN, min_size=1, max_size=5)}), min_size=1, max_size=2)}),
     min_size=1, max_size=2)}))
 
+UUIDS = st.sampled_from(["u1", "u2", "u3", "u4", "u5", "u6"])
+CC_BLOCK = st.one_of(
+    obj({"type": st.just("text"), "text": TEXT}),
+    obj({"type": st.just("thinking"), "thinking": TEXT}, {"signature": TEXT}),
+    obj({"type": st.just("tool_use"), "id": IDS, "name": NAMES,
+         "input": st.dictionaries(st.sampled_from(["x", "y"]), JSON, max_size=2)}),
+)
+CC_RESULT = obj({"type": st.just("tool_result"), "tool_use_id": IDS},
+                {"content": TEXT | st.lists(PART, max_size=2), "is_error": st.booleans()})
+CC_USAGE = obj({"input_tokens": st.integers(0, 9)},
+               {"cache_read_input_tokens": st.integers(0, 99),
+                "cache_creation_input_tokens": st.integers(0, 99),
+                "output_tokens": st.integers(0, 9)})
+CC_LINE = st.one_of(
+    obj({"type": st.just("assistant"), "uuid": UUIDS,
+         "message": obj({"role": st.just("assistant"), "content": st.lists(CC_BLOCK, max_size=2)},
+                        {"id": st.sampled_from(["m1", "m2", "m3"]), "model": NAMES,
+                         "usage": CC_USAGE, "stop_reason": st.sampled_from(["tool_use", None])})},
+        {"parentUuid": st.none() | UUIDS, "requestId": TEXT}),
+    obj({"type": st.just("user"), "uuid": UUIDS,
+         "message": obj({"role": st.just("user"),
+                         "content": TEXT | st.lists(CC_RESULT | PART, max_size=2)})},
+        {"parentUuid": st.none() | UUIDS, "toolUseResult": JSON, "isSidechain": st.booleans(),
+         "agentId": st.sampled_from(["a1", "a2"])}),
+    obj({"type": st.sampled_from(["summary", "progress", "system", "file-history-snapshot"])},
+        {"uuid": UUIDS, "parentUuid": UUIDS, "data": JSON}),
+)
+CLAUDE_CODE = hostile(st.lists(CC_LINE, min_size=1, max_size=8))
+
+RESPONSES_PART = obj({"type": st.sampled_from(["input_text", "output_text"]), "text": TEXT})
+CODEX_ITEM = st.one_of(
+    obj({"type": st.just("message"),
+         "role": st.sampled_from(["user", "assistant", "developer", "robot"]),
+         "content": st.lists(RESPONSES_PART, max_size=2)}, {"phase": TEXT}),
+    obj({"type": st.just("reasoning"),
+         "summary": st.lists(obj({"type": st.just("summary_text"), "text": TEXT}), max_size=2)},
+        {"content": st.none(), "encrypted_content": TEXT}),
+    obj({"type": st.just("function_call"), "name": NAMES, "call_id": IDS,
+         "arguments": ARGUMENTS}),
+    obj({"type": st.just("custom_tool_call"), "name": NAMES, "call_id": IDS, "input": TEXT}),
+    obj({"type": st.sampled_from(["function_call_output", "custom_tool_call_output"]),
+         "call_id": IDS, "output": TEXT | st.lists(RESPONSES_PART, max_size=2)}),
+)
+CODEX_USAGE = obj({"input_tokens": st.integers(0, 99), "output_tokens": st.integers(0, 9)},
+                  {"cached_input_tokens": st.integers(0, 99)})
+CODEX_LINE = obj(
+    {"type": st.sampled_from(["response_item"] * 6 + ["event_msg", "event_msg", "turn_context",
+                                                      "session_meta", "compacted"]),
+     "payload": st.one_of(CODEX_ITEM, CODEX_ITEM, CODEX_ITEM,
+                          obj({"type": st.just("token_count"),
+                               "info": st.none() | obj({}, {"last_token_usage": CODEX_USAGE,
+                                                           "total_token_usage": CODEX_USAGE})}),
+                          obj({}, {"model": TEXT, "base_instructions": obj({"text": TEXT}),
+                                   "message": TEXT,
+                                   "replacement_history": st.lists(CODEX_ITEM, max_size=2)}))},
+    {"timestamp": TEXT})
+CODEX = hostile(st.lists(CODEX_LINE, min_size=1, max_size=8))
+
 # -- the property -----------------------------------------------------------------
 
 
@@ -200,8 +259,11 @@ def _steps(store, run: str) -> list[tuple[Any, ...]]:
              s.meta.get("call_id"), s.meta.get("error")) for s in store.path(run)]
 
 
-def _as_file(document: Any) -> io.BytesIO:
-    """The document as a file's bytes (NaN written as NaN, a lone surrogate escaped)."""
+def _as_file(document: Any, fmt: str) -> io.BytesIO:
+    """The document as a file's bytes (NaN written as NaN, a lone surrogate escaped); a log's
+    lines one a line."""
+    if fmt in ("claude-code", "codex") and isinstance(document, list):
+        return io.BytesIO("".join(json.dumps(line) + "\n" for line in document).encode("utf-8"))
     return io.BytesIO(json.dumps(document).encode("utf-8"))
 
 
@@ -210,7 +272,7 @@ def imports_back_or_is_refused(store, document: Any, fmt: str) -> str:
     note(f"document: {json.dumps(document)}")
     before = _row_counts(store)
     try:
-        import_file(store, _as_file(document), format=fmt, run=run)
+        import_file(store, _as_file(document, fmt), format=fmt, run=run)
     except UsageError as exc:
         event("refused: " + re.sub(r"\[\d+\]", "[i]", str(exc))[:48])
         assert "\n" not in str(exc)
@@ -241,3 +303,15 @@ def test_an_atif_document_imports_back_or_is_refused(store, document):
 @given(document=OTEL)
 def test_an_otel_document_imports_back_or_is_refused(store, document):
     assert imports_back_or_is_refused(store, document, "otel") in ("imported", "refused")
+
+
+@SETTINGS
+@given(document=CLAUDE_CODE)
+def test_a_claude_code_transcript_imports_back_or_is_refused(store, document):
+    assert imports_back_or_is_refused(store, document, "claude-code") in ("imported", "refused")
+
+
+@SETTINGS
+@given(document=CODEX)
+def test_a_codex_rollout_imports_back_or_is_refused(store, document):
+    assert imports_back_or_is_refused(store, document, "codex") in ("imported", "refused")

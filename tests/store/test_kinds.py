@@ -51,7 +51,8 @@ def test_an_openai_chat_call_records_no_api_key_so_older_steps_keep_their_ids(st
 
 
 def test_a_model_call_keeps_the_provider_api_it_was_spoken_in(store):
-    step = _model_call(store.run("r"), api=ProviderApi.ANTHROPIC_MESSAGES)
+    step = _model_call(store.run("r"), api=ProviderApi.ANTHROPIC_MESSAGES,
+                       tools=[{"name": "get_weather", "input_schema": {}}])
     assert ModelCall(step).api is ProviderApi.ANTHROPIC_MESSAGES
     assert step.kind == StepKind.MODEL_CALL and type(step.kind) is str  # stored as plain text
 
