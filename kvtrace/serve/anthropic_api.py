@@ -33,7 +33,6 @@ events: `message_start`, `content_block_start` / `content_block_delta`
 from __future__ import annotations
 
 import json
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -50,10 +49,11 @@ from kvtrace.serve.api import (
     parse_json,
     require,
 )
-from kvtrace.serve.generation import Generation, as_stored, local_extra, recorded_params
+from kvtrace.serve.generation import Generation, local_extra, recorded_params, stored_call
 from kvtrace.store import anthropic
-from kvtrace.store.apis import ProviderApi, chat_view
-from kvtrace.store.kinds import TOKEN_IDS_KEY
+from kvtrace.store.apis import ProviderApi, chat_view, native_request
+from kvtrace.store.kinds import STREAM_FIELD, TOKEN_IDS_KEY
+from kvtrace.tracer.endpoints import ANTHROPIC, response_fields
 
 if TYPE_CHECKING:
     from kvtrace.serve.recording import StepWrite
@@ -165,10 +165,12 @@ def parse_messages_request(data: bytes, *, is_counted_only: bool = False) -> Mes
     check_type(body, "stream", bool, "a boolean")
     check_type(body, "metadata", dict, "an object")
     check_seed(body)
-    stored = as_stored({"messages": messages, "system": system, "tools": tools})
+    stored = _normalised(lambda _: stored_call(ProviderApi.ANTHROPIC_MESSAGES, messages,
+                                               system, tools), None, "messages")
     view = chat_view(ProviderApi.ANTHROPIC_MESSAGES, stored)
+    native = native_request(ProviderApi.ANTHROPIC_MESSAGES, stored)
     return MessagesRequest(body=body, native_messages=stored["messages"],
-                           system=stored["system"], native_tools=stored["tools"],
+                           system=native.get("system"), native_tools=native.get("tools"),
                            messages=view.messages, tools=view.tools)
 
 
@@ -237,7 +239,6 @@ class MessagesReply:
             "model": model, "content": blocks, "stop_reason": stop_reason,
             "stop_sequence": generation.stop_sequence, "usage": self.usage,
         }
-        self.created = int(time.time())
 
     def events(self) -> Iterator[bytes]:
         message = self.body
@@ -270,14 +271,16 @@ class MessagesReply:
             usage = {**self.usage,
                      "finish_reason": anthropic.finish_reason(message),
                      TOKEN_IDS_KEY: list(generation.output_ids)}
+            own, _ = response_fields(ANTHROPIC, message)  # as the tracer splits a response
             extra = local_extra(request, generation, url=redactor.url(url),
-                                answered_by=self.model, is_complete=is_complete,
-                                response={"id": message["id"], "created": self.created})
+                                answered_by=self.model, is_complete=is_complete, response=own)
+            stream = b"".join(self.events()) if request.is_stream else None
             return recorder.record_model_call(
                 request.native_messages, message, model=self.model, tools=request.native_tools,
                 params=redactor.fields(recorded_params(request.body, NOT_PARAMS, generation)),
                 usage=usage, timings=generation.timings, extra=extra,
-                api=ProviderApi.ANTHROPIC_MESSAGES, system=request.system)
+                api=ProviderApi.ANTHROPIC_MESSAGES, system=request.system,
+                raw={STREAM_FIELD: stream} if stream is not None else None)
 
         return write
 

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from kvtrace.store.apis import ProviderApi, stored_fields
 from kvtrace.store.encoding import canonical_json
 
 if TYPE_CHECKING:
@@ -106,14 +107,19 @@ class Reply(Protocol):
         """How the answer is recorded (`is_complete=False`: a stream the client dropped)."""
 
 
-def as_stored(value: Any) -> Any:
-    """`value` as the store will give it back: keys sorted, as its canonical JSON has them.
-
-    A conversation is rendered from this form, so that the prompt of a live
-    request and of its recording are the same tokens (a tool-use `input`
-    object is rendered as JSON in key order).
+def stored_call(api: ProviderApi, conversation: Any, system: Any, tools: Any, *,
+                prior: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """A request's conversation, system prompt and tools as a step of `api` stores them, and
+    as the store gives them back: its layout (store/apis.py), keys sorted as in its
+    canonical JSON. A conversation is rendered from this form, so that the prompt of a
+    live request and of its recording are the same tokens (a tool-use `input` object is
+    rendered as JSON in key order). UsageError when the store would refuse them; `prior`
+    (Responses): calls made before the input that the step does not hold.
     """
-    return json.loads(canonical_json(value))
+    payload, lists = stored_fields(api, conversation, [], tools=tools, system=system,
+                                   prior=prior)
+    payload.pop("response", None)  # none yet: only what was asked is rendered
+    return dict(json.loads(canonical_json({**payload, **lists})))
 
 
 def local_extra(call: LocalCall, generation: Generation, *, url: str, answered_by: str,

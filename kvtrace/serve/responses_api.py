@@ -51,10 +51,11 @@ from kvtrace.serve.api import (
     parse_json,
     require,
 )
-from kvtrace.serve.generation import Generation, as_stored, local_extra, recorded_params
+from kvtrace.serve.generation import Generation, local_extra, recorded_params, stored_call
 from kvtrace.store import responses
-from kvtrace.store.apis import ProviderApi, chat_view
-from kvtrace.store.kinds import TOKEN_IDS_KEY
+from kvtrace.store.apis import ProviderApi, chat_view, native_request
+from kvtrace.store.kinds import STREAM_FIELD, TOKEN_IDS_KEY
+from kvtrace.tracer.endpoints import RESPONSES, response_fields
 
 if TYPE_CHECKING:
     from kvtrace.serve.recording import StepWrite
@@ -134,7 +135,8 @@ def parse_responses_request(data: bytes, *, is_local: bool) -> ResponsesRequest:
     if instructions is not None and not isinstance(instructions, str):
         raise APIError(400, "'instructions' must be a string", param="instructions",
                        code="invalid_type")
-    items = _input_items(body.get("input") or [], continues=continues)
+    prior = _unstored_calls(body.get("input"), continues=continues)
+    items = _input_items(body.get("input") or [], prior)
     tools = _normalised(responses.normalize_tools, body.get("tools"), "tools")
     for index, tool in enumerate(tools or []):
         if tool["type"] == "function" and not isinstance(tool.get("parameters", {}),
@@ -154,19 +156,27 @@ def parse_responses_request(data: bytes, *, is_local: bool) -> ResponsesRequest:
     check_type(body, "metadata", dict, "an object")
     check_type(body, "include", list, "an array")
     check_seed(body)
-    stored = as_stored({"input": items, "instructions": instructions, "tools": tools})
+    stored = _normalised(lambda _: stored_call(ProviderApi.OPENAI_RESPONSES, items,
+                                               instructions, tools, prior=prior or None),
+                         None, "input")
     view = chat_view(ProviderApi.OPENAI_RESPONSES, stored)
+    native = native_request(ProviderApi.OPENAI_RESPONSES, stored)
     return ResponsesRequest(body=body, native_input=stored["input"],
-                            instructions=stored["instructions"], native_tools=stored["tools"],
+                            instructions=native.get("instructions"),
+                            native_tools=native.get("tools"),
                             messages=view.messages, tools=view.tools)
 
 
-def _input_items(value: Any, *, continues: bool) -> list[dict[str, Any]]:
-    """The input's items; a request that continues a stored response may answer its calls."""
-    prior: list[dict[str, Any]] = []
-    if continues and isinstance(value, list):  # the calls are upstream's to know
-        prior = [{"type": "function_call", "call_id": item.get("call_id")}
-                 for item in value if isinstance(item, dict)]
+def _unstored_calls(value: Any, *, continues: bool) -> list[dict[str, Any]]:
+    """A request that continues a stored response may answer its calls: stand-ins for them
+    (the calls are the upstream's to know; nothing here holds them)."""
+    if not continues or not isinstance(value, list):
+        return []
+    return [{"type": "function_call", "call_id": item.get("call_id")}
+            for item in value if isinstance(item, dict)]
+
+
+def _input_items(value: Any, prior: list[dict[str, Any]]) -> list[dict[str, Any]]:
     try:
         return responses.normalize_input(value, prior)
     except UsageError as exc:
@@ -282,14 +292,16 @@ class ResponsesReply:
         def write(recorder: Recorder, redactor: Redactor) -> Step:
             usage = {**self.usage, "finish_reason": responses.finish_reason(response),
                      TOKEN_IDS_KEY: list(generation.output_ids)}
+            own, settings = response_fields(RESPONSES, response)  # as the tracer splits it
             extra = local_extra(request, generation, url=redactor.url(url),
-                                answered_by=self.model, is_complete=is_complete,
-                                response={"id": response["id"],
-                                          "created_at": response["created_at"]})
+                                answered_by=self.model, is_complete=is_complete, response=own)
+            stream = b"".join(self.events()) if request.is_stream else None
             return recorder.record_model_call(
                 request.native_input, response, model=self.model, tools=request.native_tools,
                 params=redactor.fields(recorded_params(request.body, NOT_PARAMS, generation)),
                 usage=usage, timings=generation.timings, extra=extra,
-                api=ProviderApi.OPENAI_RESPONSES, system=request.instructions)
+                api=ProviderApi.OPENAI_RESPONSES, system=request.instructions,
+                raw={STREAM_FIELD: stream} if stream is not None else None,
+                response_settings=redactor.fields(settings) or None)
 
         return write

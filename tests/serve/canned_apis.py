@@ -79,20 +79,28 @@ _ITEM = '"type":"message","id":"msg_s1","role":"assistant"'
 _USAGE = ('"usage":{"input_tokens":50,"input_tokens_details":{"cached_tokens":40},'
           '"output_tokens":5,"output_tokens_details":{"reasoning_tokens":0},"total_tokens":55}')
 _DELTA = ('"item_id":"msg_s1","output_index":0,"content_index":0,"logprobs":[],')
+_PART = '"item_id":"msg_s1","output_index":0,"content_index":0,'
 _RESPONSE_EVENTS = [
     ("response.created", '{"type":"response.created","sequence_number":0,"response":{'
      + _SHELL + ',"status":"in_progress","output":[]}}'),
     ("response.output_item.added", '{"type":"response.output_item.added",'
      '"sequence_number":1,"output_index":0,"item":{' + _ITEM
      + ',"status":"in_progress","content":[]}}'),
-    ("response.output_text.delta", '{"type":"response.output_text.delta","sequence_number":2,'
-     + _DELTA + '"delta":"It is "}'),
+    ("response.content_part.added", '{"type":"response.content_part.added",'
+     '"sequence_number":2,' + _PART + '"part":{"type":"output_text","text":"",'
+     '"annotations":[]}}'),
     ("response.output_text.delta", '{"type":"response.output_text.delta","sequence_number":3,'
+     + _DELTA + '"delta":"It is "}'),
+    ("response.output_text.delta", '{"type":"response.output_text.delta","sequence_number":4,'
      + _DELTA + '"delta":"sunny."}'),
-    ("response.output_item.done", '{"type":"response.output_item.done","sequence_number":4,'
+    ("response.output_text.done", '{"type":"response.output_text.done","sequence_number":5,'
+     + _DELTA + '"text":"It is sunny."}'),
+    ("response.content_part.done", '{"type":"response.content_part.done",'
+     '"sequence_number":6,' + _PART + '"part":' + _TEXT + '}'),
+    ("response.output_item.done", '{"type":"response.output_item.done","sequence_number":7,'
      '"output_index":0,"item":{' + _ITEM + ',"status":"completed","content":[' + _TEXT
      + ']}}'),
-    ("response.completed", '{"type":"response.completed","sequence_number":5,"response":{'
+    ("response.completed", '{"type":"response.completed","sequence_number":8,"response":{'
      + _SHELL + ',"status":"completed","output":[{' + _ITEM + ',"status":"completed",'
      '"content":[' + _TEXT + ']}],' + _USAGE + '}}'),
 ]

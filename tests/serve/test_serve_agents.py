@@ -106,8 +106,6 @@ def test_an_agent_with_two_tools_runs_unchanged_and_every_call_is_recorded(
         assert len(steps) == 3 and all(view(step).is_complete for step in steps)
 
 
-@pytest.mark.xfail(strict=True, reason="needs the capture branch (record_exchange learns the "
-                   "Responses API)")
 @pytest.mark.parametrize("mode", ["plain", "stream"])
 def test_the_agent_s_calls_are_model_call_steps_with_their_tool_calls(
     home, capfd, canned_apis, mode

@@ -125,6 +125,29 @@ def test_a_recorded_responses_conversation_replays_at_the_oracle_bound(
     assert report.total.reused_tokens == report.total.oracle_tokens > 0
 
 
+def test_a_run_recorded_by_the_server_replays_offline_through_replay_transport(
+    store, serve_local
+):
+    from kvtrace.tracer import ReplayTransport
+
+    server = serve_local(store, run="served")
+    request = {"model": ASKED, "instructions": SYSTEM, "input": AFTER_A_TOOL, "tools": TOOLS,
+               "max_output_tokens": 5}
+    live = client(server).responses.create(**request)
+    live_events = list(client(server).responses.create(**request, stream=True))
+    offline = openai.OpenAI(base_url="http://127.0.0.1:9/v1", api_key="x", max_retries=0,
+                            http_client=httpx.Client(
+                                transport=ReplayTransport(store.run("served"))))
+    again = offline.responses.create(**request)
+    # the step alone rebuilds the answer (its usage also carries kvtrace's token ids)
+    assert again.model_dump(exclude={"usage"}) == live.model_dump(exclude={"usage"})
+    assert again.usage.input_tokens_details == live.usage.input_tokens_details
+    assert (again.usage.input_tokens, again.usage.output_tokens) == (
+        live.usage.input_tokens, live.usage.output_tokens)
+    again_events = list(offline.responses.create(**request, stream=True))
+    assert [e.model_dump() for e in again_events] == [e.model_dump() for e in live_events]
+
+
 BAD_INPUTS = [
     ("malformed JSON", b'{"model": "m", "input": [', "not valid JSON", None),
     ("missing input", {"input": None}, "input", "input"),
@@ -256,8 +279,6 @@ def test_upstream_responses_come_back_byte_for_byte_and_are_recorded(
     assert [view(step).is_complete for step in store.path("proxied")] == [True, True]
 
 
-@pytest.mark.xfail(strict=True, reason="needs the capture branch (record_exchange learns the "
-                   "Responses API)")
 def test_upstream_responses_calls_become_model_call_steps(store, canned_apis, serve_upstream):
     proxy = serve_upstream(store, canned_apis.url, run="captured")
     sdk = client(proxy)
