@@ -189,6 +189,7 @@ _BAD_VALUES = {  # (command, option): a command line with a bad value for it
     ("branch", "--tools"): ["branch", "main", "--n", "2", "--tools", "all"],
     ("export", "--format"): ["export", "main", "--format", "csv"],
     ("import", "--format"): ["import", "main.kvtrace", "--format", "csv"],
+    ("mcp", "--transport"): ["mcp", "--transport", "carrier-pigeon"],
 }
 
 

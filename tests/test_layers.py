@@ -1,4 +1,5 @@
-"""Layers import one way: store -> formats, tracer; engine -> replay -> serve; page -> cli
+"""Layers import one way: store -> formats, tracer; engine -> replay -> serve; page, mcp, ui
+-> cli
 (as dulwich)."""
 
 from __future__ import annotations
@@ -21,8 +22,11 @@ ALLOWED = {
     "tracer": {"tracer", "store"},
     "serve": {"serve", "tracer", "store", "replay"},
     "page": {"page", "store", "replay"},
+    "mcp": {"mcp", "store", "engine", "replay", "serve"},
     "bench": {"bench", "store", "engine", "replay", "formats", "tracer", "serve"},
-    "cli": {"cli", "store", "engine", "replay", "bench", "formats", "tracer", "serve", "page"},
+    "ui": {"ui", "page", "store", "replay", "serve"},
+    "cli": {"cli", "store", "engine", "replay", "bench", "formats", "tracer", "serve", "page",
+            "mcp", "ui"},
 }
 # The package's own module re-exports the public surface: the light layers only, so that
 # `import kvtrace` loads neither torch nor the server.

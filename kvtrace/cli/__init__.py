@@ -21,10 +21,12 @@ import typer
 from kvtrace.cli import (  # noqa: F401  (registers commands)
     bench,
     cache,
+    mcp,
     page,
     replay,
     serve,
     store_commands,
+    ui,
 )
 from kvtrace.cli.app import CliState, app, flag_message
 from kvtrace.errors import KvtraceError

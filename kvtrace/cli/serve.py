@@ -132,16 +132,8 @@ def serve_command(
     """A server for the OpenAI chat, Anthropic Messages and OpenAI Responses APIs that records
     every call into a run (see docs/serve.md)."""
     from kvtrace.serve import BackgroundServer
-    from kvtrace.serve.runner import is_loopback
 
-    if not 0 <= port <= 65535:
-        raise UsageError(f"--port {port} is not a port number (0-65535)")
-    if api_key is None and os.environ.get(API_KEY_ENV) == "":
-        raise UsageError(f"${API_KEY_ENV} is set but empty: set it to the key clients must "
-                         "send, or unset it to serve without one")
-    if api_key is None and not is_loopback(host):
-        raise UsageError(f"--host {host} lets other machines reach the server: give --api-key "
-                         f"KEY (or ${API_KEY_ENV}) too, or keep the default 127.0.0.1")
+    check_listening(host, port, api_key, env=API_KEY_ENV, what="server")
     with open_store(store_url(ctx)) as store:
         server = _chat_server(store, upstream=upstream, model=model, run=run, run_prefix="serve",
                               api_key=api_key, upstream_api_key=upstream_api_key,
@@ -157,6 +149,21 @@ def serve_command(
         print_json(_summary(server.stats))
         return
     _print_summary(server.stats)
+
+
+def check_listening(host: str, port: int, api_key: str | None, *, env: str, what: str) -> None:
+    """Where a server of kvtrace (`serve`, `ui`) may listen: a port number, and a key
+    (`--api-key` or `$env`, set and not empty) whenever `host` is not loopback."""
+    from kvtrace.serve.runner import is_loopback
+
+    if not 0 <= port <= 65535:
+        raise UsageError(f"--port {port} is not a port number (0-65535)")
+    if api_key is None and os.environ.get(env) == "":
+        raise UsageError(f"${env} is set but empty: set it to the key clients must "
+                         "send, or unset it to serve without one")
+    if api_key is None and not is_loopback(host):
+        raise UsageError(f"--host {host} lets other machines reach the {what}: give --api-key "
+                         f"KEY (or ${env}) too, or keep the default 127.0.0.1")
 
 
 @app.command("record", context_settings={"allow_interspersed_args": False})

@@ -96,13 +96,14 @@ def gather(store: Store, runs: list[str], tokenizer: Tokenizer | None = None,
     forks: dict[str, None] = {}
     for index, name in enumerate(runs):
         analyses, problem = _analyses(store, name, tokenizer, bool(paths[name]))
+        notes = store.notes_on([step.id for step in paths[name]])
         steps = []
         for step in paths[name]:
             anchor = f"r{index}-s{step.depth}"
             anchors.setdefault(step.id, anchor)
             usage = ModelCall(step).usage if step.kind == StepKind.MODEL_CALL else Usage()
             prompt, cached = usage.prompt_tokens, usage.cached_tokens
-            steps.append(PageStep(step, step_summary(step), store.notes(step.id), anchor,
+            steps.append(PageStep(step, step_summary(step), notes.get(step.id, []), anchor,
                                   analyses.get(step.id), prompt, cached,
                                   list(holders.get(step.id, []))))
             holders.setdefault(step.id, []).append(name)

@@ -425,3 +425,14 @@ def _percent(part: int, whole: int) -> str:
 def _when(timestamp: float) -> str:
     moment = datetime.datetime.fromtimestamp(timestamp, tz=datetime.UTC)
     return moment.isoformat(timespec="seconds").replace("+00:00", "Z")
+
+
+# -- what the live UI (kvtrace/ui) reuses: one way to escape and draw the same records -------
+
+escape = _e  # recorded text -> inert, escaped HTML text or attribute value
+pre_block = _pre  # a value as an escaped <pre> (JSON pretty-printed, long text cut)
+message_html = _message  # one chat message: role, content, tool calls
+graph_section = _graph  # the branch graph of a Page, as inline SVG
+step_bars = _bars  # the oracle-bound and provider-cached bars of a PageStep
+step_body = _step_body  # a step's facts, content, extra and notes
+when = _when  # a timestamp as ISO 8601 UTC

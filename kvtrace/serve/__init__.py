@@ -29,8 +29,8 @@ benchmarks import it, never the tracer.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from kvtrace.errors import UsageError
 from kvtrace.serve.answerer import Answerer
@@ -61,6 +61,8 @@ def make_server(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     upstream_timeout: float = DEFAULT_TIMEOUT_S,
     strict_model: bool = False,
+    from_run: str | None = None,
+    edit: Mapping[str, Any] | None = None,
 ) -> ChatServer:
     """A server answered by `backend` (the local engine) or by `upstream` (a base URL with
     its API prefix, e.g. http://host:8080/v1): exactly one of the two.
@@ -78,10 +80,17 @@ def make_server(
     (local): refuse, with a 404, a request naming a model other than the
     backend's, where by default any name is answered by it (and recorded as
     `extra.request_model`).
+
+    `from_run` (`RUN@K`, fromrun.py): requests that match that run's recorded
+    model calls up to step K are answered from the recording; the rest are
+    answered live and recorded on a fork named `run` (needed then), made
+    where the two parted; `edit` replaces fields of step K. The answerer is
+    then `FromRecording`, whose `summary` says what happened.
     """
     if max_body_bytes < 1:
         raise UsageError(f"max_body_bytes must be >= 1, not {max_body_bytes}")
     check_api_key(upstream_api_key, "upstream_api_key")
+    redact_headers = tuple(redact_headers)
     answerer: Answerer
     if backend is not None and upstream is None:
         from kvtrace.serve.local import LocalAnswerer  # imports replay: not for upstream mode
@@ -97,5 +106,16 @@ def make_server(
     else:
         raise UsageError("make_server answers from a local backend or from an upstream URL: "
                          "give exactly one of backend= and upstream=")
+    if from_run is not None:
+        from kvtrace.serve.fromrun import FromRecording
+
+        if store is None or run is None:
+            raise UsageError("from_run answers from a store's run and records on a fork: "
+                             "give store= and run= (the fork's name)", param="from_run")
+        answerer = FromRecording(answerer, store, from_run, fork=run, edit=edit,
+                                 redact_headers=tuple(redact_headers))
+    elif edit is not None:
+        raise UsageError("edit changes the step a from_run run is answered from: give from_run",
+                         param="edit")
     recording = Recording(store, run=run, redact_headers=redact_headers)
     return ChatServer(answerer, recording, api_key=api_key, max_body_bytes=max_body_bytes)

@@ -74,7 +74,13 @@ class BackgroundServer:
         return self
 
     def wait(self) -> None:
-        """Block until the server stops: SIGINT (Ctrl-C) or SIGTERM stops it gracefully.
+        """Block until the server stops: SIGINT (Ctrl-C) or SIGTERM stops it gracefully."""
+        self.wait_for_signal()
+        self.stop()
+
+    def wait_for_signal(self) -> None:
+        """Block until SIGINT or SIGTERM (or the server's end), leaving the stop to the caller
+        (`kvtrace ui` first ends its open event streams, which the server would wait for).
 
         The handlers are set here rather than inherited: a shell starts a
         background job with SIGINT ignored, and a server that is sent SIGINT
@@ -94,7 +100,6 @@ class BackgroundServer:
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
-        self.stop()
 
     def stop(self) -> None:
         self._server.should_exit = True

@@ -66,6 +66,7 @@ if TYPE_CHECKING:
 
 _MAX_KNOWN = 200_000
 _MAX_LISTS = 20_000  # resolved lists kept (each a tuple of its item addresses)
+_NOTES_CHUNK = 500  # step ids per query of notes_on (bound parameters stay few)
 _LIST_BASE_SEARCH = 16  # steps back from a new step to look for its list's base
 
 
@@ -445,12 +446,25 @@ class Store:
         from kvtrace.store.watch import watch
 
         name = normalize_run_name(name)
-        with read_transaction(self._reader) as conn:
-            resolve.head_id(conn, name)  # an unknown run fails here, not on first iteration
-            if since is None:  # "from now on" means from this call, not the first next()
-                last = last_logged(conn, name)
-                since = last[0] if last is not None else 0
+        # "From now on" means from this call, not the first next(); an unknown run fails
+        # here, not on first iteration.
+        start = self.watch_cursor(name)
+        since = start if since is None else since
         return watch(self, name, since=since, timeout=timeout, poll_interval=poll_interval)
+
+    def watch_cursor(self, name: str) -> int:
+        """The cursor of the latest event of run `name` (0 before any): what happens after
+        this call is what `watch(name, since=cursor)` yields.
+
+        For a caller that watches in separate calls (an MCP client polling, say):
+        it keeps the cursor between them, so no event falls between two calls.
+        One indexed row, however long the run.
+        """
+        name = normalize_run_name(name)
+        with read_transaction(self._reader) as conn:
+            resolve.head_id(conn, name)  # an unknown run is an error
+            last = last_logged(conn, name)
+        return last[0] if last is not None else 0
 
     # -- notes -----------------------------------------------------------------
 
@@ -475,6 +489,21 @@ class Store:
                 sa.select(notes).where(notes.c.step_id == step_id).order_by(notes.c.id)
             ).all()
         return [Note(r.id, r.step_id, r.text, r.author, r.created_at) for r in rows]
+
+    def notes_on(self, step_ids: list[str]) -> dict[str, list[Note]]:
+        """Notes on each of the steps `step_ids` (full ids), oldest first; one query per
+        chunk of ids, where `notes` takes a query per step. A step without notes is absent."""
+        found: dict[str, list[Note]] = {}
+        with read_transaction(self._reader) as conn:
+            for start in range(0, len(step_ids), _NOTES_CHUNK):
+                chunk = step_ids[start:start + _NOTES_CHUNK]
+                rows = conn.execute(
+                    sa.select(notes).where(notes.c.step_id.in_(chunk)).order_by(notes.c.id)
+                ).all()
+                for r in rows:
+                    found.setdefault(r.step_id, []).append(
+                        Note(r.id, r.step_id, r.text, r.author, r.created_at))
+        return found
 
     # -- integrity and exchange ------------------------------------------------
 

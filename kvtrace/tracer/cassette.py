@@ -157,6 +157,10 @@ class Cassette:
             f"{step.short_id} (#{step.depth}), which differs: {_difference(key, entry_key)}"
         )
 
+    def step_key(self, step: Step) -> _Key | None:
+        """The match key of a recorded step (None: it holds no request to match)."""
+        return _step_key(step, self._redactor)
+
     def key(self, request: httpx.Request) -> _Key:
         """The match key of a live request."""
         endpoint = endpoint_for(request.method, str(request.url))
@@ -367,12 +371,15 @@ class ReplayTransport:
     def __init__(self, run: Run | Recorder, mode: str = ReplayMode.NONE,
                  inner: Any = None, *,
                  redact_headers: Iterable[str] = (),
-                 on_unrecorded: str = OnUnrecorded.RESPOND) -> None:
+                 on_unrecorded: str = OnUnrecorded.RESPOND,
+                 until: int | None = None, fork: str | None = None,
+                 edit: Mapping[str, Any] | None = None) -> None:
         self.mode = _mode(mode)
         self.on_unrecorded = _on_unrecorded(on_unrecorded)
         self.recorder = as_recorder(run)
         self._redact_headers = tuple(redact_headers)
         self.cassette = Cassette(_steps(self.recorder), Redactor(redact_headers))
+        self.prefix = _prefix(self.recorder, self.mode, until, fork, edit, self._redact_headers)
         self._inner = inner
         self._live: RecordingTransport | None = None
 
@@ -384,6 +391,14 @@ class ReplayTransport:
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         request.read()
+        if self.prefix is not None:
+            step = self.prefix.serve(request)
+            if step is not None:
+                return served_response(step, request)
+            if self._live is None:
+                self._live = RecordingTransport(self.prefix.go_live(), self._inner,
+                                                redact_headers=self._redact_headers)
+            return self._live.handle_request(request)
         if self.mode != ReplayMode.ALL:
             step = self.cassette.find(request)
             if step is not None:
@@ -407,12 +422,15 @@ class AsyncReplayTransport:
     def __init__(self, run: Run | Recorder, mode: str = ReplayMode.NONE,
                  inner: Any = None, *,
                  redact_headers: Iterable[str] = (),
-                 on_unrecorded: str = OnUnrecorded.RESPOND) -> None:
+                 on_unrecorded: str = OnUnrecorded.RESPOND,
+                 until: int | None = None, fork: str | None = None,
+                 edit: Mapping[str, Any] | None = None) -> None:
         self.mode = _mode(mode)
         self.on_unrecorded = _on_unrecorded(on_unrecorded)
         self.recorder = as_recorder(run)
         self._redact_headers = tuple(redact_headers)
         self.cassette = Cassette(_steps(self.recorder), Redactor(redact_headers))
+        self.prefix = _prefix(self.recorder, self.mode, until, fork, edit, self._redact_headers)
         self._inner = inner
         self._live: AsyncRecordingTransport | None = None
 
@@ -424,6 +442,17 @@ class AsyncReplayTransport:
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         await request.aread()
+        if self.prefix is not None:
+            step = self.prefix.serve(request)
+            if step is not None:
+                return served_response(step, request)
+            if self._live is None:
+                import anyio.to_thread
+
+                live_run = await anyio.to_thread.run_sync(self.prefix.go_live)
+                self._live = AsyncRecordingTransport(live_run, self._inner,
+                                                     redact_headers=self._redact_headers)
+            return await self._live.handle_async_request(request)
         if self.mode != ReplayMode.ALL:
             step = self.cassette.find(request)
             if step is not None:
@@ -439,6 +468,27 @@ class AsyncReplayTransport:
     async def aclose(self) -> None:
         if self._live is not None:
             await self._live.aclose()
+
+
+def _prefix(recorder: Recorder, mode: ReplayMode, until: int | None, fork: str | None,
+            edit: Mapping[str, Any] | None, redact_headers: tuple[str, ...]) -> Any:
+    """The RecordedPrefix of `until` (None without it): prefix.py, `--from` from Python."""
+    if until is None:
+        if fork is not None or edit is not None:
+            raise UsageError("fork and edit go with until=K (answer steps 1..K from the "
+                             "recording, then go live on a fork)", param="until")
+        return None
+    if mode is not ReplayMode.NEW_EPISODES:
+        raise UsageError("until=K answers the first K steps from the recording and the rest "
+                         "live: it goes with mode='new_episodes'", param="until")
+    if isinstance(until, bool) or not isinstance(until, int) or until < 1:
+        raise UsageError(f"until must be a step number >= 1, not {until!r}", param="until")
+    from kvtrace.tracer.prefix import RecordedPrefix, free_fork_name
+
+    name = recorder.name
+    return RecordedPrefix(recorder.store, f"{name}@{until}",
+                          fork=fork or free_fork_name(recorder.store, f"{name}-from-{until}"),
+                          edit=edit, redact_headers=redact_headers)
 
 
 def _mode(mode: str) -> ReplayMode:

@@ -238,6 +238,21 @@ def test_notes_annotate_without_changing_the_step(store):
     assert store.fsck().is_ok
 
 
+def test_notes_on_many_steps_are_each_steps_notes_in_order(store, monkeypatch):
+    from kvtrace.store import store as store_module
+
+    monkeypatch.setattr(store_module, "_NOTES_CHUNK", 2)  # several chunks of ids
+    _, steps = _linear(store, n=5)
+    store.note("main@1", "first")
+    store.note("main@4", "a")
+    store.note("main@1", "second", author="me")
+    found = store.notes_on([s.id for s in steps])
+    assert set(found) == {steps[0].id, steps[3].id}
+    assert [n.text for n in found[steps[0].id]] == ["first", "second"]
+    assert found[steps[0].id] == store.notes(steps[0].id)
+    assert store.notes_on([]) == {}
+
+
 # -- fsck -------------------------------------------------------------------------
 
 

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from kvtrace import open_store
-from kvtrace.errors import ConflictError, RunPausedError, UsageError
+from kvtrace.errors import ConflictError, RunNotFoundError, RunPausedError, UsageError
 
 WRITER = textwrap.dedent("""
     import sys, time
@@ -60,6 +60,21 @@ def test_watch_resumes_after_a_cursor_without_repeating(store):
     run.record_tool_call("t", {}, 2)
     later = list(store.watch("r", since=first.cursor, timeout=0.3))
     assert [e.step.content["result"] for e in later if e.kind == "step"] == [2]
+
+
+def test_a_watch_cursor_taken_now_lets_a_later_call_see_only_what_follows(store):
+    run = store.run("c")
+    assert store.watch_cursor("c") > 0  # the run's creation is its first entry
+    run.record_tool_call("t", {}, 1)
+    cursor = store.watch_cursor("c")
+    assert cursor == store.reflog("c")[0].id
+    run.record_tool_call("t", {}, 2)
+    store.pause("c")
+    later = list(store.watch("c", since=cursor, timeout=0))
+    assert [e.kind for e in later] == ["step", "pause"]
+    assert later[0].step.content["result"] == 2
+    with pytest.raises(RunNotFoundError):
+        store.watch_cursor("nobody")
 
 
 def test_watching_an_unknown_run_fails_at_once(store):

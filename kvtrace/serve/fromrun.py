@@ -1,0 +1,94 @@
+"""Answering from a recorded run first: `kvtrace record --from RUN@K` and `serve --from`.
+
+`FromRecording` wraps the server's answerer with a `RecordedPrefix`
+(tracer/prefix.py, shared with `ReplayTransport(run, until=K)`): a request
+that is the recording's next model call up to step K is answered from the
+recording at once, streamed when asked, nothing computed and nothing
+recorded; from the first request that is not, answers are live (the inner
+answerer: the local engine, whose KV of the replayed prefix `warm`
+computed before the agent started, or the upstream), recorded on the fork
+`RecordedPrefix.go_live` makes where the two parted (the server's default
+run is that fork). Requests are taken one at a time until the agent is
+live: an agent's calls depend on the answers before them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import httpx
+from starlette.responses import Response
+
+from kvtrace.tracer.cassette import served_response
+from kvtrace.tracer.prefix import PrefixSummary, RecordedPrefix
+
+if TYPE_CHECKING:
+    from starlette.requests import Request
+
+    from kvtrace.replay.local import LocalBackend
+    from kvtrace.serve.answerer import Answerer
+    from kvtrace.serve.recording import Sink
+    from kvtrace.store import Store
+
+_NOT_SENT_ON = frozenset({"content-length", "content-encoding", "transfer-encoding"})
+
+
+class FromRecording:
+    """An answerer that answers from `spec`'s recorded model calls, then from `inner`."""
+
+    def __init__(self, inner: Answerer, store: Store, spec: str, *, fork: str,
+                 edit: Mapping[str, Any] | None = None,
+                 redact_headers: tuple[str, ...] = ()) -> None:
+        self.inner = inner
+        self.prefix = RecordedPrefix(store, spec, fork=fork, edit=edit,
+                                     redact_headers=redact_headers)
+        self._lock = asyncio.Lock()
+
+    @property
+    def summary(self) -> PrefixSummary:
+        return self.prefix.summary
+
+    @property
+    def model(self) -> str | None:
+        return self.inner.model
+
+    @property
+    def required_model(self) -> str | None:
+        return self.inner.required_model
+
+    @property
+    def description(self) -> str:
+        summary = self.prefix.summary
+        return (f"{self.inner.description}, after the {summary.num_recorded} recorded calls "
+                f"of {summary.spec}")
+
+    def health(self) -> dict[str, Any]:
+        return {**self.inner.health(), "from": self.prefix.summary.to_dict()}
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+    async def answer(self, request: Request, body: bytes, sink: Sink) -> Response:
+        if not self.prefix.is_live and request.method == "POST":  # GET /v1/models: no call
+            async with self._lock:
+                if not self.prefix.is_live:
+                    live = httpx.Request(request.method, str(request.url),
+                                         headers=list(request.headers.items()), content=body)
+                    step = self.prefix.serve(live)
+                    if step is not None:
+                        recorded = served_response(step, live)
+                        return Response(recorded.content, status_code=recorded.status_code,
+                                        headers={k: v for k, v in recorded.headers.items()
+                                                 if k.lower() not in _NOT_SENT_ON})
+                    await asyncio.to_thread(self.prefix.go_live)
+        return await self.inner.answer(request, body, sink)
+
+
+def warm(store: Store, spec: str, backend: LocalBackend) -> int:
+    """Rebuild `spec`'s model calls through `backend`, so its KV is cached before the agent
+    starts; returns the prompt tokens replayed (what the first live call can reuse)."""
+    from kvtrace.replay.driver import replay
+
+    return replay(store, spec, backend, mode="rebuild").total.prompt_tokens

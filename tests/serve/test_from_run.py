@@ -1,0 +1,144 @@
+"""`--from RUN@K`: an unchanged agent answered from its recording up to step K, live after.
+
+The agent is examples/fork_agent.py (ten openai-SDK calls, a tool that writes
+a file), run as a separate process against a real server on loopback.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvtrace.errors import KvtraceError, UsageError
+from kvtrace.store import ModelCall, StepKind
+
+AGENT = Path(__file__).resolve().parents[2] / "examples" / "fork_agent.py"
+
+
+def run_agent(url: str, folder: Path, *, model: str, calls: int = 10) -> list[str]:
+    """Run the agent to its end against `url`; the notes its tool wrote."""
+    folder.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OPENAI_BASE_URL": url, "OPENAI_API_KEY": "sk-test"}
+    subprocess.run([sys.executable, str(AGENT), "--calls", str(calls), "--model", model,
+                    "--folder", str(folder)], env=env, check=True, timeout=600,
+                   capture_output=True)
+    return (folder / "notes.txt").read_text().splitlines()
+
+
+def model_calls(store, run: str) -> list[Any]:
+    return [s for s in store.path(run) if s.kind == StepKind.MODEL_CALL]
+
+
+@pytest.fixture
+def recorded(store, serve_local, tiny_engine, tmp_path) -> tuple[Any, list[str]]:
+    """A ten-call run `base` of the agent, recorded through the local engine."""
+    server = serve_local(store, run="base")
+    notes = run_agent(server.url, tmp_path / "base", model=tiny_engine.name)
+    server.stop()
+    assert len(model_calls(store, "base")) == 10
+    return store, notes
+
+
+def test_the_first_k_calls_come_from_the_recording_and_the_rest_go_live_warm(
+        recorded, serve_started, tiny_engine, tmp_path):
+    from kvtrace.engine import KVCache
+    from kvtrace.replay.local import LocalBackend
+    from kvtrace.serve.fromrun import warm
+
+    store, base_notes = recorded
+    backend = LocalBackend(tiny_engine, KVCache(tiny_engine))
+    warmed = warm(store, "base@6", backend)
+    assert warmed > 0
+    server = serve_started(backend=backend, store=store, run="fork", from_run="base@6")
+    notes = run_agent(server.url, tmp_path / "fork", model=tiny_engine.name)
+    summary = server.server.answerer.summary
+    assert (summary.num_recorded, summary.num_served, summary.first_live_step) == (6, 6, 7)
+    assert summary.parted is None
+    base, fork = model_calls(store, "base"), model_calls(store, "fork")
+    assert len(fork) == 10
+    # The fork's first six steps are the parent's own, by id: nothing recorded twice.
+    assert [s.id for s in fork[:6]] == [s.id for s in base[:6]]
+    assert all(s.id not in {b.id for b in base} for s in fork[6:])
+    # The live calls reused the warm prefix: the 7th prompt holds all of step 6's.
+    first_live = ModelCall(fork[6]).usage
+    assert first_live.cached_tokens is not None
+    assert first_live.cached_tokens >= ModelCall(base[5]).usage.prompt_tokens
+    # The agent acted on the recorded answers: its first six notes are the recording's.
+    assert notes[:6] == base_notes[:6]
+
+
+def test_an_edit_of_step_k_is_what_the_agent_acts_on(recorded, serve_started, tiny_engine,
+                                                     tmp_path):
+    from kvtrace.engine import KVCache
+    from kvtrace.replay.local import LocalBackend
+
+    store, base_notes = recorded
+    backend = LocalBackend(tiny_engine, KVCache(tiny_engine))
+    edit = {"response": {"role": "assistant", "content": "The sea is calm today."}}
+    server = serve_started(backend=backend, store=store, run="edited", from_run="base@3",
+                           edit=edit)
+    notes = run_agent(server.url, tmp_path / "edited", model=tiny_engine.name)
+    summary = server.server.answerer.summary
+    assert (summary.num_served, summary.edit_seen, summary.first_live_step) == (3, True, 4)
+    assert notes[2] == "The sea is calm today." and notes[:2] == base_notes[:2]
+    base, edited = model_calls(store, "base"), model_calls(store, "edited")
+    assert [s.id for s in edited[:2]] == [s.id for s in base[:2]]
+    assert ModelCall(edited[2]).edit_of == base[2].id
+    assert ModelCall(edited[2]).response["content"] == "The sea is calm today."
+
+
+def test_an_agent_that_parts_early_goes_live_where_it_parted(recorded, serve_started,
+                                                            tiny_engine, tmp_path):
+    from kvtrace.engine import KVCache
+    from kvtrace.replay.local import LocalBackend
+
+    store, _ = recorded
+    backend = LocalBackend(tiny_engine, KVCache(tiny_engine))
+    server = serve_started(backend=backend, store=store, run="other", from_run="base@6")
+    # Another model name: the first request already differs from the recording's.
+    run_agent(server.url, tmp_path / "other", model="another-model", calls=3)
+    summary = server.server.answerer.summary
+    assert (summary.num_served, summary.first_live_step) == (0, 1)
+    assert "differs" in summary.parted
+    assert len(model_calls(store, "other")) == 3
+    assert {s.id for s in store.path("other")}.isdisjoint({s.id for s in store.path("base")})
+
+
+def test_the_recorded_part_is_answered_through_an_upstream_too(
+        recorded, serve_local, serve_started, tiny_engine, tmp_path):
+    store, base_notes = recorded
+    upstream = serve_local(None)  # a second kvtrace serve on loopback, recording nothing
+    server = serve_started(upstream=upstream.url, store=store, run="via-upstream",
+                           from_run="base@6")
+    notes = run_agent(server.url, tmp_path / "up", model=tiny_engine.name)
+    summary = server.server.answerer.summary
+    assert (summary.num_served, summary.first_live_step) == (6, 7)
+    fork = model_calls(store, "via-upstream")
+    assert [s.id for s in fork[:6]] == [s.id for s in model_calls(store, "base")[:6]]
+    assert len(fork) == 10 and notes[:6] == base_notes[:6]
+
+
+@pytest.mark.parametrize(("options", "error"), [
+    ({"from_run": "nope@3"}, KvtraceError),
+    ({"from_run": "base@40"}, KvtraceError),
+    ({"from_run": "base@3", "edit": {"colour": "red"}}, UsageError),
+    ({"from_run": "base@3", "edit": {"response": {"role": "user", "content": "x"}}},
+     UsageError),
+    ({"from_run": "base@3", "run": "base"}, UsageError),  # the fork's name is taken
+])
+def test_bad_input_is_refused_before_anything_starts(recorded, tiny_engine, options, error):
+    from kvtrace.engine import KVCache
+    from kvtrace.replay.local import LocalBackend
+    from kvtrace.serve import make_server
+
+    store, _ = recorded
+    runs = {info.name: info.head_id for info in store.runs()}
+    with pytest.raises(error):
+        make_server(backend=LocalBackend(tiny_engine, KVCache(tiny_engine)), store=store,
+                    **{"run": "fork", **options})
+    assert {info.name: info.head_id for info in store.runs()} == runs
