@@ -1,7 +1,8 @@
 """`kvtrace serve` and `kvtrace record -- COMMAND`: the recording server, in the foreground
 or around one program. Each builds a server with `kvtrace.serve.make_server` and runs it.
 With `--json`, the summary of what was recorded is one JSON object on stdout (after COMMAND's
-own output, for `record`)."""
+own output, for `record`). In local mode each says once, at start, that any model name is
+answered by the local model (unless --strict-model)."""
 
 from __future__ import annotations
 
@@ -40,6 +41,10 @@ Redact = Annotated[list[str] | None, typer.Option(
     "--redact-header",
     help="Another header whose value must never be stored (repeatable); Authorization, "
     "api-key, x-api-key and cookies always are.")]
+StrictModel = Annotated[bool, typer.Option(
+    "--strict-model",
+    help="Local mode: answer only requests naming the local model (others get a 404); by "
+    "default any model name is answered by it, and the name asked for is recorded.")]
 UpstreamTimeout = Annotated[float, typer.Option(
     "--upstream-timeout",
     help="Upstream mode: seconds the upstream may take to connect or to send the next bytes "
@@ -53,7 +58,7 @@ API_KEY_ENV = "KVTRACE_SERVE_API_KEY"
 def _chat_server(store: Store, *, upstream: str | None, model: str | None, run: str | None,
                  run_prefix: str, api_key: str | None, upstream_api_key: str | None,
                  redact_headers: list[str], max_queue: int, max_body_bytes: int,
-                 upstream_timeout: float) -> ChatServer:
+                 upstream_timeout: float, strict_model: bool) -> ChatServer:
     """Check the options (before any model loads), then build the server."""
     from kvtrace.serve import make_server
     from kvtrace.serve.app import check_api_key
@@ -61,6 +66,9 @@ def _chat_server(store: Store, *, upstream: str | None, model: str | None, run: 
 
     if upstream is not None and model is not None:
         raise UsageError("--model is for local mode: with --upstream the upstream's model answers")
+    if upstream is not None and strict_model:
+        raise UsageError("--strict-model is for local mode: with --upstream the upstream "
+                         "decides which model names it answers")
     if upstream is not None and not upstream.startswith(("http://", "https://")):
         raise UsageError(f"--upstream {upstream!r} must start with http:// or https://")
     if max_queue < 0 or max_body_bytes < 1:
@@ -78,7 +86,21 @@ def _chat_server(store: Store, *, upstream: str | None, model: str | None, run: 
     return make_server(backend=backend, upstream=upstream, store=store, run=run, api_key=api_key,
                        upstream_api_key=upstream_api_key, redact_headers=redact_headers,
                        max_queue=max_queue, max_body_bytes=max_body_bytes,
-                       upstream_timeout=upstream_timeout)
+                       upstream_timeout=upstream_timeout, strict_model=strict_model)
+
+
+def _say_model_rule(server: ChatServer, command: str) -> None:
+    """Local mode: the one line that says which model answers which names."""
+    model = server.answerer.model
+    if model is None:
+        return
+    if server.answerer.required_model is not None:
+        say(f"kvtrace {command}: only requests naming '{model}' are answered (--strict-model)",
+            err=True)
+    else:
+        say(f"kvtrace {command}: every model name is answered by the local model '{model}' "
+            "(the name asked for is recorded as request_model; --strict-model refuses others)",
+            err=True)
 
 
 @app.command("serve")
@@ -104,9 +126,11 @@ def serve_command(
     max_body_bytes: Annotated[int, typer.Option(
         "--max-body-bytes", help="Largest request body accepted (else 413).")] = MAX_BODY_BYTES,
     upstream_timeout: UpstreamTimeout = UPSTREAM_TIMEOUT_S,
+    strict_model: StrictModel = False,
     as_json: Json = False,
 ) -> None:
-    """An OpenAI-compatible server that records every call into a run (see docs/serve.md)."""
+    """A server for the OpenAI chat, Anthropic Messages and OpenAI Responses APIs that records
+    every call into a run (see docs/serve.md)."""
     from kvtrace.serve import BackgroundServer
 
     check_listening(host, port, api_key, env=API_KEY_ENV, what="server")
@@ -114,10 +138,12 @@ def serve_command(
         server = _chat_server(store, upstream=upstream, model=model, run=run, run_prefix="serve",
                               api_key=api_key, upstream_api_key=upstream_api_key,
                               redact_headers=redact_header or [], max_queue=max_queue,
-                              max_body_bytes=max_body_bytes, upstream_timeout=upstream_timeout)
+                              max_body_bytes=max_body_bytes, upstream_timeout=upstream_timeout,
+                              strict_model=strict_model)
         running = BackgroundServer(server.app, host=host, port=port).start()
         say(f"kvtrace serve: {running.url} ({server.answerer.description}), recording into run "
             f"'{server.default_run}' of {store.display_url}; Ctrl-C stops", err=True)
+        _say_model_rule(server, "serve")
         running.wait()
     if as_json:
         print_json(_summary(server.stats))
@@ -150,25 +176,26 @@ def record_command(
     upstream_api_key: UpstreamKey = None,
     redact_header: Redact = None,
     upstream_timeout: UpstreamTimeout = UPSTREAM_TIMEOUT_S,
+    strict_model: StrictModel = False,
     as_json: Json = False,
 ) -> None:
-    """Run COMMAND against a recording server on a free loopback port (OPENAI_BASE_URL).
+    """Run COMMAND against a recording server on a free loopback port (OPENAI_BASE_URL,
+    ANTHROPIC_BASE_URL).
 
     SIGTERM and SIGINT go on to COMMAND, which is waited for."""
     from kvtrace.serve import BackgroundServer
-    from kvtrace.serve.runner import run_command
+    from kvtrace.serve.runner import client_env, run_command
 
     with open_store(store_url(ctx)) as store:
         server = _chat_server(store, upstream=upstream, model=model, run=run, run_prefix="record",
                               api_key=None, upstream_api_key=upstream_api_key,
                               redact_headers=redact_header or [], max_queue=MAX_QUEUE,
-                              max_body_bytes=MAX_BODY_BYTES, upstream_timeout=upstream_timeout)
-        env = dict(os.environ, OPENAI_BASE_URL="", OPENAI_API_BASE="")
+                              max_body_bytes=MAX_BODY_BYTES, upstream_timeout=upstream_timeout,
+                              strict_model=strict_model)
         with BackgroundServer(server.app) as running:
-            env["OPENAI_BASE_URL"] = env["OPENAI_API_BASE"] = running.url
-            env.setdefault("OPENAI_API_KEY", "kvtrace")  # the SDK refuses to start without one
             say(f"kvtrace record: run '{server.default_run}', {running.url}", err=True)
-            code = run_command(command, env)
+            _say_model_rule(server, "record")
+            code = run_command(command, client_env(os.environ, running.url))
     if as_json:
         sys.stdout.flush()
         print_json({"run": server.default_run, "exit_code": code, **_summary(server.stats)})

@@ -1,4 +1,8 @@
-"""`kvtrace serve`: an OpenAI-compatible HTTP server that records every call into a run.
+"""`kvtrace serve`: an HTTP server for three model APIs that records every call into a run.
+
+It answers OpenAI chat completions (`/v1/chat/completions`), Anthropic
+Messages (`/v1/messages`) and OpenAI Responses (`/v1/responses`), from the
+local engine or by forwarding to an upstream.
 
 `make_server(backend=... | upstream=..., store=...)` builds one; run its
 `app` with `BackgroundServer` (runner.py) or any ASGI server. The modules:
@@ -10,9 +14,13 @@
   upstream.py (`UpstreamAnswerer`: forwards to another server);
 - recording.py: which run a request is recorded into, the store writer
   thread, the per-run stats (`store=None`: nothing is recorded);
-- api.py: the chat request's checks and the OpenAI-style errors;
-  openapi.py: the chat request's schema in `GET /openapi.json`;
-- runner.py: `BackgroundServer`, uvicorn on a thread.
+- api.py: the chat request's checks, the body checks all three APIs share,
+  and the errors; anthropic_api.py and responses_api.py: the other two APIs'
+  requests, answers and SSE events; chat_reply.py: chat's local answer;
+  generation.py: what the engine is asked and made, whatever the API;
+  openapi.py: the three request schemas in `GET /openapi.json`;
+- runner.py: `BackgroundServer`, uvicorn on a thread, and the program
+  `kvtrace record` runs, with the SDKs' environment pointed at the server.
 
 Layering: imports the tracer (what an exchange records, the Recorder, the
 Redactor, SSE), the store, and replay's local backend; the CLI and the
@@ -52,6 +60,7 @@ def make_server(
     max_queue: int = DEFAULT_MAX_QUEUE,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     upstream_timeout: float = DEFAULT_TIMEOUT_S,
+    strict_model: bool = False,
     from_run: str | None = None,
     edit: Mapping[str, Any] | None = None,
 ) -> ChatServer:
@@ -67,7 +76,10 @@ def make_server(
     local requests that may wait for the engine (past it, 429);
     `max_body_bytes`: the largest request body (past it, 413);
     `upstream_timeout`: seconds the upstream may take for each wait (to
-    connect, for the next bytes of its answer; past it, 504).
+    connect, for the next bytes of its answer; past it, 504); `strict_model`
+    (local): refuse, with a 404, a request naming a model other than the
+    backend's, where by default any name is answered by it (and recorded as
+    `extra.request_model`).
 
     `from_run` (`RUN@K`, fromrun.py): requests that match that run's recorded
     model calls up to step K are answered from the recording; the rest are
@@ -83,8 +95,11 @@ def make_server(
     if backend is not None and upstream is None:
         from kvtrace.serve.local import LocalAnswerer  # imports replay: not for upstream mode
 
-        answerer = LocalAnswerer(backend, max_queue=max_queue)
+        answerer = LocalAnswerer(backend, max_queue=max_queue, strict_model=strict_model)
     elif upstream is not None and backend is None:
+        if strict_model:
+            raise UsageError("strict_model is for a local backend: with upstream=, the "
+                             "upstream decides which model names it answers")
         answerer = UpstreamAnswerer(upstream, api_key=upstream_api_key,
                                     forwards_authorization=api_key is None,
                                     timeout=upstream_timeout)

@@ -5,14 +5,17 @@ recorded (recording.py's sink), reads its body within the limit, and hands
 all three to `Answerer.answer`; it never asks which answerer it has. The
 modes are the answerers:
 
-- `LocalAnswerer` (local.py): the engine answers `POST /v1/chat/completions`
-  and lists its one model at `GET /v1/models`; any other path is a 404;
+- `LocalAnswerer` (local.py): the engine answers `POST /v1/chat/completions`,
+  `POST /v1/messages` (Anthropic) and `POST /v1/responses` (OpenAI
+  Responses), and lists its one model at `GET /v1/models`; any other path is
+  a 404;
 - `UpstreamAnswerer` (upstream.py): every request goes on to the upstream
-  (chat requests checked first) and comes back unchanged.
+  (requests of the three APIs checked first) and comes back unchanged.
 
-An answerer also says what `GET /health` shows of it, the one model name it
-answers to (the chat schema's `model`, openapi.py), and a line naming it for
-the CLI's banner; `close` runs when the server stops.
+An answerer also says what `GET /health` shows of it, the model it answers
+with, the one model name requests must name (`--strict-model`; the request
+schemas' `model`, openapi.py), and a line naming it for the CLI's banner;
+`close` runs when the server stops.
 """
 
 from __future__ import annotations
@@ -31,7 +34,11 @@ class Answerer(Protocol):
 
     @property
     def model(self) -> str | None:
-        """The one model name answered, or None when any name goes on to the upstream."""
+        """The model that answers (local), or None when requests go on to the upstream."""
+
+    @property
+    def required_model(self) -> str | None:
+        """The one model name a request may name (else a 404), or None: any name."""
 
     @property
     def description(self) -> str:

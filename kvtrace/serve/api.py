@@ -1,4 +1,4 @@
-"""The OpenAI chat-completions API as `kvtrace serve` checks it: requests and errors.
+"""The OpenAI chat-completions API as `kvtrace serve` checks it: requests, errors, shared checks.
 
 `parse_chat_request` turns a request body into a `ChatRequest` or raises
 `APIError`, which the server sends as an OpenAI-style error body
@@ -18,8 +18,11 @@ past `MAX_BODY_DEPTH` (the store keeps `MAX_DEPTH` levels, and a step puts
 a request's values a few levels down), no text that is not Unicode (a lone
 surrogate, which no tokenizer or database takes), no integer wider than the
 store's `MAX_INT_BITS`. The walk is iterative, so no body, however deep,
-reaches a recursive function. `CHAT_PATH` and `MODELS_PATH` are the two
-endpoints the server itself knows.
+reaches a recursive function. `CHAT_PATH` and `MODELS_PATH` are the
+chat endpoints the server itself knows. These body checks, `APIError` and
+the field checks (`require`, `check_number`, `check_seed`...) are shared
+with the other two APIs (anthropic_api.py, responses_api.py); an error is
+sent in the shape of the API whose path was called (app.py).
 """
 
 from __future__ import annotations
@@ -117,8 +120,8 @@ def parse_json(data: bytes) -> Any:
         raise APIError(400, f"the request body is nested more than {MAX_BODY_DEPTH} levels "
                        "deep", code="invalid_value") from exc
     except (ValueError, UnicodeDecodeError) as exc:
-        raise APIError(400, f"the request body is not valid JSON ({exc}); send a JSON "
-                       "object with model and messages") from exc
+        raise APIError(400, f"the request body is not valid JSON ({exc}); send one JSON "
+                       "object") from exc
     check_storable(value)
     return value
 
@@ -205,32 +208,19 @@ def parse_chat_request(data: bytes, *, is_local: bool) -> ChatRequest:
     except UsageError as exc:
         param = "tools" if "tools" in str(exc).split(" ")[0] else "messages"
         raise APIError(400, str(exc), param=param, code="invalid_value") from exc
-    _check_number(body, "temperature", 0.0, 2.0)
-    _check_number(body, "top_p", 0.0, 1.0, low_open=True)
+    check_number(body, "temperature", 0.0, 2.0)
+    check_number(body, "top_p", 0.0, 1.0, low_open=True)
     for name in ("max_tokens", "max_completion_tokens"):
-        value = body.get(name)
-        if value is not None and (not _is_int(value) or value < 1):
-            raise APIError(400, f"'{name}' must be an integer >= 1", param=name,
-                           code="invalid_value")
-    seed = body.get("seed")
-    if seed is not None and not _is_int(seed):
-        raise APIError(400, "'seed' must be an integer", param="seed", code="invalid_type")
-    if seed is not None and not SEED_MIN <= seed <= SEED_MAX:
-        raise APIError(400, f"'seed' must be a 64-bit integer ({SEED_MIN} to {SEED_MAX})",
-                       param="seed", code="invalid_value")
+        check_max_tokens(body, name)
+    check_seed(body)
     stop = body.get("stop")
     if stop is not None and not isinstance(stop, str) and not (
         isinstance(stop, list) and len(stop) <= 4 and all(isinstance(s, str) for s in stop)
     ):
         raise APIError(400, "'stop' must be a string or an array of up to 4 strings",
                        param="stop", code="invalid_value")
-    for name in ("stream",):
-        if body.get(name) is not None and not isinstance(body[name], bool):
-            raise APIError(400, f"'{name}' must be a boolean", param=name, code="invalid_type")
-    options = body.get("stream_options")
-    if options is not None and not isinstance(options, dict):
-        raise APIError(400, "'stream_options' must be an object", param="stream_options",
-                       code="invalid_type")
+    check_type(body, "stream", bool, "a boolean")
+    check_type(body, "stream_options", dict, "an object")
     choice = body.get("tool_choice")
     if choice is not None and choice not in ("none", "auto", "required") and not (
         isinstance(choice, dict) and isinstance(choice.get("function"), dict)
@@ -239,18 +229,51 @@ def parse_chat_request(data: bytes, *, is_local: bool) -> ChatRequest:
                        "{'type': 'function', 'function': {'name': ...}}", param="tool_choice",
                        code="invalid_value")
     n = body.get("n")
-    if n is not None and (not _is_int(n) or n < 1 or (is_local and n != 1)):
+    if n is not None and (not is_int(n) or n < 1 or (is_local and n != 1)):
         raise APIError(400, "'n' must be 1: kvtrace serve answers one choice per request",
                        param="n", code="invalid_value")
     return ChatRequest(body=body, messages=messages, tools=tools)
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check_number(body: dict[str, Any], name: str, low: float, high: float, *,
-                  low_open: bool = False) -> None:
+def require(body: dict[str, Any], name: str, what: str) -> Any:
+    """`body[name]`, or a 400 naming the missing field (`what` describes it)."""
+    if name not in body:
+        raise APIError(400, f"missing required parameter: '{name}' ({what})", param=name,
+                       code="missing_required_parameter")
+    return body[name]
+
+
+def check_type(body: dict[str, Any], name: str, kind: type | tuple[type, ...],
+               what: str) -> None:
+    """A 400 when `body[name]` is present, not null and not of `kind` (`what` names it;
+    not for numbers: a bool is an int to isinstance)."""
+    value = body.get(name)
+    if value is not None and not isinstance(value, kind):
+        raise APIError(400, f"'{name}' must be {what}", param=name, code="invalid_type")
+
+
+def check_max_tokens(body: dict[str, Any], name: str) -> None:
+    value = body.get(name)
+    if value is not None and (not is_int(value) or value < 1):
+        raise APIError(400, f"'{name}' must be an integer >= 1", param=name,
+                       code="invalid_value")
+
+
+def check_seed(body: dict[str, Any]) -> None:
+    seed = body.get("seed")
+    if seed is not None and not is_int(seed):
+        raise APIError(400, "'seed' must be an integer", param="seed", code="invalid_type")
+    if seed is not None and not SEED_MIN <= seed <= SEED_MAX:
+        raise APIError(400, f"'seed' must be a 64-bit integer ({SEED_MIN} to {SEED_MAX})",
+                       param="seed", code="invalid_value")
+
+
+def check_number(body: dict[str, Any], name: str, low: float, high: float, *,
+                 low_open: bool = False) -> None:
     value = body.get(name)
     if value is None:
         return

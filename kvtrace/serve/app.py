@@ -1,30 +1,38 @@
 """`kvtrace serve`'s ASGI application: routes, checks, errors; answering is the answerer's.
 
-Routes: `POST /v1/chat/completions`, `GET /v1/models`, every other `/v1/...`
-path, `GET /health`, `GET /openapi.json` (openapi.py). A `/v1` request is
-authorized (a bearer token, when the server has an `api_key`), its sink is
-chosen (recording.py: the run it names, or nothing recorded), its body is
-read up to `max_body_bytes`, and the answerer (answerer.py: local.py's
-engine or upstream.py's forwarder) answers it; `GET /v1/models` records
-nothing. The app holds no mode of its own: what differs between the modes
-is in the answerers.
+Routes: `POST /v1/chat/completions`, `POST /v1/messages` (Anthropic),
+`POST /v1/responses` (OpenAI Responses), `GET /v1/models`, every other
+`/v1/...` path, `GET /health`, `GET /openapi.json` (openapi.py). A `/v1`
+request is authorized (a bearer token, when the server has an `api_key`),
+its sink is chosen (recording.py: the run it names, or nothing recorded),
+its body is read up to `max_body_bytes`, and the answerer (answerer.py:
+local.py's engine or upstream.py's forwarder) answers it; `GET /v1/models`
+records nothing. The app holds no mode of its own: what differs between
+the modes is in the answerers.
 
-Bad input (malformed JSON, wrong types, unknown model, a prompt past the
-context, a body over `max_body_bytes`, a missing or wrong bearer token) is a
-4xx with an OpenAI-style error body (api.py's `APIError`), and nothing is
-recorded. Anything else that fails while a request is answered (the store's
-database gone, a bug) is a 500 with the same kind of body, logged once with
-its traceback: an exception left to the ASGI server would be a plain-text
-500 that also closes the client's kept-alive connection. When the server
-stops, the answerer is closed and the store writes still queued are waited
-for.
+Bad input (malformed JSON, wrong types, a prompt past the context, a body
+over `max_body_bytes`, a missing or wrong bearer token) is a 4xx with an
+error body in the shape of the API the path belongs to (api.py's
+`APIError`: OpenAI's `{"error": {...}}`, or Anthropic's `{"type": "error",
+"error": {...}}` under `/v1/messages`), and nothing is recorded. Anything else
+that fails while a request is answered (the store's database gone, a bug)
+is a 500 with the same kind of body, logged once with its traceback: an
+exception left to the ASGI server would be a plain-text 500 that also
+closes the client's kept-alive connection. When the server stops, the
+answerer is closed and the store writes still queued are waited for.
+
+A WebSocket upgrade on `/v1/responses` (Codex tries one first, to speak
+the Responses API over a socket) is answered `426 Upgrade Required` with an
+OpenAI error body, before any work: Codex then falls back to HTTP, which
+the server answers. Upgrades elsewhere are refused as Starlette does (403).
 
 Authentication: with an `api_key`, every `/v1` request needs `Authorization:
-Bearer KEY` (401 otherwise); `GET /health` and `GET /openapi.json` stay open,
-as they describe the server and hold nothing recorded. A key is visible
-ASCII without spaces (what a bearer token is made of, RFC 6750): an empty
-key, or one with a space, would accept an empty token or never match, so
-`check_api_key` refuses it when the server is made.
+Bearer KEY`, or Anthropic's `x-api-key: KEY` (401 otherwise); `GET /health`
+and `GET /openapi.json` stay open, as they describe the server and hold
+nothing recorded. A key is visible ASCII without spaces (what a bearer
+token is made of, RFC 6750): an empty key, or one with a space, would
+accept an empty token or never match, so `check_api_key` refuses it when
+the server is made.
 """
 
 from __future__ import annotations
@@ -36,18 +44,27 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvtrace.errors import UsageError
 from kvtrace.serve.answerer import Answerer
+from kvtrace.serve.anthropic_api import (
+    COUNT_TOKENS_PATH,
+    MESSAGES_PATH,
+    error_body,
+    is_anthropic_path,
+)
 from kvtrace.serve.api import CHAT_PATH, MODELS_PATH, APIError, check_content_type
-from kvtrace.serve.openapi import chat_operation
+from kvtrace.serve.openapi import chat_operation, messages_operation, responses_operation
 from kvtrace.serve.recording import DISCARD, Recording, RunStats
+from kvtrace.serve.responses_api import RESPONSES_PATH
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 _log = logging.getLogger("uvicorn.error")  # where uvicorn logs its own errors
+JSON_PATHS = frozenset({CHAT_PATH, MESSAGES_PATH, COUNT_TOKENS_PATH, RESPONSES_PATH})
+UPGRADE_REQUIRED = 426
 
 
 class ChatServer:
@@ -83,14 +100,14 @@ class ChatServer:
                       openapi_url="/openapi.json")
 
         @app.exception_handler(APIError)
-        async def api_error(_: Request, exc: APIError) -> JSONResponse:
-            return JSONResponse(exc.body(), status_code=exc.status)
+        async def api_error(request: Request, exc: APIError) -> JSONResponse:
+            return error_response(request.url.path, exc)
 
         @app.exception_handler(StarletteHTTPException)
         async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
             error = APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
                              code="not_found" if exc.status_code == 404 else None)
-            return JSONResponse(error.body(), status_code=exc.status_code)
+            return error_response(request.url.path, error)
 
         @app.get("/health")
         async def health() -> dict[str, Any]:
@@ -101,9 +118,33 @@ class ChatServer:
             self._authorize(request)
             return await self.answerer.answer(request, b"", DISCARD)
 
-        @app.post(CHAT_PATH, openapi_extra=chat_operation(self.answerer.model))
+        required_model = self.answerer.required_model
+        is_local = self.answerer.model is not None
+
+        @app.post(CHAT_PATH, openapi_extra=chat_operation(required_model, is_local=is_local))
         async def chat(request: Request) -> Response:
             return await self._answer(request)
+
+        @app.post(MESSAGES_PATH, openapi_extra=messages_operation(required_model))
+        async def messages(request: Request) -> Response:
+            return await self._answer(request)
+
+        @app.post(RESPONSES_PATH, openapi_extra=responses_operation(required_model,
+                                                                    is_local=is_local))
+        async def responses(request: Request) -> Response:
+            return await self._answer(request)
+
+        @app.websocket(RESPONSES_PATH)
+        async def responses_socket(websocket: WebSocket) -> None:
+            """Codex's WebSocket transport: refused with a 426, so it falls back to HTTP."""
+            error = APIError(UPGRADE_REQUIRED, "kvtrace serve answers the Responses API over "
+                             f"HTTP only: send POST {RESPONSES_PATH} (no WebSocket)",
+                             code="upgrade_required")
+            if "websocket.http.response" in websocket.scope.get("extensions", {}):
+                await websocket.send_denial_response(
+                    JSONResponse(error.body(), status_code=UPGRADE_REQUIRED))
+            else:  # an ASGI server without denial responses: a plain refusal (403)
+                await websocket.close(code=1008, reason=error.message[:120])
 
         async def other(request: Request, path: str) -> Response:
             return await self._answer(request)
@@ -128,7 +169,7 @@ class ChatServer:
     async def _answer_checked(self, request: Request) -> Response:
         self._authorize(request)
         sink = self.recording.sink(request)
-        if (request.method, request.url.path) == ("POST", CHAT_PATH):
+        if request.method == "POST" and request.url.path in JSON_PATHS:
             check_content_type(request.headers.get("content-type"))
         body = await self._body(request)
         await sink.check_open()
@@ -139,12 +180,13 @@ class ChatServer:
             return
         given = request.headers.get("authorization", "")
         scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-            token.strip().encode(), self.api_key.encode()
-        ):
+        if scheme.lower() != "bearer":  # Anthropic's SDKs send the key as x-api-key
+            token = request.headers.get("x-api-key", "")
+            given = given or token
+        if not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
             what = "no bearer token was sent" if not given else "the bearer token is wrong"
-            raise APIError(401, f"{what}: send 'Authorization: Bearer KEY' with the key "
-                           "kvtrace serve was started with (--api-key)",
+            raise APIError(401, f"{what}: send 'Authorization: Bearer KEY' (or 'x-api-key: "
+                           "KEY') with the key kvtrace serve was started with (--api-key)",
                            code="invalid_api_key")
 
     async def _body(self, request: Request) -> bytes:
@@ -161,6 +203,12 @@ class ChatServer:
                 raise too_big
             chunks.append(chunk)
         return b"".join(chunks)
+
+
+def error_response(path: str, error: APIError) -> JSONResponse:
+    """`error` as a JSON response in the shape of the API `path` belongs to."""
+    body = error_body(error) if is_anthropic_path(path) else error.body()
+    return JSONResponse(body, status_code=error.status)
 
 
 def check_api_key(key: str | None, name: str = "api_key") -> str | None:

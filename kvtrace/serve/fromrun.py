@@ -55,6 +55,10 @@ class FromRecording:
         return self.inner.model
 
     @property
+    def required_model(self) -> str | None:
+        return self.inner.required_model
+
+    @property
     def description(self) -> str:
         summary = self.prefix.summary
         return (f"{self.inner.description}, after the {summary.num_recorded} recorded calls "

@@ -1,13 +1,24 @@
-"""The local answerer: the engine answers chat requests, one at a time, through a bounded queue.
+"""The local answerer: the engine answers three APIs, one request at a time, in a queue.
 
-`LocalAnswerer.answer` serves `POST /v1/chat/completions` and `GET
-/v1/models` (the one model it serves); any other path is a 404.
+`LocalAnswerer.answer` serves `POST /v1/chat/completions`, `POST
+/v1/messages` (Anthropic) and `POST /v1/responses` (OpenAI Responses), `GET
+/v1/models` (the one model it serves) and `POST /v1/messages/count_tokens`
+(the rendered prompt's length); any other path is a 404. Each
+API checks its own request and writes its own answer (`DIALECTS`:
+api.py and chat_reply.py, anthropic_api.py, responses_api.py); everything
+between, described here, is shared, so the three APIs get the same queue,
+cache, rendering and guarantees.
+
+Any model name is answered by the local model (an agent names the model it
+was written for); the step records the name asked for (`extra.
+request_model`) beside the model that answered. With `strict_model` a
+request naming another model is a 404 (`model_not_found`), as before.
 
 A request is prepared off the event loop, on one "prepare" thread: its body
-parsed and checked (api.py), its model checked, its prompt tokenised. A
-prompt whose text alone takes more bytes than the context's tokens can
-cover (`context x the longest token's bytes`) is refused before it is
-tokenised, so a 15 MB prompt costs no tokenisation at all.
+parsed and checked, its prompt tokenised. A prompt whose text alone takes
+more bytes than the context's tokens can cover (`context x the longest
+token's bytes`) is refused before it is tokenised, so a 15 MB prompt costs
+no tokenisation at all.
 
 The one engine computes one request at a time on one worker thread (the
 engine and its KV cache are not thread-safe, and two requests at once would
@@ -19,21 +30,25 @@ recorded (`/health` counts them: `queue.cancelled`). It stays counted in the
 queue until the engine has let it go, so the queue never holds more work
 than it says. Each
 request goes through replay's `LocalBackend`, so the prefix cache (memory
-then disk) serves every prefix an earlier request or replay computed:
-`usage.prompt_tokens_details.cached_tokens` is what it reused (the
+then disk) serves every prefix an earlier request or replay computed, in
+any of the three APIs: each answer's usage reports what it reused (the
 prompt's last token is always computed).
 
 Rendering: `engine.chat_tokens(messages, tools=...)` (kvtrace/rendering.py:
-the model's template when it renders tools, else the documented fallback),
-and the generated text is parsed back into `content` and `tool_calls` with
-`parse_assistant_text` when the request offers tools (and `tool_choice` is
-not "none"). Sampling is greedy unless the request sets `temperature > 0`
-(then a random seed is chosen when none is given, and recorded so `replay
---mode verify` can reproduce it). `stop` strings cut the text after
-generation. Local streaming sends the answer as SSE once it is generated:
-the engine has no per-token callback; it is recorded just before its `data:
-[DONE]` event is sent, so a client that has read a whole stream finds it in
-the store, and a stream the client drops is recorded marked incomplete.
+the model's template when it renders tools, else the documented fallback)
+of the request's conversation in chat shape (for Anthropic and Responses,
+the chat view the store reads their steps back in), and the generated text
+is parsed back into an assistant message with `parse_assistant_text` when
+the request offers tools (and its tool choice is not "none"); each API
+words its tool calls its own way. Sampling is greedy unless the request
+sets `temperature > 0` (then a random seed is chosen when none is given,
+and recorded so `replay --mode verify` can reproduce it). `stop` strings
+(`stop_sequences`) cut the text after generation. Local streaming sends the
+answer as the API's SSE events once it is generated: the engine has no
+per-token callback; it is recorded just before the stream's last event
+(`data: [DONE]`, `message_stop`, `response.completed`) is sent, so a client
+that has read a whole stream finds it in the store, and a stream the client
+drops is recorded marked incomplete.
 """
 
 from __future__ import annotations
@@ -41,8 +56,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -52,62 +66,55 @@ from starlette.responses import JSONResponse, Response
 
 from kvtrace.errors import GenerationCancelledError, UsageError
 from kvtrace.replay.backend import CallRequest, SamplingParams
-from kvtrace.serve.api import CHAT_PATH, MODELS_PATH, APIError, ChatRequest, parse_chat_request
+from kvtrace.serve.anthropic_api import (
+    COUNT_TOKENS_PATH,
+    MESSAGES_PATH,
+    MessagesReply,
+    parse_messages_request,
+)
+from kvtrace.serve.api import CHAT_PATH, MODELS_PATH, APIError, parse_chat_request
+from kvtrace.serve.chat_reply import ChatReply
 from kvtrace.serve.disconnect import ClosingStream, client_left, unless_client_leaves
-from kvtrace.serve.recording import Sink, StepWrite
-from kvtrace.store.kinds import TOKEN_IDS_KEY
-from kvtrace.tracer import sse
+from kvtrace.serve.generation import Generation, LocalCall, Reply
+from kvtrace.serve.recording import Sink
+from kvtrace.serve.responses_api import RESPONSES_PATH, ResponsesReply, parse_responses_request
 
 if TYPE_CHECKING:
     from kvtrace.replay.local import LocalBackend
-    from kvtrace.store import Step
-    from kvtrace.tracer.recorder import Recorder
-    from kvtrace.tracer.redact import Redactor
 
 DEFAULT_MAX_TOKENS = 256  # replay's default too, so an unset max_tokens replays alike
 
 
 @dataclass(frozen=True, slots=True)
-class LocalAnswer:
-    """A completion and what to record with it."""
+class Dialect:
+    """One API the engine answers: how its request is checked, how its answer is written."""
 
-    completion: dict[str, Any]
-    params: dict[str, Any]
-    usage: dict[str, Any]
-    timings: dict[str, float]
-    is_seed_chosen: bool
+    parse: Callable[[bytes], Any]  # the body -> the API's LocalCall, or APIError
+    reply: Callable[..., Reply]  # (call, generation, model=NAME) -> the API's Reply
 
-    def step(self, request: ChatRequest, url: str, *, is_complete: bool = True) -> StepWrite:
-        """How this answer to `request` (sent to `url`) is recorded: a model_call step."""
-        completion = self.completion
 
-        def write(recorder: Recorder, redactor: Redactor) -> Step:
-            extra: dict[str, Any] = {
-                "http": {"url": redactor.url(url), "status": 200, "stream": request.is_stream,
-                         "complete": is_complete},
-                "response": {"id": completion["id"], "created": completion["created"]},
-                "served_by": "kvtrace serve (local)",
-            }
-            if self.is_seed_chosen:
-                extra["seed_chosen"] = True
-            return recorder.record_model_call(
-                request.messages, completion, model=completion["model"], tools=request.tools,
-                params=redactor.fields(self.params), usage=self.usage, timings=self.timings,
-                extra=extra)
-
-        return write
+DIALECTS = {
+    CHAT_PATH: Dialect(lambda data: parse_chat_request(data, is_local=True), ChatReply),
+    MESSAGES_PATH: Dialect(parse_messages_request, MessagesReply),
+    RESPONSES_PATH: Dialect(lambda data: parse_responses_request(data, is_local=True),
+                            ResponsesReply),
+}
+COUNTING = Dialect(lambda data: parse_messages_request(data, is_counted_only=True),
+                   MessagesReply)  # count_tokens: prepared as a Messages call, never answered
 
 
 class LocalAnswerer:
-    """The engine behind the server: queue, prompt checks, generation, completion."""
+    """The engine behind the server: queue, prompt checks, generation; the APIs' answers."""
 
-    def __init__(self, backend: LocalBackend, *, max_queue: int = 16) -> None:
+    def __init__(self, backend: LocalBackend, *, max_queue: int = 16,
+                 strict_model: bool = False) -> None:
         if max_queue < 0:
             raise UsageError(f"max_queue must be >= 0, not {max_queue}")
         # Each answer's output is stored before the reply: the next request
         # may come from another client, or never, and `cached_tokens` must
         # count only KV the cache held (no deferred output, see replay/local.py).
         self._backend = backend.storing_output()
+        self.is_model_strict = strict_model
         self._capacity = max_queue + 1  # the one running, and those waiting
         self._in_flight = 0
         self._num_cancelled = 0
@@ -118,6 +125,10 @@ class LocalAnswerer:
     @property
     def model(self) -> str:
         return self._backend.model
+
+    @property
+    def required_model(self) -> str | None:
+        return self.model if self.is_model_strict else None
 
     @property
     def description(self) -> str:
@@ -137,45 +148,51 @@ class LocalAnswerer:
         self._worker.shutdown(wait=True)
 
     async def answer(self, request: Request, body: bytes, sink: Sink) -> Response:
-        """A chat completion, or the model list; any other path is a 404."""
+        """An answer in the API of the path, or the model list; any other path is a 404."""
         route = (request.method, request.url.path)
         if route == ("GET", MODELS_PATH):
             return JSONResponse({"object": "list", "data": [{
                 "id": self.model, "object": "model", "created": 0, "owned_by": "kvtrace"}]})
-        if route != ("POST", CHAT_PATH):
-            raise APIError(404, f"{request.method} {request.url.path} is not served in local "
-                           f"mode (POST {CHAT_PATH}, GET {MODELS_PATH})", code="not_found")
         loop = asyncio.get_running_loop()
-        chat, prompt = await loop.run_in_executor(self._preparer, self.prepare, body)
-        reply = await self._queued(request, chat, prompt)
+        if route == ("POST", COUNT_TOKENS_PATH):  # the prompt's length: nothing generated
+            _, prompt = await loop.run_in_executor(self._preparer, self.prepare, COUNTING, body)
+            return JSONResponse({"input_tokens": len(prompt)})
+        dialect = DIALECTS.get(request.url.path) if request.method == "POST" else None
+        if dialect is None:
+            raise APIError(404, f"{request.method} {request.url.path} is not served in local "
+                           f"mode (POST {CHAT_PATH}, POST {MESSAGES_PATH}, POST "
+                           f"{RESPONSES_PATH}, GET {MODELS_PATH})", code="not_found")
+        call, prompt = await loop.run_in_executor(self._preparer, self.prepare, dialect, body)
+        generation = await self._queued(request, call, prompt)
+        reply = dialect.reply(call, generation, model=self.model)
         url = str(request.url)
-        if not chat.is_stream:
-            await sink.record(reply.step(chat, url))
-            return JSONResponse(reply.completion)
+        if not call.is_stream:
+            await sink.record(reply.step(url))
+            return JSONResponse(reply.body)
+        events = list(reply.events())
 
-        async def events() -> AsyncIterator[bytes]:
+        async def stream() -> AsyncIterator[bytes]:
             is_recorded = False
             try:
-                for event in sse.stream_events(reply.completion,
-                                               include_usage=chat.includes_usage):
-                    if event.startswith(b"data: " + sse.DONE):
+                for index, event in enumerate(events):
+                    if index == len(events) - 1:  # the stream's end: recorded before it is sent
                         is_recorded = True  # before the wait: the write goes on if we are
-                        await sink.record(reply.step(chat, url))  # cancelled meanwhile
+                        await sink.record(reply.step(url))  # cancelled meanwhile
                     yield event
             finally:
                 if not is_recorded:  # the client left early: the answer, marked incomplete
-                    sink.record_later(reply.step(chat, url, is_complete=False))
+                    sink.record_later(reply.step(url, is_complete=False))
 
-        return ClosingStream(events(), media_type="text/event-stream")
+        return ClosingStream(stream(), media_type="text/event-stream")
 
-    def prepare(self, body: bytes) -> tuple[ChatRequest, list[int]]:
+    def prepare(self, dialect: Dialect, body: bytes) -> tuple[LocalCall, list[int]]:
         """The checked request and its prompt's token ids (on the prepare thread)."""
-        chat = parse_chat_request(body, is_local=True)
-        return chat, self.check(chat)
+        call = dialect.parse(body)
+        return call, self.check(call)
 
-    def check(self, request: ChatRequest) -> list[int]:
+    def check(self, request: LocalCall) -> list[int]:
         """The prompt's token ids, after the checks that do not need the engine's time."""
-        if request.model != self.model:
+        if self.is_model_strict and request.model != self.model:
             raise APIError(404, f"the model {request.model!r} does not exist here: this server "
                            f"serves {self.model!r} (GET /v1/models)", param="model",
                            code="model_not_found")
@@ -197,8 +214,8 @@ class LocalAnswerer:
                            code="context_length_exceeded")
         return prompt
 
-    async def _queued(self, client: Request, request: ChatRequest,
-                      prompt: list[int]) -> LocalAnswer:
+    async def _queued(self, client: Request, request: LocalCall,
+                      prompt: list[int]) -> Generation:
         """Queue for the engine (429 when the queue is full), then generate; cancelled when
         the client leaves (the module docstring)."""
         if self._in_flight >= self._capacity:
@@ -217,8 +234,8 @@ class LocalAnswerer:
             if cancelled.is_set():
                 self._num_cancelled += 1
 
-    def _generate(self, request: ChatRequest, prompt: list[int],
-                  cancelled: threading.Event) -> LocalAnswer:
+    def _generate(self, request: LocalCall, prompt: list[int],
+                  cancelled: threading.Event) -> Generation:
         if cancelled.is_set():  # its client left while it waited: the engine never starts it
             raise client_left()
         body = request.body
@@ -241,47 +258,24 @@ class LocalAnswerer:
             # not chained: its traceback holds the decoding's frames and their KV tensors,
             # which would then live as long as this error and the futures that carry it
             raise client_left() from None
-        text, finish = result.text, result.finish_reason
-        for stop in request.stop:
-            if stop and stop in text:
-                text, finish = text[: text.index(stop)], "stop"
+        text, finish, stop_sequence = result.text, result.finish_reason, None
+        found = [(text.index(stop), stop) for stop in request.stop if stop and stop in text]
+        if found:  # cut at the earliest
+            at, stop_sequence = min(found, key=lambda hit: hit[0])
+            text, finish = text[:at], "stop"
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if request.parses_tool_calls:
             from kvtrace.rendering import id_seed, parse_assistant_text
 
             message = parse_assistant_text(text, id_seed=id_seed(request.messages))
-            if message.get("tool_calls"):
-                finish = "tool_calls"
-        completion_tokens = len(result.output_ids or [])
-        usage: dict[str, Any] = {
-            "prompt_tokens": result.prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": result.prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": result.reused_tokens or 0},
-        }
-        completion = {
-            "id": f"chatcmpl-{uuid.uuid4().hex[:24]}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": self.model,
-            "choices": [{"index": 0, "message": message, "finish_reason": finish,
-                         "logprobs": None}],
-            "usage": usage,
-        }
-        recorded_params = {k: v for k, v in body.items()
-                           if k not in ("messages", "tools", "model", "stream", "stream_options")}
         is_seed_chosen = temperature > 0 and body.get("seed") is None and result.seed is not None
-        if is_seed_chosen:
-            recorded_params["seed"] = result.seed
-        recorded_usage = {
-            **usage,
-            "cached_tokens": result.reused_tokens,
-            "finish_reason": finish,
-            TOKEN_IDS_KEY: list(result.output_ids or []),
-        }
         timings = {"total_s": round(time.perf_counter() - started, 6),
                    "prefill_s": round(result.prefill_s, 6), "decode_s": round(result.decode_s, 6)}
-        return LocalAnswer(completion, recorded_params, recorded_usage, timings, is_seed_chosen)
+        return Generation(
+            text=text, message=message, finish_reason=finish, stop_sequence=stop_sequence,
+            prompt_tokens=result.prompt_tokens, reused_tokens=result.reused_tokens or 0,
+            output_ids=list(result.output_ids or []),
+            chosen_seed=result.seed if is_seed_chosen else None, timings=timings)
 
 
 def _max_prompt_bytes(engine: Any) -> int | None:

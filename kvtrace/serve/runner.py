@@ -5,6 +5,14 @@ free one, so there is no race between choosing a port and listening on
 it), then runs uvicorn on a daemon thread and returns once it accepts
 connections. `kvtrace record`, the benchmark and the tests use it.
 
+`client_env` is that program's environment: the OpenAI SDKs pointed at
+the server by `OPENAI_BASE_URL` (and the older `OPENAI_API_BASE`), with
+`/v1`, and Anthropic's by `ANTHROPIC_BASE_URL`, without it (the anthropic
+SDK, Claude Code and the Claude Agent SDK append `/v1/messages`
+themselves); a placeholder key for each SDK that has none, since both
+refuse to start without one (a key the user set is kept: in upstream mode
+it travels to the upstream).
+
 `run_command` runs `kvtrace record`'s program: SIGTERM and SIGINT sent to
 this process go on to the program, which is waited for, so the server it
 talks to stops only after it (never an orphan pointed at a dead server).
@@ -113,6 +121,20 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:  # a name: it may resolve to any address
         return False
+
+
+PLACEHOLDER_KEY = "kvtrace"
+
+
+def client_env(environ: Mapping[str, str], url: str) -> dict[str, str]:
+    """`environ` with the SDKs pointed at the server whose base URL (with /v1) is `url`."""
+    env = dict(environ)
+    env["OPENAI_BASE_URL"] = env["OPENAI_API_BASE"] = url
+    env.setdefault("OPENAI_API_KEY", PLACEHOLDER_KEY)
+    env["ANTHROPIC_BASE_URL"] = url.removesuffix("/v1")
+    if not env.get("ANTHROPIC_API_KEY") and not env.get("ANTHROPIC_AUTH_TOKEN"):
+        env["ANTHROPIC_API_KEY"] = PLACEHOLDER_KEY  # not beside a token: it would shadow it
+    return env
 
 
 def run_command(command: Sequence[str], env: Mapping[str, str]) -> int:

@@ -1,19 +1,25 @@
-"""The upstream answerer: every request goes on to another OpenAI-compatible server.
+"""The upstream answerer: every request goes on to another server (OpenAI, Anthropic, or alike).
 
 The request is sent with httpx to the upstream base URL (`--upstream`, with
 its API prefix, e.g. `http://host:port/v1`), and the upstream's status,
 headers (less hop-by-hop ones, `Date` and `Server`) and body bytes come back
-unchanged, an SSE stream passed on as it arrives. A chat request is checked
-first (api.py), so bad input is answered here and never forwarded. The
-client's Authorization goes along unless `forwards_authorization` is off
-(the server checks its own key: then it is dropped) or the upstream has its
-own `api_key` (then that is sent instead).
+unchanged, an SSE stream passed on as it arrives. A request of the three
+model-call APIs (chat completions, Anthropic Messages, OpenAI Responses) is
+checked first (api.py, anthropic_api.py, responses_api.py), so bad input is
+answered here and never forwarded. The client's credentials
+(`Authorization`, Anthropic's `x-api-key`) go along unless
+`forwards_authorization` is off (the server checks its own key: then they
+are dropped) or the upstream has its own `api_key` (then that is sent
+instead: as `x-api-key` under `/messages`, Anthropic's header, else as a
+bearer token).
 
 What is recorded is exchange.py's model_call (or http) step, as the httpx
 transports record it; a 4xx from the upstream is returned and not recorded.
-A stream is recorded when its `data: [DONE]` arrives (before it is passed
-on), or at its end when it has none; a stream the client drops is recorded
-with what had arrived, marked incomplete, and its upstream request closed.
+A stream is recorded when its last event arrives (before it is passed on):
+chat's `data: [DONE]`, Anthropic's `message_stop`, a Responses stream's
+`response.completed`, `.incomplete` or `.failed`; or at its end when it has
+none. A stream the client drops is recorded with what had arrived, marked
+incomplete, and its upstream request closed.
 
 The upstream gets `timeout` seconds for each wait (to connect, to send, for
 the next bytes of its answer): past it, before any byte was passed on, the
@@ -28,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
@@ -36,10 +42,19 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from kvtrace.errors import UsageError
+from kvtrace.serve.anthropic_api import (
+    COUNT_TOKENS_PATH,
+    MESSAGES_PATH,
+    error_event,
+    is_anthropic_path,
+    parse_messages_request,
+)
 from kvtrace.serve.api import CHAT_PATH, APIError, parse_chat_request
 from kvtrace.serve.disconnect import ClosingStream, unless_client_leaves
 from kvtrace.serve.recording import DISCARD, RUN_HEADER, Sink, StepWrite
+from kvtrace.serve.responses_api import RESPONSES_PATH, parse_responses_request
 from kvtrace.tracer.exchange import Exchange, decoded_body, record_exchange
+from kvtrace.tracer.sse import DONE
 
 _API_PREFIX = "/v1"
 _HOP_BY_HOP = frozenset({
@@ -47,6 +62,17 @@ _HOP_BY_HOP = frozenset({
     "upgrade", "host", "content-length",
 })
 _NOT_RETURNED = frozenset({"connection", "keep-alive", "transfer-encoding", "date", "server"})
+_CREDENTIALS = frozenset({"authorization", "x-api-key"})
+# How each API's request is checked before it goes on.
+_CHECKS: dict[str, Callable[[bytes], object]] = {
+    CHAT_PATH: lambda body: parse_chat_request(body, is_local=False),
+    MESSAGES_PATH: parse_messages_request,
+    COUNT_TOKENS_PATH: lambda body: parse_messages_request(body, is_counted_only=True),
+    RESPONSES_PATH: lambda body: parse_responses_request(body, is_local=False),
+}
+# The `event:` names that end a stream of Anthropic Messages or OpenAI Responses.
+_LAST_EVENTS = (b"message_stop", b"response.completed", b"response.incomplete",
+                b"response.failed")
 DEFAULT_TIMEOUT_S = 600.0
 
 
@@ -72,6 +98,10 @@ class UpstreamAnswerer:
         return None
 
     @property
+    def required_model(self) -> None:
+        return None
+
+    @property
     def description(self) -> str:
         return f"upstream {self.url}"
 
@@ -84,8 +114,9 @@ class UpstreamAnswerer:
             self._client = None
 
     async def answer(self, request: Request, body: bytes, sink: Sink) -> Response:
-        if (request.method, request.url.path) == ("POST", CHAT_PATH):
-            await asyncio.to_thread(parse_chat_request, body, is_local=False)
+        check = _CHECKS.get(request.url.path) if request.method == "POST" else None
+        if check is not None:
+            await asyncio.to_thread(check, body)
         started = time.perf_counter()
         url = self._url_of(request)
         response = await unless_client_leaves(request, self._send(request, url, body))
@@ -113,19 +144,20 @@ class UpstreamAnswerer:
             chunks: list[bytes] = []
             first_byte_s: float | None = None
             is_recorded = False
+            end = _StreamEnd()
             try:
                 try:
                     async for chunk in response.aiter_raw():
                         if first_byte_s is None:
                             first_byte_s = time.perf_counter() - started
                         chunks.append(chunk)
-                        if not is_recorded and chunk.rstrip().endswith(b"[DONE]"):
+                        if not is_recorded and end.feed(chunk):
                             is_recorded = True
                             await sink.record(step(b"".join(chunks), first_byte_s,
                                                    is_complete=True))
                         yield chunk
                 except httpx.HTTPError as exc:  # the SDKs raise an SSE event holding "error"
-                    yield b"data: " + json.dumps(self._broken_off(exc).body()).encode() + b"\n\n"
+                    yield _error_event(request.url.path, self._broken_off(exc))
                     return
                 if not is_recorded:  # a stream without [DONE], read to its end
                     is_recorded = True
@@ -148,9 +180,10 @@ class UpstreamAnswerer:
         headers = [(k, v) for k, v in request.headers.items()
                    if k.lower() not in _HOP_BY_HOP and k.lower() != RUN_HEADER]
         if not self._forwards_authorization:
-            headers = [(k, v) for k, v in headers if k.lower() != "authorization"]
+            headers = [(k, v) for k, v in headers if k.lower() not in _CREDENTIALS]
         if self._api_key is not None:
-            headers.append(("authorization", f"Bearer {self._api_key}"))
+            headers.append(("x-api-key", self._api_key) if is_anthropic_path(request.url.path)
+                           else ("authorization", f"Bearer {self._api_key}"))
         if self._client is None:  # made on the server's event loop, closed with it
             self._client = httpx.AsyncClient(
                 timeout=httpx.Timeout(self.timeout, connect=min(self.timeout, 10.0)))
@@ -189,3 +222,29 @@ class UpstreamAnswerer:
         return APIError(504, f"the upstream {self.url} sent nothing for {self.timeout:g} s "
                         f"({type(exc).__name__}): if it needs longer, raise the limit (kvtrace "
                         "serve --upstream-timeout)", kind="api_error", code="upstream_timeout")
+
+
+class _StreamEnd:
+    """Follows a relayed SSE stream, event by event, to see its last event arrive."""
+
+    def __init__(self) -> None:
+        self._pending = b""  # the start of an event not whole yet
+        self.has_ended = False
+
+    def feed(self, chunk: bytes) -> bool:
+        """Take the next chunk; whether the stream's last event is now whole."""
+        self._pending += chunk
+        *blocks, self._pending = self._pending.replace(b"\r\n", b"\n").split(b"\n\n")
+        names = [line[6:].strip() for block in blocks for line in block.split(b"\n")
+                 if line.startswith(b"event:")]
+        self.has_ended = (self.has_ended or any(name in _LAST_EVENTS for name in names)
+                          or self._pending.rstrip().endswith(DONE)  # chat's, whole or not
+                          or any(block.rstrip().endswith(DONE) for block in blocks))
+        return self.has_ended
+
+
+def _error_event(path: str, error: APIError) -> bytes:
+    """The SSE event that ends a broken-off stream, in its API's shape (the SDKs raise it)."""
+    if is_anthropic_path(path):
+        return error_event(error)
+    return b"data: " + json.dumps(error.body()).encode() + b"\n\n"

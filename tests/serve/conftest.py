@@ -3,7 +3,9 @@
 - `serve_local`: `kvtrace serve` in local mode (a tiny random Llama with the
   default model's tokenizer, a fresh KV cache) on a loopback port;
 - `serve_upstream`: `kvtrace serve --upstream URL` on a loopback port (the
-  `canned_upstream` of tests/conftest.py, or another server, behind it).
+  `canned_upstream` of tests/conftest.py, or another server, behind it);
+- `canned_apis`: an upstream speaking Anthropic Messages and OpenAI Responses
+  (tests/serve/canned_apis.py).
 """
 
 from __future__ import annotations
@@ -70,3 +72,13 @@ def serve_upstream(serve_started) -> Callable[..., Any]:
         return serve_started(upstream=upstream, store=store, **options)
 
     return make
+
+
+@pytest.fixture
+def canned_apis() -> Iterator[Any]:
+    """tests/serve/canned_apis.py's Anthropic and Responses upstream, on a free loopback port."""
+    from tests.serve.canned_apis import CannedApis
+
+    server = CannedApis().start()
+    yield server
+    server.stop()

@@ -34,13 +34,31 @@ AGENT = textwrap.dedent("""
 """)
 
 
+THREE_APIS = textwrap.dedent("""
+    import anthropic
+    import openai
+
+    question = [{"role": "user", "content": "Weather in Paris?"}]
+    openai.OpenAI(max_retries=0).chat.completions.create(
+        model="gpt-4o-mini", max_tokens=3, messages=question)
+    message = anthropic.Anthropic(max_retries=0).messages.create(
+        model="claude-haiku-4-5", max_tokens=3, messages=question)
+    response = openai.OpenAI(max_retries=0).responses.create(
+        model="gpt-4o-mini", max_output_tokens=3, input="Weather in Paris?")
+    print("answered:", message.type, response.object)
+""")
+
+
 @pytest.fixture
 def home(tmp_path, monkeypatch) -> Path:
     monkeypatch.setenv("KVTRACE_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("KVTRACE_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("KVTRACE_STORE", raising=False)
-    monkeypatch.delenv("OPENAI_BASE_URL", raising=False)
+    for name in ("OPENAI_BASE_URL", "ANTHROPIC_BASE_URL", "ANTHROPIC_API_KEY",
+                 "ANTHROPIC_AUTH_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
     (tmp_path / "agent.py").write_text(AGENT)
+    (tmp_path / "three_apis.py").write_text(THREE_APIS)
     return tmp_path
 
 
@@ -64,6 +82,43 @@ def test_record_runs_the_command_against_the_local_engine_and_passes_its_exit_co
         steps = store.path("recorded")
         assert [s.kind for s in steps] == ["model_call", "model_call"]
         assert steps[1].meta["extra"]["http"]["stream"] is True
+
+
+def test_record_points_the_openai_and_anthropic_sdks_at_its_server_and_says_the_model_rule(
+    home, capfd, tiny_model_folder
+):
+    from kvtrace.store.apis import ProviderApi
+    from kvtrace.store.kinds import ModelCall
+
+    code, out, err = kv(capfd, "record", "--model", str(tiny_model_folder), "--run", "apis",
+                        "--", sys.executable, str(home / "three_apis.py"))
+    assert code == 0, err
+    assert "answered: message response" in out
+    assert err.count("every model name is answered by the local model") == 1
+    assert "recorded run 'apis': 3 model calls" in err
+    with open_store() as store:
+        calls = [ModelCall(step) for step in store.path("apis")]
+    assert [call.api for call in calls] == [ProviderApi.OPENAI_CHAT,
+                                            ProviderApi.ANTHROPIC_MESSAGES,
+                                            ProviderApi.OPENAI_RESPONSES]
+    assert [call.request_model for call in calls] == ["gpt-4o-mini", "claude-haiku-4-5",
+                                                      "gpt-4o-mini"]
+
+
+def test_the_program_s_environment_keeps_the_user_s_keys_and_adds_placeholders_only():
+    from kvtrace.serve.runner import client_env
+
+    url = "http://127.0.0.1:5000/v1"
+    bare = client_env({"PATH": "/bin"}, url)
+    assert bare["OPENAI_BASE_URL"] == bare["OPENAI_API_BASE"] == url
+    assert bare["ANTHROPIC_BASE_URL"] == "http://127.0.0.1:5000"  # the SDK adds /v1/messages
+    assert bare["OPENAI_API_KEY"] == bare["ANTHROPIC_API_KEY"] == "kvtrace"
+    keyed = client_env({"OPENAI_API_KEY": "sk-o", "ANTHROPIC_API_KEY": "sk-a",
+                        "ANTHROPIC_BASE_URL": "https://api.anthropic.com"}, url)
+    assert (keyed["OPENAI_API_KEY"], keyed["ANTHROPIC_API_KEY"]) == ("sk-o", "sk-a")
+    assert keyed["ANTHROPIC_BASE_URL"] == "http://127.0.0.1:5000"
+    token = client_env({"ANTHROPIC_AUTH_TOKEN": "tok"}, url)
+    assert "ANTHROPIC_API_KEY" not in token  # it would shadow the user's token
 
 
 def test_record_with_upstream_keeps_the_real_provider_and_names_a_new_run(
@@ -102,6 +157,8 @@ def test_record_with_json_prints_what_it_recorded_after_the_commands_output(
      "no such program"),
     (["serve", "--port", "70000", "--upstream", "http://127.0.0.1:9/v1"], "not a port"),
     (["serve", "--model", "m", "--upstream", "http://127.0.0.1:9/v1"], "--model is for local"),
+    (["record", "--strict-model", "--upstream", "http://127.0.0.1:9/v1", "--", "true"],
+     "--strict-model is for local mode"),
 ])
 def test_bad_options_print_one_error_line_and_exit_2(home, capfd, argv, message):
     code, _, err = kv(capfd, *argv)

@@ -3,9 +3,11 @@
 The server (local mode, the tiny random model, a real SQLite store) runs on
 a loopback port; schemathesis loads `GET /openapi.json` from it and
 generates requests for every operation, valid ones and ones that break the
-schema. For each: no 5xx; a rejected request (4xx) leaves the store's steps
-as they were; an accepted chat completion adds exactly one step. The same
-runs against upstream mode, a proxy in front of a local server.
+schema, most to the three model-call routes (chat completions, Anthropic
+Messages, OpenAI Responses). For each: no 5xx; a rejected request (4xx)
+leaves the store's steps as they were; an accepted model call adds exactly
+one step. The same runs against upstream mode, a proxy in front of a local
+server.
 KVTRACE_SCHEMATHESIS_EXAMPLES sets the number of requests (60; half that
 for the proxy).
 """
@@ -33,11 +35,14 @@ def num_steps(store) -> int:
         return int(conn.execute(sa.select(sa.func.count()).select_from(steps)).scalar_one())
 
 
+MODEL_CALLS = ("/v1/chat/completions", "/v1/messages", "/v1/responses")
+
+
 def bound_new_tokens(body) -> None:
     """A valid `max_tokens` stays valid but at most 16: the tiny model's context is 8,192
     tokens, and generating thousands of them per example would take minutes."""
     if isinstance(body, dict):
-        for name in ("max_tokens", "max_completion_tokens"):
+        for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
             value = body.get(name)
             if isinstance(value, int) and not isinstance(value, bool) and value > 16:
                 body[name] = 16
@@ -50,16 +55,16 @@ def fuzz(base: str, store, examples: int, prepare=bound_new_tokens) -> dict[str,
 
     schema = schemathesis.openapi.from_url(f"{base}/openapi.json")
     paths = set(schema.raw_schema["paths"])
-    assert {"/v1/chat/completions", "/v1/models", "/health"} <= paths
+    assert {*MODEL_CALLS, "/v1/models", "/health"} <= paths
     operation_ids = [operation["operationId"] for item in schema.raw_schema["paths"].values()
                      for operation in item.values()]
     assert len(operation_ids) == len(set(operation_ids))  # unique, as OpenAPI requires
-    chat = schema["/v1/chat/completions"]["POST"]
-    cases = st.one_of(chat.as_strategy(GenerationMode.POSITIVE),
-                      chat.as_strategy(GenerationMode.NEGATIVE),
+    calls = [schema[path]["POST"] for path in MODEL_CALLS]
+    cases = st.one_of(*[call.as_strategy(mode) for call in calls
+                        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)],
                       schema.as_strategy(GenerationMode.POSITIVE),
                       schema.as_strategy(GenerationMode.NEGATIVE))
-    seen: dict[str, int] = {"accepted_chats": 0, "rejected": 0, "other_accepted": 0}
+    seen: dict[str, int] = {"accepted_calls": 0, "rejected": 0, "other_accepted": 0}
 
     @settings(max_examples=examples, deadline=None, database=None,
               suppress_health_check=list(HealthCheck),
@@ -75,8 +80,9 @@ def fuzz(base: str, store, examples: int, prepare=bound_new_tokens) -> dict[str,
         if 400 <= response.status_code < 500:
             seen["rejected"] += 1
             assert after == before, f"{what}: a rejected request recorded a step"
-        elif case.path == "/v1/chat/completions":
-            seen["accepted_chats"] += 1
+        elif case.path in MODEL_CALLS:
+            seen["accepted_calls"] += 1
+            seen[case.path] = seen.get(case.path, 0) + 1
             assert after == before + 1, f"{what}: an answered call recorded {after - before}"
         else:
             seen["other_accepted"] += 1
@@ -92,14 +98,14 @@ def test_generated_requests_never_get_a_5xx_and_a_rejected_one_records_nothing(
 ):
     server = serve_local(sqlite_store, run="fuzz")
     seen = fuzz(server.url.removesuffix("/v1"), sqlite_store, EXAMPLES)
-    assert seen["rejected"] > 0 and seen["accepted_chats"] > 0, seen
+    assert seen["rejected"] > 0 and seen["accepted_calls"] > 0, seen
 
 
 def test_upstream_mode_in_front_of_a_local_server_holds_to_the_same_rules(
     sqlite_store, serve_local, serve_upstream, tiny_engine, tmp_path
 ):
-    """The proxy's checks, forwarding and recording, fuzzed: a valid body names the served
-    model (else the upstream's 404, returned and not recorded, is all there is to see)."""
+    """The proxy's checks, forwarding and recording, fuzzed (a valid body names the served
+    model, as a strict upstream would require)."""
     from kvtrace import open_store
 
     upstream_store = open_store(f"sqlite:///{tmp_path / 'upstream.db'}")
@@ -112,7 +118,7 @@ def test_upstream_mode_in_front_of_a_local_server_holds_to_the_same_rules(
             body["model"] = tiny_engine.name
 
     seen = fuzz(proxy.url.removesuffix("/v1"), sqlite_store, UPSTREAM_EXAMPLES, prepare)
-    assert seen["rejected"] > 0 and seen["accepted_chats"] > 0, seen
+    assert seen["rejected"] > 0 and seen["accepted_calls"] > 0, seen
     upstream_store.close()
 
 

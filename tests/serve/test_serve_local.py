@@ -136,8 +136,6 @@ BAD_INPUTS = [
      400, "n"),
     ("tools not a list", {"model": "MODEL", "messages": [{"role": "user", "content": "x"}],
                           "tools": {"name": "f"}}, 400, "tools"),
-    ("unknown model", {"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}, 404,
-     "model"),
     ("a prompt longer than the context", {"model": "MODEL", "messages": [
         {"role": "user", "content": "word " * 9000}]}, 400, "messages"),
 ]
@@ -159,6 +157,34 @@ def test_bad_input_is_a_4xx_with_an_openai_error_body_and_records_nothing(
     assert error["message"] and error["type"] == "invalid_request_error"
     assert error["param"] == param
     assert sqlite_store.runs() == []
+
+
+def test_any_model_name_is_answered_by_the_local_model_and_both_names_are_recorded(
+    store, serve_local, tiny_engine
+):
+    from kvtrace.store.kinds import ModelCall
+
+    server = serve_local(store, run="any")
+    reply = client(server).chat.completions.create(
+        model="gpt-9", max_tokens=2, messages=[{"role": "user", "content": "x"}])
+    assert reply.model == tiny_engine.name  # the model that answered says so
+    call = ModelCall(store.show("any"))
+    assert call.model == tiny_engine.name and call.request_model == "gpt-9"
+
+
+def test_with_strict_model_another_name_is_a_404_and_records_nothing(sqlite_store, serve_local,
+                                                                      tiny_engine):
+    server = serve_local(sqlite_store, run="strict", strict_model=True)
+    response = httpx.post(f"{server.url}/chat/completions", json={
+        "model": "gpt-9", "messages": [{"role": "user", "content": "x"}]})
+    assert response.status_code == 404
+    error = response.json()["error"]
+    assert error["code"] == "model_not_found" and error["param"] == "model"
+    assert sqlite_store.runs() == []
+    schema = httpx.get(server.url.removesuffix("/v1") + "/openapi.json").json()
+    body = schema["paths"]["/v1/chat/completions"]["post"]["requestBody"]
+    assert body["content"]["application/json"]["schema"]["properties"]["model"] == {
+        "enum": [tiny_engine.name]}
 
 
 def test_a_body_over_the_size_limit_is_a_413_and_records_nothing(sqlite_store, serve_local,
@@ -228,6 +254,7 @@ def test_health_and_models(sqlite_store, serve_local, tiny_engine):
     assert [m["id"] for m in models["data"]] == [tiny_engine.name]
     missing = httpx.get(f"{server.url}/embeddings")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+    assert "POST /v1/messages" in missing.json()["error"]["message"]
 
 
 def _weather_call(city: str, call_id: str) -> dict:

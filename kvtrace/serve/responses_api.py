@@ -1,0 +1,307 @@
+"""The OpenAI Responses API as `kvtrace serve` speaks it: requests, answers, streams.
+
+`parse_responses_request` checks a `POST /v1/responses` body before any
+work (the shared body checks of api.py, then the API's own fields) and
+raises api.py's `APIError`, sent in OpenAI's error shape. `input` (a string
+or a list of items) is checked by the store's own normaliser
+(store/responses.py: an item needs its fields, a `function_call_output`
+must answer an earlier `function_call`); `model`, `instructions`, `tools`,
+`tool_choice`, `temperature` [0, 2], `top_p` (0, 1], `max_output_tokens`
+(>= 1), `stream`, `parallel_tool_calls`, `store`, `metadata` are checked;
+other fields are passed on (upstream) or recorded as params (local). A
+request that continues a stored response (`previous_response_id`,
+`conversation`) has its calls there: its outputs are not matched to calls
+here (upstream mode); local mode keeps no responses, so it refuses them and
+hosted prompts (`prompt`) and `background` runs, with a 400 that says to
+send the whole conversation as `input`.
+
+In local mode the request is rendered as its chat view (store/apis.py),
+and `ResponsesReply` answers with a `response` object: a `message` item
+with the text (`output_text`), then one `function_call` item per tool call
+parsed from the output; `status` `completed`, or `incomplete` (reason
+`max_output_tokens`) when the token limit cut a text answer; `usage` in
+OpenAI's terms: `input_tokens` includes the cached ones,
+`input_tokens_details.cached_tokens` is the prefix the KV cache served.
+Streamed, it is the API's events, each with its `sequence_number`:
+`response.created`, `response.in_progress`, per item
+`response.output_item.added`, its content (`response.content_part.added`,
+`response.output_text.delta` / `.done`, `response.content_part.done`; or
+`response.function_call_arguments.delta` / `.done`) and
+`response.output_item.done`, then `response.completed` (or
+`response.incomplete`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvtrace.errors import UsageError
+from kvtrace.serve.api import (
+    APIError,
+    check_max_tokens,
+    check_number,
+    check_seed,
+    check_type,
+    parse_json,
+    require,
+)
+from kvtrace.serve.generation import Generation, local_extra, recorded_params, stored_call
+from kvtrace.store import responses
+from kvtrace.store.apis import ProviderApi, chat_view, native_request
+from kvtrace.store.kinds import STREAM_FIELD, TOKEN_IDS_KEY
+from kvtrace.tracer.endpoints import RESPONSES, response_fields
+
+if TYPE_CHECKING:
+    from kvtrace.serve.recording import StepWrite
+    from kvtrace.store import Step
+    from kvtrace.tracer.recorder import Recorder
+    from kvtrace.tracer.redact import Redactor
+
+RESPONSES_PATH = "/v1/responses"
+NOT_PARAMS = frozenset({"input", "instructions", "tools", "model", "stream"})
+TOOL_CHOICES = ("none", "auto", "required")
+_CONTINUES = ("previous_response_id", "conversation")
+_NOT_LOCAL = (*_CONTINUES, "prompt")
+
+
+@dataclass(frozen=True, slots=True)
+class ResponsesRequest:
+    """A checked Responses request: `body` as sent, its stored form, and its chat view."""
+
+    body: dict[str, Any]
+    native_input: list[dict[str, Any]]
+    instructions: str | None
+    native_tools: list[dict[str, Any]] | None
+    messages: list[dict[str, Any]]  # the chat view, what the engine renders
+    tools: list[dict[str, Any]] | None
+
+    @property
+    def model(self) -> str | None:
+        model = self.body.get("model")
+        return model if isinstance(model, str) else None
+
+    @property
+    def is_stream(self) -> bool:
+        return bool(self.body.get("stream"))
+
+    @property
+    def max_tokens(self) -> int | None:
+        value = self.body.get("max_output_tokens")
+        return int(value) if value is not None else None
+
+    @property
+    def stop(self) -> list[str]:
+        return []
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        return bool(self.tools) and self.body.get("tool_choice") != "none"
+
+
+def parse_responses_request(data: bytes, *, is_local: bool) -> ResponsesRequest:
+    """Check a Responses request body (see the module docstring)."""
+    body = parse_json(data)
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object with model and input")
+    if is_local:
+        require(body, "model", "a string")
+        for name in _NOT_LOCAL:
+            if body.get(name) is not None:
+                raise APIError(400, f"'{name}' needs responses stored by the provider, and "
+                               "kvtrace serve's local mode stores none: send the whole "
+                               "conversation as 'input' (with 'store': false)", param=name,
+                               code="unsupported_parameter")
+        if body.get("background"):
+            raise APIError(400, "'background' responses are not run in local mode: send "
+                           "the request without it", param="background",
+                           code="unsupported_parameter")
+    model = body.get("model")
+    if model is not None and (not isinstance(model, str) or not model):
+        raise APIError(400, "'model' must be a non-empty string", param="model",
+                       code="invalid_type")
+    continues = any(body.get(name) is not None for name in _CONTINUES)
+    if is_local or "input" in body or not continues:
+        given = require(body, "input", "a string or a list of input items")
+        if not isinstance(given, (str, list)) or not given:
+            raise APIError(400, "'input' must be a non-empty string or array of input items",
+                           param="input", code="invalid_type")
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise APIError(400, "'instructions' must be a string", param="instructions",
+                       code="invalid_type")
+    prior = _unstored_calls(body.get("input"), continues=continues)
+    items = _input_items(body.get("input") or [], prior)
+    tools = _normalised(responses.normalize_tools, body.get("tools"), "tools")
+    for index, tool in enumerate(tools or []):
+        if tool["type"] == "function" and not isinstance(tool.get("parameters", {}),
+                                                         (dict, type(None))):
+            raise APIError(400, f"tools[{index}].parameters must be a JSON schema object",
+                           param="tools", code="invalid_value")
+    choice = body.get("tool_choice")
+    if choice is not None and choice not in TOOL_CHOICES and not (
+            isinstance(choice, dict) and isinstance(choice.get("type"), str)):
+        raise APIError(400, "'tool_choice' must be 'none', 'auto', 'required' or an object "
+                       "with a type", param="tool_choice", code="invalid_value")
+    check_number(body, "temperature", 0.0, 2.0)
+    check_number(body, "top_p", 0.0, 1.0, low_open=True)
+    check_max_tokens(body, "max_output_tokens")
+    for name in ("stream", "parallel_tool_calls", "store", "background"):
+        check_type(body, name, bool, "a boolean")
+    check_type(body, "metadata", dict, "an object")
+    check_type(body, "include", list, "an array")
+    check_seed(body)
+    stored = _normalised(lambda _: stored_call(ProviderApi.OPENAI_RESPONSES, items,
+                                               instructions, tools, prior=prior or None),
+                         None, "input")
+    view = chat_view(ProviderApi.OPENAI_RESPONSES, stored)
+    native = native_request(ProviderApi.OPENAI_RESPONSES, stored)
+    return ResponsesRequest(body=body, native_input=stored["input"],
+                            instructions=native.get("instructions"),
+                            native_tools=native.get("tools"),
+                            messages=view.messages, tools=view.tools)
+
+
+def _unstored_calls(value: Any, *, continues: bool) -> list[dict[str, Any]]:
+    """A request that continues a stored response may answer its calls: stand-ins for them
+    (the calls are the upstream's to know; nothing here holds them)."""
+    if not continues or not isinstance(value, list):
+        return []
+    return [{"type": "function_call", "call_id": item.get("call_id")}
+            for item in value if isinstance(item, dict)]
+
+
+def _input_items(value: Any, prior: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    try:
+        return responses.normalize_input(value, prior)
+    except UsageError as exc:
+        raise APIError(400, str(exc), param="input", code="invalid_value") from exc
+
+
+def _normalised(normalise: Any, value: Any, param: str) -> Any:
+    try:
+        return normalise(value)
+    except UsageError as exc:
+        raise APIError(400, str(exc), param=param, code="invalid_value") from exc
+
+
+def output_items(generation: Generation, *, is_incomplete: bool) -> list[dict[str, Any]]:
+    """The output as Responses items: a message with the text, then the function calls."""
+    calls = generation.tool_calls
+    text = (generation.message.get("content") or "") if calls else generation.text
+    items: list[dict[str, Any]] = []
+    if text or not calls:
+        items.append({
+            "type": "message", "id": f"msg_{uuid.uuid4().hex[:24]}",
+            "status": "incomplete" if is_incomplete else "completed", "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": []}]})
+    for call in calls:
+        items.append({"type": "function_call", "id": "fc_" + call["id"].removeprefix("call_"),
+                      "call_id": call["id"], "name": call["function"]["name"],
+                      "arguments": call["function"]["arguments"], "status": "completed"})
+    return items
+
+
+class ResponsesReply:
+    """The local engine's answer to a Responses request (see the module docstring)."""
+
+    def __init__(self, request: ResponsesRequest, generation: Generation, *, model: str) -> None:
+        self.request = request
+        self.generation = generation
+        self.model = model
+        body = request.body
+        is_incomplete = not generation.tool_calls and generation.finish_reason == "length"
+        self.usage = {
+            "input_tokens": generation.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": generation.reused_tokens,
+                                     "cache_write_tokens": 0},
+            "output_tokens": generation.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": generation.prompt_tokens + generation.completion_tokens,
+        }
+        self.body: dict[str, Any] = {
+            "id": f"resp_{uuid.uuid4().hex}", "object": "response",
+            "created_at": int(time.time()),
+            "status": "incomplete" if is_incomplete else "completed", "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if is_incomplete else None,
+            "instructions": request.instructions,
+            "max_output_tokens": body.get("max_output_tokens"),
+            "model": model,
+            "output": output_items(generation, is_incomplete=is_incomplete),
+            "parallel_tool_calls": body.get("parallel_tool_calls", True),
+            "previous_response_id": None,
+            "reasoning": body.get("reasoning"),
+            "store": False,  # nothing is kept to be fetched or continued by id
+            "temperature": body.get("temperature"),
+            "text": body.get("text") or {"format": {"type": "text"}},
+            "tool_choice": body.get("tool_choice", "auto"),
+            "tools": request.native_tools or [],
+            "top_p": body.get("top_p"),
+            "truncation": body.get("truncation", "disabled"),
+            "usage": self.usage,
+            "metadata": body.get("metadata") or {},
+        }
+
+    def events(self) -> Iterator[bytes]:
+        response = self.body
+        numbers = itertools.count()
+
+        def event(kind: str, **fields: Any) -> bytes:
+            data = {"type": kind, **fields, "sequence_number": next(numbers)}
+            return (f"event: {kind}\ndata: " + json.dumps(data, ensure_ascii=False)
+                    + "\n\n").encode()
+
+        shell = {**response, "status": "in_progress", "output": [], "usage": None,
+                 "incomplete_details": None}
+        yield event("response.created", response=shell)
+        yield event("response.in_progress", response=shell)
+        for index, item in enumerate(response["output"]):
+            if item["type"] == "message":
+                yield event("response.output_item.added", output_index=index,
+                            item={**item, "status": "in_progress", "content": []})
+                for part_index, part in enumerate(item["content"]):
+                    where = {"item_id": item["id"], "output_index": index,
+                             "content_index": part_index}
+                    yield event("response.content_part.added", **where,
+                                part={**part, "text": ""})
+                    if part["text"]:
+                        yield event("response.output_text.delta", **where, delta=part["text"],
+                                    logprobs=[])
+                    yield event("response.output_text.done", **where, text=part["text"],
+                                logprobs=[])
+                    yield event("response.content_part.done", **where, part=part)
+            else:
+                where = {"item_id": item["id"], "output_index": index}
+                yield event("response.output_item.added", output_index=index,
+                            item={**item, "arguments": "", "status": "in_progress"})
+                yield event("response.function_call_arguments.delta", **where,
+                            delta=item["arguments"])
+                yield event("response.function_call_arguments.done", **where,
+                            name=item["name"], arguments=item["arguments"])
+            yield event("response.output_item.done", output_index=index, item=item)
+        yield event(f"response.{response['status']}", response=response)
+
+    def step(self, url: str, *, is_complete: bool = True) -> StepWrite:
+        request, generation, response = self.request, self.generation, self.body
+
+        def write(recorder: Recorder, redactor: Redactor) -> Step:
+            usage = {**self.usage, "finish_reason": responses.finish_reason(response),
+                     TOKEN_IDS_KEY: list(generation.output_ids)}
+            own, settings = response_fields(RESPONSES, response)  # as the tracer splits it
+            extra = local_extra(request, generation, url=redactor.url(url),
+                                answered_by=self.model, is_complete=is_complete, response=own)
+            stream = b"".join(self.events()) if request.is_stream else None
+            return recorder.record_model_call(
+                request.native_input, response, model=self.model, tools=request.native_tools,
+                params=redactor.fields(recorded_params(request.body, NOT_PARAMS, generation)),
+                usage=usage, timings=generation.timings, extra=extra,
+                api=ProviderApi.OPENAI_RESPONSES, system=request.instructions,
+                raw={STREAM_FIELD: stream} if stream is not None else None,
+                response_settings=redactor.fields(settings) or None)
+
+        return write
