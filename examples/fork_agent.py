@@ -39,6 +39,7 @@ def main() -> None:
     parser.add_argument("--model", default="gpt-4o-mini")
     parser.add_argument("--folder", type=Path, default=Path.cwd())
     args = parser.parse_args()
+    args.folder.mkdir(parents=True, exist_ok=True)
     client = openai.OpenAI(max_retries=0)
     messages = [{"role": "system", "content": "You keep short notes about the sea."},
                 {"role": "user", "content": "Write the first note about the sea."}]

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from typer.core import TyperGroup
 
-from kvtrace.errors import KvtraceError
+from kvtrace.errors import KvtraceError, UsageError
 from kvtrace.inert import inert, inert_json
 
 if TYPE_CHECKING:  # Typer vendors click; its command class has no public alias
@@ -140,3 +140,19 @@ def announce_conversion(message: str) -> None:
 
     hf_logging.disable_progress_bar()
     say(f"kvtrace: {message}", err=True)
+
+
+def read_edit(path: str) -> dict[str, Any]:
+    """An `--edit FILE`: a JSON object mapping a step's content fields to new values."""
+    import json
+    from pathlib import Path
+
+    try:
+        changes = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise UsageError(f"--edit {path}: {exc.strerror or exc}") from exc
+    except ValueError as exc:
+        raise UsageError(f"--edit {path}: not a JSON object ({exc})") from exc
+    if not isinstance(changes, dict):
+        raise UsageError(f"--edit {path}: not a JSON object of fields")
+    return changes

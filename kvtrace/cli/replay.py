@@ -19,7 +19,15 @@ from typing import TYPE_CHECKING, Annotated, Any, cast
 
 import typer
 
-from kvtrace.cli.app import Json, announce_conversion, app, print_json, say, store_url
+from kvtrace.cli.app import (
+    Json,
+    announce_conversion,
+    app,
+    print_json,
+    read_edit,
+    say,
+    store_url,
+)
 from kvtrace.errors import UsageError
 from kvtrace.paths import default_cache_dir
 from kvtrace.replay.report import ReplayMode
@@ -273,20 +281,11 @@ def branch_command(
     as_json: Json = False,
 ) -> None:
     """Fork K runs from one step and continue each, sharing the prefix's KV; compare them."""
-    import json
-    from pathlib import Path
 
     from kvtrace.replay import SamplingParams
     from kvtrace.replay.branch import branch_out
 
-    changes = None
-    if edit is not None:
-        try:
-            changes = json.loads(Path(edit).read_text(encoding="utf-8"))
-        except ValueError as exc:
-            raise UsageError(f"--edit {edit}: not a JSON object ({exc})") from exc
-        if not isinstance(changes, dict):
-            raise UsageError(f"--edit {edit}: not a JSON object of fields")
+    changes = read_edit(edit) if edit is not None else None
     params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens)
     chosen = _backend("local", model)
     with open_store(store_url(ctx), create=False) as store:

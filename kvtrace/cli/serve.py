@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from kvtrace.cli.app import Json, app, print_json, say, store_url
+from kvtrace.cli.app import Json, app, print_json, read_edit, say, store_url
 from kvtrace.errors import UsageError
 from kvtrace.paths import default_cache_dir
 from kvtrace.store import Store, open_store, validate_run_name
@@ -49,6 +49,15 @@ UpstreamTimeout = Annotated[float, typer.Option(
     "--upstream-timeout",
     help="Upstream mode: seconds the upstream may take to connect or to send the next bytes "
     "of its answer (past it, 504).")]
+FromRun = Annotated[str | None, typer.Option(
+    "--from",
+    help="RUN@K: answer the agent from RUN's recorded model calls up to step K (each request "
+    "that matches the next one), then live, recorded on a fork made where they parted (--run "
+    "names it; default RUN-from-K).")]
+EditFile = Annotated[str | None, typer.Option(
+    "--edit",
+    help="With --from: a JSON file of step K's fields to replace (e.g. {\"response\": "
+    "{...}}): the agent is answered with the edited step.")]
 MAX_QUEUE = 16
 MAX_BODY_BYTES = 16 * 1024 * 1024
 UPSTREAM_TIMEOUT_S = 600.0
@@ -58,8 +67,10 @@ API_KEY_ENV = "KVTRACE_SERVE_API_KEY"
 def _chat_server(store: Store, *, upstream: str | None, model: str | None, run: str | None,
                  run_prefix: str, api_key: str | None, upstream_api_key: str | None,
                  redact_headers: list[str], max_queue: int, max_body_bytes: int,
-                 upstream_timeout: float, strict_model: bool) -> ChatServer:
-    """Check the options (before any model loads), then build the server."""
+                 upstream_timeout: float, strict_model: bool, from_run: str | None = None,
+                 edit: str | None = None, command: str = "serve") -> ChatServer:
+    """Check the options (before any model loads), then build the server; with `from_run`,
+    warm the local engine's KV with the recorded prefix first (fromrun.py)."""
     from kvtrace.serve import make_server
     from kvtrace.serve.app import check_api_key
     from kvtrace.serve.recording import new_run_name
@@ -77,16 +88,33 @@ def _chat_server(store: Store, *, upstream: str | None, model: str | None, run: 
         raise UsageError(f"--upstream-timeout must be > 0 seconds, not {upstream_timeout}")
     check_api_key(api_key, "--api-key")
     check_api_key(upstream_api_key, "--upstream-api-key")
+    changes = read_edit(edit) if edit is not None else None
+    if changes is not None and from_run is None:
+        raise UsageError("--edit changes step K of --from RUN@K: give --from too")
+    if from_run is not None and run is None:
+        from kvtrace.tracer.prefix import free_fork_name
+
+        run = free_fork_name(store, from_run.replace("@", "-from-").replace("~", "-back-"))
     run = validate_run_name(run) if run is not None else new_run_name(store, run_prefix)
+    if from_run is not None:
+        store.path(from_run)  # an unknown RUN@K fails here, before any model loads
     backend = None
     if upstream is None:
         from kvtrace.replay import open_local_backend
 
         backend = open_local_backend(model, cache_dir=default_cache_dir())
-    return make_server(backend=backend, upstream=upstream, store=store, run=run, api_key=api_key,
-                       upstream_api_key=upstream_api_key, redact_headers=redact_headers,
-                       max_queue=max_queue, max_body_bytes=max_body_bytes,
-                       upstream_timeout=upstream_timeout, strict_model=strict_model)
+    server = make_server(backend=backend, upstream=upstream, store=store, run=run,
+                         api_key=api_key, upstream_api_key=upstream_api_key,
+                         redact_headers=redact_headers, max_queue=max_queue,
+                         max_body_bytes=max_body_bytes, upstream_timeout=upstream_timeout,
+                         strict_model=strict_model, from_run=from_run, edit=changes)
+    if from_run is not None and backend is not None:
+        from kvtrace.serve.fromrun import warm
+
+        tokens = warm(store, from_run, backend)
+        say(f"kvtrace {command}: the KV of {from_run}'s {tokens:,} prompt tokens is warm",
+            err=True)
+    return server
 
 
 def _say_model_rule(server: ChatServer, command: str) -> None:
@@ -127,6 +155,8 @@ def serve_command(
         "--max-body-bytes", help="Largest request body accepted (else 413).")] = MAX_BODY_BYTES,
     upstream_timeout: UpstreamTimeout = UPSTREAM_TIMEOUT_S,
     strict_model: StrictModel = False,
+    from_run: FromRun = None,
+    edit: EditFile = None,
     as_json: Json = False,
 ) -> None:
     """A server for the OpenAI chat, Anthropic Messages and OpenAI Responses APIs that records
@@ -139,16 +169,17 @@ def serve_command(
                               api_key=api_key, upstream_api_key=upstream_api_key,
                               redact_headers=redact_header or [], max_queue=max_queue,
                               max_body_bytes=max_body_bytes, upstream_timeout=upstream_timeout,
-                              strict_model=strict_model)
+                              strict_model=strict_model, from_run=from_run, edit=edit)
         running = BackgroundServer(server.app, host=host, port=port).start()
         say(f"kvtrace serve: {running.url} ({server.answerer.description}), recording into run "
             f"'{server.default_run}' of {store.display_url}; Ctrl-C stops", err=True)
         _say_model_rule(server, "serve")
         running.wait()
     if as_json:
-        print_json(_summary(server.stats))
+        print_json({**_summary(server.stats), **_from_summary(server)})
         return
     _print_summary(server.stats)
+    _print_from(server, "serve")
 
 
 def check_listening(host: str, port: int, api_key: str | None, *, env: str, what: str) -> None:
@@ -177,6 +208,8 @@ def record_command(
     redact_header: Redact = None,
     upstream_timeout: UpstreamTimeout = UPSTREAM_TIMEOUT_S,
     strict_model: StrictModel = False,
+    from_run: FromRun = None,
+    edit: EditFile = None,
     as_json: Json = False,
 ) -> None:
     """Run COMMAND against a recording server on a free loopback port (OPENAI_BASE_URL,
@@ -191,17 +224,39 @@ def record_command(
                               api_key=None, upstream_api_key=upstream_api_key,
                               redact_headers=redact_header or [], max_queue=MAX_QUEUE,
                               max_body_bytes=MAX_BODY_BYTES, upstream_timeout=upstream_timeout,
-                              strict_model=strict_model)
+                              strict_model=strict_model, from_run=from_run, edit=edit,
+                              command="record")
         with BackgroundServer(server.app) as running:
             say(f"kvtrace record: run '{server.default_run}', {running.url}", err=True)
             _say_model_rule(server, "record")
             code = run_command(command, client_env(os.environ, running.url))
     if as_json:
         sys.stdout.flush()
-        print_json({"run": server.default_run, "exit_code": code, **_summary(server.stats)})
+        print_json({"run": server.default_run, "exit_code": code, **_summary(server.stats),
+                    **_from_summary(server)})
     else:
         _print_summary(server.stats, default=server.default_run)
+        _print_from(server, "record")
     raise typer.Exit(code)
+
+
+def _from_summary(server: ChatServer) -> dict[str, object]:
+    """--json's `from` object (with --from): what the recorded part did."""
+    summary = getattr(server.answerer, "summary", None)
+    if summary is None:
+        return {}
+    stats = server.stats.get(summary.fork)
+    return {"from": {**summary.to_dict(),
+                     "reused_tokens": stats.cached_tokens if stats is not None else 0}}
+
+
+def _print_from(server: ChatServer, command: str) -> None:
+    """The closing line of a --from run: "6 of 6 recorded calls answered ..."."""
+    summary = getattr(server.answerer, "summary", None)
+    if summary is not None:
+        stats = server.stats.get(summary.fork)
+        say(f"kvtrace {command}: " + summary.line(stats.cached_tokens if stats else None),
+            err=True)
 
 
 def _summary(stats: dict[str, RunStats]) -> dict[str, object]:

@@ -142,3 +142,48 @@ def test_bad_input_is_refused_before_anything_starts(recorded, tiny_engine, opti
         make_server(backend=LocalBackend(tiny_engine, KVCache(tiny_engine)), store=store,
                     **{"run": "fork", **options})
     assert {info.name: info.head_id for info in store.runs()} == runs
+
+
+def test_record_from_on_the_command_line(tmp_path, monkeypatch, capfd, tiny_model_folder):
+    """`kvtrace record --from RUN@K -- CMD` as a user runs it, bad input included."""
+    from kvtrace import open_store
+    from kvtrace.cli import main
+
+    monkeypatch.setenv("KVTRACE_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("KVTRACE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("KVTRACE_STORE", raising=False)
+
+    def kv(*argv: str) -> tuple[int, str]:
+        with pytest.raises(SystemExit) as exit_info:
+            main(list(argv))
+        return int(exit_info.value.code or 0), capfd.readouterr().err
+
+    agent = [sys.executable, str(AGENT), "--calls", "4"]
+    code, _ = kv("record", "--model", str(tiny_model_folder), "--run", "base", "--",
+                 *agent, "--folder", str(tmp_path / "a"))
+    assert code == 0
+    code, err = kv("record", "--model", str(tiny_model_folder), "--from", "base@2", "--",
+                   *agent, "--folder", str(tmp_path / "b"))
+    assert code == 0, err
+    assert "2 of 2 recorded calls answered from the recording, first live call at step 3" in err
+    with open_store() as store:
+        base, fork = model_calls(store, "base"), model_calls(store, "base-from-2")
+        assert [s.id for s in fork[:2]] == [s.id for s in base[:2]] and len(fork) == 4
+    edit = tmp_path / "edit.json"
+    edit.write_text('{"colour": "red"}')
+    for argv, message in [
+        (["--from", "nope@2"], "nope"),
+        (["--from", "base@9"], "base@9"),
+        (["--edit", str(edit)], "--edit changes step K of --from RUN@K"),
+        (["--from", "base@2", "--edit", str(edit)], "no field 'colour'"),
+        (["--from", "base@2", "--edit", str(tmp_path / "missing.json")], "missing.json"),
+    ]:
+        code, err = kv("record", "--model", str(tiny_model_folder), *argv, "--", *agent)
+        assert code == 2, err
+        assert err.startswith("error:") and message in err and len(err.strip().splitlines()) == 1
+    with open_store() as store:
+        assert sorted(info.name for info in store.runs()) == ["base", "base-from-2"]
+    # An agent that exits at once: nothing answered, nothing live, no fork made.
+    code, err = kv("record", "--model", str(tiny_model_folder), "--from", "base@2", "--",
+                   sys.executable, "-c", "pass")
+    assert code == 0 and "0 of 2 recorded calls answered from the recording, no live call" in err
