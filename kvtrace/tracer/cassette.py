@@ -58,7 +58,7 @@ from kvtrace.errors import UnrecordedRequestError, UsageError
 from kvtrace.rendering import content_text
 from kvtrace.store import Run, Step
 from kvtrace.store.apis import ProviderApi
-from kvtrace.store.kinds import HttpExchange, ModelCall, StepKind, view
+from kvtrace.store.kinds import TOKEN_IDS_KEY, HttpExchange, ModelCall, StepKind, view
 from kvtrace.store.messages import normalize_messages, normalize_tools
 from kvtrace.tracer import sse
 from kvtrace.tracer.clients import response_class
@@ -349,6 +349,7 @@ def recorded_completion(step: Step) -> dict[str, Any]:
     usage = call.raw_usage
     finish_reason = usage.pop("finish_reason", None)
     usage.pop("cached_tokens", None)  # lifted from prompt_tokens_details, which stays
+    usage.pop(TOKEN_IDS_KEY, None)  # kvtrace's own record of the tokens it generated
     response = call.extra.get("response")
     response = response if isinstance(response, Mapping) else {}
     completion: dict[str, Any] = {

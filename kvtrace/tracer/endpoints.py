@@ -38,7 +38,7 @@ from urllib.parse import urlsplit
 from kvtrace.errors import UsageError
 from kvtrace.store import Step
 from kvtrace.store.apis import ProviderApi, edit_normalizers
-from kvtrace.store.kinds import ModelCall, StepKind
+from kvtrace.store.kinds import TOKEN_IDS_KEY, ModelCall, StepKind
 from kvtrace.store.responses import normalize_input
 from kvtrace.tracer import sse_anthropic, sse_responses
 from kvtrace.tracer.sse import Assembled
@@ -172,6 +172,7 @@ def rebuilt_response(step: Step) -> dict[str, Any]:
     native = dict(call.native.get("response") or {})
     usage = call.raw_usage
     usage.pop("finish_reason", None)  # kvtrace's, in chat's vocabulary
+    usage.pop(TOKEN_IDS_KEY, None)  # kvtrace's own record of the tokens it generated
     extra = call.extra.get("response")
     extra = dict(extra) if isinstance(extra, Mapping) else {}
     if call.api is ProviderApi.ANTHROPIC_MESSAGES:
