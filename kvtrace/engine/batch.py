@@ -208,7 +208,8 @@ class DecodeBatcher:
     def _take(self) -> list[_Job]:
         """Queued calls, and generations while the batch has room, in queue order."""
         room = self.max_batch - len(self._running)
-        taken, kept = [], deque()
+        taken: list[_Job] = []
+        kept: deque[_Job] = deque()
         while self._queue:
             job = self._queue.popleft()
             if job.work is None and room <= 0:

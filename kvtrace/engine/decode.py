@@ -92,7 +92,7 @@ class RowRouter(DynamicCache):
         self.sequences = list(sequences)
         self.rows: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
-    def update(  # type: ignore[override]
+    def update(
         self,
         key_states: torch.Tensor,
         value_states: torch.Tensor,
