@@ -196,3 +196,29 @@ def test_closed_batcher_refuses_jobs(tiny_engine):
         batcher.generate([5, 6, 7], max_new_tokens=2)
     with pytest.raises(UsageError, match="max_batch"):
         DecodeBatcher(tiny_engine, None, max_batch=0)
+
+
+def test_local_backend_batching_answers_threads_as_alone(tiny_engine, tokens):
+    from kvtrace.replay.backend import CallRequest, SamplingParams
+    from kvtrace.replay.local import LocalBackend
+
+    prompts = _prompts(tokens, 4)
+    calls = [CallRequest([], p, SamplingParams(max_new_tokens=5, **_sampling(i)))
+             for i, p in enumerate(prompts)]
+    alone = [LocalBackend(tiny_engine, KVCache(tiny_engine)).generate(c) for c in calls]
+    backend = LocalBackend(tiny_engine, KVCache(tiny_engine)).batching()
+    rebuild = CallRequest([], prompts[0], SamplingParams(), output_ids=[7, 8, 9])
+    results: list = [None] * (len(calls) + 1)
+
+    def run(i: int) -> None:
+        results[i] = backend.generate(calls[i]) if i < len(calls) else backend.rebuild(rebuild)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(results))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    backend.settle()
+    assert [r.output_ids for r in results[:-1]] == [r.output_ids for r in alone]
+    assert [r.seed for r in results[:-1]] == [r.seed for r in alone]
+    assert results[-1].output_ids == [7, 8, 9]
