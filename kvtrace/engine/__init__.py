@@ -4,11 +4,13 @@
     cache = KVCache(engine, disk_dir=default_cache_dir() / "kv")
     ids = engine.chat_tokens([{"role": "user", "content": "hi"}])
     out = generate(engine, cache, ids, max_new_tokens=32)
+    batcher = DecodeBatcher(engine, cache)        # the same, from many threads, decoded together
 
 Layering: depends on torch/transformers and kvtrace.errors/paths only; never
 on kvtrace.store, kvtrace.replay or kvtrace.cli.
 """
 
+from kvtrace.engine.batch import DecodeBatcher
 from kvtrace.engine.cache import DEFAULT_BLOCK_SIZE, KVCache, PrefixHit, TierStats
 from kvtrace.engine.folders import build_tiny_model, default_model_dir
 from kvtrace.engine.generate import GenerateResult, generate, settle
@@ -22,6 +24,7 @@ request_reproducible_gemm()  # before the engine computes anything (importing co
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
     "ChatTokenizer",
+    "DecodeBatcher",
     "Engine",
     "GenerateResult",
     "KVCache",

@@ -35,10 +35,12 @@ multiple of 16 each), each block attending to the keys up to its last row.
 That is the same computation as a prefill chunk ending there, which gives a
 row the same bits by the rules above (at 5k tokens of context a 430-row
 forward's scores alone would be ~80 MB per layer call). Decode steps (one
-query row) go to torch's `scaled_dot_product_attention` instead: their KV
-is not canonical and is never stored (see generate.py), and the cached and
-uncached paths decode identically from identical KV, so greedy tokens still
-match bit for bit.
+query row per sequence, decode.py) go to torch's `scaled_dot_product_attention`
+instead, each sequence's row over its own K/V, handed over by the step's
+`RowRouter` (the `ROUTER_KWARG` model argument): their KV is not canonical
+and is never stored (see generate.py), and the cached and uncached paths,
+alone or batched, decode identically from identical KV, so greedy tokens
+still match bit for bit.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ import torch.nn.functional as F
 
 ATTN_IMPLEMENTATION = "kvtrace_canonical"
 TILE = 64
+ROUTER_KWARG = "kvtrace_rows"  # a decode step's per-sequence K/V (decode.py's RowRouter)
 SCORE_BYTES = 32 * 1024**2
 _QUERY_BLOCK_MULTIPLE = 16  # prefill's ROW_MULTIPLE: blocks are row counts a forward may have
 
@@ -78,12 +81,11 @@ def canonical_attention(
     q_len, head_dim = query.shape[2], query.shape[3]
     num_kv_heads, kv_len = key.shape[1], key.shape[2]
     scale = scaling if scaling is not None else head_dim**-0.5
+    router = kwargs.get(ROUTER_KWARG)
+    if router is not None:
+        return _decode_attention(query, router.rows[module.layer_idx], scale), None
     if q_len == 1:
-        # A decode step: its KV is never stored and both the cached and the
-        # uncached path decode the same way, so the fastest kernel will do.
-        # (Tiling here would copy all of K and V per layer per token.)
-        single = F.scaled_dot_product_attention(query, key, value, scale=scale, enable_gqa=True)
-        return single.transpose(1, 2).contiguous(), None
+        return _decode_attention(query, [(key, value)], scale), None
     batch, num_heads = query.shape[0], query.shape[1]
     groups = num_heads // num_kv_heads
     num_tiles = -(-kv_len // TILE)
@@ -113,6 +115,26 @@ def canonical_attention(
             batch, num_heads, hi - lo, head_dim))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _decode_attention(
+    query: torch.Tensor, rows: list[tuple[torch.Tensor, torch.Tensor]], scale: float
+) -> torch.Tensor:
+    """A decode step's attention: query row i over sequence i's own K/V; zeros past them.
+
+    `query` is `[1, heads, width, dim]` (one row per sequence, then padding
+    rows); returns `[1, width, heads, dim]`. Decoded KV is never stored and
+    a sequence's row is computed the same way alone or among others, so the
+    fastest kernel will do (tiling here would copy all of K and V per layer
+    per token).
+    """
+    out = query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
+    for i, (key, value) in enumerate(rows):
+        single = F.scaled_dot_product_attention(
+            query[:, :, i : i + 1], key, value, scale=scale, enable_gqa=True
+        )
+        out[:, i : i + 1] = single.transpose(1, 2)
+    return out
 
 
 def _query_block(q_len: int, num_tiles: int, num_kv_heads: int, groups: int,

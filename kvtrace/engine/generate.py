@@ -1,8 +1,11 @@
 """Generation on top of the one prefill function: decoding, sampling, drafts.
 
-Decoding runs one token per forward on the DynamicCache that prefill left.
-Those rows are not canonical (a 1-row forward does not give the bits of a
-padded 64-row chunk), so after generation the output is re-prefilled
+Decoding runs one token per forward on the DynamicCache that prefill left,
+in a padded forward of 16 rows that may decode other sequences too
+(decode.py; batch.py gathers them): a generation's tokens and logits are the
+same alone or batched. Those rows are not canonical (one query row's
+attention is not the tiled attention of a prefill chunk), so after
+generation the output is re-prefilled
 canonically on top of the cached prompt (`insert_output=True`): the next
 prompt, which contains it, then hits it in full with the bits a cold
 computation would give. With `defer_output=True` that re-prefill is not run
@@ -23,7 +26,7 @@ cached: in a replay the next prompt holds the recorded response, so it is
 reused there. (Without a cache the fallback computes the prompt again.)
 
 Why the margin: the check's logits come from canonical chunks, decoding's
-from 1-row forwards; the two differ in the last bits (measured on the
+from decode steps; the two differ in the last bits (measured on the
 default model on CPU at ~2,000-token contexts: at most 1.1e-4 on logits up
 to ~45 in fp32). A position whose top two logits are closer than the margin
 could be ordered differently by decoding, so it rejects the draft and
@@ -42,6 +45,7 @@ from enum import StrEnum
 import torch
 
 from kvtrace.engine.cache import KVCache
+from kvtrace.engine.decode import Decoding, decode_step
 from kvtrace.engine.model import Engine
 from kvtrace.engine.prefill import PrefillResult, prefill
 from kvtrace.errors import GenerationCancelledError, UsageError
@@ -126,6 +130,49 @@ def generate(
     with GenerationCancelledError, and the output so far is not cached (the
     prompt, prefilled, stays cached).
     """
+    begun = begin(
+        engine,
+        cache,
+        prompt_ids,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        seed=seed,
+        stop_ids=stop_ids,
+        insert_output=insert_output,
+        block_size=block_size,
+        draft_ids=draft_ids,
+        defer_output=defer_output,
+        is_cancelled=is_cancelled,
+    )
+    if isinstance(begun, GenerateResult):
+        return begun
+    while not begun.advance():
+        decode_step(engine, [begun.decoding])
+    return begun.finish()
+
+
+def begin(
+    engine: Engine,
+    cache: KVCache | None,
+    prompt_ids: Sequence[int],
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    stop_ids: Iterable[int] | None = None,
+    insert_output: bool = True,
+    block_size: int | None = None,
+    draft_ids: Sequence[int] | None = None,
+    defer_output: bool = False,
+    is_cancelled: Callable[[], bool] | None = None,
+) -> GenerateResult | Generation:
+    """`generate` up to its first decode step: the result (an accepted draft), or the
+    generation to step (`advance`, `decode_step`, `finish`), alone or in a batch (batch.py).
+
+    Arguments as `generate`'s.
+    """
     if max_new_tokens < 0:
         raise UsageError("max_new_tokens must be >= 0")
     if temperature < 0 or not 0 < top_p <= 1:
@@ -166,48 +213,114 @@ def generate(
         used_seed = int(seed) if seed is not None else int(torch.seed() % (2**63))
         generator = torch.Generator(device=engine.device)
         generator.manual_seed(used_seed)
-    started = time.perf_counter()
-    out: list[int] = []
-    finish = "length"
-    logits = pre.logits
-    with torch.inference_mode():
-        for step in range(max_new_tokens):
-            if is_cancelled is not None and is_cancelled():
-                raise GenerationCancelledError(f"generation cancelled after {step} tokens")
-            token = _choose(logits, temperature, top_p, generator)
-            out.append(token)
-            if token in stops:
-                finish = "stop"
-                break
-            if step + 1 == max_new_tokens:
-                break
-            result = engine.model(
-                input_ids=torch.tensor([[token]], device=engine.device),
-                cache=pre.kv,
-                use_cache=True,
-                logits_to_keep=1,
-            )
-            logits = result.logits[0, -1].float()
-    decode_seconds = time.perf_counter() - started + check_seconds
-    insert_seconds = 0.0
-    if insert_output and cache is not None and out:
-        if defer_output:
-            cache.defer([*prompt_ids, *out], len(prompt_ids))
-        else:
-            # Store prompt + output canonically: the prompt is cached (it was
-            # just prefilled), so only the output tokens are computed.
-            insert_seconds = prefill(engine, cache, [*prompt_ids, *out]).seconds
-    return GenerateResult(
-        token_ids=tuple(out),
-        text=engine.decode(out),
-        finish_reason=finish,
-        prefill=checked if checked is not None else pre,
-        prefill_seconds=pre.seconds + (checked.seconds if checked is not None else 0.0),
-        decode_seconds=decode_seconds,
-        insert_seconds=insert_seconds,
-        seed=used_seed,
-        draft=DraftVerdict.REJECTED if checked is not None else None,
+    decoding = Decoding(
+        pre.kv, pre.logits, temperature=temperature, top_p=top_p, generator=generator
     )
+    return Generation(
+        engine,
+        cache,
+        [int(t) for t in prompt_ids],
+        decoding,
+        pre=pre,
+        checked=checked,
+        check_seconds=check_seconds,
+        seed=used_seed,
+        stops=stops,
+        max_new_tokens=max_new_tokens,
+        insert_output=insert_output,
+        defer_output=defer_output,
+        is_cancelled=is_cancelled,
+    )
+
+
+class Generation:
+    """A prefilled generation between its decode steps (`begin`).
+
+    `advance` chooses the next token (or says the generation is over),
+    `decode_step(engine, [g.decoding, ...])` computes the logits after it,
+    `finish` stores the output as `generate` does and returns the result.
+    """
+
+    __slots__ = (
+        "cache", "check_seconds", "checked", "decoding", "defer_output", "engine",
+        "finish_reason", "insert_output", "is_cancelled", "max_new_tokens", "pre",
+        "prompt_ids", "seed", "started", "stops",
+    )
+
+    def __init__(
+        self,
+        engine: Engine,
+        cache: KVCache | None,
+        prompt_ids: list[int],
+        decoding: Decoding,
+        *,
+        pre: PrefillResult,
+        checked: PrefillResult | None,
+        check_seconds: float,
+        seed: int | None,
+        stops: frozenset[int],
+        max_new_tokens: int,
+        insert_output: bool,
+        defer_output: bool,
+        is_cancelled: Callable[[], bool] | None,
+    ) -> None:
+        self.engine = engine
+        self.cache = cache
+        self.prompt_ids = prompt_ids
+        self.decoding = decoding
+        self.pre = pre
+        self.checked = checked
+        self.check_seconds = check_seconds
+        self.seed = seed
+        self.stops = stops
+        self.max_new_tokens = max_new_tokens
+        self.insert_output = insert_output
+        self.defer_output = defer_output
+        self.is_cancelled = is_cancelled
+        self.finish_reason = "length"
+        self.started = time.perf_counter()
+
+    def advance(self) -> bool:
+        """Choose the next token; True when generation is over (it needs no decode step).
+
+        Raises GenerationCancelledError when `is_cancelled` says so.
+        """
+        out = self.decoding.tokens
+        if len(out) == self.max_new_tokens:
+            return True
+        if self.is_cancelled is not None and self.is_cancelled():
+            raise GenerationCancelledError(f"generation cancelled after {len(out)} tokens")
+        with torch.inference_mode():
+            token = self.decoding.choose()
+        if token in self.stops:
+            self.finish_reason = "stop"
+            return True
+        return len(out) == self.max_new_tokens
+
+    def finish(self) -> GenerateResult:
+        """Store the output (now, or owed: `defer_output`) and return the result."""
+        engine, cache, out = self.engine, self.cache, self.decoding.tokens
+        decode_seconds = time.perf_counter() - self.started + self.check_seconds
+        insert_seconds = 0.0
+        if self.insert_output and cache is not None and out:
+            if self.defer_output:
+                cache.defer([*self.prompt_ids, *out], len(self.prompt_ids))
+            else:
+                # Store prompt + output canonically: the prompt is cached (it was
+                # just prefilled), so only the output tokens are computed.
+                insert_seconds = prefill(engine, cache, [*self.prompt_ids, *out]).seconds
+        checked, pre = self.checked, self.pre
+        return GenerateResult(
+            token_ids=tuple(out),
+            text=engine.decode(out),
+            finish_reason=self.finish_reason,
+            prefill=checked if checked is not None else pre,
+            prefill_seconds=pre.seconds + (checked.seconds if checked is not None else 0.0),
+            decode_seconds=decode_seconds,
+            insert_seconds=insert_seconds,
+            seed=self.seed,
+            draft=DraftVerdict.REJECTED if checked is not None else None,
+        )
 
 
 def settle(engine: Engine, cache: KVCache | None) -> None:
@@ -264,22 +377,3 @@ def _top_two(rows: torch.Tensor) -> torch.Tensor:
     """Per row: [argmax, top logit, runner-up logit] (ids below 2**24 are exact in fp32)."""
     values, indices = torch.topk(rows, 2, dim=-1)
     return torch.stack([indices[:, 0].float(), values[:, 0], values[:, 1]], dim=1)
-
-
-def _choose(
-    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None
-) -> int:
-    if temperature == 0 or generator is None:
-        return int(torch.argmax(logits).item())
-    # In float64 (1e-300 is 0 in float32) and shifted so the top logit is 0: a temperature
-    # near 0 then sends the others to -inf, not inf - inf = NaN (greedy, as in the limit).
-    shifted = logits.double() - logits.max().double()
-    probs = torch.softmax(shifted / temperature, dim=-1).to(logits.dtype)
-    if top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < top_p
-        keep[..., 0] = True  # the top token always (a top_p of 1e-300 is 0 in float32)
-        sorted_probs = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
-        choice = torch.multinomial(sorted_probs, 1, generator=generator)
-        return int(order[choice].item())
-    return int(torch.multinomial(probs, 1, generator=generator).item())

@@ -175,6 +175,20 @@ class GrowingLayer(DynamicLayer):
         buffer.frozen = length
         return buffer
 
+    def detach(self) -> None:
+        """Copy this layer's rows into a buffer of its own, leaving the old one to others.
+
+        For a sequence that keeps decoding while the cache's next prefill may
+        take its buffer over (batch.py): that prefill then writes where this
+        layer no longer reads.
+        """
+        if self._buffer is None or not self._length:
+            return
+        self._check_intact()
+        with torch.inference_mode():
+            self._detach(self._length, like=self._buffer.keys)
+        self._set_length(self._length)
+
     def _detach(self, rows: int, *, like: torch.Tensor) -> KVBuffer:
         """A buffer of this layer's own with room for `rows`, its current rows copied in."""
         old = self._buffer

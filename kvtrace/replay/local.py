@@ -34,14 +34,17 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvtrace.errors import BackendError, ReplayError
 from kvtrace.replay.backend import Backend, CallRequest, CallResult, Tokenizer
 from kvtrace.replay.recording import output_text
 
+T = TypeVar("T")
+
 if TYPE_CHECKING:  # the engine imports torch: load it only when a backend is built
     from kvtrace.engine import Engine, KVCache, PrefillResult
+    from kvtrace.engine.batch import DecodeBatcher
     from kvtrace.engine.faults import DiskFaults
 
 
@@ -49,10 +52,22 @@ class LocalBackend:
     """The engine, with a KV cache (or none: every token computed)."""
 
     def __init__(self, engine: Engine, cache: KVCache | None, *,
-                 defer_output: bool = True) -> None:
+                 defer_output: bool = True, batcher: DecodeBatcher | None = None) -> None:
         self._engine = engine
         self._cache = cache
         self._defer_output = defer_output
+        self._batcher = batcher
+
+    def batching(self, *, max_batch: int | None = None) -> LocalBackend:
+        """This backend behind one engine thread (`kvtrace.engine.batch.DecodeBatcher`):
+        `generate`, `rebuild` and `settle` may then be called from many threads, and
+        concurrent generations are decoded together, each with the result it gets alone."""
+        from kvtrace.engine.batch import DEFAULT_MAX_BATCH, DecodeBatcher
+
+        batcher = DecodeBatcher(self._engine, self._cache,
+                                max_batch=max_batch or DEFAULT_MAX_BATCH)
+        return LocalBackend(self._engine, self._cache, defer_output=self._defer_output,
+                            batcher=batcher)
 
     @property
     def name(self) -> str:
@@ -76,13 +91,13 @@ class LocalBackend:
 
     def storing_output(self) -> LocalBackend:
         """This backend with each generated output stored before `generate` returns."""
-        return LocalBackend(self._engine, self._cache, defer_output=False)
+        return LocalBackend(self._engine, self._cache, defer_output=False, batcher=self._batcher)
 
     def settle(self) -> None:
         """Store owed outputs (module docstring), so a later process finds them on disk."""
         from kvtrace.engine import settle
 
-        settle(self._engine, self._cache)
+        self._run(lambda: settle(self._engine, self._cache))
 
     def take_cache_faults(self) -> DiskFaults | None:
         """The disk tier's faults since last asked (see `KVCache.take_disk_faults`)."""
@@ -95,13 +110,15 @@ class LocalBackend:
                  is_cancelled: Callable[[], bool] | None = None) -> CallResult:
         """`request`'s answer; `is_cancelled` may stop it between decode steps (the engine's
         `generate`: GenerationCancelledError)."""
+        from functools import partial
+
         from kvtrace.engine import generate
 
         prompt = self._prompt_ids(request)
         params = request.params
-        out = generate(
-            self._engine,
-            self._cache,
+        run = (self._batcher.generate if self._batcher is not None
+               else partial(generate, self._engine, self._cache))
+        out = run(
             prompt,
             max_new_tokens=params.max_new_tokens,
             temperature=params.temperature,
@@ -132,6 +149,10 @@ class LocalBackend:
             draft=out.draft,
         )
 
+    def _run(self, work: Callable[[], T]) -> T:
+        """`work()`, on the batcher's engine thread when there is one."""
+        return self._batcher.call(work) if self._batcher is not None else work()
+
     def _prompt_ids(self, request: CallRequest) -> list[int]:
         """The prompt's ids, refused past the model's context as a server refuses them."""
         if request.prompt_ids is None:
@@ -150,7 +171,7 @@ class LocalBackend:
         prompt = self._prompt_ids(request)
         output = list(request.output_ids or [])
         started = time.perf_counter()
-        result = prefill(self._engine, self._cache, prompt + output)
+        result = self._run(lambda: prefill(self._engine, self._cache, prompt + output))
         elapsed = time.perf_counter() - started
         memory, disk = _prompt_reuse(result, len(prompt))
         return CallResult(

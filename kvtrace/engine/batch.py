@@ -1,0 +1,273 @@
+"""One engine thread that decodes concurrent generations together.
+
+`DecodeBatcher(engine, cache)` is the engine and its KV cache made safe to
+use from many threads: `generate` (the arguments of
+`kvtrace.engine.generate`) and `call` (any other work on the cache, e.g. a
+replay's rebuild prefill) queue a job and wait for it. One thread, started
+at the first job, does all the work, in a loop like a serving engine's:
+
+1. admit queued jobs: a call runs; a generation is prefilled (`begin`) and
+   joins the running ones, up to `max_batch` (the rest wait their turn);
+2. each running generation chooses its next token from its own logits (its
+   own seeded generator when sampling), or is over: a stop token,
+   `max_new_tokens`, or `is_cancelled` saying so (GenerationCancelledError
+   for that caller only); a finished one stores its output as `generate`
+   does (`insert_output` / `defer_output`) and leaves;
+3. one forward feeds every running generation its token (decode.py: the
+   linear layers over all rows, attention per sequence on its own KV).
+
+What a generation gets is exactly what `generate` gives alone: the same
+functions run it (`begin`, `Generation.advance`, `decode_step`,
+`Generation.finish`) and a decode step gives a sequence the same bits
+whatever else shares it (decode.py). So are the cache's contents: prompts
+and outputs are stored by the same prefills, in admission and finishing
+order.
+
+KV that must outlive a prefill: a prefill may take over the buffers of the
+cache's live sequence, the last one prefilled (cache.py), and write over
+rows past the prefix it reuses. When that sequence is still decoding, it
+first moves its KV into buffers of its own (`Decoding.detach`, one copy of
+its rows), so only concurrent generations pay for it; one after another
+none does.
+
+`close` lets every queued job finish, then ends the thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
+
+from kvtrace.engine.cache import KVCache
+from kvtrace.engine.decode import decode_step
+from kvtrace.engine.generate import GenerateResult, Generation, begin
+from kvtrace.engine.model import Engine
+from kvtrace.engine.prefill import ROW_MULTIPLE
+from kvtrace.errors import GenerationCancelledError, UsageError
+
+T = TypeVar("T")
+
+DEFAULT_MAX_BATCH = ROW_MULTIPLE  # one 16-row decode forward
+
+
+class _Job:
+    """A queued request and, once done, its result or error (for the waiting caller)."""
+
+    __slots__ = ("done", "error", "options", "prompt_ids", "result", "work")
+
+    def __init__(
+        self,
+        *,
+        work: Callable[[], Any] | None = None,
+        prompt_ids: Sequence[int] = (),
+        options: dict[str, Any] | None = None,
+    ) -> None:
+        self.work = work
+        self.prompt_ids = prompt_ids
+        self.options = options or {}
+        self.done = threading.Event()
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+    def succeed(self, result: Any) -> None:
+        self.result = result
+        self.done.set()
+
+    def fail(self, error: BaseException) -> None:
+        if isinstance(error, GenerationCancelledError):
+            # A fresh one: the raised one's traceback holds the engine thread's
+            # frames, and through them the generation's KV.
+            error = GenerationCancelledError(str(error))
+        self.error = error
+        self.done.set()
+
+
+class DecodeBatcher:
+    """The engine and its cache behind one thread that decodes generations together."""
+
+    def __init__(
+        self, engine: Engine, cache: KVCache | None, *, max_batch: int = DEFAULT_MAX_BATCH
+    ) -> None:
+        if max_batch < 1:
+            raise UsageError(f"max_batch={max_batch}: at least 1 generation", param="max_batch")
+        self.engine = engine
+        self.cache = cache
+        self.max_batch = max_batch
+        self._cond = threading.Condition()
+        self._queue: deque[_Job] = deque()
+        self._running: list[tuple[_Job, Generation]] = []
+        self._live: Generation | None = None  # the generation whose KV the cache holds live
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self.num_steps = 0  # decode forwards run
+        self.num_step_rows = 0  # generations they decoded, summed
+        self.max_step_rows = 0  # the most generations one forward decoded
+
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        *,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop_ids: Iterable[int] | None = None,
+        insert_output: bool = True,
+        block_size: int | None = None,
+        draft_ids: Sequence[int] | None = None,
+        defer_output: bool = False,
+        is_cancelled: Callable[[], bool] | None = None,
+    ) -> GenerateResult:
+        """`kvtrace.engine.generate(engine, cache, prompt_ids, ...)`, decoded with the others.
+
+        Blocks until the generation is over; the same result, tokens and
+        logits as alone. `is_cancelled` is asked on the engine thread.
+        """
+        options = {
+            "max_new_tokens": max_new_tokens,
+            "temperature": temperature,
+            "top_p": top_p,
+            "seed": seed,
+            "stop_ids": None if stop_ids is None else list(stop_ids),
+            "insert_output": insert_output,
+            "block_size": block_size,
+            "draft_ids": draft_ids,
+            "defer_output": defer_output,
+            "is_cancelled": is_cancelled,
+        }
+        result: GenerateResult = self._wait(_Job(prompt_ids=list(prompt_ids), options=options))
+        return result
+
+    def call(self, work: Callable[[], T]) -> T:
+        """Run `work()` on the engine thread between decode steps; its result.
+
+        For anything else that uses the engine or the cache (a rebuild's
+        `prefill`, `settle`, cache stats): running generations keep their KV.
+        """
+        if threading.current_thread() is self._thread:
+            return work()  # from the engine thread itself (an is_cancelled callback)
+        result: T = self._wait(_Job(work=work))
+        return result
+
+    @property
+    def num_waiting(self) -> int:
+        """Jobs queued and not yet admitted (generations beyond `max_batch` wait here)."""
+        with self._cond:
+            return len(self._queue)
+
+    @property
+    def num_running(self) -> int:
+        """Generations being decoded."""
+        return len(self._running)
+
+    def close(self) -> None:
+        """Finish every queued job, then stop the thread (later jobs are refused)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+    def __enter__(self) -> DecodeBatcher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _wait(self, job: _Job) -> Any:
+        with self._cond:
+            if self._closed:
+                raise UsageError("this DecodeBatcher is closed")
+            self._queue.append(job)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._loop, name="kvtrace-decode", daemon=True
+                )
+                self._thread.start()
+            self._cond.notify_all()
+        job.done.wait()
+        if job.error is not None:
+            raise job.error
+        return job.result
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._running and not self._closed:
+                    self._cond.wait()
+                if not self._queue and not self._running:
+                    return  # closed, and nothing left to do
+                jobs = self._take()
+            for job in jobs:
+                self._admit(job)
+            self._step()
+
+    def _take(self) -> list[_Job]:
+        """Queued calls, and generations while the batch has room, in queue order."""
+        room = self.max_batch - len(self._running)
+        taken: list[_Job] = []
+        kept: deque[_Job] = deque()
+        while self._queue:
+            job = self._queue.popleft()
+            if job.work is None and room <= 0:
+                kept.append(job)
+                continue
+            room -= job.work is None
+            taken.append(job)
+        self._queue = kept
+        return taken
+
+    def _admit(self, job: _Job) -> None:
+        self._protect(None)
+        try:
+            if job.work is not None:
+                job.succeed(job.work())
+                return
+            begun = begin(self.engine, self.cache, job.prompt_ids, **job.options)
+        except BaseException as exc:  # the caller's to handle; the others go on
+            job.fail(exc)
+            return
+        if isinstance(begun, GenerateResult):
+            job.succeed(begun)  # an accepted draft: nothing to decode
+            return
+        self._live = begun
+        self._running.append((job, begun))
+
+    def _step(self) -> None:
+        stepping: list[tuple[_Job, Generation]] = []
+        for job, generation in self._running:
+            try:
+                is_over = generation.advance()
+                if is_over:
+                    self._protect(generation)
+                    job.succeed(generation.finish())
+            except BaseException as exc:
+                job.fail(exc)
+                continue
+            if not is_over:
+                stepping.append((job, generation))
+        self._running = stepping
+        if not stepping:
+            return
+        try:
+            decode_step(self.engine, [generation.decoding for _, generation in stepping])
+        except BaseException as exc:
+            for job, _ in stepping:
+                job.fail(exc)
+            self._running = []
+            return
+        self.num_steps += 1
+        self.num_step_rows += len(stepping)
+        self.max_step_rows = max(self.max_step_rows, len(stepping))
+
+    def _protect(self, finishing: Generation | None) -> None:
+        """Before a prefill: the running generation the cache holds live keeps its KV."""
+        live = self._live
+        if live is None or live is finishing:
+            return
+        self._live = None
+        if any(generation is live for _, generation in self._running):
+            live.decoding.detach()

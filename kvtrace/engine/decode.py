@@ -1,0 +1,167 @@
+"""Decode steps: the next token of one sequence or many, in one padded forward.
+
+Why padded: CPU GEMMs give a row the same bits whatever the row count from
+12 rows up, and not below (prefill.py, docs/cache.md). A decode forward
+therefore always runs a multiple of `ROW_MULTIPLE` rows (16 for up to 16
+sequences): each sequence's last token, one row each, then padding rows
+whose outputs are dropped. Everything but attention is row-wise (the
+embedding, the norms, the linear layers, the MLP, the output layer), and a
+row's bits there do not depend on the other rows' values, so a sequence's
+logits have the same bits whether it decodes alone or with up to 15 others,
+in any row (tests/engine/test_batch.py).
+
+Attention is per sequence: the step hands the model a `RowRouter` as its
+cache, which appends each row's key and value to that sequence's own
+`GrowingLayer`s (kvbuffer.py) and keeps the sequence's whole K/V for the
+attention function; `kvtrace.engine.attention` then runs each sequence's one
+query row over its own K/V, with the kernel a lone decode step uses, and
+gives padding rows zeros. Sequences of different lengths thus share every
+other layer with no mask and no padding of their KV.
+
+Decoded KV is not canonical (one query row through `sdpa`, not the tiled
+attention): it is never stored (generate.py re-prefills the output).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from transformers import DynamicCache
+
+from kvtrace.engine.attention import ROUTER_KWARG
+from kvtrace.engine.kvbuffer import GrowingLayer, growing_layers
+from kvtrace.engine.model import Engine
+from kvtrace.engine.prefill import ROW_MULTIPLE
+from kvtrace.errors import CacheError
+
+_PAD_TOKEN = 0
+
+
+class Decoding:
+    """One sequence being decoded: its KV, the logits of its next token, its tokens so far."""
+
+    __slots__ = ("generator", "kv", "layers", "logits", "temperature", "tokens", "top_p")
+
+    def __init__(
+        self,
+        kv: object,
+        logits: torch.Tensor,
+        *,
+        temperature: float,
+        top_p: float,
+        generator: torch.Generator | None,
+    ) -> None:
+        if not isinstance(kv, DynamicCache):
+            raise CacheError("decoding needs a prefill's DynamicCache")
+        self.kv = kv
+        self.layers = growing_layers(kv)
+        self.logits = logits
+        self.temperature = temperature
+        self.top_p = top_p
+        self.generator = generator
+        self.tokens: list[int] = []
+
+    def choose(self) -> int:
+        """Draw the next token from the logits: greedy, or from this sequence's generator."""
+        token = choose_token(self.logits, self.temperature, self.top_p, self.generator)
+        self.tokens.append(token)
+        return token
+
+    @property
+    def num_kv_rows(self) -> int:
+        return self.layers[0].get_seq_length()
+
+    def detach(self) -> None:
+        """Move this sequence's KV into buffers of its own, so a prefill may take the old ones."""
+        for layer in self.layers:
+            layer.detach()
+
+
+class RowRouter(DynamicCache):
+    """The cache a batched decode forward sees: row i's K/V go to sequence i's layers.
+
+    `update` appends each real row to its sequence's `GrowingLayer` and keeps
+    the sequence's whole K/V (`rows[layer]`) for the attention function;
+    padding rows are written nowhere. What it returns is the step's own
+    rows, which nothing reads (attention takes `rows`).
+    """
+
+    def __init__(self, config: object, sequences: Sequence[Decoding]) -> None:
+        super().__init__(config=config)  # type: ignore[arg-type]
+        self.sequences = list(sequences)
+        self.rows: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def update(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        layer_idx: int,
+        *args: object,
+        **kwargs: object,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        per_sequence = []
+        for i, sequence in enumerate(self.sequences):
+            layer: GrowingLayer = sequence.layers[layer_idx]
+            per_sequence.append(
+                layer.update(key_states[:, :, i : i + 1], value_states[:, :, i : i + 1])
+            )
+        self.rows[layer_idx] = per_sequence
+        return key_states, value_states
+
+
+def decode_rows(num_sequences: int) -> int:
+    """Rows of the forward that decodes `num_sequences` sequences: a multiple of 16, at least 16."""
+    return max(ROW_MULTIPLE, -(-num_sequences // ROW_MULTIPLE) * ROW_MULTIPLE)
+
+
+def decode_step(engine: Engine, sequences: Sequence[Decoding]) -> None:
+    """Feed each sequence's last chosen token; set its logits for the next one.
+
+    One forward of `decode_rows(len(sequences))` rows (module docstring).
+    Each sequence must have chosen a token since its last step.
+    """
+    if not sequences:
+        return
+    width = decode_rows(len(sequences))
+    device = engine.device
+    ids = torch.full((1, width), _PAD_TOKEN, dtype=torch.long, device=device)
+    positions = torch.zeros((1, width), dtype=torch.long, device=device)
+    for i, sequence in enumerate(sequences):
+        if not sequence.tokens:
+            raise CacheError("a sequence must choose a token before its decode step")
+        ids[0, i] = sequence.tokens[-1]
+        positions[0, i] = sequence.num_kv_rows
+    router = RowRouter(engine.model.config, sequences)
+    with torch.inference_mode():
+        result = engine.model(
+            input_ids=ids,
+            position_ids=positions,
+            cache=router,
+            use_cache=True,
+            logits_to_keep=0,  # every row: the output layer sees `width` rows too
+            **{ROUTER_KWARG: router},
+        )
+    logits = result.logits[0].float()
+    for i, sequence in enumerate(sequences):
+        sequence.logits = logits[i]
+
+
+def choose_token(
+    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None
+) -> int:
+    """Greedy (temperature 0) or temperature + nucleus sampling from `generator`."""
+    if temperature == 0 or generator is None:
+        return int(torch.argmax(logits).item())
+    # In float64 (1e-300 is 0 in float32) and shifted so the top logit is 0: a temperature
+    # near 0 then sends the others to -inf, not inf - inf = NaN (greedy, as in the limit).
+    shifted = logits.double() - logits.max().double()
+    probs = torch.softmax(shifted / temperature, dim=-1).to(logits.dtype)
+    if top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < top_p
+        keep[..., 0] = True  # the top token always (a top_p of 1e-300 is 0 in float32)
+        sorted_probs = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
+        choice = torch.multinomial(sorted_probs, 1, generator=generator)
+        return int(order[choice].item())
+    return int(torch.multinomial(probs, 1, generator=generator).item())

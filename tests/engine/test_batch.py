@@ -1,0 +1,224 @@
+"""Batched decoding gives every generation the tokens and logits it gets alone.
+
+Two levels: `decode_step` over 1 to 8 sequences (logits compared bit for bit
+at every step with the same sequence decoded alone, at whatever row it sits),
+and `DecodeBatcher`, whose threads' generations (greedy and seeded sampling,
+stop tokens, length limits, a cancellation) and cache contents must equal
+those of `generate` run one after another.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from kvtrace.engine import KVCache, generate, prefill
+from kvtrace.engine.batch import DecodeBatcher
+from kvtrace.engine.decode import decode_rows, decode_step
+from kvtrace.engine.generate import Generation, begin
+from kvtrace.errors import GenerationCancelledError, UsageError
+
+SHARED = 150  # tokens every prompt starts with (a shared prefix, as forks have)
+
+
+def _prompts(tokens, count: int, shared: int = SHARED) -> list[list[int]]:
+    """Prompts that share a prefix and differ in length after it."""
+    head = tokens(shared, seed=99)
+    return [head + tokens(7 + 23 * i, seed=i) for i in range(count)]
+
+
+def _sampling(i: int) -> dict:
+    """Every other sequence samples, each from a seed of its own."""
+    return {"temperature": 0.9, "top_p": 0.95, "seed": 100 + i} if i % 2 else {}
+
+
+def _decode(engine, prompts: list[list[int]], chosen: list[int],
+            num_steps: int) -> list[list[torch.Tensor]]:
+    """Logits after every step, per sequence, decoding prompts[chosen] together (no stop ids)."""
+    generations = []
+    for i in chosen:
+        begun = begin(engine, None, prompts[i], max_new_tokens=num_steps + 1, stop_ids=(),
+                      **_sampling(i))
+        assert isinstance(begun, Generation)
+        generations.append(begun)
+    seen: list[list[torch.Tensor]] = [[g.decoding.logits.clone()] for g in generations]
+    for _ in range(num_steps):
+        for generation in generations:
+            assert not generation.advance()
+        decode_step(engine, [g.decoding for g in generations])
+        for logits, generation in zip(seen, generations, strict=True):
+            logits.append(generation.decoding.logits.clone())
+    return seen
+
+
+def _assert_batch_sizes_match_alone(engine, prompts: list[list[int]], num_steps: int) -> None:
+    alone = [_decode(engine, prompts, [i], num_steps)[0] for i in range(len(prompts))]
+    for size in range(1, len(prompts) + 1):
+        # Sequences take other rows in every batch: the last `size` prompts, reversed.
+        chosen = list(range(len(prompts) - size, len(prompts)))[::-1]
+        together = _decode(engine, prompts, chosen, num_steps)
+        for row, i in enumerate(chosen):
+            for step, (a, b) in enumerate(zip(alone[i], together[row], strict=True)):
+                assert torch.equal(a, b), f"batch of {size}: sequence {i} (row {row}) step {step}"
+
+
+def test_decode_rows_are_a_multiple_of_16_from_16_up():
+    assert [decode_rows(n) for n in (1, 8, 16, 17, 33)] == [16, 16, 16, 32, 48]
+
+
+def test_batched_logits_equal_alone_at_batch_sizes_1_to_8(tiny_engine, tokens):
+    _assert_batch_sizes_match_alone(tiny_engine, _prompts(tokens, 8), num_steps=6)
+
+
+@pytest.mark.slow
+def test_default_model_batched_logits_equal_alone_at_batch_sizes_1_to_8(default_engine, tokens):
+    _assert_batch_sizes_match_alone(default_engine, _prompts(tokens, 8, shared=300), num_steps=4)
+
+
+def _requests(tiny_engine, tokens, count: int) -> list[tuple[list[int], dict]]:
+    """Mixed requests: greedy and sampled, different limits, one stopping on a token."""
+    requests = []
+    for i, prompt in enumerate(_prompts(tokens, count)):
+        options = {"max_new_tokens": 6 + 3 * i, **_sampling(i)}
+        requests.append((prompt, options))
+    # The second request (sampled) stops early: on its first token not drawn before.
+    prompt, options = requests[1]
+    drawn = generate(tiny_engine, None, prompt, **{**options, "stop_ids": ()}).token_ids
+    stop = next(t for k, t in enumerate(drawn) if k >= 2 and t not in drawn[:k])
+    requests[1] = (prompt, {**options, "stop_ids": [stop]})
+    return requests
+
+
+def _run_together(batcher: DecodeBatcher, requests, **extra) -> list:
+    """Every request on a thread of its own, all admitted at once (held behind one call)."""
+    gate, holding = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        holding.set()
+        gate.wait()
+
+    holder = threading.Thread(target=batcher.call, args=(hold,))
+    holder.start()
+    holding.wait()
+    results: list = [None] * len(requests)
+
+    def run(i: int) -> None:
+        prompt, options = requests[i]
+        try:
+            results[i] = batcher.generate(prompt, **options, **extra)
+        except Exception as exc:  # the test asserts on it
+            results[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(requests))]
+    for thread in threads:
+        thread.start()
+    while batcher.num_waiting < len(requests):
+        time.sleep(0.01)
+    gate.set()
+    for thread in [holder, *threads]:
+        thread.join(timeout=120)
+    return results
+
+
+@pytest.mark.parametrize("defer_output", [False, True])
+def test_batcher_generations_and_cache_equal_one_after_another(
+    tiny_engine, tokens, make_cache, kv_equal, defer_output
+):
+    requests = _requests(tiny_engine, tokens, 8)
+    alone_cache = make_cache(tiny_engine, disk_dir=None)
+    alone = [generate(tiny_engine, alone_cache, p, defer_output=defer_output, **o)
+             for p, o in requests]
+    cache = make_cache(tiny_engine, disk_dir=None)
+    with DecodeBatcher(tiny_engine, cache) as batcher:
+        together = _run_together(batcher, requests, defer_output=defer_output)
+    assert batcher.max_step_rows == 8
+    assert [r.token_ids for r in together] == [r.token_ids for r in alone]
+    assert [r.finish_reason for r in together] == [r.finish_reason for r in alone]
+    assert together[1].finish_reason == "stop" and len(together[1].token_ids) >= 3
+    assert [r.seed for r in together] == [r.seed for r in alone]
+    assert sorted(cache.owed()) == sorted(alone_cache.owed())
+    for (prompt, _), result in zip(requests, together, strict=True):
+        sequence = [*prompt, *result.token_ids, 5]
+        cached = prefill(tiny_engine, cache, sequence)
+        assert cached.num_cached_tokens + cached.num_deferred_tokens == len(sequence) - 1
+        assert kv_equal(cached, prefill(tiny_engine, None, sequence))
+
+
+def test_a_cancelled_generation_leaves_the_others_unchanged(tiny_engine, tokens, make_cache):
+    requests = _requests(tiny_engine, tokens, 4)
+    alone = [generate(tiny_engine, None, p, **o) for p, o in requests]
+    asked = {"count": 0}
+
+    def after_two_tokens() -> bool:
+        asked["count"] += 1
+        return asked["count"] > 2
+
+    prompt, options = requests[3]
+    requests[3] = (prompt, {**options, "is_cancelled": after_two_tokens})
+    cache = make_cache(tiny_engine, disk_dir=None)
+    with DecodeBatcher(tiny_engine, cache) as batcher:
+        together = _run_together(batcher, requests)
+    assert isinstance(together[3], GenerationCancelledError)
+    assert [r.token_ids for r in together[:3]] == [r.token_ids for r in alone[:3]]
+    assert sorted(cache.owed()) == []
+    # the cancelled prompt stays cached, its partial output does not
+    reuse = prefill(tiny_engine, cache, [*prompt, *alone[3].token_ids])
+    assert reuse.num_cached_tokens == len(prompt)
+
+
+def test_batches_past_max_batch_wait_their_turn(tiny_engine, tokens):
+    requests = _requests(tiny_engine, tokens, 5)
+    alone = [generate(tiny_engine, None, p, **o) for p, o in requests]
+    with DecodeBatcher(tiny_engine, None, max_batch=2) as batcher:
+        together = _run_together(batcher, requests)
+    assert batcher.max_step_rows == 2
+    assert [r.token_ids for r in together] == [r.token_ids for r in alone]
+
+
+def test_bad_request_fails_alone(tiny_engine, tokens):
+    requests = _requests(tiny_engine, tokens, 3)
+    alone = [generate(tiny_engine, None, p, **o) for p, o in requests]
+    requests[1] = (requests[1][0], {**requests[1][1], "top_p": 0.0})
+    with DecodeBatcher(tiny_engine, KVCache(tiny_engine)) as batcher:
+        together = _run_together(batcher, requests)
+    assert isinstance(together[1], UsageError)
+    assert [together[0].token_ids, together[2].token_ids] == [
+        alone[0].token_ids, alone[2].token_ids]
+
+
+def test_closed_batcher_refuses_jobs(tiny_engine):
+    batcher = DecodeBatcher(tiny_engine, None)
+    batcher.close()
+    with pytest.raises(UsageError, match="closed"):
+        batcher.generate([5, 6, 7], max_new_tokens=2)
+    with pytest.raises(UsageError, match="max_batch"):
+        DecodeBatcher(tiny_engine, None, max_batch=0)
+
+
+def test_local_backend_batching_answers_threads_as_alone(tiny_engine, tokens):
+    from kvtrace.replay.backend import CallRequest, SamplingParams
+    from kvtrace.replay.local import LocalBackend
+
+    prompts = _prompts(tokens, 4)
+    calls = [CallRequest([], p, SamplingParams(max_new_tokens=5, **_sampling(i)))
+             for i, p in enumerate(prompts)]
+    alone = [LocalBackend(tiny_engine, KVCache(tiny_engine)).generate(c) for c in calls]
+    backend = LocalBackend(tiny_engine, KVCache(tiny_engine)).batching()
+    rebuild = CallRequest([], prompts[0], SamplingParams(), output_ids=[7, 8, 9])
+    results: list = [None] * (len(calls) + 1)
+
+    def run(i: int) -> None:
+        results[i] = backend.generate(calls[i]) if i < len(calls) else backend.rebuild(rebuild)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(results))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    backend.settle()
+    assert [r.output_ids for r in results[:-1]] == [r.output_ids for r in alone]
+    assert [r.seed for r in results[:-1]] == [r.seed for r in alone]
+    assert results[-1].output_ids == [7, 8, 9]
