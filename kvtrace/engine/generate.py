@@ -1,9 +1,13 @@
 """Generation on top of the one prefill function: decoding, sampling, drafts.
 
-Decoding runs one token per forward on the DynamicCache that prefill left,
-in a padded forward of 16 rows that may decode other sequences too
-(decode.py; batch.py gathers them): a generation's tokens and logits are the
-same alone or batched. Those rows are not canonical (one query row's
+Decoding runs one token per forward on the DynamicCache that prefill left:
+a 1-row forward for a lone generation, or, in a `DecodeBatcher` (batch.py),
+a padded forward of 16 rows that may decode other sequences too
+(decode.py), whose tokens and logits are the same whatever else the
+batcher decodes (`padded_decode=True` runs that step alone). The padded
+step costs a lone sequence ~30-40 % more per token (docs/benchmarks.md,
+"Batched decoding"), so it is used only where requests are batched. Those
+rows are not canonical (one query row's
 attention is not the tiled attention of a prefill chunk), so after
 generation the output is re-prefilled
 canonically on top of the cached prompt (`insert_output=True`): the next
@@ -113,6 +117,7 @@ def generate(
     draft_ids: Sequence[int] | None = None,
     defer_output: bool = False,
     is_cancelled: Callable[[], bool] | None = None,
+    padded_decode: bool = False,
 ) -> GenerateResult:
     """Prefill `prompt_ids`, then decode up to `max_new_tokens` tokens.
 
@@ -128,7 +133,10 @@ def generate(
     re-prefilling it (module docstring); it changes no token. `is_cancelled`
     is asked before each decode step: when it says True, generation stops
     with GenerationCancelledError, and the output so far is not cached (the
-    prompt, prefilled, stays cached).
+    prompt, prefilled, stays cached). Decoding runs 1-row forwards; with
+    `padded_decode` it runs the padded 16-row step a `DecodeBatcher` runs
+    (decode.py), so the tokens and logits equal that batcher's, whatever else
+    it decodes alongside.
     """
     begun = begin(
         engine,
@@ -148,7 +156,7 @@ def generate(
     if isinstance(begun, GenerateResult):
         return begun
     while not begun.advance():
-        decode_step(engine, [begun.decoding])
+        decode_step(engine, [begun.decoding], padded=padded_decode)
     return begun.finish()
 
 

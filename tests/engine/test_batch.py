@@ -86,7 +86,8 @@ def _requests(tiny_engine, tokens, count: int) -> list[tuple[list[int], dict]]:
         requests.append((prompt, options))
     # The second request (sampled) stops early: on its first token not drawn before.
     prompt, options = requests[1]
-    drawn = generate(tiny_engine, None, prompt, **{**options, "stop_ids": ()}).token_ids
+    drawn = generate(tiny_engine, None, prompt, padded_decode=True,
+                     **{**options, "stop_ids": ()}).token_ids
     stop = next(t for k, t in enumerate(drawn) if k >= 2 and t not in drawn[:k])
     requests[1] = (prompt, {**options, "stop_ids": [stop]})
     return requests
@@ -129,7 +130,8 @@ def test_batcher_generations_and_cache_equal_one_after_another(
 ):
     requests = _requests(tiny_engine, tokens, 8)
     alone_cache = make_cache(tiny_engine, disk_dir=None)
-    alone = [generate(tiny_engine, alone_cache, p, defer_output=defer_output, **o)
+    alone = [generate(tiny_engine, alone_cache, p, defer_output=defer_output,
+                      padded_decode=True, **o)
              for p, o in requests]
     cache = make_cache(tiny_engine, disk_dir=None)
     with DecodeBatcher(tiny_engine, cache) as batcher:
@@ -149,7 +151,7 @@ def test_batcher_generations_and_cache_equal_one_after_another(
 
 def test_a_cancelled_generation_leaves_the_others_unchanged(tiny_engine, tokens, make_cache):
     requests = _requests(tiny_engine, tokens, 4)
-    alone = [generate(tiny_engine, None, p, **o) for p, o in requests]
+    alone = [generate(tiny_engine, None, p, padded_decode=True, **o) for p, o in requests]
     asked = {"count": 0}
 
     def after_two_tokens() -> bool:
@@ -171,7 +173,7 @@ def test_a_cancelled_generation_leaves_the_others_unchanged(tiny_engine, tokens,
 
 def test_batches_past_max_batch_wait_their_turn(tiny_engine, tokens):
     requests = _requests(tiny_engine, tokens, 5)
-    alone = [generate(tiny_engine, None, p, **o) for p, o in requests]
+    alone = [generate(tiny_engine, None, p, padded_decode=True, **o) for p, o in requests]
     with DecodeBatcher(tiny_engine, None, max_batch=2) as batcher:
         together = _run_together(batcher, requests)
     assert batcher.max_step_rows == 2
@@ -180,7 +182,7 @@ def test_batches_past_max_batch_wait_their_turn(tiny_engine, tokens):
 
 def test_bad_request_fails_alone(tiny_engine, tokens):
     requests = _requests(tiny_engine, tokens, 3)
-    alone = [generate(tiny_engine, None, p, **o) for p, o in requests]
+    alone = [generate(tiny_engine, None, p, padded_decode=True, **o) for p, o in requests]
     requests[1] = (requests[1][0], {**requests[1][1], "top_p": 0.0})
     with DecodeBatcher(tiny_engine, KVCache(tiny_engine)) as batcher:
         together = _run_together(batcher, requests)
@@ -205,7 +207,8 @@ def test_local_backend_batching_answers_threads_as_alone(tiny_engine, tokens):
     prompts = _prompts(tokens, 4)
     calls = [CallRequest([], p, SamplingParams(max_new_tokens=5, **_sampling(i)))
              for i, p in enumerate(prompts)]
-    alone = [LocalBackend(tiny_engine, KVCache(tiny_engine)).generate(c) for c in calls]
+    alone_backend = LocalBackend(tiny_engine, KVCache(tiny_engine)).batching()
+    alone = [alone_backend.generate(c) for c in calls]  # one at a time, through a batcher
     backend = LocalBackend(tiny_engine, KVCache(tiny_engine)).batching()
     rebuild = CallRequest([], prompts[0], SamplingParams(), output_ids=[7, 8, 9])
     results: list = [None] * (len(calls) + 1)
