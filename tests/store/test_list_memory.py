@@ -1,0 +1,19 @@
+"""A long conversation's resolved lists share their address strings (the soak's RSS growth)."""
+
+from __future__ import annotations
+
+
+def test_a_conversation_keeps_each_address_once_in_memory(store):
+    run = store.run("shared")
+    messages = [{"role": "system", "content": "x"}]
+    steps = []
+    for i in range(30):
+        messages = [*messages, {"role": "user", "content": f"q{i}"}]
+        steps.append(run.record_model_call(messages, f"a{i}", model="m"))
+        messages = [*messages, {"role": "assistant", "content": f"a{i}"}]
+    first = store._lists[(steps[0].id, "messages")][1]
+    last = store._lists[(steps[-1].id, "messages")][1]
+    assert len(last) == 60 and last[: len(first)] == first
+    # The same string objects, not equal copies: 30 calls hold each address once.
+    assert all(a is b for a, b in zip(first, last, strict=False))
+    assert [s.content["messages"] for s in steps[-1:]] == [messages[:-1]]
