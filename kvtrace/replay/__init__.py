@@ -1,12 +1,13 @@
 """Replay recorded runs through a model, reusing the KV cache of every matching prefix.
 
 `replay()` walks a run from the root to a step in verify or rebuild mode and
-reports reuse against the oracle bound; `checkout()` rebuilds a step's KV so
-that `continue_run()` starts warm; `analyze()` finds prefix breakers with the
-tokenizer alone. Backends: `LocalBackend` (the engine and its two-tier
-cache) and `RemoteBackend` (any OpenAI-compatible server), which loads httpx
-on first use so that importing this package (the CLI does, for `ReplayMode`)
-stays light.
+reports reuse against the oracle bound; `replay_runs()` replays many runs
+with several requests in flight (`select_runs()` reads names, globs, all);
+`checkout()` rebuilds a step's KV so that `continue_run()` starts warm;
+`analyze()` finds prefix breakers with the tokenizer alone. Backends:
+`LocalBackend` (the engine and its two-tier cache) and `RemoteBackend` (any
+OpenAI-compatible server), which loads httpx on first use so that importing
+this package (the CLI does, for `ReplayMode`) stays light.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from kvtrace.replay.continuation import ContinueResult, continue_run
 from kvtrace.replay.driver import checkout, replay
 from kvtrace.replay.local import LocalBackend, open_local_backend
 from kvtrace.replay.report import ReplayMode, ReplayReport, StepReport
+from kvtrace.replay.retry import RetryPolicy
+from kvtrace.replay.runs import RunOutcome, RunsReport, RunStatus, replay_runs, select_runs
 
 if TYPE_CHECKING:
     from kvtrace.replay.remote import RemoteBackend
@@ -43,6 +46,10 @@ __all__ = [
     "RemoteBackend",
     "ReplayMode",
     "ReplayReport",
+    "RetryPolicy",
+    "RunOutcome",
+    "RunStatus",
+    "RunsReport",
     "SamplingParams",
     "StepReport",
     "analyze",
@@ -51,4 +58,6 @@ __all__ = [
     "continue_run",
     "open_local_backend",
     "replay",
+    "replay_runs",
+    "select_runs",
 ]

@@ -123,6 +123,7 @@ class CallResult:
     decode_s: float
     seed: int | None = None  # the sampling seed actually used (recorded, so verify can reuse it)
     draft: DraftVerdict | None = None  # the verdict, when the backend checked the draft
+    retries: tuple[str, ...] = ()  # one reason per failed attempt it retried ("HTTP 503")
 
     @property
     def computed_tokens(self) -> int | None:
@@ -146,6 +147,11 @@ class Backend(Protocol):
     @property
     def tokenizer(self) -> Tokenizer | None:
         """The tokenizer of the model that answers, when known (always for local)."""
+        ...
+
+    @property
+    def is_concurrent(self) -> bool:
+        """Whether calls may come from several threads at once (`replay_runs` concurrency)."""
         ...
 
     def generate(self, request: CallRequest) -> CallResult:

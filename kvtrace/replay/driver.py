@@ -49,6 +49,7 @@ from kvtrace.replay.recording import (
     templated_output_ids,
 )
 from kvtrace.replay.report import Mismatch, ReplayMode, ReplayReport, StepReport
+from kvtrace.replay.retry import tally
 from kvtrace.store import Step, Store
 from kvtrace.store.kinds import ModelCall, StepKind
 from kvtrace.store.messages import arguments_equal, tool_calls_of
@@ -89,12 +90,34 @@ def replay(
     `use_drafts=False` makes verify decode every response token by token even
     where the backend could check the recorded one in one pass.
     """
-    mode = replay_mode(mode)
     path = steps_to_replay(store, spec, to=to, mode=mode)
+    return replay_steps(spec, path, backend, mode=mode, compare_uncached=compare_uncached,
+                        use_drafts=use_drafts, on_step=on_step)
+
+
+def replay_steps(
+    spec: str,
+    path: list[Step],
+    backend: Backend,
+    *,
+    mode: ReplayMode | str = ReplayMode.REBUILD,
+    compare_uncached: bool = False,
+    use_drafts: bool = True,
+    on_step: ProgressCallback | None = None,
+    tokenizer: Tokenizer | None = None,
+) -> ReplayReport:
+    """`replay` of steps already read (`steps_to_replay`): no store needed from here on.
+
+    `tokenizer` stands in for the backend's (`replay_runs` hands in one that
+    several threads may share).
+    """
+    mode = replay_mode(mode)
     uncached_backend = backend.without_cache() if compare_uncached else None  # fails early
-    report = _replay_path(spec, path, backend, mode, use_drafts, on_step)
+    tokenizer = tokenizer or backend.tokenizer
+    report = _replay_path(spec, path, backend, tokenizer, mode, use_drafts, on_step)
     if uncached_backend is not None:
-        uncached = _replay_path(spec, path, uncached_backend, mode, use_drafts, on_step)
+        uncached = _replay_path(spec, path, uncached_backend, tokenizer, mode, use_drafts,
+                                on_step)
         report = replace(report, uncached=uncached)
     return report
 
@@ -148,11 +171,11 @@ def _replay_path(
     spec: str,
     path: list[Step],
     backend: Backend,
+    tokenizer: Tokenizer | None,
     mode: ReplayMode,
     use_drafts: bool,
     on_step: ProgressCallback | None,
 ) -> ReplayReport:
-    tokenizer = backend.tokenizer
     model_steps = [s for s in path if s.kind == StepKind.MODEL_CALL]
     tool_steps = sum(1 for s in path if s.kind == StepKind.TOOL_CALL)
     notes: list[str] = []
@@ -162,6 +185,7 @@ def _replay_path(
     oracle = PrefixOracle()
     faults = _FaultNotes()
     reports: list[StepReport] = []
+    retried: list[str] = []
     started = time.perf_counter()
     for index, step in enumerate(model_steps, start=1):
         expected = _prepare(step, tokenizer, mode, use_drafts)
@@ -177,6 +201,7 @@ def _replay_path(
         else:
             result = backend.rebuild(request)
             fed = request.output_ids
+        retried.extend(result.retries)
         if request.prompt_ids is not None:
             oracle.add([*request.prompt_ids, *(fed or [])], label=step.id)
             if result.draft is not None and request.draft_ids:
@@ -200,6 +225,10 @@ def _replay_path(
     backend.settle()  # what verify's last output left owed: on disk, as the rest
     notes.extend(faults.add(backend.take_cache_faults(), "storing the last output"))
     notes.extend(faults.write_notes())
+    if retried:  # recovered from, but shown: a flaky server is worth knowing about
+        notes.append(f"the backend was sent {len(retried)} request"
+                     f"{'' if len(retried) == 1 else 's'} again after a failure "
+                     f"({tally(retried)}); every step got its answer")
     wall = time.perf_counter() - started
     return ReplayReport(spec, path[-1].id, mode, backend.name, backend.model, reports,
                         tool_steps, wall, notes=notes)

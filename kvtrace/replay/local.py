@@ -82,6 +82,11 @@ class LocalBackend:
         return self._engine
 
     @property
+    def is_concurrent(self) -> bool:
+        """Only behind a DecodeBatcher (`batching()`): the engine alone is not thread-safe."""
+        return self._batcher is not None
+
+    @property
     def engine(self) -> Engine:
         return self._engine
 

@@ -9,13 +9,19 @@ the next prompt contains, is cached when that prompt is sent. Timing covers
 the whole request (the API does not separate prefill from decode), so it is
 reported as `prefill_s`.
 
+A request that failed in a way that can go away by itself (the server
+unreachable or overloaded: connect errors, 429, 5xx) is sent again with
+backoff, honouring `Retry-After` (retry.py; `retry=NO_RETRY` turns it off).
+What was retried travels back in `CallResult.retries`, so the report shows it.
+One backend may be used from many threads at once (`is_concurrent`): httpx's
+client is thread-safe and keeps a pool of connections.
+
 Every httpx error becomes a BackendError (`raise ... from exc`) whose message
-names the URL and what to check.
+names the URL, the attempts made and what to check.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import httpx
@@ -23,6 +29,7 @@ import httpx
 from kvtrace.errors import BackendError, UsageError
 from kvtrace.rendering import assistant_text
 from kvtrace.replay.backend import Backend, CallRequest, CallResult, Tokenizer
+from kvtrace.replay.retry import Attempts, RetryPolicy, tally
 from kvtrace.store.usage import Usage
 
 
@@ -30,7 +37,8 @@ class RemoteBackend:
     """An OpenAI-compatible chat-completions endpoint at `base_url` (e.g. http://host:8000/v1).
 
     `model` is the name sent with each request; without one, each call sends
-    the model its recording names.
+    the model its recording names. `retry` says how failed requests are sent
+    again (module docstring).
     """
 
     def __init__(
@@ -41,12 +49,14 @@ class RemoteBackend:
         api_key: str | None = None,
         tokenizer: Tokenizer | None = None,
         timeout_s: float = 600.0,
+        retry: RetryPolicy | None = None,
     ) -> None:
         if not base_url.startswith(("http://", "https://")):
             raise UsageError(f"backend URL {base_url!r} must start with http:// or https://")
         self._base_url = base_url.rstrip("/")
         self._model = model
         self._tokenizer = tokenizer
+        self._retry = retry or RetryPolicy()
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.Client(base_url=self._base_url, headers=headers, timeout=timeout_s)
 
@@ -61,6 +71,15 @@ class RemoteBackend:
     @property
     def tokenizer(self) -> Tokenizer | None:
         return self._tokenizer
+
+    @property
+    def is_concurrent(self) -> bool:
+        """True: calls may come from many threads (one pooled, thread-safe httpx client)."""
+        return True
+
+    @property
+    def retry(self) -> RetryPolicy:
+        return self._retry
 
     def close(self) -> None:
         """Close the HTTP connections (the backend is then unusable)."""
@@ -105,19 +124,22 @@ class RemoteBackend:
         body = {"model": model, "stream": False, **body}
         if request.tools:
             body["tools"] = request.tools
-        started = time.perf_counter()
+        attempts = Attempts(self._retry)
+        url = f"{self._base_url}/chat/completions"
         try:
-            response = self._client.post("/chat/completions", json=body)
+            response = attempts.send(lambda: self._client.post("/chat/completions", json=body))
         except httpx.HTTPError as exc:
             raise BackendError(
-                f"cannot reach {self._base_url}/chat/completions ({exc}): is the server "
+                f"cannot reach {url} ({exc}{_tried(attempts)}): is the server "
                 "running, and does the URL end with its API prefix (often /v1)?"
             ) from exc
-        elapsed = time.perf_counter() - started
         if response.status_code >= 400:
+            waited = ("" if attempts.refused_wait_s is None else
+                      f"; it asked to retry after {attempts.refused_wait_s:g} s, longer than "
+                      f"the retry policy's max_delay_s={self._retry.max_delay_s:g}")
             raise BackendError(
-                f"{self._base_url} answered HTTP {response.status_code}: "
-                f"{response.text[:300].strip()}"
+                f"{self._base_url} answered HTTP {response.status_code}{_tried(attempts)}"
+                f"{waited}: {' '.join(response.text[:300].split())}"
             )
         try:
             data = response.json()
@@ -143,8 +165,9 @@ class RemoteBackend:
             text=text,
             output_ids=None,
             finish_reason=finish,
-            prefill_s=elapsed,
+            prefill_s=attempts.last_attempt_s,  # waits between attempts excluded
             decode_s=0.0,
+            retries=tuple(attempts.retried),
         )
 
 
@@ -154,3 +177,11 @@ def _reused(cached: int | None, prompt_tokens: int) -> int | None:
     Some servers count a fully cached prompt; the last token is still computed.
     """
     return None if cached is None else max(0, min(cached, prompt_tokens - 1))
+
+
+def _tried(attempts: Attempts) -> str:
+    """", after 5 attempts (HTTP 503 x4)" when the request was sent more than once."""
+    if not attempts.retried:
+        return ""
+    return f", after {attempts.num_attempts} attempts ({tally(attempts.retried)})"
+
