@@ -1,4 +1,4 @@
-"""Rich output of the replay commands: report tables, the analysis, a progress bar.
+"""Rich output of the replay commands: report tables, the analysis, progress bars.
 
 The library returns typed records (`ReplayReport`, `Analysis`) and takes an
 optional `on_step` callback; only this module turns them into text on a
@@ -8,6 +8,7 @@ contract), so text and JSON never disagree. Unknown counts print "?".
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
@@ -15,7 +16,14 @@ from typing import TYPE_CHECKING
 from rich import box
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+)
 from rich.table import Table
 
 from kvtrace.inert import inert
@@ -23,6 +31,7 @@ from kvtrace.inert import inert
 if TYPE_CHECKING:
     from kvtrace.replay.analyze import Analysis
     from kvtrace.replay.report import ReplayReport, StepReport
+    from kvtrace.replay.runs import RunOutcome, RunsReport
 
 
 def render_replay(report: ReplayReport, console: Console | None = None) -> None:
@@ -91,6 +100,72 @@ def render_replay(report: ReplayReport, console: Console | None = None) -> None:
         console.print("?: unknown (the backend does not report cached tokens)")
     for note in report.notes:
         console.print(inert(f"note: {note}"), markup=False, highlight=False)
+
+
+def render_runs(report: RunsReport, console: Console | None = None) -> None:
+    """Print a many-run replay: one row per run and the total, then what failed and why."""
+    from kvtrace.replay.report import ReplayMode
+    from kvtrace.replay.runs import RunStatus
+
+    console = console or Console()
+    verify = report.mode is ReplayMode.VERIFY
+    table = Table(
+        title=_shown(f"{report.mode} of {_count(len(report.runs), 'run')} ({report.backend}, "
+                     f"{report.model}), concurrency {report.concurrency}"),
+        title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False,
+        collapse_padding=True,
+    )
+    for name in ("run", "status", "calls", "prompt", "reused", "comp", "hit", "oracle",
+                 "wall s"):
+        table.add_column(name, justify="left" if name in ("run", "status") else "right",
+                         no_wrap=True)
+    if verify:
+        table.add_column("ver", justify="right", no_wrap=True)
+    for outcome in report.runs:
+        row = [_shown(outcome.run), str(outcome.status)]
+        if outcome.report is None:
+            row += [str(outcome.num_done), "", "", "", "", "", f"{outcome.wall_s:.2f}"]
+            if verify:
+                row.append("")
+        else:
+            t = outcome.report.total
+            row += [str(t.steps), str(t.prompt_tokens), _n(t.reused_tokens),
+                    _n(t.computed_tokens), _pct(t.hit_rate), _pct(t.oracle_hit_rate),
+                    f"{outcome.wall_s:.2f}"]
+            if verify:
+                row.append(f"{t.matching_steps}/{t.steps}")
+        table.add_row(*row, style="red" if outcome.status is RunStatus.FAILED else None)
+    t = report.total
+    row = ["total", "", str(t.steps), str(t.prompt_tokens), _n(t.reused_tokens),
+           _n(t.computed_tokens), _pct(t.hit_rate), _pct(t.oracle_hit_rate),
+           f"{report.wall_s:.2f}"]
+    if verify:
+        row.append(f"{t.matching_steps}/{t.steps}")
+    table.add_row(*row, style="bold")
+    console.print(table)
+    failed, differing = report.failed, report.differing
+    num_ok = len(report.runs) - len(failed) - len(differing)
+    tools = sum(o.report.tool_steps for o in report.runs if o.report is not None)
+    console.print(f"{_count(len(report.runs), 'run')}: {num_ok} ok"
+                  + (f", {len(differing)} differ" if differing else "")
+                  + (f", {len(failed)} failed" if failed else "")
+                  + f"; {_count(t.steps, 'model call')}, {_count(tools, 'tool call')} served "
+                  f"from the trace; {report.wall_s:.2f} s at concurrency {report.concurrency}")
+    for outcome in failed:
+        where = f" at @{outcome.failed_at}" if outcome.failed_at is not None else ""
+        console.print(inert(f"failed: {outcome.run}{where}: {outcome.error}"),
+                      markup=False, highlight=False)
+    for outcome in differing:
+        steps = outcome.report.steps if outcome.report is not None else []
+        first = next(s for s in steps if s.is_match is False)
+        console.print(inert(f"differs: {outcome.run} first at step @{first.depth} "
+                            f"({first.step_id[:12]})"), markup=False, highlight=False)
+    if any(s.reused_tokens is None for o in report.runs if o.report is not None
+           for s in o.report.steps):
+        console.print("?: unknown (the backend does not report cached tokens)")
+    for outcome in report.runs:
+        for note in outcome.report.notes if outcome.report is not None else []:
+            console.print(inert(f"note: {outcome.run}: {note}"), markup=False, highlight=False)
 
 
 def render_analysis(analysis: Analysis, console: Console | None = None) -> None:
@@ -188,6 +263,60 @@ def progress_bar(
 
     with progress:
         yield on_step
+
+
+@contextmanager
+def runs_progress(
+    num_runs: int, description: str, console: Console | None = None
+) -> Iterator[RunBars | None]:
+    """Progress of a many-run replay: a bar of runs, and one of steps per run in flight.
+
+    Shown on a terminal only (as `progress_bar`); yields None otherwise.
+    """
+    console = console or Console(stderr=True)
+    if not console.is_terminal:
+        yield None
+        return
+    progress = Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+        TextColumn("{task.fields[note]}"), TimeElapsedColumn(),
+        console=console, transient=True,
+    )
+    with progress:
+        yield RunBars(progress, progress.add_task(description, total=num_runs, note=""))
+
+
+class RunBars:
+    """The `RunsProgress` of `replay_runs` as Rich bars (called from its worker threads)."""
+
+    def __init__(self, progress: Progress, runs_task: TaskID) -> None:
+        self._progress = progress
+        self._runs_task = runs_task
+        self._tasks: dict[str, TaskID] = {}
+        self._num_failed = 0
+        self._lock = threading.Lock()
+
+    def run_started(self, run: str, num_calls: int) -> None:
+        task = self._progress.add_task(f"  {_shown(run)}", total=num_calls, note="hit -")
+        with self._lock:
+            self._tasks[run] = task
+
+    def step_done(self, run: str, done: int, total: int, step: StepReport) -> None:
+        with self._lock:
+            task = self._tasks.get(run)
+        if task is not None:
+            self._progress.update(task, completed=done, note=f"hit {_pct(step.hit_rate)}")
+
+    def run_finished(self, outcome: RunOutcome) -> None:
+        from kvtrace.replay.runs import RunStatus
+
+        with self._lock:
+            task = self._tasks.pop(outcome.run, None)
+            self._num_failed += outcome.status is RunStatus.FAILED
+            note = f"{self._num_failed} failed" if self._num_failed else ""
+        if task is not None:
+            self._progress.remove_task(task)
+        self._progress.update(self._runs_task, advance=1, note=note)
 
 
 def _ignore_step(done: int, total: int, step: StepReport) -> None:

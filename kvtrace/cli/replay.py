@@ -1,5 +1,5 @@
 """Replay commands: replay, checkout, continue, branch, analyze. Each is one call of
-`kvtrace.replay`.
+`kvtrace.replay` (`replay` of several runs: `select_runs`, then `replay_runs`).
 
 The local backend keeps its disk tier under the kvtrace cache directory
 ($KVTRACE_CACHE or ~/.cache/kvtrace), so `checkout` in one process warms
@@ -103,17 +103,19 @@ class _Lazy:
 
 def _backend(
     backend: str, model: str | None, *, no_cache: bool = False,
-    tokenizer: str | None = None, api_key: str | None = None,
+    tokenizer: str | None = None, api_key: str | None = None, retries: int | None = None,
 ) -> Backend:
     """The backend the options name, loaded when the API first uses it."""
     if backend == "local" and tokenizer is not None:
         raise UsageError("--tokenizer is for remote backends: the local engine has its own")
+    if backend == "local" and retries is not None:
+        raise UsageError("--retries is for remote backends: the local engine sends no requests")
     if backend != "local" and no_cache:
         raise UsageError("--no-cache works with the local backend only")
 
     def load() -> Backend:
         from kvtrace.engine import load_tokenizer
-        from kvtrace.replay import RemoteBackend, open_local_backend
+        from kvtrace.replay import RemoteBackend, RetryPolicy, open_local_backend
 
         if backend == "local":
             return open_local_backend(model, cache_dir=default_cache_dir(),
@@ -123,7 +125,9 @@ def _backend(
             name = None if tokenizer == "default" else tokenizer
             local_tokenizer = load_tokenizer(name, cache_dir=default_cache_dir(),
                                              on_convert=announce_conversion)
-        return RemoteBackend(backend, model=model, api_key=api_key, tokenizer=local_tokenizer)
+        retry = RetryPolicy(max_attempts=retries + 1) if retries is not None else None
+        return RemoteBackend(backend, model=model, api_key=api_key, tokenizer=local_tokenizer,
+                             retry=retry)
 
     return cast("Backend", _Lazy(load))
 
@@ -142,7 +146,19 @@ def _closing(backend: Backend) -> Iterator[Backend]:
 @app.command("replay")
 def replay_command(
     ctx: typer.Context,
-    run: Annotated[str, typer.Argument(help="The run to replay (or any step address).")],
+    runs: Annotated[list[str] | None, typer.Argument(
+        help="The runs to replay: names, step addresses, or globs over run names (quote "
+        "them: 'eval-*'). Several, a glob or --all print one report of every run.")] = None,
+    every: Annotated[bool, typer.Option(
+        "--all", help="Replay every run that has steps.")] = False,
+    concurrency: Annotated[int, typer.Option(
+        "--concurrency", min=1,
+        help="Runs replayed at once, each with one request in flight (a remote --backend; "
+        "the steps of a run always go in order).")] = 1,
+    retries: Annotated[int | None, typer.Option(
+        "--retries", min=0,
+        help="Remote: times a request is sent again after a connect error, HTTP 429 or 5xx, "
+        "with growing waits (Retry-After honoured); default 4.")] = None,
     mode: Annotated[ReplayMode, typer.Option(
         "--mode",
         help="verify: regenerate each response and compare with the recording; "
@@ -165,27 +181,92 @@ def replay_command(
         "the recorded one in a single pass (decoding's own verdicts, slower).")] = False,
     as_json: Json = False,
 ) -> None:
-    """Replay a run from its root through a backend, reporting KV reuse per step."""
-    from kvtrace.cli.render import progress_bar, render_replay
-    from kvtrace.replay import replay
+    """Replay runs from their root through a backend, reporting KV reuse per step.
+
+    One run: its table of steps. Several (names, globs, --all): one report of every run,
+    up to --concurrency at once; a run that fails is reported and the others go on.
+    """
+    from kvtrace.replay.runs import is_glob
 
     if no_draft and mode is not ReplayMode.VERIFY:
         raise UsageError("--no-draft applies to --mode verify only")
-    chosen = _backend(backend, model, no_cache=no_cache, tokenizer=tokenizer, api_key=api_key)
+    names = runs or []
+    if not names and not every:
+        raise UsageError("name a run to replay (or several, a glob such as 'eval-*', or --all)")
+    if every or len(names) > 1 or is_glob(names[0]):
+        _replay_many(ctx, names, every=every, concurrency=concurrency, retries=retries,
+                     mode=mode, to=to, backend=backend, model=model, tokenizer=tokenizer,
+                     api_key=api_key, no_cache=no_cache, compare_uncached=compare_uncached,
+                     use_drafts=not no_draft, as_json=as_json)
+        return
+    _replay_one(ctx, names[0], retries=retries, mode=mode, to=to, backend=backend, model=model,
+                tokenizer=tokenizer, api_key=api_key, no_cache=no_cache,
+                compare_uncached=compare_uncached, use_drafts=not no_draft, as_json=as_json)
+
+
+def _replay_one(
+    ctx: typer.Context, run: str, *, retries: int | None, mode: ReplayMode, to: str | None,
+    backend: str, model: str | None, tokenizer: str | None, api_key: str | None,
+    no_cache: bool, compare_uncached: bool, use_drafts: bool, as_json: bool,
+) -> None:
+    """`replay RUN`: one run, its table of steps (`kvtrace.replay.replay`)."""
+    from kvtrace.cli.render import progress_bar, render_replay
+    from kvtrace.replay import replay
+
+    chosen = _backend(backend, model, no_cache=no_cache, tokenizer=tokenizer, api_key=api_key,
+                      retries=retries)
     with _closing(chosen), open_store(store_url(ctx), create=False) as store:
         if as_json:
             report = replay(store, run, chosen, to=to, mode=mode,
-                            compare_uncached=compare_uncached, use_drafts=not no_draft)
+                            compare_uncached=compare_uncached, use_drafts=use_drafts)
             print_json(report.to_dict())
             return
         with progress_bar(f"{mode} {run}") as on_step:
             report = replay(store, run, chosen, to=to, mode=mode,
-                            compare_uncached=compare_uncached, use_drafts=not no_draft,
+                            compare_uncached=compare_uncached, use_drafts=use_drafts,
                             on_step=on_step)
     render_replay(report)
     if backend != "local" and tokenizer is None:
         say("(pass --tokenizer FOLDER, the server's model folder, for the oracle bound)")
     if report.is_match is False:
+        raise typer.Exit(1)
+
+
+def _replay_many(
+    ctx: typer.Context, names: list[str], *, every: bool, concurrency: int,
+    retries: int | None, mode: ReplayMode, to: str | None, backend: str, model: str | None,
+    tokenizer: str | None, api_key: str | None, no_cache: bool, compare_uncached: bool,
+    use_drafts: bool, as_json: bool,
+) -> None:
+    """`replay RUN RUN ...`, a glob or `--all`: one report of every run
+    (`kvtrace.replay.replay_runs`); exit 1 when a run failed or differs."""
+    from kvtrace.cli.render import render_runs, runs_progress
+    from kvtrace.replay import replay_runs, select_runs
+
+    if to is not None:
+        raise UsageError("--to stops one run: with several, name a step of each (RUN@N)")
+    if compare_uncached:
+        raise UsageError("--compare-uncached replays one run: name one")
+    if concurrency > 1 and backend == "local":
+        raise UsageError("--concurrency above 1 needs a remote --backend URL: the local "
+                         "engine answers one call at a time")
+    chosen = _backend(backend, model, no_cache=no_cache, tokenizer=tokenizer, api_key=api_key,
+                      retries=retries)
+    with _closing(chosen), open_store(store_url(ctx), create=False) as store:
+        selected = select_runs(store, names, every=every)
+        if as_json:
+            report = replay_runs(store, selected, chosen, concurrency=concurrency, mode=mode,
+                                 use_drafts=use_drafts)
+            print_json(report.to_dict())
+        else:
+            with runs_progress(len(selected), f"{mode} {len(selected)} runs") as progress:
+                report = replay_runs(store, selected, chosen, concurrency=concurrency,
+                                     mode=mode, use_drafts=use_drafts, progress=progress)
+    if not as_json:
+        render_runs(report)
+        if backend != "local" and tokenizer is None:
+            say("(pass --tokenizer FOLDER, the server's model folder, for the oracle bound)")
+    if not report.is_ok:
         raise typer.Exit(1)
 
 

@@ -165,14 +165,14 @@ def select_runs(store: Store, names: Sequence[str] = (), *, every: bool = False)
         raise UsageError("name at least one run (or a glob), or ask for every run",
                          param="every")
     with_steps = [info.name for info in store.runs() if info.head_id is not None] if (
-        every or any(_is_glob(name) for name in names)) else []
+        every or any(is_glob(name) for name in names)) else []
     if every:
         if not with_steps:
             raise UsageError("the store has no run with steps to replay")
         return with_steps
     chosen: dict[str, None] = {}
     for name in names:
-        if _is_glob(name):
+        if is_glob(name):
             matched = [run for run in with_steps if fnmatchcase(run, name)]
             if not matched:
                 raise UsageError(f"no run with steps matches {name!r} (of "
@@ -327,7 +327,8 @@ class _SharedTokenizer:
             return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
-def _is_glob(name: str) -> bool:
+def is_glob(name: str) -> bool:
+    """Whether `name` is a glob over run names (run names cannot hold `* ? [`)."""
     return any(character in name for character in GLOB_CHARACTERS)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -66,8 +67,22 @@ def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+# What `failure(body)` may answer instead of a completion: (status, headers), or DROP to
+# close the connection without any answer.
+Failure = tuple[int, dict[str, str]] | str | None
+DROP = "drop"
+
+
 class StandInServer:
-    """An OpenAI-compatible chat-completions server on 127.0.0.1 with a simulated prefix cache."""
+    """An OpenAI-compatible chat-completions server on 127.0.0.1 with a simulated prefix cache.
+
+    Requests are served on a thread each. `failure(body)`, when given, may
+    fail a request (see `Failure`; every call is counted in `attempts`).
+    `hold_first_until=K` keeps the first request waiting until K requests have
+    arrived (at most 10 s): a client that sends nothing concurrently waits out
+    that time, one that does is let through at once. `max_in_flight` is the
+    most requests that were in the server at one time.
+    """
 
     def __init__(
         self,
@@ -75,24 +90,52 @@ class StandInServer:
         *,
         reports_cached: bool = True,
         fail_status: int | None = None,
+        failure: Callable[[dict[str, Any]], Failure] | None = None,
+        hold_first_until: int = 0,
     ) -> None:
         self.tokenizer = ByteTokenizer()
         self.answer = answer
         self.reports_cached = reports_cached
         self.fail_status = fail_status
+        self.failure = failure
         self.seen: list[list[int]] = []
         self.requests: list[dict[str, Any]] = []
+        self.attempts: list[tuple[float, dict[str, Any]]] = []  # (arrival, body), failed too
         self.cached_answers: list[int] = []
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.held_first = False  # whether the first request saw hold_first_until reached
+        self._hold_until = hold_first_until
+        self._arrived = threading.Condition()
+        self._lock = threading.Lock()
         server = self
 
         class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # keep-alive, as real servers: a pool reuses sockets
+
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                status, payload = server.handle(self.path, body)
+                server.enter(body)
+                try:
+                    failed = server.failure(body) if server.failure is not None else None
+                    if failed == DROP:
+                        self.close_connection = True
+                        return
+                    headers: dict[str, str] = {}
+                    if isinstance(failed, tuple):
+                        status, headers = failed
+                        payload: dict[str, Any] = {"error": {"message": "stand-in failure"}}
+                    else:
+                        with server._lock:
+                            status, payload = server.handle(self.path, body)
+                finally:
+                    server.leave()
                 data = json.dumps(payload).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
+                for name, value in headers.items():
+                    self.send_header(name, value)
                 self.end_headers()
                 self.wfile.write(data)
 
@@ -101,6 +144,20 @@ class StandInServer:
 
         self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
+
+    def enter(self, body: dict[str, Any]) -> None:
+        with self._arrived:
+            self.attempts.append((time.monotonic(), body))
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+            self._arrived.notify_all()
+            if len(self.attempts) == 1 and self._hold_until:
+                self.held_first = self._arrived.wait_for(
+                    lambda: len(self.attempts) >= self._hold_until, timeout=10)
+
+    def leave(self) -> None:
+        with self._arrived:
+            self.in_flight -= 1
 
     @property
     def url(self) -> str:
@@ -162,7 +219,8 @@ def byte_tokenizer() -> ByteTokenizer:
 
 @pytest.fixture
 def stand_in_server() -> Iterator[Callable[..., StandInServer]]:
-    """A factory: `stand_in_server(answer, reports_cached=..., fail_status=...)`, started."""
+    """A factory: `stand_in_server(answer, reports_cached=..., fail_status=..., failure=...,
+    hold_first_until=...)`, started."""
     started: list[StandInServer] = []
 
     def make(answer: Callable[[list[dict[str, Any]]], str], **options: Any) -> StandInServer:

@@ -169,6 +169,7 @@ def test_a_failure_during_a_replay_prints_exactly_one_line(tmp_path, capsys, sta
     url = f"sqlite:///{tmp_path / 's.db'}"
     _record(url)
     server = stand_in_server(_answer, fail_status=500)
-    code, out, err = _run(capsys, "--store", url, "replay", "agent", "--backend", server.url)
+    code, out, err = _run(capsys, "--store", url, "replay", "agent", "--backend", server.url,
+                          "--retries", "0")
     assert code == 2 and out == ""
     assert err.startswith("error:") and err.count("\n") == 1

@@ -7,7 +7,7 @@ import socket
 import pytest
 
 from kvtrace.errors import BackendError, MissingToolError, RunNotFoundError, UsageError
-from kvtrace.replay import RemoteBackend, continue_run
+from kvtrace.replay import RemoteBackend, RetryPolicy, continue_run
 
 START = [
     {"role": "system", "content": "Use tools."},
@@ -145,7 +145,8 @@ def test_a_new_run_exists_only_once_its_first_call_is_answered(store):
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     with pytest.raises(BackendError):
-        continue_run(store, "fresh", RemoteBackend(f"http://127.0.0.1:{port}/v1"),
+        continue_run(store, "fresh", RemoteBackend(f"http://127.0.0.1:{port}/v1",
+                                                   retry=RetryPolicy(max_attempts=1)),
                      steps=1, messages=START)
     assert [r.name for r in store.runs()] == []
 

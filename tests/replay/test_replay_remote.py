@@ -7,7 +7,7 @@ import socket
 import pytest
 
 from kvtrace.errors import BackendError
-from kvtrace.replay import RemoteBackend, replay
+from kvtrace.replay import RemoteBackend, RetryPolicy, replay
 
 
 def _answer(messages):
@@ -93,8 +93,9 @@ def test_rebuild_primes_each_prompt_with_one_token(replay_store, stand_in_server
 def test_http_errors_become_backend_errors(replay_store, stand_in_server):
     _record(replay_store, "r", calls=1)
     server = stand_in_server(_answer, fail_status=500)
-    with pytest.raises(BackendError, match="HTTP 500"):
-        replay(replay_store, "r", RemoteBackend(server.url))
+    with pytest.raises(BackendError, match="HTTP 500, after 2 attempts"):
+        replay(replay_store, "r", RemoteBackend(
+            server.url, retry=RetryPolicy(max_attempts=2, base_delay_s=0.001)))
 
 
 def test_an_unreachable_server_is_a_backend_error(replay_store):
@@ -103,4 +104,5 @@ def test_an_unreachable_server_is_a_backend_error(replay_store):
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     with pytest.raises(BackendError, match="cannot reach"):
-        replay(replay_store, "r", RemoteBackend(f"http://127.0.0.1:{port}/v1"))
+        replay(replay_store, "r", RemoteBackend(f"http://127.0.0.1:{port}/v1",
+                                                retry=RetryPolicy(max_attempts=1)))
