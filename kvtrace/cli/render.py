@@ -163,9 +163,17 @@ def render_runs(report: RunsReport, console: Console | None = None) -> None:
     if any(s.reused_tokens is None for o in report.runs if o.report is not None
            for s in o.report.steps):
         console.print("?: unknown (the backend does not report cached tokens)")
-    for outcome in report.runs:
-        for note in outcome.report.notes if outcome.report is not None else []:
-            console.print(inert(f"note: {outcome.run}: {note}"), markup=False, highlight=False)
+    # A note many runs share (no tokenizer, say) is printed once, naming its runs.
+    noted: dict[str, list[str]] = {}
+    replayed = [o for o in report.runs if o.report is not None]
+    for outcome in replayed:
+        for note in dict.fromkeys(outcome.report.notes if outcome.report is not None else []):
+            noted.setdefault(note, []).append(outcome.run)
+    for note, runs in noted.items():
+        where = ("" if len(runs) == len(replayed) > 1 else
+                 ", ".join(runs[:5]) + (f" and {len(runs) - 5} more" if len(runs) > 5 else "")
+                 + ": ")
+        console.print(inert(f"note: {where}{note}"), markup=False, highlight=False)
 
 
 def render_analysis(analysis: Analysis, console: Console | None = None) -> None:
