@@ -58,7 +58,11 @@ class RemoteBackend:
         self._tokenizer = tokenizer
         self._retry = retry or RetryPolicy()
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._client = httpx.Client(base_url=self._base_url, headers=headers, timeout=timeout_s)
+        # No pool limit: the caller bounds the requests in flight (replay_runs' concurrency),
+        # and a connection kept per thread saves a reconnect per request.
+        self._client = httpx.Client(base_url=self._base_url, headers=headers, timeout=timeout_s,
+                                    limits=httpx.Limits(max_connections=None,
+                                                        max_keepalive_connections=None))
 
     @property
     def name(self) -> str:

@@ -360,3 +360,13 @@ def test_runs_through_kvtrace_serve_give_the_same_per_run_results_at_any_concurr
     assert _per_run(parallel) == _per_run(serial)
     assert [[s.mismatch for s in o.report.steps] for o in parallel.runs] == [
         [s.mismatch for s in o.report.steps] for o in serial.runs]
+
+
+def test_bench_multireplay_replays_every_run_at_each_concurrency(capsys):
+    code, out, err = _kv(capsys, "bench", "multireplay", "--server", "slots", "--runs", "3",
+                         "--calls", "2", "--concurrency", "1,2", "--latency-ms", "1", "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert "stand-in" in data["server"] and data["ratio_of"] == "2 over 1"
+    assert {level: (case["requests"], case["failed_runs"])
+            for level, case in data["cases"].items()} == {"1": (6, 0), "2": (6, 0)}
