@@ -40,15 +40,8 @@ def render_replay(report: ReplayReport, console: Console | None = None) -> None:
 
     console = console or Console()
     verify = report.mode is ReplayMode.VERIFY
-    table = Table(
-        title=_shown(f"{report.mode} {report.run} → {report.target_id[:12]} "
-                     f"({report.backend}, {report.model})"),
-        title_justify="left",
-        box=box.SIMPLE_HEAD,
-        padding=(0, 1),
-        pad_edge=False,
-        collapse_padding=True,
-    )
+    table = _report_table(f"{report.mode} {report.run} → {report.target_id[:12]} "
+                          f"({report.backend}, {report.model})")
     # "@" is the step's position on the run (RUN@N), tool calls included.
     for name in ("@", "step", "prompt", "reused", "mem/disk", "comp", "hit",
                  "oracle", "pre s", "dec s"):
@@ -109,12 +102,9 @@ def render_runs(report: RunsReport, console: Console | None = None) -> None:
 
     console = console or Console()
     verify = report.mode is ReplayMode.VERIFY
-    table = Table(
-        title=_shown(f"{report.mode} of {_count(len(report.runs), 'run')} ({report.backend}, "
-                     f"{report.model}), concurrency {report.concurrency}"),
-        title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False,
-        collapse_padding=True,
-    )
+    table = _report_table(f"{report.mode} of {_count(len(report.runs), 'run')} "
+                          f"({report.backend}, {report.model}), concurrency "
+                          f"{report.concurrency}")
     for name in ("run", "status", "calls", "prompt", "reused", "comp", "hit", "oracle",
                  "wall s"):
         table.add_column(name, justify="left" if name in ("run", "status") else "right",
@@ -255,19 +245,14 @@ def progress_bar(
     Shown on a terminal only: redirected, stderr stays free for the one-line
     error a failure prints (a transient bar would still leave a blank line).
     """
-    console = console or Console(stderr=True)
-    if not console.is_terminal:
+    progress = _terminal_progress(console)
+    if progress is None:
         yield _ignore_step
         return
-    progress = Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-        TextColumn("hit {task.fields[hit]}"), TimeElapsedColumn(),
-        console=console, transient=True,
-    )
-    task = progress.add_task(description, total=None, hit="-")
+    task = progress.add_task(description, total=None, note="hit -")
 
     def on_step(done: int, total: int, step: StepReport) -> None:
-        progress.update(task, completed=done, total=total, hit=_pct(step.hit_rate))
+        progress.update(task, completed=done, total=total, note=f"hit {_pct(step.hit_rate)}")
 
     with progress:
         yield on_step
@@ -281,17 +266,25 @@ def runs_progress(
 
     Shown on a terminal only (as `progress_bar`); yields None otherwise.
     """
-    console = console or Console(stderr=True)
-    if not console.is_terminal:
+    progress = _terminal_progress(console)
+    if progress is None:
         yield None
         return
-    progress = Progress(
+    with progress:
+        yield RunBars(progress, progress.add_task(description, total=num_runs, note=""))
+
+
+def _terminal_progress(console: Console | None) -> Progress | None:
+    """Transient bars (description, bar, M/N, a `note` field, time) on stderr; None off a
+    terminal."""
+    console = console or Console(stderr=True)
+    if not console.is_terminal:
+        return None
+    return Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
         TextColumn("{task.fields[note]}"), TimeElapsedColumn(),
         console=console, transient=True,
     )
-    with progress:
-        yield RunBars(progress, progress.add_task(description, total=num_runs, note=""))
 
 
 class RunBars:
@@ -325,6 +318,12 @@ class RunBars:
         if task is not None:
             self._progress.remove_task(task)
         self._progress.update(self._runs_task, advance=1, note=note)
+
+
+def _report_table(title: str) -> Table:
+    """The plain, compact table of a replay report, titled with (recorded, so inert) `title`."""
+    return Table(title=_shown(title), title_justify="left", box=box.SIMPLE_HEAD,
+                 padding=(0, 1), pad_edge=False, collapse_padding=True)
 
 
 def _ignore_step(done: int, total: int, step: StepReport) -> None:
