@@ -14,9 +14,12 @@ Servers (`server`):
 - `serve`: `kvtrace serve` in its own process on the local model (its engine
   computes one request at a time: what it gains from concurrency is the
   overlap of HTTP, tokenisation and queueing with the engine's work);
-- `llama-cpp`: llama.cpp's server from llama-cpp-python (the integration
-  build's `.venv-llama`, or `llama_python`) on the same model's GGUF, with
-  `n_parallel=slots`;
+- `llama-cpp`: llama.cpp's server as llama-cpp-python ships it (the
+  integration build's `.venv-llama`, or `llama_python`) on the same model's
+  GGUF. Its server (0.3.36) has no parallel slots: it takes one request at a
+  time behind a lock (it has no `n_parallel` setting, and the wheel does not
+  build llama.cpp's own `llama-server`), so it shows what a one-slot server
+  gives;
 - `slots`: a STAND-IN, not an engine: a loopback server that answers any chat
   request after a fixed `latency_ms`, at most `slots` at a time. It measures
   the client's side alone: how close `replay_runs` gets to the ideal of a
@@ -113,9 +116,11 @@ def run_multireplay_bench(
         store.close()
     cases = {str(level): _case(walls[level], reports[level]) for level in concurrency}
     low, high = min(concurrency), max(concurrency)
+    described = {"slots": f"slots (stand-in: {slots} at a time, {latency_ms:g} ms each, no "
+                          "model)",
+                 "llama-cpp": "llama-cpp (llama-cpp-python's server: one request at a time)"}
     return {
-        "server": server if server != "slots" else
-        f"slots (stand-in: {slots} at a time, {latency_ms:g} ms each, no model)",
+        "server": described.get(server, server),
         "mode": mode,
         "runs": num_runs,
         "calls_per_run": num_calls,
@@ -179,8 +184,8 @@ def _server(kind: str, folder: Path, *, model: str | None, cache_dir: Path, slot
             raise FileNotFoundError(f"no llama-cpp-python at {python}: `make test-integration` "
                                     "builds it into .venv-llama")
         command = [str(python), "-m", "llama_cpp.server", "--model", str(_gguf(model)),
-                   "--host", "127.0.0.1", "--port", str(port), "--n_ctx", str(8192 * slots),
-                   "--n_parallel", str(slots), "--model_alias", MODEL_NAME]
+                   "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "8192",
+                   "--model_alias", MODEL_NAME]
         env = dict(os.environ)
     url = f"http://127.0.0.1:{port}/v1"
     with (folder / "server.log").open("w") as log:

@@ -179,7 +179,7 @@ def bench_multireplay(
     server: Annotated[str, typer.Option(
         "--server",
         help="serve: kvtrace serve on the local model, in its own process; llama-cpp: "
-        "llama.cpp's server (.venv-llama, make test-integration) with --slots parallel slots; "
+        "llama-cpp-python's server (.venv-llama, make test-integration; one request at a time); "
         "slots: a stand-in that answers after --latency-ms, --slots at a time (no model); "
         "or the URL of a running server.")] = "serve",
     num_runs: Annotated[int, typer.Option("--runs", min=1, help="Runs in the set.")] = 8,
@@ -192,7 +192,7 @@ def bench_multireplay(
     trials: Annotated[int, typer.Option(
         "--trials", min=1, help="Rounds of the cases, alternating (the fastest counts).")] = 1,
     slots: Annotated[int, typer.Option(
-        "--slots", min=1, help="Parallel slots of llama-cpp and of the stand-in.")] = 4,
+        "--slots", min=1, help="Parallel slots of the stand-in.")] = 4,
     latency_ms: Annotated[float, typer.Option(
         "--latency-ms", min=0, help="The stand-in's time per request.")] = 200.0,
     llama_python: Annotated[str | None, typer.Option(
