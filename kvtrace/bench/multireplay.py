@@ -16,10 +16,11 @@ Servers (`server`):
   overlap of HTTP, tokenisation and queueing with the engine's work);
 - `llama-cpp`: llama.cpp's server as llama-cpp-python ships it (the
   integration build's `.venv-llama`, or `llama_python`) on the same model's
-  GGUF. Its server (0.3.36) has no parallel slots: it takes one request at a
-  time behind a lock (it has no `n_parallel` setting, and the wheel does not
-  build llama.cpp's own `llama-server`), so it shows what a one-slot server
-  gives;
+  GGUF, on all cores. Its server (0.3.36) has no parallel slots: it takes
+  one request at a time behind a lock (it has no `n_parallel` setting, and
+  the wheel does not build llama.cpp's own `llama-server`), so it shows what
+  a one-slot server gives. It refuses tool calls in messages, so its runs
+  are the same conversations as plain text (`record_eval_set(as_text=True)`);
 - `slots`: a STAND-IN, not an engine: a loopback server that answers any chat
   request after a fixed `latency_ms`, at most `slots` at a time. It measures
   the client's side alone: how close `replay_runs` gets to the ideal of a
@@ -50,6 +51,7 @@ from typing import Any
 import httpx
 
 from kvtrace.bench.conversations import tool_calling_conversation
+from kvtrace.rendering import assistant_text
 from kvtrace.replay import RemoteBackend, replay_runs
 from kvtrace.replay.backend import Tokenizer
 from kvtrace.replay.runs import RunsReport
@@ -60,8 +62,15 @@ START_TIMEOUT_S = 300.0  # a model load on a busy 2-core machine
 MODEL_NAME = "bench"
 
 
-def record_eval_set(store: Store, *, num_runs: int, num_calls: int) -> list[str]:
-    """`num_runs` runs that share the first run's system prompt and tools; their names."""
+def record_eval_set(store: Store, *, num_runs: int, num_calls: int,
+                    as_text: bool = False) -> list[str]:
+    """`num_runs` runs that share the first run's system prompt and tools; their names.
+
+    `as_text`: the same conversations in plain chat, for a server that refuses
+    tool calls in messages (llama-cpp-python's answers HTTP 500, a validation
+    error): no tool definitions, each tool call as the text the model wrote
+    (rendering.py), each tool result as a user message.
+    """
     names = []
     shared_system = tool_calling_conversation(1, seed=0)[0].messages[0]
     for index in range(num_runs):
@@ -69,8 +78,13 @@ def record_eval_set(store: Store, *, num_runs: int, num_calls: int) -> list[str]
         for call in tool_calling_conversation(num_calls, seed=index):
             messages = [shared_system, *call.messages[1:]]
             messages[1] = {**messages[1], "content": f"Task {index}: {messages[1]['content']}"}
-            run.record_model_call(messages, call.response, model=MODEL_NAME, tools=call.tools,
-                                  usage=call.usage)
+            if as_text:
+                run.record_model_call([_as_text(m) for m in messages],
+                                      assistant_text(call.response), model=MODEL_NAME,
+                                      usage=call.usage)
+            else:
+                run.record_model_call(messages, call.response, model=MODEL_NAME,
+                                      tools=call.tools, usage=call.usage)
             for call_id, name, arguments, result in call.results:
                 run.record_tool_call(name, arguments, result, call_id=call_id)
         names.append(run.name)
@@ -101,7 +115,8 @@ def run_multireplay_bench(
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         store = open_store(f"sqlite:///{root / 'runs.db'}")
-        names = record_eval_set(store, num_runs=num_runs, num_calls=num_calls)
+        names = record_eval_set(store, num_runs=num_runs, num_calls=num_calls,
+                                as_text=server == "llama-cpp")
         for trial in range(trials):
             order = concurrency if trial % 2 == 0 else tuple(reversed(concurrency))
             for level in order:
@@ -134,6 +149,15 @@ def run_multireplay_bench(
     }
 
 
+def _as_text(message: dict[str, Any]) -> dict[str, Any]:
+    """A chat message without tool calls: what the model wrote, or a tool result as user text."""
+    if message["role"] == "assistant":
+        return {"role": "assistant", "content": assistant_text(message)}
+    if message["role"] == "tool":
+        return {"role": "user", "content": f"Observation: {message['content']}"}
+    return message
+
+
 def _case(walls: list[float], report: RunsReport) -> dict[str, Any]:
     total = report.total
     return {
@@ -142,6 +166,7 @@ def _case(walls: list[float], report: RunsReport) -> dict[str, Any]:
         "requests": total.steps,
         "requests_per_s": round(total.steps / min(walls), 3),
         "failed_runs": len(report.failed),
+        "errors": sorted({f"{o.run}: {o.error}"[:300] for o in report.failed})[:3],
         "prompt_tokens": total.prompt_tokens,
         "hit_rate": None if total.hit_rate is None else round(total.hit_rate, 4),
         "oracle_hit_rate": None if total.oracle_hit_rate is None else
@@ -185,7 +210,7 @@ def _server(kind: str, folder: Path, *, model: str | None, cache_dir: Path, slot
                                     "builds it into .venv-llama")
         command = [str(python), "-m", "llama_cpp.server", "--model", str(_gguf(model)),
                    "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "8192",
-                   "--model_alias", MODEL_NAME]
+                   "--n_threads", str(os.cpu_count() or 1), "--model_alias", MODEL_NAME]
         env = dict(os.environ)
     url = f"http://127.0.0.1:{port}/v1"
     with (folder / "server.log").open("w") as log:
