@@ -165,6 +165,22 @@ def test_an_edited_tool_result_at_step_k_is_what_the_agent_sees(
     assert fork[6].parent_id == fork[5].id
 
 
+def test_an_edited_model_response_at_step_k_is_what_the_agent_acts_on(
+        recorded, canned_upstream, tmp_path):
+    store, _ = recorded
+    agent = NoteAgent(tmp_path / "edit-model")
+    with kvtrace.replaying("base", until=5, store=store, fork="answer", edit={
+            "response": {"role": "assistant", "content": "an edited answer"}}) as replay:
+        agent.run(store, "base", canned_upstream.url)
+    assert replay.summary.edit_seen is True
+    assert agent.ran == list(range(2, CALLS))  # step 6, turn 2's tool call, ran live
+    fork = store.path("answer")
+    assert fork[4].meta["edit_of"] == store.path("base")[4].id
+    assert ToolCall(fork[5]).arguments["text"] == "an edited answer"
+    assert [s.kind for s in fork[5:]] == [StepKind.TOOL_CALL] + [
+        StepKind.MODEL_CALL, StepKind.TOOL_CALL] * 7
+
+
 def test_a_tool_call_that_differs_before_k_goes_live_at_once(
         recorded, canned_upstream, tmp_path):
     store, _ = recorded
