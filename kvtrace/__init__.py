@@ -18,7 +18,7 @@ from kvtrace.errors import (
 )
 from kvtrace.store import FsckReport, Note, ReflogEntry, Run, RunInfo, Step, Store, open_store
 from kvtrace.store.watch import WatchEvent
-from kvtrace.tracer import recording, tool
+from kvtrace.tracer import recording, replaying, tool
 
 __version__ = "0.1.0"
 
@@ -41,5 +41,6 @@ __all__ = [
     "__version__",
     "open_store",
     "recording",
+    "replaying",
     "tool",
 ]

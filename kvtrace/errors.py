@@ -24,8 +24,10 @@
     │   ├── MissingToolError     a continued run asked for a tool nobody registered
     │   └── BackendError         a remote OpenAI-compatible backend failed (from httpx)
     └── TracerError              recording or serving an agent's calls cannot proceed
-        └── UnrecordedRequestError  a ReplayTransport in mode "none" met a request it never saw
-                                    (only with on_unrecorded="raise": else it answers 404)
+        ├── UnrecordedRequestError  a ReplayTransport in mode "none" met a request it never saw
+        │                           (only with on_unrecorded="raise": else it answers 404)
+        └── RecordedToolError    a replayed tool call raises the error it raised when recorded
+                                 (when that error's type is not a built-in exception)
 
 Lower-level exceptions (SQLAlchemy, httpx, torch) are translated at the boundary
 with ``raise ... from exc``, so callers catch only these. Messages say what to do
@@ -142,3 +144,16 @@ class TracerError(KvtraceError):
 
 class UnrecordedRequestError(TracerError):
     """A replaying transport got a request that the recording does not hold."""
+
+
+class RecordedToolError(TracerError):
+    """The error a tool call raised when it was recorded, raised again by `kvtrace.replaying`.
+
+    Only its type's name and message were recorded (`"Type: message"`): a
+    built-in exception type is raised as itself, any other as this error,
+    whose `type_name` is the recorded type's name.
+    """
+
+    def __init__(self, type_name: str, message: str) -> None:
+        super().__init__(f"{type_name}: {message}" if message else type_name)
+        self.type_name = type_name

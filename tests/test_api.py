@@ -26,6 +26,7 @@ def test_public_names_are_pinned():
             "__version__",
             "open_store",
             "recording",
+            "replaying",
             "tool",
         ]
     )

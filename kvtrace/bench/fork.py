@@ -72,6 +72,18 @@ def run_agent(url: str, folder: Path, *, calls: int, model: str = "gpt-4o-mini",
     return completion_tokens
 
 
+def record_agent(store: Any, backend: Any, folder: Path, name: str, *, calls: int,
+                 **options: Any) -> tuple[float, Any]:
+    """Run the agent against `kvtrace serve` on `backend`, recording run `name` (`options`:
+    make_server's, e.g. `from_run`, `edit`); the seconds it took, and the server."""
+    server = make_server(backend=backend, store=store, run=name, **options)
+    folder.mkdir()
+    with BackgroundServer(server.app) as running:
+        started = time.perf_counter()
+        run_agent(running.url, folder, calls=calls, model=backend.model)
+        return time.perf_counter() - started, server
+
+
 def run_fork_bench(*, model: str | None = None, calls: int = 10, k: int = 6,
                    trials: int = 2) -> dict[str, Any]:
     """Time re-running the agent against `--from base@K` (see the module docstring)."""
@@ -88,14 +100,8 @@ def run_fork_bench(*, model: str | None = None, calls: int = 10, k: int = 6,
         disk = root / "kv"
 
         def serve_once(name: str, cache: KVCache, **options: Any) -> tuple[float, Any]:
-            server = make_server(backend=LocalBackend(engine, cache), store=store, run=name,
-                                 **options)
-            folder = root / name
-            folder.mkdir()
-            with BackgroundServer(server.app) as running:
-                started = time.perf_counter()
-                run_agent(running.url, folder, calls=calls, model=engine.name)
-                return time.perf_counter() - started, server
+            return record_agent(store, LocalBackend(engine, cache), root / name, name,
+                                calls=calls, **options)
 
         serve_once("base", KVCache(engine, disk_dir=disk))
         full: list[float] = []

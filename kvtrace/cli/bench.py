@@ -164,9 +164,34 @@ def bench_fork(
         "--k", min=1, help="Answer calls 1..K from the recording (--from base@K).")] = 6,
     trials: Annotated[int, typer.Option(
         "--trials", min=1, help="Runs per case, alternating (the fastest counts).")] = 2,
+    peer: Annotated[str | None, typer.Option(
+        "--peer", help="Instead: replay the run and forks of it taken at --fork-steps, "
+        "interleaved, through kvtrace serve and through this OpenAI-compatible server "
+        "(base URL with its API prefix, e.g. http://127.0.0.1:8080/v1), both cold.")] = None,
+    peer_model: Annotated[str | None, typer.Option(
+        "--peer-model", help="The model name sent to --peer (default: the recorded one).")
+    ] = None,
+    fork_steps: Annotated[str, typer.Option(
+        "--fork-steps", help="With --peer: the steps the forks are taken at, "
+        "comma-separated.")] = "2,4,6,8",
     as_json: Json = False,
 ) -> None:
-    """An agent forked at step K (--from) against re-running it whole, on the local engine."""
+    """An agent forked at step K (--from) against re-running it whole, on the local engine;
+    with --peer, a run and its forks replayed through kvtrace and through another server."""
+    if peer is not None:
+        from kvtrace.bench.peer import run_peer_bench
+
+        try:
+            steps = tuple(int(part) for part in fork_steps.split(","))
+        except ValueError:
+            raise typer.BadParameter(f"{fork_steps!r} is not a comma-separated list of steps",
+                                     param_hint="--fork-steps") from None
+        if not steps or any(not 1 <= step < calls for step in steps):
+            raise typer.BadParameter(f"fork steps must be in 1..{calls - 1}",
+                                     param_hint="--fork-steps")
+        _print_figures(run_peer_bench(peer, model=model, peer_model=peer_model, calls=calls,
+                                      fork_steps=steps, trials=trials), as_json)
+        return
     from kvtrace.bench.fork import run_fork_bench
 
     if k >= calls:

@@ -19,7 +19,8 @@ in one module.
   repeats its settings (Responses) keeps them in `response_settings`, one
   blob shared by the calls whose settings stay the same.
 - `ToolCall`: tool name, `arguments`, `result`, `error`, `call_id` (the
-  model's tool-call id it answers).
+  model's tool-call id it answers), and the key order of the result's
+  objects where it was not sorted (`returned_result`, keyorder.py).
 - `HttpExchange`: method, URL, status, headers, raw bodies, and, for an
   exchange with a model API that could not be read as a model call, why not.
 - `NoteStep`: a note recorded as a step of the run (annotations made
@@ -46,6 +47,7 @@ _MODEL, _PARAMS, _USAGE, _TIMINGS, _EXTRA, _API = (
     "model", "params", "usage", "timings", "extra", "api")
 _TOOL, _ERROR, _CALL_ID, _AUTHOR, _TOTAL_S, _COMPLETE, _NOT_MODEL_CALL = (
     "tool", "error", "call_id", "author", "total_s", "complete", "not_model_call")
+_KEY_ORDER = "key_order"
 EDIT_OF = "edit_of"  # a step forked with an edit names the step it copies
 STREAM_FIELD = "stream"  # a model call's raw field: the SSE body as it arrived
 RESPONSE_SETTINGS = "response_settings"  # a model call's payload field (see ModelCall)
@@ -233,9 +235,10 @@ class ToolCall(_View):
     @staticmethod
     def meta(*, tool: str, error: str | None = None, call_id: str | None = None,
              timings: Mapping[str, Any] | None = None,
-             extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+             extra: Mapping[str, Any] | None = None,
+             key_order: Mapping[str, list[str]] | None = None) -> dict[str, Any]:
         return {_TOOL: tool, _ERROR: error, _CALL_ID: call_id, _TIMINGS: timings or None,
-                _EXTRA: extra or None}
+                _EXTRA: extra or None, _KEY_ORDER: dict(key_order) if key_order else None}
 
     @property
     def tool(self) -> str:
@@ -249,6 +252,14 @@ class ToolCall(_View):
     @property
     def result(self) -> Any:
         return self.step.content.get("result")
+
+    @property
+    def returned_result(self) -> Any:
+        """The result with its objects' keys in the order the tool returned them."""
+        from kvtrace.store.keyorder import in_key_order
+
+        orders = self.step.meta.get(_KEY_ORDER)
+        return in_key_order(self.result, orders) if isinstance(orders, dict) else self.result
 
     @property
     def error(self) -> str | None:

@@ -136,10 +136,14 @@ class Run:
         call_id: str | None = None,
         timings: Mapping[str, Any] | None = None,
         extra: Mapping[str, Any] | None = None,
+        key_order: Mapping[str, list[str]] | None = None,
     ) -> Step:
         """Record one tool call with its arguments and result (or error).
 
         `call_id` links it to the `tool_calls[i].id` of the model call that asked for it.
+        `key_order` is the order of the result's keys where it is not sorted
+        (keyorder.py): the tool decorator keeps it, so that a replay hands the
+        agent the result as the tool returned it.
         """
         if not isinstance(name, str) or not name:
             raise UsageError("a tool call needs the tool's name (a non-empty string)")
@@ -152,7 +156,8 @@ class Run:
             {"arguments": to_plain(arguments), "result": to_plain(result)},
             meta=ToolCall.meta(tool=name, error=error, call_id=call_id,
                                timings=_mapping(timings, "timings"),
-                               extra=_mapping(extra, "extra")),
+                               extra=_mapping(extra, "extra"),
+                               key_order=_mapping(key_order, "key_order")),
         )
 
     def record_note(self, text: str, *, author: str | None = None) -> Step:

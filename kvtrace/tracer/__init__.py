@@ -9,7 +9,10 @@
   Anthropic Messages and OpenAI Responses calls as model_call steps, plain
   or streamed (exchange.py, endpoints.py, the sse*.py readers);
 - `ReplayTransport` / `AsyncReplayTransport`: their twins that answer from
-  the recording (VCR-like modes `none`, `new_episodes`, `all`).
+  the recording (VCR-like modes `none`, `new_episodes`, `all`);
+- `replaying(run, until=K)`: the tracer's replay mode, in which the
+  `tool` functions and the recording transports are answered from a run's
+  steps 1..K, then go live on a fork (replay_mode.py).
 
 `kvtrace serve`, the recording HTTP server, is `kvtrace.serve`: it records
 through this package (exchange.py decides what an exchange becomes).
@@ -24,6 +27,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from kvtrace.tracer.recorder import Recorder, current_recorder, recording
+from kvtrace.tracer.replay_mode import Replaying, current_replaying, replaying
 from kvtrace.tracer.tools import tool
 
 if TYPE_CHECKING:
@@ -53,7 +57,10 @@ __all__ = [
     "RecordingTransport",
     "ReplayMode",
     "ReplayTransport",
+    "Replaying",
     "current_recorder",
+    "current_replaying",
     "recording",
+    "replaying",
     "tool",
 ]

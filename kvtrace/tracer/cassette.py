@@ -482,14 +482,10 @@ def _prefix(recorder: Recorder, mode: ReplayMode, until: int | None, fork: str |
     if mode is not ReplayMode.NEW_EPISODES:
         raise UsageError("until=K answers the first K steps from the recording and the rest "
                          "live: it goes with mode='new_episodes'", param="until")
-    if isinstance(until, bool) or not isinstance(until, int) or until < 1:
-        raise UsageError(f"until must be a step number >= 1, not {until!r}", param="until")
-    from kvtrace.tracer.prefix import RecordedPrefix, free_fork_name
+    from kvtrace.tracer.prefix import RecordedPrefix
 
-    name = recorder.name
-    return RecordedPrefix(recorder.store, f"{name}@{until}",
-                          fork=fork or free_fork_name(recorder.store, f"{name}-from-{until}"),
-                          edit=edit, redact_headers=redact_headers)
+    return RecordedPrefix.of_run(recorder.store, recorder.name, until, fork=fork, edit=edit,
+                                 redact_headers=redact_headers)
 
 
 def _mode(mode: str) -> ReplayMode:

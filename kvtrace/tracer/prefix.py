@@ -18,10 +18,18 @@ the edited copy. An agent that parts before step K never sees the edit; its
 fork starts where it parted, and the summary says so. Requests are taken in
 order (an agent's calls depend on the answers before them): callers
 serialise `serve` and `go_live`.
+
+With `tools=True` (the tracer's replay mode, `kvtrace.replaying`,
+replay_mode.py) the steps served in order are the agent's tool calls
+(`serve_tool`: same tool, same arguments as JSON) and its other HTTP
+exchanges too, all in the one recorded order, so that a tool call where
+the recording has a model call, or the other way round, is where the two
+part. An edit of step K may then change a tool call's `result`.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -29,10 +37,15 @@ from typing import Any
 import httpx
 
 from kvtrace.errors import UsageError
-from kvtrace.store import ModelCall, Run, Step, StepKind, Store
+from kvtrace.store import HttpExchange, ModelCall, Run, Step, StepKind, Store, ToolCall
 from kvtrace.store.edits import editable_fields, edited_content
+from kvtrace.store.plain import to_plain
 from kvtrace.tracer.cassette import Cassette
+from kvtrace.tracer.endpoints import endpoint_for
+from kvtrace.tracer.exchange import is_chat_completions
 from kvtrace.tracer.redact import Redactor
+
+_SNIPPET = 80
 
 
 @dataclass(slots=True)
@@ -72,20 +85,12 @@ class RecordedPrefix:
 
     def __init__(self, store: Store, spec: str, *, fork: str,
                  edit: Mapping[str, Any] | None = None,
-                 redact_headers: tuple[str, ...] = ()) -> None:
+                 redact_headers: tuple[str, ...] = (), tools: bool = False) -> None:
         path = store.path(spec)
         if not path:
             raise UsageError(f"{spec!r} has no steps to answer from", param="spec")
-        last = path[-1]
         if edit is not None:  # checked now: a bad edit fails before the agent starts
-            if last.kind != StepKind.MODEL_CALL:
-                raise UsageError(f"step {last.short_id} (#{last.depth}) is a {last.kind} step: "
-                                 "an edit changes a model call's response", param="edit")
-            unknown = sorted(set(edit) - editable_fields(last))
-            if unknown:
-                raise UsageError(f"step {last.short_id} has no field {unknown[0]!r} to edit",
-                                 param="edit")
-            path = [*path[:-1], replace(last, content=edited_content(last, edit))]
+            path = [*path[:-1], _edited(path[-1], edit, tools=tools)]
         if fork in {info.name for info in store.runs()}:
             raise UsageError(f"run {fork!r} exists already: name the fork another way",
                              param="fork")
@@ -93,30 +98,70 @@ class RecordedPrefix:
         self._spec = spec
         self._fork = fork
         self._edit = dict(edit) if edit is not None else None
-        self._calls = [s for s in path if s.kind == StepKind.MODEL_CALL and ModelCall(s).http]
+        self._calls = [s for s in path if _is_served(s, tools=tools)]
         self._cassette = Cassette(self._calls, Redactor(redact_headers))
         self._served: list[Step] = []
         self.is_live = False
         self.summary = PrefixSummary(spec, fork, len(self._calls),
                                      edit_seen=False if edit is not None else None)
 
+    @classmethod
+    def of_run(cls, store: Store, name: str, until: int, *, fork: str | None = None,
+               edit: Mapping[str, Any] | None = None, redact_headers: tuple[str, ...] = (),
+               tools: bool = False) -> RecordedPrefix:
+        """Run `name`'s steps 1..`until`; the fork named `fork`, by default `NAME-from-K`."""
+        if isinstance(until, bool) or not isinstance(until, int) or until < 1:
+            raise UsageError(f"until must be a step number >= 1, not {until!r}", param="until")
+        return cls(store, f"{name}@{until}",
+                   fork=fork or free_fork_name(store, f"{name}-from-{until}"),
+                   edit=edit, redact_headers=redact_headers, tools=tools)
+
     def serve(self, request: httpx.Request) -> Step | None:
         """The recorded step that answers `request` (the recording's next call), else None."""
-        if self.is_live:
+        expected = self._next()
+        if expected is None:
             return None
-        index = len(self._served)
-        if index >= len(self._calls):
-            return None
-        expected = self._calls[index]
+        if expected.kind == StepKind.TOOL_CALL:
+            key = self._cassette.key(request)
+            return self._part(f"{key.method} {key.url} was sent where the recording's next "
+                              f"step is {_described(expected)}")
         if self._cassette.key(request) != self._cassette.step_key(expected):
-            self.summary.parted = (self._cassette.explain_miss(request) if index else
-                                   "the first request differs from the recording's first call")
+            return self._part(self._cassette.explain_miss(request) if self._served else
+                              "the first request differs from the recording's first call")
+        return self._take(expected)
+
+    def serve_tool(self, name: str, arguments: Any) -> Step | None:
+        """The recorded tool call that answers calling tool `name` with `arguments` (JSON
+        data, as the tool decorator records them) when it is the recording's next step."""
+        expected = self._next()
+        if expected is None:
             return None
-        self._served.append(expected)
+        called = f"tool {name}({_snippet(arguments)})"
+        if expected.kind != StepKind.TOOL_CALL:
+            return self._part(f"{called} was called where the recording's next step is "
+                              f"{_described(expected)}")
+        recorded = ToolCall(expected)
+        if recorded.tool != name or _canonical(recorded.arguments) != _canonical(arguments):
+            return self._part(f"{called} differs from {_described(expected)}")
+        return self._take(expected)
+
+    def _next(self) -> Step | None:
+        """The recording's next step to serve (None: live, or all were served)."""
+        if self.is_live or len(self._served) >= len(self._calls):
+            return None
+        return self._calls[len(self._served)]
+
+    def _part(self, why: str) -> Step | None:
+        """None, the agent having left the recording for the reason `why`."""
+        self.summary.parted = why
+        return None
+
+    def _take(self, step: Step) -> Step:
+        self._served.append(step)
         self.summary.num_served += 1
-        if self._edit is not None and index == len(self._calls) - 1:
+        if self._edit is not None and len(self._served) == len(self._calls):
             self.summary.edit_seen = True
-        return expected
+        return step
 
     def go_live(self) -> Run:
         """The run the live part is recorded on: the fork, made once, where the two parted."""
@@ -141,3 +186,69 @@ def free_fork_name(store: Store, base: str) -> str:
         number += 1
         name = f"{base}-{number}"
     return name
+
+
+def _is_served(step: Step, *, tools: bool) -> bool:
+    """Whether the agent's own call is answered with `step` (a model call made over HTTP;
+    with `tools`, also a tool call and an HTTP exchange that is no model API's answer)."""
+    if step.kind == StepKind.MODEL_CALL:
+        return ModelCall(step).http is not None
+    if not tools:
+        return False
+    if step.kind == StepKind.TOOL_CALL:
+        return True
+    if step.kind == StepKind.HTTP:  # a model API's error answer: the agent retried it
+        exchange = HttpExchange(step)
+        return not (is_chat_completions(exchange.method, exchange.url)
+                    or endpoint_for(exchange.method, exchange.url) is not None)
+    return False
+
+
+def _edited(step: Step, edit: Mapping[str, Any], *, tools: bool) -> Step:
+    """`step` (step K) with `edit` applied, or a UsageError saying why it does not fit."""
+    what = "a model call's response or a tool call's result" if tools else (
+        "a model call's response")
+    if not _is_served(step, tools=tools) or step.kind == StepKind.HTTP:
+        how = " recorded by hand" if step.kind == StepKind.MODEL_CALL else ""
+        raise UsageError(f"step {step.short_id} (#{step.depth}) is a {step.kind} step{how}: "
+                         f"an edit changes {what}", param="edit")
+    if not isinstance(edit, Mapping) or not edit:
+        raise UsageError("edit must map step K's fields to their new values", param="edit")
+    unknown = sorted(set(edit) - editable_fields(step))
+    if unknown:
+        raise UsageError(f"step {step.short_id} has no field {unknown[0]!r} to edit",
+                         param="edit")
+    if step.kind == StepKind.TOOL_CALL:
+        error = ToolCall(step).error
+        if error is not None and "result" in edit:
+            raise UsageError(f"step {step.short_id} (#{step.depth}) recorded an error "
+                             f"({error}), not a result to edit", param="edit")
+        for key, value in edit.items():
+            try:
+                json.dumps(to_plain(value), allow_nan=False)
+            except (TypeError, ValueError) as exc:
+                raise UsageError(f"edit {key!r} must be JSON data, not "
+                                 f"{type(value).__name__}", param="edit") from exc
+    return replace(step, content=edited_content(step, edit))
+
+
+def _described(step: Step) -> str:
+    """A recorded step in a few words, for why the agent parted."""
+    where = f"step {step.short_id} (#{step.depth})"
+    if step.kind == StepKind.TOOL_CALL:
+        call = ToolCall(step)
+        return f"{where}, tool {call.tool}({_snippet(call.arguments)})"
+    if step.kind == StepKind.HTTP:
+        exchange = HttpExchange(step)
+        return f"{where}, {exchange.method} {exchange.url}"
+    return f"{where}, a model call"
+
+
+def _canonical(value: Any) -> str:
+    return json.dumps(to_plain(value), sort_keys=True, ensure_ascii=False,
+                      separators=(",", ":"), default=repr)
+
+
+def _snippet(arguments: Any) -> str:
+    text = _canonical(arguments)
+    return text if len(text) <= _SNIPPET else text[:_SNIPPET] + "..."

@@ -10,12 +10,20 @@
 
 What a step holds: the arguments bound to their parameter names (defaults
 filled in), the result or the exception (`error` is "Type: message"; the
-exception is raised on unchanged), the duration (`timings.duration_s`), and
+exception is raised on unchanged), the order of the result's keys where it
+is not sorted (the store sorts them; a replay gives them back in the order
+the tool returned them), the duration (`timings.duration_s`), and
 `call_id` when the caller passes `tool_call_id=` (taken out before the
 function is called, unless the function itself has such a parameter).
 Values that are not JSON (objects of the agent's own classes) are stored as
 their `repr`. Sync and async functions alike; a `kvtrace.tool` function
 called outside any recording simply runs, unrecorded.
+
+Inside `with kvtrace.replaying(run, until=K)` (replay_mode.py) the session
+decides first: a call that is the recording's next tool call is answered
+with its recorded result (or error) and the function does not run; any
+other runs live and is recorded on the session's fork, whatever recorder
+the decorator names.
 """
 
 from __future__ import annotations
@@ -28,7 +36,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvtrace.errors import UsageError
+from kvtrace.store import Step
+from kvtrace.store.keyorder import key_order
 from kvtrace.store.plain import to_plain
+from kvtrace.tracer.replay_mode import current_replaying, served_outcome
 
 if TYPE_CHECKING:
     from kvtrace.tracer.recorder import Recorder
@@ -54,7 +65,11 @@ def tool(
     signature = inspect.signature(function)
     takes_call_id = CALL_ID_ARGUMENT in signature.parameters
 
-    def target() -> Recorder | None:
+    def target(arguments: dict[str, Any]) -> Recorder | Step | None:
+        """Where this call goes: a recorded step that answers it, a recorder, or None."""
+        session = current_replaying()
+        if session is not None:
+            return session.take_tool(tool_name, jsonable(arguments))
         if recorder is not None:
             return recorder
         from kvtrace.tracer.recorder import current_recorder
@@ -62,6 +77,7 @@ def tool(
         return current_recorder()
 
     def split(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+        """The call's arguments bound to their names, and its call id."""
         call_id = kwargs.get(CALL_ID_ARGUMENT) if takes_call_id else kwargs.pop(
             CALL_ID_ARGUMENT, None
         )
@@ -79,21 +95,25 @@ def tool(
         rec: Recorder, arguments: dict[str, Any], call_id: Any, started: float,
         result: Any = None, error: BaseException | None = None,
     ) -> None:
+        returned = None if error is not None else jsonable(result)
         rec.record_tool_call(
             tool_name,
             jsonable(arguments),
-            None if error is not None else jsonable(result),
+            returned,
             error=f"{type(error).__name__}: {error}" if error is not None else None,
             call_id=str(call_id) if call_id is not None else None,
             timings={"duration_s": round(time.perf_counter() - started, 6)},
+            key_order=key_order(returned),
         )
 
     if inspect.iscoroutinefunction(function):
 
         @functools.wraps(function)
         async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
-            rec = target()
             arguments, call_id = split(args, kwargs)
+            rec = target(arguments)
+            if isinstance(rec, Step):
+                return served_outcome(rec)
             if rec is None:
                 return await function(*args, **kwargs)
             started = time.perf_counter()
@@ -109,8 +129,10 @@ def tool(
 
     @functools.wraps(function)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        rec = target()
         arguments, call_id = split(args, kwargs)
+        rec = target(arguments)
+        if isinstance(rec, Step):
+            return served_outcome(rec)
         if rec is None:
             return function(*args, **kwargs)
         started = time.perf_counter()

@@ -15,6 +15,11 @@ stream is complete when its terminal event arrived (exchange.py). The bodies rec
 content-decoded; the client receives the upstream's bytes unchanged.
 `AsyncRecordingTransport` is the same for `httpx.AsyncClient` and
 `httpx2.AsyncClient`.
+
+Inside `with kvtrace.replaying(run, until=K)` (replay_mode.py) the session
+decides first: a request that is the recording's next call is answered
+from the recording (nothing sent, nothing recorded), and any other is sent
+and recorded on the session's fork instead of this transport's run.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from kvtrace.tracer.clients import AsyncStream, SyncStream, default_transport
 from kvtrace.tracer.exchange import Exchange, decoded_body, record_exchange
 from kvtrace.tracer.recorder import Recorder, as_recorder
 from kvtrace.tracer.redact import Redactor
+from kvtrace.tracer.replay_mode import current_replaying
 
 
 class _Capture:
@@ -147,8 +153,8 @@ class RecordingTransport:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def record(self, exchange: Exchange) -> None:
-        record_exchange(self.recorder, exchange, self.redactor)
+    def record(self, exchange: Exchange, recorder: Recorder | None = None) -> None:
+        record_exchange(recorder or self.recorder, exchange, self.redactor)
 
     def _default(self, request: httpx.Request) -> Any:
         if type(request) not in self._defaults:
@@ -157,13 +163,22 @@ class RecordingTransport:
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         request.read()
+        recorder = self.recorder
+        session = current_replaying()
+        if session is not None:
+            taken = session.take_request(request)
+            if not isinstance(taken, Recorder):
+                return taken
+            recorder = taken
         started = time.perf_counter()
         inner = self.inner if self.inner is not None else self._default(request)
         response = inner.handle_request(request)
         capture = _Capture(request, response, started)
         if not isinstance(response.stream, Iterable):
             raise TypeError("the inner transport of a sync client returned an async stream")
-        stream = _RecordingStream(response.stream, capture, self.record, response.close)
+        stream = _RecordingStream(response.stream, capture,
+                                  lambda exchange: self.record(exchange, recorder),
+                                  response.close)
         return type(response)(response.status_code, headers=response.headers, stream=stream,
                               extensions=response.extensions)
 
@@ -189,8 +204,8 @@ class AsyncRecordingTransport:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
-    def record(self, exchange: Exchange) -> None:
-        record_exchange(self.recorder, exchange, self.redactor)
+    def record(self, exchange: Exchange, recorder: Recorder | None = None) -> None:
+        record_exchange(recorder or self.recorder, exchange, self.redactor)
 
     def _default(self, request: httpx.Request) -> Any:
         if type(request) not in self._defaults:
@@ -199,11 +214,22 @@ class AsyncRecordingTransport:
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         await request.aread()
+        recorder = self.recorder
+        session = current_replaying()
+        if session is not None:
+            import anyio.to_thread
+
+            taken = await anyio.to_thread.run_sync(session.take_request, request)
+            if not isinstance(taken, Recorder):
+                return taken
+            recorder = taken
         started = time.perf_counter()
         inner = self.inner if self.inner is not None else self._default(request)
         response = await inner.handle_async_request(request)
         capture = _Capture(request, response, started)
-        stream = _AsyncRecordingStream(response.stream, capture, self.record, response.aclose)
+        stream = _AsyncRecordingStream(response.stream, capture,
+                                       lambda exchange: self.record(exchange, recorder),
+                                       response.aclose)
         return type(response)(response.status_code, headers=response.headers, stream=stream,
                               extensions=response.extensions)
 

@@ -1,0 +1,151 @@
+"""A run and its forks replayed through kvtrace and through a peer server: `bench fork --peer`.
+
+The workload is what a fork experiment sends a model server: a recorded run
+and K forks of it taken at different steps (`fork_steps`), replayed side
+by side, their calls interleaved (call 1 of each run, then call 2 of each,
+...), as the requests of experiments running at once reach a server. The
+run is bench/fork.py's ten-call agent (a ~2,000-token system prompt, a tool
+that writes a file), recorded on the local engine; each fork is the same
+agent run with `--from base@S` and an edited step S (its answer replaced),
+so it parts from the run there and goes on live.
+
+Both servers get the same requests over loopback HTTP, through the same
+client (replay's `RemoteBackend`, rebuild mode: each recorded prompt with
+`max_tokens=1`, which is what a cache changes the cost of):
+
+- kvtrace: `kvtrace serve` on the local engine, a new server with an empty
+  KV cache each trial (the radix tree keeps every branch);
+- the peer: any OpenAI-compatible server (llama.cpp's, under `make
+  test-integration`), made cold before each trial by one unrelated prompt
+  (a single-slot prefix cache then holds nothing the workload shares; a
+  server that caches more is, fairly, warmer).
+
+Trials alternate which goes first (kvtrace, peer; peer, kvtrace; ...); the
+fastest of each counts, `speedup = peer_s / kvtrace_s`. The issue's target
+is >= 3. `prompt_tokens` says how many tokens each side's template made of
+the prompts; `computed_tokens` (from kvtrace's tokenizer) is what an exact
+prefix cache must compute with a radix tree (every earlier sequence) and
+with a single slot (the previous request's only), which is the gap the
+figures come from.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from kvtrace.bench.fork import record_agent
+from kvtrace.replay.backend import CallRequest, SamplingParams, Tokenizer
+from kvtrace.replay.oracle import PrefixOracle, common_prefix_length
+from kvtrace.replay.recording import prompt_ids, step_messages, step_tools
+from kvtrace.replay.remote import RemoteBackend
+from kvtrace.store import ModelCall, Step, StepKind, Store, open_store
+
+FORK_STEPS = (2, 4, 6, 8)
+_COLD = [{"role": "user", "content": "Unrelated: say one word."}]
+
+
+def run_peer_bench(peer: str, *, model: str | None = None, peer_model: str | None = None,
+                   calls: int = 10, fork_steps: tuple[int, ...] = FORK_STEPS,
+                   trials: int = 2) -> dict[str, Any]:
+    """Time the interleaved replay through kvtrace and through `peer` (module docstring)."""
+    from kvtrace.engine import KVCache, load_engine
+    from kvtrace.replay.local import LocalBackend
+    from kvtrace.serve import BackgroundServer, make_server
+
+    if not fork_steps or any(not 1 <= s < calls for s in fork_steps):
+        raise ValueError(f"fork steps must be in 1..{calls - 1}")
+    engine = load_engine(model)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        store = open_store(f"sqlite:///{root / 'bench.db'}")
+        recording = LocalBackend(engine, KVCache(engine))  # warm across the recordings
+        runs = record_forks(store, recording, root, calls=calls, fork_steps=fork_steps)
+        schedule = interleaved(store, list(runs))
+        single_slot, radix = computed_tokens(engine, schedule)
+        kvtrace_s: list[float] = []
+        peer_s: list[float] = []
+        tokens: dict[str, int] = {}
+        for trial in range(trials):
+            order = ["kvtrace", "peer"] if trial % 2 == 0 else ["peer", "kvtrace"]
+            for side in order:
+                if side == "kvtrace":
+                    server = make_server(backend=LocalBackend(engine, KVCache(engine)))
+                    with BackgroundServer(server.app) as running, \
+                            RemoteBackend(running.url, model=engine.name) as client:
+                        seconds, tokens["kvtrace"] = timed_replay(client, schedule)
+                    kvtrace_s.append(seconds)
+                else:
+                    with RemoteBackend(peer, model=peer_model) as client:
+                        client.rebuild(_request(_COLD, None))  # a single slot now holds no prefix
+                        seconds, tokens["peer"] = timed_replay(client, schedule)
+                    peer_s.append(seconds)
+        store.close()
+    return {
+        "model": engine.name, "peer": peer, "calls": calls, "fork_steps": list(fork_steps),
+        "requests": len(schedule), "trials": trials,
+        "forks": {name: run for name, run in runs.items() if run},
+        "kvtrace_s": round(min(kvtrace_s), 3), "peer_s": round(min(peer_s), 3),
+        "kvtrace_s_trials": [round(s, 3) for s in kvtrace_s],
+        "peer_s_trials": [round(s, 3) for s in peer_s],
+        "speedup": round(min(peer_s) / min(kvtrace_s), 3), "target_speedup": 3.0,
+        "prompt_tokens": tokens,
+        "computed_tokens": {"radix_tree": radix, "single_slot": single_slot},
+    }
+
+
+def record_forks(store: Store, backend: Any, root: Path, *, calls: int,
+                 fork_steps: tuple[int, ...]) -> dict[str, dict[str, Any]]:
+    """Record `base` and one fork of it per step in `fork_steps`: each run's name (base
+    first) and, for a fork, what its `--from` summary says."""
+    record_agent(store, backend, root / "base", "base", calls=calls)
+    runs: dict[str, dict[str, Any]] = {"base": {}}
+    for step in fork_steps:
+        name = f"fork-{step}"
+        edit = {"response": {"role": "assistant",
+                             "content": f"Fork {step}: the tide turns at noon in Brest."}}
+        _, server = record_agent(store, backend, root / name, name, calls=calls,
+                                 from_run=f"base@{step}", edit=edit)
+        summary = server.answerer.summary
+        runs[name] = {"served": summary.num_served, "first_live_step": summary.first_live_step}
+    return runs
+
+
+def interleaved(store: Store, runs: list[str]) -> list[Step]:
+    """The runs' model calls, call 1 of each run, then call 2 of each, and so on."""
+    calls = [[s for s in store.path(run) if s.kind == StepKind.MODEL_CALL] for run in runs]
+    longest = max(len(c) for c in calls)
+    return [c[i] for i in range(longest) for c in calls if i < len(c)]
+
+
+def timed_replay(client: RemoteBackend, schedule: list[Step]) -> tuple[float, int]:
+    """Seconds to send every step's prompt through `client`, and the prompt tokens counted."""
+    started = time.perf_counter()
+    num_tokens = sum(client.rebuild(_request(step_messages(step), step)).prompt_tokens
+                     for step in schedule)
+    return time.perf_counter() - started, num_tokens
+
+
+def computed_tokens(tokenizer: Tokenizer, schedule: list[Step]) -> tuple[int, int]:
+    """Prompt tokens an exact-prefix cache computes for `schedule`: (single slot, radix tree).
+
+    As a server does: at least the last token of each prompt is computed.
+    """
+    single = radix = 0
+    previous: list[int] = []
+    seen = PrefixOracle()
+    for step in schedule:
+        ids = prompt_ids(tokenizer, step)
+        single += len(ids) - min(common_prefix_length(ids, previous), len(ids) - 1)
+        radix += len(ids) - min(seen.longest_prefix(ids).length, len(ids) - 1)
+        previous = ids
+        seen.add(ids)
+    return single, radix
+
+
+def _request(messages: list[Any], step: Step | None) -> CallRequest:
+    return CallRequest(messages, None, SamplingParams(max_new_tokens=1),
+                       model=ModelCall(step).model if step is not None else None,
+                       tools=step_tools(step) if step is not None else None)
