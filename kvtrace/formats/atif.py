@@ -102,6 +102,7 @@ def atif_records(document: Any) -> list[Record]:
     records: list[Record] = []
     conversation: list[dict[str, Any]] = []
     before: list[dict[str, Any]] = []  # kept system/user steps since the last agent step
+    sent = 0  # the messages the previous model call sent
     for index, step in enumerate(steps[: agents[-1] + 1]):
         where = f"steps[{index}]"
         if step["source"] != "agent":
@@ -128,8 +129,10 @@ def atif_records(document: Any) -> list[Record]:
             kept["root"] = keep(document, ROOT_MAPPED)
         if index == agents[-1] and index + 1 < len(steps):  # in no prompt: kept whole
             kept["after"] = steps[index + 1 :]
-        records.append(ModelCall(list(conversation), response, model, tool_list, usage,
-                                 {"atif": kept}))
+        # Each call continues the previous one's messages: records hold each message once.
+        records.append(ModelCall(conversation[sent:], response, model, tool_list, usage,
+                                 {"atif": kept}, continues=bool(records)))
+        sent = len(conversation)
         records.extend(results)
         conversation.append(response)
         conversation.extend(observed)

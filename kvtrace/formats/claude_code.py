@@ -108,7 +108,7 @@ def import_claude_code(store: Store, document: Any, *, run: str) -> RunInfo:
             records = list(agent.records)
             if agent.parent is not None and records and isinstance(records[0], ModelCall):
                 first = records[0]
-                link = {"step": steps[agent.parent].id, "tool_use_id": agent.tool_use_id}
+                link = {"step": steps[agent.parent], "tool_use_id": agent.tool_use_id}
                 kept = {**first.extra.get(KEY, {}), "parent": link}
                 records[0] = replace(first, extra={**first.extra, KEY: kept})
             record_into(store, name, records)

@@ -93,14 +93,17 @@ def openai_records(document: Any) -> list[Record]:
     tail = [_tail_item(item, stored[i], is_answer=i in answering)
             for i, item in enumerate(messages) if i > last]
     records: list[Record] = []
+    sent = None  # where the previous call's messages end: each call continues it
     for index, item in enumerate(stored):
         if item["role"] == "assistant":
             kept = {**(first_kept if index == answers[0] else {}),
                     **({"tail": tail} if index == last and tail else {})}
             raw = _raw_response(messages[index])
-            records.append(ModelCall(stored[:index], item, raw.get("model", model), tool_list,
-                                     usage=raw.get("usage"),
-                                     extra={"openai": kept} if kept else {}))
+            records.append(ModelCall(stored[sent or 0:index], item, raw.get("model", model),
+                                     tool_list, usage=raw.get("usage"),
+                                     extra={"openai": kept} if kept else {},
+                                     continues=sent is not None))
+            sent = index
         elif index in answering:
             function = answering[index]["function"]
             records.append(ToolCall(function["name"], arguments_value(function["arguments"]),

@@ -167,11 +167,14 @@ def load_steps(
     conn: Connection,
     ids: list[str],
     known_lists: MutableMapping[lists.ListKey, lists.Resolved] | None = None,
+    decoded: lists.Decoded | None = None,
 ) -> list[Step]:
     """Steps with their content, in the order of `ids`.
 
     List fields (a model call's messages) are resolved to their items through
-    their base steps; `known_lists` caches resolutions across calls.
+    their base steps; `known_lists` caches resolutions across calls, and
+    `decoded` the items already read and decoded (a walk over a long run
+    passes one for all its pages, so each message is read and decoded once).
     """
     rows: dict[str, Any] = {}
     for part in chunks(ids):
@@ -191,10 +194,12 @@ def load_steps(
         return {**found, **fetch_db(rest)} if rest else found
 
     resolved = lists.resolve(fetch, keys, known_lists if known_lists is not None else {})
+    decoded = decoded if decoded is not None else lists.Decoded()
     wanted = {address for body in bodies.values() for address in body["payload"].values()}
-    wanted.update(item for key in keys for item in resolved[key][1])
+    for key in keys:
+        wanted.update(decoded.wanted(resolved[key]))
     data = codec.read(conn, wanted)
-    return [_step(rows[i], bodies[i], data, resolved) for i in ids]
+    return [_step(rows[i], bodies[i], data, resolved, decoded) for i in ids]
 
 
 def _step(
@@ -202,10 +207,11 @@ def _step(
     body: dict[str, Any],
     data: dict[str, bytes],
     resolved: Mapping[lists.ListKey, lists.Resolved],
+    decoded: lists.Decoded,
 ) -> Step:
     content: dict[str, Any] = {}
     for key in lists.lists_of(body):
-        content[key] = lists.item_values(resolved[(row.id, key)], data)
+        content[key] = decoded.values(resolved[(row.id, key)], data)
     for key, address in body["payload"].items():
         if address not in data:
             raise IntegrityError(f"step {row.id[:12]} refers to missing blob {address[:12]}")
