@@ -15,9 +15,10 @@ from typing import TYPE_CHECKING
 from rich import box
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import TextColumn
 from rich.table import Table
 
+from kvtrace.cli.progress import step_bar
 from kvtrace.inert import inert
 
 if TYPE_CHECKING:
@@ -167,26 +168,18 @@ def render_analysis(analysis: Analysis, console: Console | None = None) -> None:
 def progress_bar(
     description: str, console: Console | None = None
 ) -> Iterator[Callable[[int, int, StepReport], None]]:
-    """A transient progress bar; yields the `on_step` callback replay and checkout take.
+    """A transient progress bar (`step_bar`) with the hit rate so far; yields the `on_step`
+    callback replay and checkout take."""
+    with step_bar(description, console=console, columns=[TextColumn("hit {task.fields[hit]}")],
+                  hit="-") as update:
+        if update is None:
+            yield _ignore_step
+            return
+        bar = update
 
-    Shown on a terminal only: redirected, stderr stays free for the one-line
-    error a failure prints (a transient bar would still leave a blank line).
-    """
-    console = console or Console(stderr=True)
-    if not console.is_terminal:
-        yield _ignore_step
-        return
-    progress = Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-        TextColumn("hit {task.fields[hit]}"), TimeElapsedColumn(),
-        console=console, transient=True,
-    )
-    task = progress.add_task(description, total=None, hit="-")
+        def on_step(done: int, total: int, step: StepReport) -> None:
+            bar(done, total, hit=_pct(step.hit_rate))
 
-    def on_step(done: int, total: int, step: StepReport) -> None:
-        progress.update(task, completed=done, total=total, hit=_pct(step.hit_rate))
-
-    with progress:
         yield on_step
 
 

@@ -49,7 +49,7 @@ from kvtrace.formats.records import (
     tools,
 )
 from kvtrace.rendering import tool_result_content
-from kvtrace.store import RunInfo, Store, kinds
+from kvtrace.store import OnStep, RunInfo, Store, kinds
 from kvtrace.store.messages import normalize_message, normalize_response, tool_calls_of
 
 LATEST_VERSION = "ATIF-v1.7"
@@ -67,9 +67,10 @@ USAGE_FIELDS = ("prompt_tokens", "completion_tokens", "cached_tokens", "cost_usd
                 "completion_token_ids")
 
 
-def import_atif(store: Store, document: Any, *, run: str) -> RunInfo:
+def import_atif(store: Store, document: Any, *, run: str,
+                on_step: OnStep | None = None) -> RunInfo:
     """Record an ATIF trajectory as the new run `run`."""
-    return record(store, run, atif_records(document))
+    return record(store, run, atif_records(document), on_step=on_step)
 
 
 def atif_records(document: Any) -> list[Record]:
@@ -140,9 +141,10 @@ def atif_records(document: Any) -> list[Record]:
     return records
 
 
-def export_atif(store: Store, spec: str) -> dict[str, Any]:
+def export_atif(store: Store, spec: str, *,
+                on_step: OnStep | None = None) -> dict[str, Any]:
     """The run up to `spec` as an ATIF trajectory (the one it was imported from, if it was)."""
-    path = store.path(spec)
+    path = list(store.walk(spec, on_step=on_step))
     model_steps = kinds.model_calls(path)
     if not model_steps:
         raise UsageError(f"{spec} has no model call: there is no trajectory to export")

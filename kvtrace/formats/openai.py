@@ -51,15 +51,16 @@ from kvtrace.formats.records import (
     tools,
 )
 from kvtrace.rendering import tool_result_content
-from kvtrace.store import RunInfo, Step, Store, kinds
+from kvtrace.store import OnStep, RunInfo, Step, Store, kinds
 from kvtrace.store.messages import ROLES, normalize_message, normalize_response, tool_calls_of
 
 ROOT_MAPPED = frozenset({"messages", "tools"})  # a root `model` is kept as written
 
 
-def import_openai(store: Store, document: Any, *, run: str) -> RunInfo:
+def import_openai(store: Store, document: Any, *, run: str,
+                  on_step: OnStep | None = None) -> RunInfo:
     """Record an OpenAI message list (or `{"messages", "tools"}` object) as the new run `run`."""
-    return record(store, run, openai_records(document))
+    return record(store, run, openai_records(document), on_step=on_step)
 
 
 def openai_records(document: Any) -> list[Record]:
@@ -169,17 +170,27 @@ def _normalized(message: dict[str, Any], where: str, *, is_tail: bool) -> dict[s
     return normalize_message(message, where)
 
 
-def export_openai(store: Store, spec: str) -> Any:
-    """The conversation up to `spec` as an OpenAI document (the form it was imported in)."""
-    path = store.path(spec)
-    calls = [i for i, s in enumerate(path) if s.kind == kinds.StepKind.MODEL_CALL]
-    if not calls:
+def export_openai(store: Store, spec: str, *, on_step: OnStep | None = None) -> Any:
+    """The conversation up to `spec` as an OpenAI document (the form it was imported in).
+
+    Read as the run is walked, keeping only the first and last model calls and
+    the steps after the last: a long run costs one pass, not n histories.
+    """
+    first: Step | None = None
+    last_step: Step | None = None
+    after: list[Step] = []
+    for step in store.walk(spec, on_step=on_step):
+        if step.kind == kinds.StepKind.MODEL_CALL:
+            first, last_step, after = first or step, step, []
+        else:
+            after.append(step)
+    if first is None or last_step is None:
         raise UsageError(f"{spec} has no model call: there is no conversation to export")
-    first, last = path[calls[0]], kinds.ModelCall(path[calls[-1]])
+    last = kinds.ModelCall(last_step)
     messages = [
         *last.messages,
         normalize_response(last.response),
-        *_tail(_kept(last).get("tail"), path[calls[-1] + 1 :]),
+        *_tail(_kept(last).get("tail"), after),
     ]
     if _kept(kinds.ModelCall(first)).get("form") == "list":
         return messages

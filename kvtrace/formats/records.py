@@ -15,13 +15,21 @@ from __future__ import annotations
 
 import json
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvtrace.errors import UsageError
 from kvtrace.rendering import parse_arguments
-from kvtrace.store import ProviderApi, RunInfo, Store, jsontext, kinds, validate_run_name
+from kvtrace.store import (
+    OnStep,
+    ProviderApi,
+    RunInfo,
+    Store,
+    jsontext,
+    kinds,
+    validate_run_name,
+)
 from kvtrace.store.apis import stored_fields
 from kvtrace.store.encoding import canonical_json
 from kvtrace.store.messages import normalize_tools
@@ -76,12 +84,10 @@ class ToolCall:
 
 
 Record = ModelCall | ToolCall
-# Told after each record is written: (records written, records in all); what a progress bar shows.
-OnRecord = Callable[[int, int], None]
 
 
 def record(store: Store, run: str, records: Sequence[Record], *,
-           on_record: OnRecord | None = None) -> RunInfo:
+           on_step: OnStep | None = None) -> RunInfo:
     """Record `records` as the steps of run `run`, which must be new or empty.
 
     Everything is written in one transaction (`Store.batch`): should the
@@ -90,7 +96,7 @@ def record(store: Store, run: str, records: Sequence[Record], *,
     """
     validate_run_name(run)
     with store.batch():
-        record_into(store, run, records, on_record=on_record)
+        record_into(store, run, records, on_step=on_step)
     return run_info(store, run)
 
 
@@ -100,7 +106,7 @@ def run_info(store: Store, run: str) -> RunInfo:
 
 
 def record_into(store: Store, run: str, records: Sequence[Record], *,
-                on_record: OnRecord | None = None) -> list[str]:
+                on_step: OnStep | None = None) -> list[str]:
     """Append `records` to run `run`, which must be new or empty; the ids of the steps written.
 
     The caller holds the transaction (`Store.batch`): an importer that writes
@@ -125,8 +131,8 @@ def record_into(store: Store, run: str, records: Sequence[Record], *,
                 item.name, item.arguments, item.result, call_id=item.call_id,
                 error=item.error, timings=item.timings, extra=item.extra or None)
         ids.append(step.id)
-        if on_record is not None:
-            on_record(len(ids), len(records))
+        if on_step is not None:
+            on_step(len(ids), len(records))
     return ids
 
 

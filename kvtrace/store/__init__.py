@@ -32,7 +32,7 @@ from kvtrace.store.records import (
     Step,
 )
 from kvtrace.store.run import Run
-from kvtrace.store.store import Store
+from kvtrace.store.store import OnStep, Store
 from kvtrace.store.usage import Usage
 
 T = TypeVar("T")  # what an import returns (the run, or the runs, it made)
@@ -45,6 +45,7 @@ __all__ = [
     "ModelCall",
     "Note",
     "NoteStep",
+    "OnStep",
     "ProviderApi",
     "ReflogEntry",
     "Run",

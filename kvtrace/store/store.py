@@ -17,7 +17,7 @@ import io
 import json
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import IO, TYPE_CHECKING, Any
 
@@ -63,6 +63,9 @@ from kvtrace.store.schema import PAUSE_REASONS, blobs, notes, reflog, refs, step
 if TYPE_CHECKING:
     from kvtrace.store.run import Run
     from kvtrace.store.watch import WatchEvent
+
+# Told as a long read or write goes: (steps done, steps in all); what a progress bar shows.
+OnStep = Callable[[int, int], None]
 
 _MAX_KNOWN = 200_000
 _MAX_LISTS = 20_000  # resolved lists kept (each a tuple of its item addresses)
@@ -239,27 +242,31 @@ class Store:
             chain = history.chain(conn, start, limit) if start else []
         return self._pages(chain)
 
-    def walk(self, spec: str) -> Iterator[Step]:
+    def walk(self, spec: str, *, on_step: OnStep | None = None) -> Iterator[Step]:
         """Steps from the root to `spec`, in order, read a page at a time as the iterator goes.
 
         What a reader of a long run takes instead of `path`: memory holds one
         page of steps and the run's messages decoded once (steps share them),
-        not every step's copy of its history. Errors are raised here.
+        not every step's copy of its history. `on_step(done, total)` is told
+        as each step is read (a progress bar). Errors are raised here.
         """
         with read_transaction(self._reader) as conn:
             start = resolve.step_id_or_empty(conn, spec)
             chain = history.chain(conn, start, None) if start else []
         chain.reverse()
-        return self._pages(chain)
+        return self._pages(chain, on_step)
 
-    def _pages(self, ids: list[str]) -> Iterator[Step]:
+    def _pages(self, ids: list[str], on_step: OnStep | None = None) -> Iterator[Step]:
         """The steps `ids`, loaded _PAGE at a time (steps never change: any later read is right)."""
         decoded = store_lists.Decoded()
         for start in range(0, len(ids), _PAGE):
             with read_transaction(self._reader) as conn:
                 page = history.load_steps(conn, ids[start:start + _PAGE], self._lists_cache(),
                                           decoded)
-            yield from page
+            for done, step in enumerate(page, start=start + 1):
+                if on_step is not None:
+                    on_step(done, len(ids))
+                yield step
 
     def graph(self, spec: str, *, limit: int | None = None) -> list[GraphRow]:
         """`log` plus, per step, the runs whose head it is and the branches (runs) leaving it."""
@@ -267,6 +274,13 @@ class Store:
         with read_transaction(self._reader) as conn:
             start = resolve.step_id_or_empty(conn, spec)
             return views.graph_rows(conn, history.chain(conn, start, limit) if start else [])
+
+    def forks(self, spec: str) -> list[tuple[str, int]]:
+        """The runs that leave the history of `spec`: (run, depth of the step it leaves from),
+        by depth then name. Reads no step content (what `graph` tells, for a long run)."""
+        with read_transaction(self._reader) as conn:
+            start = resolve.step_id_or_empty(conn, spec)
+            return views.forks(conn, history.chain(conn, start, None)) if start else []
 
     def path(self, spec: str) -> list[Step]:
         """Steps from the root to `spec`, in order (what replay walks; see `walk`)."""
