@@ -88,10 +88,10 @@ def log(
         if not graph:
             # Printed as read, a page of steps at a time: a long run's first lines come at
             # once, and memory holds one page, not every step's history.
-            steps = store.log(run, limit=limit)
             if as_json:
-                print_json_items(s.to_dict() for s in steps)
+                print_json_items(s.to_dict() for s in store.log(run, limit=limit))
                 return
+            steps = store.log(run, limit=limit, lists=False)  # a line needs no conversation
             shown = 0
             for s in steps:
                 say(f"{s.depth:4} {s.short_id} {s.kind:10} {step_summary(s)}")

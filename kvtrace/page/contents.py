@@ -18,7 +18,7 @@ from typing import Any
 from kvtrace.errors import KvtraceError, UsageError
 from kvtrace.replay.analyze import StepAnalysis, analyze
 from kvtrace.replay.backend import Tokenizer
-from kvtrace.store import Note, OnStep, Step, Store
+from kvtrace.store import Growth, Note, OnStep, ProviderApi, Step, Store
 from kvtrace.store.kinds import ModelCall, StepKind
 from kvtrace.store.summary import step_summary
 from kvtrace.store.usage import Usage
@@ -39,6 +39,16 @@ class Prompt:
         """The prompt of `call`, against the run's previous model call (None: the first)."""
         known, new = call.added_to(previous)
         return Prompt(known + len(new), known, new)
+
+    @staticmethod
+    def grown(growth: Growth, sent: int, response: Any) -> Prompt:
+        """The prompt of a chat call from how its messages grow the previous chat call's
+        (`sent` messages, then `response`): what `of` finds, without either whole list."""
+        known = growth.num_kept
+        if known == sent and growth.items and growth.items[0] == response:
+            known += 1  # the previous call's answer, sent back
+        return Prompt(growth.num_items, known,
+                      [dict(m) for m in growth.items[known - growth.num_kept:]])
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,14 +127,14 @@ def gather(store: Store, runs: list[str], tokenizer: Tokenizer | None = None,
         raise UsageError("name at least one run to report on")
     if len(set(runs)) != len(runs):
         raise UsageError("a run is named twice: name each run once")
-    walks = {name: store.walk(name, on_step=on_step) for name in runs}  # unknown: fails here
+    walks = {name: store.walk_growth(name, on_step=on_step) for name in runs}  # unknown: fails
     lines: dict[str, list[_Line]] = {}
     anchors: dict[str, str] = {}
     holders: dict[str, list[str]] = {}
     page_runs = []
     forks: dict[str, None] = {}
     for index, name in enumerate(runs):
-        steps = _page_steps(walks[name], index, holders)
+        steps = _page_steps(store, walks[name], index, holders)
         for item in steps:
             holders.setdefault(item.step.id, []).append(name)
             anchors.setdefault(item.step.id, item.anchor)
@@ -142,7 +152,7 @@ def gather(store: Store, runs: list[str], tokenizer: Tokenizer | None = None,
     shown_forks = list(forks)[:MAX_FORKS]
     for fork in shown_forks:
         lines[fork] = [(s.id, s.parent_id, s.depth, s.kind, step_summary(s))
-                       for s in store.walk(fork)]
+                       for s in store.walk(fork, lists=False)]
     lanes = [*runs, *shown_forks]
     return Page(
         runs=page_runs,
@@ -154,28 +164,37 @@ def gather(store: Store, runs: list[str], tokenizer: Tokenizer | None = None,
     )
 
 
-def _page_steps(walk: Iterator[Step], index: int, holders: dict[str, list[str]]
-                ) -> list[PageStep]:
-    """The steps of one run as the page lists them, read as `walk` goes (no tokens, no notes).
+def _page_steps(store: Store, walk: Iterator[tuple[Step, dict[str, Growth]]], index: int,
+                holders: dict[str, list[str]]) -> list[PageStep]:
+    """The steps of one run as the page lists them (no tokens, no notes yet).
 
-    Each model call's conversation is cut to what it adds to the previous
-    call's: a step's messages are not kept beyond the next call's reading.
+    Read with `Store.walk_growth`: a model call comes with the messages it
+    adds to the previous call's, never with its whole conversation.
     """
     steps: list[PageStep] = []
     previous: ModelCall | None = None
-    for step in walk:
-        prompt = None
-        usage = Usage()
+    sent = 0  # the messages of the previous model call
+    last_list: dict[str, str] = {}  # the walk's latest step with each list field
+    whole: ModelCall | None = None  # the previous call read whole, when it was
+    for step, grown in walk:
+        prompt, usage = None, Usage()
         if step.kind == StepKind.MODEL_CALL:
             call = ModelCall(step)
             usage = call.usage
-            prompt = Prompt.of(call, previous)
-            previous = call
-        summary = step_summary(step)
-        kept = step if prompt is None else replace(step, content={
-            key: value for key, value in step.content.items()
-            if key != ModelCall(step).conversation_field})
-        steps.append(PageStep(kept, summary, [], f"r{index}-s{step.depth}", None,
+            growth = grown.get(call.conversation_field)
+            if growth is not None and previous is not None and (
+                call.api is previous.api is ProviderApi.OPENAI_CHAT
+                and last_list.get(call.conversation_field) == previous.step.id
+            ):
+                prompt, whole = Prompt.grown(growth, sent, previous.response), None
+            else:  # the first call, or one in another API or after one: read whole
+                before = whole if whole is not None or previous is None else ModelCall(
+                    store.show(previous.step.id))
+                whole = ModelCall(store.show(step.id))
+                prompt = Prompt.of(whole, before)
+            previous, sent = call, prompt.num_messages
+        last_list.update((field, step.id) for field in grown)
+        steps.append(PageStep(step, step_summary(step), [], f"r{index}-s{step.depth}", None,
                               usage.prompt_tokens, usage.cached_tokens,
                               list(holders.get(step.id, [])), prompt))
     return steps

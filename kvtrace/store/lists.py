@@ -206,6 +206,33 @@ def lists_of(body: Mapping[str, Any]) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
+def growth(
+    resolved: Resolved, base: str | None, previous: tuple[str, Resolved] | None
+) -> tuple[int, tuple[str, ...]]:
+    """(kept, added): how a list (`resolved`, whose body names `base`) grows the previous list
+    of its field in a walk ((step id, resolution), None for the first): how many leading
+    items it keeps, and the addresses after them.
+
+    A list built on the previous one keeps it whole and adds its own items:
+    nothing else is looked at. Otherwise (each MAX_DEPTH-th step, or a
+    history that was edited) the two lists are compared address by address.
+    """
+    if previous is None:
+        return 0, resolved.addresses()
+    previous_id, before = previous
+    if base == previous_id:
+        return before.length, resolved.items
+    whole, old = resolved.addresses(), before.addresses()
+    if whole[: len(old)] == old:
+        return len(old), whole[len(old):]
+    kept = 0
+    for mine, theirs in zip(whole, old, strict=False):
+        if mine != theirs:
+            break
+        kept += 1
+    return kept, whole[kept:]
+
+
 class Decoded:
     """The decoded list items of one read, shared by every step it loads.
 
@@ -221,11 +248,14 @@ class Decoded:
         self._values: dict[str, Any] = {}
         self._links: dict[Resolved, tuple[Any, ...]] = {}  # by identity: links are unique
 
-    def wanted(self, resolved: Resolved) -> Iterable[str]:
-        """The item addresses `values` needs read first (those not decoded yet)."""
-        for link in resolved.links():
-            if link not in self._links:
-                yield from (item for item in link.items if item not in self._values)
+    def wanted(self, resolutions: Iterable[Resolved]) -> set[str]:
+        """The item addresses `values` needs read first for these lists (not decoded yet).
+
+        Each link is looked at once, however many of the lists share it.
+        """
+        links = {link for resolved in resolutions for link in resolved.links()
+                 if link not in self._links}
+        return {item for link in links for item in link.items if item not in self._values}
 
     def values(self, resolved: Resolved, data: Mapping[str, bytes]) -> list[Any]:
         """The decoded items of a resolved list, given the blobs `wanted` named in `data`."""
@@ -233,11 +263,18 @@ class Decoded:
         for link in resolved.links():
             found = self._links.get(link)
             if found is None:
-                for item in link.items:
-                    if item not in self._values:
-                        if item not in data:
-                            raise IntegrityError(f"list item {item[:12]} is missing")
-                        self._values[item] = json.loads(data[item])
+                missing = [item for item in link.items if item not in self._values]
+                self._values.update(zip(missing, decode_items(missing, data), strict=True))
                 found = self._links[link] = tuple(map(self._values.__getitem__, link.items))
             parts.append(found)
         return list(chain.from_iterable(parts))
+
+
+def decode_items(addresses: Iterable[str], data: Mapping[str, bytes]) -> list[Any]:
+    """The decoded list items at `addresses`, whose blobs are in `data`."""
+    values = []
+    for item in addresses:
+        if item not in data:
+            raise IntegrityError(f"list item {item[:12]} is missing")
+        values.append(json.loads(data[item]))
+    return values

@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
@@ -46,6 +46,7 @@ from kvtrace.store.records import (
     Divergence,
     FsckReport,
     GraphRow,
+    Growth,
     Note,
     ReflogEntry,
     RunInfo,
@@ -66,6 +67,7 @@ if TYPE_CHECKING:
 
 # Told as a long read or write goes: (steps done, steps in all); what a progress bar shows.
 OnStep = Callable[[int, int], None]
+T = TypeVar("T")
 
 _MAX_KNOWN = 200_000
 _MAX_LISTS = 20_000  # resolved lists kept (each a tuple of its item addresses)
@@ -230,43 +232,71 @@ class Store:
             self._lists.clear()
         return self._lists
 
-    def log(self, spec: str, *, limit: int | None = None) -> Iterator[Step]:
+    def log(self, spec: str, *, limit: int | None = None, lists: bool = True
+            ) -> Iterator[Step]:
         """Steps from `spec` (a run means its head) back to the root, head first.
 
         Errors (an unknown run, say) are raised here, not on first iteration.
         Steps are read a page at a time as the iterator goes (see `walk`).
+        With `lists=False` a step's list fields (a model call's conversation)
+        are left out of its content (`ModelCall.has_messages` is False): a
+        listing of a long run then reads each step's own fields only.
         """
         limit = validation.check_limit(limit)
         with read_transaction(self._reader) as conn:
             start = resolve.step_id_or_empty(conn, spec)
             chain = history.chain(conn, start, limit) if start else []
-        return self._pages(chain)
+        return self._pages(chain, None, self._loader(lists))
 
-    def walk(self, spec: str, *, on_step: OnStep | None = None) -> Iterator[Step]:
+    def walk(self, spec: str, *, on_step: OnStep | None = None, lists: bool = True
+             ) -> Iterator[Step]:
         """Steps from the root to `spec`, in order, read a page at a time as the iterator goes.
 
         What a reader of a long run takes instead of `path`: memory holds one
         page of steps and the run's messages decoded once (steps share them),
         not every step's copy of its history. `on_step(done, total)` is told
-        as each step is read (a progress bar). Errors are raised here.
+        as each step is read (a progress bar); `lists` as for `log`. Errors are
+        raised here.
         """
         with read_transaction(self._reader) as conn:
             start = resolve.step_id_or_empty(conn, spec)
             chain = history.chain(conn, start, None) if start else []
         chain.reverse()
-        return self._pages(chain, on_step)
+        return self._pages(chain, on_step, self._loader(lists))
 
-    def _pages(self, ids: list[str], on_step: OnStep | None = None) -> Iterator[Step]:
-        """The steps `ids`, loaded _PAGE at a time (steps never change: any later read is right)."""
-        decoded = store_lists.Decoded()
+    def walk_growth(self, spec: str, *, on_step: OnStep | None = None
+                    ) -> Iterator[tuple[Step, dict[str, Growth]]]:
+        """`walk` without list fields in the steps' content, each step with how its lists grow
+        the previous ones (`Growth`: a model call's new messages).
+
+        What a reader that shows each call's new messages takes (the report):
+        a run of n calls costs its messages, not n copies of its history.
+        """
+        with read_transaction(self._reader) as conn:
+            start = resolve.step_id_or_empty(conn, spec)
+            chain = history.chain(conn, start, None) if start else []
+        chain.reverse()
+        last: dict[str, tuple[str, store_lists.Resolved]] = {}
+        return self._pages(chain, on_step, lambda conn, ids: history.load_growth(
+            conn, ids, self._lists_cache(), last))
+
+    def _pages(self, ids: list[str], on_step: OnStep | None,
+               load: Callable[[Connection, list[str]], list[T]]) -> Iterator[T]:
+        """What `load` makes of the steps `ids`, _PAGE at a time (steps never change: any
+        later read is right)."""
         for start in range(0, len(ids), _PAGE):
             with read_transaction(self._reader) as conn:
-                page = history.load_steps(conn, ids[start:start + _PAGE], self._lists_cache(),
-                                          decoded)
-            for done, step in enumerate(page, start=start + 1):
+                page = load(conn, ids[start:start + _PAGE])
+            for done, item in enumerate(page, start=start + 1):
                 if on_step is not None:
                     on_step(done, len(ids))
-                yield step
+                yield item
+
+    def _loader(self, lists: bool) -> Callable[[Connection, list[str]], list[Step]]:
+        """Loads pages of steps for one walk (its decoded items shared by all its pages)."""
+        decoded = store_lists.Decoded()
+        return lambda conn, ids: history.load_steps(conn, ids, self._lists_cache(), decoded,
+                                                    with_lists=lists)
 
     def graph(self, spec: str, *, limit: int | None = None) -> list[GraphRow]:
         """`log` plus, per step, the runs whose head it is and the branches (runs) leaving it."""
