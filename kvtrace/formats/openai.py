@@ -173,20 +173,21 @@ def _normalized(message: dict[str, Any], where: str, *, is_tail: bool) -> dict[s
 def export_openai(store: Store, spec: str, *, on_step: OnStep | None = None) -> Any:
     """The conversation up to `spec` as an OpenAI document (the form it was imported in).
 
-    Read as the run is walked, keeping only the first and last model calls and
-    the steps after the last: a long run costs one pass, not n histories.
+    Read as the run is walked without conversations, keeping only the first and
+    last model calls and the steps after the last; the last call is then read
+    whole: a long run costs one pass and one conversation, not n of them.
     """
     first: Step | None = None
     last_step: Step | None = None
     after: list[Step] = []
-    for step in store.walk(spec, on_step=on_step):
+    for step in store.walk(spec, on_step=on_step, lists=False):
         if step.kind == kinds.StepKind.MODEL_CALL:
             first, last_step, after = first or step, step, []
         else:
             after.append(step)
     if first is None or last_step is None:
         raise UsageError(f"{spec} has no model call: there is no conversation to export")
-    last = kinds.ModelCall(last_step)
+    last = kinds.ModelCall(store.show(last_step.id))
     messages = [
         *last.messages,
         normalize_response(last.response),
