@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -107,6 +108,20 @@ def say(text: str, *, err: bool = False) -> None:
 def print_json(value: Any) -> None:
     """Print one JSON document (what `--json` promises)."""
     typer.echo(inert_json(json.dumps(value, indent=2, ensure_ascii=False, default=str)))
+
+
+def print_json_items(items: Iterable[Any]) -> None:
+    """Print a JSON array item by item, as `print_json` prints the list (same bytes).
+
+    For a long listing: each item is printed as it is read, and memory holds one.
+    """
+    opened = False
+    for item in items:
+        text = json.dumps(item, indent=2, ensure_ascii=False, default=str)
+        typer.echo(("[\n  " if not opened else ",\n  ")
+                   + inert_json(text).replace("\n", "\n  "), nl=False)
+        opened = True
+    typer.echo("\n]" if opened else "[]")
 
 
 # Where a command's option is named otherwise than the API parameter an error names.

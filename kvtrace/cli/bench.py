@@ -248,3 +248,29 @@ def bench_multireplay(
         concurrency=levels, mode=replay_mode(mode), trials=trials, model=model, slots=slots,
         latency_ms=latency_ms, llama_python=Path(llama_python) if llama_python else None),
         as_json)
+
+
+@bench_app.command("long")
+def bench_long(
+    turns: Annotated[list[int] | None, typer.Option(
+        "--turns", min=1, help="Conversation sizes in turns (model calls); give two or more "
+        "(default: 1000 and 10000).")] = None,
+    trees: Annotated[list[str] | None, typer.Option(
+        "--tree", help="A source tree (a folder holding a kvtrace package, e.g. a worktree of "
+        "another commit) whose CLI to time; repeat to compare, taking turns (default: this "
+        "kvtrace).")] = None,
+    rounds: Annotated[int, typer.Option(
+        "--rounds", min=1, help="Rounds of every operation (medians are reported).")] = 1,
+    timeout_s: Annotated[float, typer.Option(
+        "--timeout", min=1, help="Seconds after which an operation is stopped (and not run "
+        "at larger sizes in that tree).")] = 600.0,
+    max_rss_mb: Annotated[float, typer.Option(
+        "--max-memory", min=100, help="MiB of address space an operation may take.")] = 6000.0,
+    as_json: Json = False,
+) -> None:
+    """Import, log, report and export of one long conversation: time and memory growth."""
+    from kvtrace.bench.longrun import run_long_bench
+
+    _print_figures(run_long_bench(turns=tuple(turns or (1000, 10000)), trees=tuple(trees or ()),
+                                  rounds=rounds, timeout_s=timeout_s, max_rss_mb=max_rss_mb),
+                   as_json)

@@ -9,6 +9,7 @@ import typer
 
 from kvtrace.cli.app import Json, announce_conversion, app, print_json, say, store_url
 from kvtrace.cli.output import Force, check_output, output_file
+from kvtrace.cli.progress import step_bar
 from kvtrace.errors import UsageError
 from kvtrace.paths import default_cache_dir
 from kvtrace.store import open_store
@@ -45,9 +46,10 @@ def report_command(
         for run in runs:
             store.resolve(run)  # an unknown run is one error line before a tokenizer loads
         tokenizer = None if no_tokens else _tokenizer(model)
-        with output_file(output, force=force) as tmp:
+        with output_file(output, force=force) as tmp, step_bar("report") as on_step:
             page = write_report(store, runs, tmp, tokenizer=tokenizer,
-                                tokenizer_name=tokenizer.name if tokenizer else None)
+                                tokenizer_name=tokenizer.name if tokenizer else None,
+                                on_step=on_step)
     num_steps = sum(len(run.steps) for run in page.runs)
     num_forks = len(page.lanes) - len(page.runs)
     if as_json:

@@ -16,16 +16,10 @@ from typing import TYPE_CHECKING
 from rich import box
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TaskID,
-    TextColumn,
-    TimeElapsedColumn,
-)
+from rich.progress import Progress, TaskID, TextColumn
 from rich.table import Table
 
+from kvtrace.cli.progress import step_bar, terminal_progress
 from kvtrace.inert import inert
 
 if TYPE_CHECKING:
@@ -240,21 +234,18 @@ def render_analysis(analysis: Analysis, console: Console | None = None) -> None:
 def progress_bar(
     description: str, console: Console | None = None
 ) -> Iterator[Callable[[int, int, StepReport], None]]:
-    """A transient progress bar; yields the `on_step` callback replay and checkout take.
+    """A transient progress bar (`step_bar`) with the hit rate so far; yields the `on_step`
+    callback replay and checkout take."""
+    with step_bar(description, console=console, columns=[TextColumn("hit {task.fields[hit]}")],
+                  hit="-") as update:
+        if update is None:
+            yield _ignore_step
+            return
+        bar = update
 
-    Shown on a terminal only: redirected, stderr stays free for the one-line
-    error a failure prints (a transient bar would still leave a blank line).
-    """
-    progress = _terminal_progress(console)
-    if progress is None:
-        yield _ignore_step
-        return
-    task = progress.add_task(description, total=None, note="hit -")
+        def on_step(done: int, total: int, step: StepReport) -> None:
+            bar(done, total, hit=_pct(step.hit_rate))
 
-    def on_step(done: int, total: int, step: StepReport) -> None:
-        progress.update(task, completed=done, total=total, note=f"hit {_pct(step.hit_rate)}")
-
-    with progress:
         yield on_step
 
 
@@ -266,25 +257,12 @@ def runs_progress(
 
     Shown on a terminal only (as `progress_bar`); yields None otherwise.
     """
-    progress = _terminal_progress(console)
+    progress = terminal_progress(console, [TextColumn("{task.fields[note]}")])
     if progress is None:
         yield None
         return
     with progress:
         yield RunBars(progress, progress.add_task(description, total=num_runs, note=""))
-
-
-def _terminal_progress(console: Console | None) -> Progress | None:
-    """Transient bars (description, bar, M/N, a `note` field, time) on stderr; None off a
-    terminal."""
-    console = console or Console(stderr=True)
-    if not console.is_terminal:
-        return None
-    return Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-        TextColumn("{task.fields[note]}"), TimeElapsedColumn(),
-        console=console, transient=True,
-    )
 
 
 class RunBars:

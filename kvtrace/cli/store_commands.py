@@ -16,8 +16,9 @@ from typing import Annotated
 
 import typer
 
-from kvtrace.cli.app import Json, app, print_json, say, store_url
+from kvtrace.cli.app import Json, app, print_json, print_json_items, say, store_url
 from kvtrace.cli.output import Force, output_file
+from kvtrace.cli.progress import step_bar
 from kvtrace.errors import UsageError
 from kvtrace.formats import Format, export_file, import_file, subagent_runs
 from kvtrace.store import ReflogEntry, RunInfo, Store, import_into, init_store, open_store
@@ -85,13 +86,17 @@ def log(
         raise UsageError("--limit must be at least 1")
     with _store(ctx) as store:
         if not graph:
-            steps = list(store.log(run, limit=limit))
+            # Printed as read, a page of steps at a time: a long run's first lines come at
+            # once, and memory holds one page, not every step's history.
             if as_json:
-                print_json([s.to_dict() for s in steps])
+                print_json_items(s.to_dict() for s in store.log(run, limit=limit))
                 return
+            steps = store.log(run, limit=limit, lists=False)  # a line needs no conversation
+            shown = 0
             for s in steps:
                 say(f"{s.depth:4} {s.short_id} {s.kind:10} {step_summary(s)}")
-            if not steps:
+                shown += 1
+            if not shown:
                 say(f"{run} has no steps yet")
             return
         rows = store.graph(run, limit=limit)
@@ -346,15 +351,17 @@ def export_run(
     if output is None:
         if as_json:
             raise UsageError("--json reports on the file written: name it with -o FILE")
-        with _store(ctx) as store:
+        with _store(ctx) as store, step_bar(f"export {run}") as on_step:
             export_file(store, run, sys.stdout.buffer, format=fmt,
-                        include_content=include_content)
+                        include_content=include_content, on_step=on_step)
         sys.stdout.buffer.flush()
         return
     with output_file(output, force=force) as tmp:
         with tmp.open("wb") as file, _store(ctx) as store:
-            export_file(store, run, file, format=fmt, include_content=include_content)
-            num_steps = len(store.path(run))
+            with step_bar(f"export {run}") as on_step:
+                export_file(store, run, file, format=fmt, include_content=include_content,
+                            on_step=on_step)
+            num_steps = next((step.depth for step in store.log(run, limit=1)), 0)
             file.flush()
             os.fsync(file.fileno())
         num_bytes = tmp.stat().st_size
@@ -386,8 +393,10 @@ def import_run(
     if not file.is_file():
         raise UsageError(f"no such file: {file}")
     data = file.read_bytes()
-    infos = import_into(store_url(ctx), lambda store: _imported(store, import_file(
-        store, io.BytesIO(data), format=fmt, run=run, filename=str(file)), fmt))
+    with step_bar(f"import {file.name}") as on_step:
+        infos = import_into(store_url(ctx), lambda store: _imported(store, import_file(
+            store, io.BytesIO(data), format=fmt, run=run, filename=str(file), on_step=on_step),
+            fmt))
     info, subagents = infos[0], infos[1:]
     if as_json:
         print_json({**info.to_dict(), **({"subagents": [s.to_dict() for s in subagents]}

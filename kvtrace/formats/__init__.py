@@ -36,7 +36,7 @@ from kvtrace.formats.openai import export_openai, import_openai, openai_records
 from kvtrace.formats.otel import export_otel
 from kvtrace.formats.otel_import import import_otel, otel_records
 from kvtrace.formats.records import parse_json
-from kvtrace.store import RunInfo, Store, validate_run_name
+from kvtrace.store import OnStep, RunInfo, Store, validate_run_name
 
 __all__ = [
     "Format",
@@ -84,7 +84,7 @@ _IMPORTERS: dict[Format, Callable[..., RunInfo]] = {
     Format.CLAUDE_CODE: import_claude_code,
     Format.CODEX: import_codex,
 }
-_EXPORTERS: dict[Format, Callable[[Store, str], Any]] = {
+_EXPORTERS: dict[Format, Callable[..., Any]] = {
     Format.OPENAI: export_openai,
     Format.ATIF: export_atif,
     Format.CLAUDE_CODE: export_claude_code,
@@ -92,41 +92,44 @@ _EXPORTERS: dict[Format, Callable[[Store, str], Any]] = {
 }
 
 
-def import_document(store: Store, document: Any, *, format: str, run: str) -> RunInfo:
+def import_document(store: Store, document: Any, *, format: str, run: str,
+                    on_step: OnStep | None = None) -> RunInfo:
     """Record a parsed document of `format` as the new run `run`.
 
     A JSON value for openai, atif and otel; for claude-code and codex the
     log's lines (`parse_jsonl`, or a list of line objects; a Claude Code
-    session with its subagents' files from `read_session`).
+    session with its subagents' files from `read_session`). `on_step(done,
+    total)` is told as each step of the run is written (a progress bar).
     """
-    return _IMPORTERS[_document_format(format)](store, document, run=run)
+    return _IMPORTERS[_document_format(format)](store, document, run=run, on_step=on_step)
 
 
 def export_document(
-    store: Store, spec: str, *, format: str, include_content: bool = False
+    store: Store, spec: str, *, format: str, include_content: bool = False,
+    on_step: OnStep | None = None,
 ) -> Any:
     """The run up to `spec` as a document of `format` (claude-code, codex: a list of lines).
 
     `include_content` puts prompts, responses, tool arguments and results
     into OTel spans (they are left out by default); the other formats always
-    carry them.
+    carry them. `on_step(done, total)` is told as each step is read.
     """
     kind = _document_format(format)
     if kind is Format.OTEL:
-        return export_otel(store, spec, include_content=include_content)
-    return _EXPORTERS[kind](store, spec)
+        return export_otel(store, spec, include_content=include_content, on_step=on_step)
+    return _EXPORTERS[kind](store, spec, on_step=on_step)
 
 
 def import_file(
     store: Store, file: IO[bytes], *, format: str = Format.BUNDLE, run: str | None = None,
-    filename: str | None = None,
+    filename: str | None = None, on_step: OnStep | None = None,
 ) -> RunInfo:
     """Import a file of any format; nothing is written unless the whole file is good.
 
     `run` defaults to the bundle's own run, or for the other formats to the
     file's name without its extensions (`default_run_name`). A Claude Code
     session's subagents are read from their files beside `filename`
-    (`read_session`).
+    (`read_session`). `on_step` as for `import_document` (not for bundles).
     """
     kind = Format(_known(format))
     if kind is Format.BUNDLE:
@@ -143,14 +146,16 @@ def import_file(
         document = parse_jsonl(data, source)
     else:
         document = parse_json(data, source)
-    return import_document(store, document, format=kind, run=run)
+    return import_document(store, document, format=kind, run=run, on_step=on_step)
 
 
 def export_file(
     store: Store, spec: str, file: IO[bytes], *, format: str = Format.BUNDLE,
-    include_content: bool = False,
+    include_content: bool = False, on_step: OnStep | None = None,
 ) -> None:
-    """Write the run `spec` in any format (a bundle takes a run name; the others any step)."""
+    """Write the run `spec` in any format (a bundle takes a run name; the others any step).
+
+    `on_step` as for `export_document` (not for bundles)."""
     kind = Format(_known(format))
     if include_content and kind is not Format.OTEL:
         raise UsageError("include_content applies to the otel format only (the others always "
@@ -158,7 +163,8 @@ def export_file(
     if kind is Format.BUNDLE:
         store.export_run(spec, file)
         return
-    document = export_document(store, spec, format=kind, include_content=include_content)
+    document = export_document(store, spec, format=kind, include_content=include_content,
+                               on_step=on_step)
     if kind in JSON_LINES:
         file.write(dump_jsonl(document))
         return

@@ -49,7 +49,7 @@ from kvtrace.formats.records import (
     tools,
 )
 from kvtrace.rendering import tool_result_content
-from kvtrace.store import RunInfo, Store, kinds
+from kvtrace.store import OnStep, RunInfo, Store, kinds
 from kvtrace.store.messages import normalize_message, normalize_response, tool_calls_of
 
 LATEST_VERSION = "ATIF-v1.7"
@@ -67,9 +67,10 @@ USAGE_FIELDS = ("prompt_tokens", "completion_tokens", "cached_tokens", "cost_usd
                 "completion_token_ids")
 
 
-def import_atif(store: Store, document: Any, *, run: str) -> RunInfo:
+def import_atif(store: Store, document: Any, *, run: str,
+                on_step: OnStep | None = None) -> RunInfo:
     """Record an ATIF trajectory as the new run `run`."""
-    return record(store, run, atif_records(document))
+    return record(store, run, atif_records(document), on_step=on_step)
 
 
 def atif_records(document: Any) -> list[Record]:
@@ -102,6 +103,7 @@ def atif_records(document: Any) -> list[Record]:
     records: list[Record] = []
     conversation: list[dict[str, Any]] = []
     before: list[dict[str, Any]] = []  # kept system/user steps since the last agent step
+    sent = 0  # the messages the previous model call sent
     for index, step in enumerate(steps[: agents[-1] + 1]):
         where = f"steps[{index}]"
         if step["source"] != "agent":
@@ -128,8 +130,10 @@ def atif_records(document: Any) -> list[Record]:
             kept["root"] = keep(document, ROOT_MAPPED)
         if index == agents[-1] and index + 1 < len(steps):  # in no prompt: kept whole
             kept["after"] = steps[index + 1 :]
-        records.append(ModelCall(list(conversation), response, model, tool_list, usage,
-                                 {"atif": kept}))
+        # Each call continues the previous one's messages: records hold each message once.
+        records.append(ModelCall(conversation[sent:], response, model, tool_list, usage,
+                                 {"atif": kept}, continues=bool(records)))
+        sent = len(conversation)
         records.extend(results)
         conversation.append(response)
         conversation.extend(observed)
@@ -137,9 +141,10 @@ def atif_records(document: Any) -> list[Record]:
     return records
 
 
-def export_atif(store: Store, spec: str) -> dict[str, Any]:
+def export_atif(store: Store, spec: str, *,
+                on_step: OnStep | None = None) -> dict[str, Any]:
     """The run up to `spec` as an ATIF trajectory (the one it was imported from, if it was)."""
-    path = store.path(spec)
+    path = list(store.walk(spec, on_step=on_step))
     model_steps = kinds.model_calls(path)
     if not model_steps:
         raise UsageError(f"{spec} has no model call: there is no trajectory to export")

@@ -57,7 +57,7 @@ from kvtrace.formats.records import (
     record_into,
     run_info,
 )
-from kvtrace.store import ProviderApi, RunInfo, Store, validate_run_name
+from kvtrace.store import OnStep, ProviderApi, RunInfo, Store, validate_run_name
 
 KEY = "claude_code"  # the key of meta.extra this format keeps its lines under
 SYNTHETIC_MODEL = "<synthetic>"  # what Claude Code writes as the model of its own messages
@@ -94,7 +94,8 @@ def subagent_run(run: str, agent_id: str) -> str:
     return validate_run_name(f"{run}/agent-{agent_id}")
 
 
-def import_claude_code(store: Store, document: Any, *, run: str) -> RunInfo:
+def import_claude_code(store: Store, document: Any, *, run: str,
+                       on_step: OnStep | None = None) -> RunInfo:
     """Record a session (`Session`, `JsonLines` or a list of line objects) as run `run`.
 
     Its subagents become runs `run/agent-<id>`; all runs are written in one
@@ -103,12 +104,12 @@ def import_claude_code(store: Store, document: Any, *, run: str) -> RunInfo:
     plan = claude_code_plan(document)
     names = [subagent_run(validate_run_name(run), agent.agent_id) for agent in plan.subagents]
     with store.batch():
-        steps = record_into(store, run, plan.records)
+        steps = record_into(store, run, plan.records, on_step=on_step)
         for agent, name in zip(plan.subagents, names, strict=True):
             records = list(agent.records)
             if agent.parent is not None and records and isinstance(records[0], ModelCall):
                 first = records[0]
-                link = {"step": steps[agent.parent].id, "tool_use_id": agent.tool_use_id}
+                link = {"step": steps[agent.parent], "tool_use_id": agent.tool_use_id}
                 kept = {**first.extra.get(KEY, {}), "parent": link}
                 records[0] = replace(first, extra={**first.extra, KEY: kept})
             record_into(store, name, records)

@@ -27,16 +27,17 @@ from kvtrace.errors import UsageError
 from kvtrace.formats.claude_code import KEY
 from kvtrace.formats.records import restore
 from kvtrace.rendering import parse_arguments, tool_result_content
-from kvtrace.store import ProviderApi, Step, Store, kinds
+from kvtrace.store import OnStep, ProviderApi, Step, Store, kinds
 
 # Fields a generated line takes from the last line that was kept (or sensible defaults).
 _SHARED = ("isSidechain", "userType", "cwd", "sessionId", "version", "gitBranch", "agentId",
            "slug")
 
 
-def export_claude_code(store: Store, spec: str) -> list[dict[str, Any]]:
+def export_claude_code(store: Store, spec: str, *,
+                       on_step: OnStep | None = None) -> list[dict[str, Any]]:
     """The run up to `spec` as Claude Code transcript lines (see the module docstring)."""
-    path = store.path(spec)
+    path = list(store.walk(spec, on_step=on_step))
     if not any(step.kind == kinds.StepKind.MODEL_CALL for step in path):
         raise UsageError(f"{spec} has no model call: there is no conversation to export")
     writer = _Writer(path)

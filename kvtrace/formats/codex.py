@@ -48,7 +48,7 @@ from kvtrace.formats.records import (
     keep,
     record,
 )
-from kvtrace.store import ProviderApi, RunInfo, Store
+from kvtrace.store import OnStep, ProviderApi, RunInfo, Store
 
 KEY = "codex"  # the key of meta.extra this format keeps its lines under
 MODEL_ITEMS = frozenset({"reasoning", "function_call", "custom_tool_call", "local_shell_call",
@@ -57,9 +57,10 @@ CALLS = frozenset({"function_call", "custom_tool_call", "local_shell_call"})
 OUTPUTS = frozenset({"function_call_output", "custom_tool_call_output"})
 
 
-def import_codex(store: Store, document: Any, *, run: str) -> RunInfo:
+def import_codex(store: Store, document: Any, *, run: str,
+                 on_step: OnStep | None = None) -> RunInfo:
     """Record a rollout (`JsonLines` or a list of line objects) as the new run `run`."""
-    return record(store, run, codex_records(document))
+    return record(store, run, codex_records(document), on_step=on_step)
 
 
 def codex_records(document: Any) -> list[Record]:

@@ -24,12 +24,13 @@ from kvtrace.errors import UsageError
 from kvtrace.formats.codex import KEY, is_model_item
 from kvtrace.formats.records import restore
 from kvtrace.rendering import content_text, tool_result_content
-from kvtrace.store import ProviderApi, Step, Store, kinds
+from kvtrace.store import OnStep, ProviderApi, Step, Store, kinds
 
 
-def export_codex(store: Store, spec: str) -> list[dict[str, Any]]:
+def export_codex(store: Store, spec: str, *,
+                 on_step: OnStep | None = None) -> list[dict[str, Any]]:
     """The run up to `spec` as Codex rollout lines (see the module docstring)."""
-    path = store.path(spec)
+    path = list(store.walk(spec, on_step=on_step))
     if not any(step.kind == kinds.StepKind.MODEL_CALL for step in path):
         raise UsageError(f"{spec} has no model call: there is no conversation to export")
     writer = _Writer()

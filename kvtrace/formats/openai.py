@@ -51,15 +51,16 @@ from kvtrace.formats.records import (
     tools,
 )
 from kvtrace.rendering import tool_result_content
-from kvtrace.store import RunInfo, Step, Store, kinds
+from kvtrace.store import OnStep, RunInfo, Step, Store, kinds
 from kvtrace.store.messages import ROLES, normalize_message, normalize_response, tool_calls_of
 
 ROOT_MAPPED = frozenset({"messages", "tools"})  # a root `model` is kept as written
 
 
-def import_openai(store: Store, document: Any, *, run: str) -> RunInfo:
+def import_openai(store: Store, document: Any, *, run: str,
+                  on_step: OnStep | None = None) -> RunInfo:
     """Record an OpenAI message list (or `{"messages", "tools"}` object) as the new run `run`."""
-    return record(store, run, openai_records(document))
+    return record(store, run, openai_records(document), on_step=on_step)
 
 
 def openai_records(document: Any) -> list[Record]:
@@ -93,14 +94,17 @@ def openai_records(document: Any) -> list[Record]:
     tail = [_tail_item(item, stored[i], is_answer=i in answering)
             for i, item in enumerate(messages) if i > last]
     records: list[Record] = []
+    sent = None  # where the previous call's messages end: each call continues it
     for index, item in enumerate(stored):
         if item["role"] == "assistant":
             kept = {**(first_kept if index == answers[0] else {}),
                     **({"tail": tail} if index == last and tail else {})}
             raw = _raw_response(messages[index])
-            records.append(ModelCall(stored[:index], item, raw.get("model", model), tool_list,
-                                     usage=raw.get("usage"),
-                                     extra={"openai": kept} if kept else {}))
+            records.append(ModelCall(stored[sent or 0:index], item, raw.get("model", model),
+                                     tool_list, usage=raw.get("usage"),
+                                     extra={"openai": kept} if kept else {},
+                                     continues=sent is not None))
+            sent = index
         elif index in answering:
             function = answering[index]["function"]
             records.append(ToolCall(function["name"], arguments_value(function["arguments"]),
@@ -166,17 +170,28 @@ def _normalized(message: dict[str, Any], where: str, *, is_tail: bool) -> dict[s
     return normalize_message(message, where)
 
 
-def export_openai(store: Store, spec: str) -> Any:
-    """The conversation up to `spec` as an OpenAI document (the form it was imported in)."""
-    path = store.path(spec)
-    calls = [i for i, s in enumerate(path) if s.kind == kinds.StepKind.MODEL_CALL]
-    if not calls:
+def export_openai(store: Store, spec: str, *, on_step: OnStep | None = None) -> Any:
+    """The conversation up to `spec` as an OpenAI document (the form it was imported in).
+
+    Read as the run is walked without conversations, keeping only the first and
+    last model calls and the steps after the last; the last call is then read
+    whole: a long run costs one pass and one conversation, not n of them.
+    """
+    first: Step | None = None
+    last_step: Step | None = None
+    after: list[Step] = []
+    for step in store.walk(spec, on_step=on_step, lists=False):
+        if step.kind == kinds.StepKind.MODEL_CALL:
+            first, last_step, after = first or step, step, []
+        else:
+            after.append(step)
+    if first is None or last_step is None:
         raise UsageError(f"{spec} has no model call: there is no conversation to export")
-    first, last = path[calls[0]], kinds.ModelCall(path[calls[-1]])
+    last = kinds.ModelCall(store.show(last_step.id))
     messages = [
         *last.messages,
         normalize_response(last.response),
-        *_tail(_kept(last).get("tail"), path[calls[-1] + 1 :]),
+        *_tail(_kept(last).get("tail"), after),
     ]
     if _kept(kinds.ModelCall(first)).get("form") == "list":
         return messages

@@ -51,7 +51,7 @@ from urllib.parse import urlsplit
 
 from kvtrace.errors import UsageError
 from kvtrace.rendering import content_text
-from kvtrace.store import Step, Store
+from kvtrace.store import OnStep, Step, Store
 from kvtrace.store.kinds import ModelCall, ToolCall, view
 from kvtrace.store.messages import tool_calls_of
 
@@ -87,9 +87,10 @@ _DOUBLES = frozenset({"gen_ai.request.temperature", "gen_ai.request.top_p",
                       "gen_ai.request.presence_penalty"})
 
 
-def export_otel(store: Store, spec: str, *, include_content: bool = False) -> dict[str, Any]:
+def export_otel(store: Store, spec: str, *, include_content: bool = False,
+                on_step: OnStep | None = None) -> dict[str, Any]:
     """The run up to `spec` as an OTLP-JSON ExportTraceServiceRequest (see the module docstring)."""
-    path = store.path(spec)
+    path = list(store.walk(spec, on_step=on_step))
     if not path:
         raise UsageError(f"{spec} has no steps: there is nothing to export")
     run = _run_name(store, spec, path[-1])

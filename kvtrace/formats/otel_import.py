@@ -31,7 +31,7 @@ from kvtrace.formats.records import (
     record,
 )
 from kvtrace.rendering import content_text
-from kvtrace.store import RunInfo, Store
+from kvtrace.store import OnStep, RunInfo, Store
 from kvtrace.store.messages import normalize_message, normalize_response
 
 _MAPPED = frozenset({
@@ -45,9 +45,10 @@ _MAPPED = frozenset({
 })
 
 
-def import_otel(store: Store, document: Any, *, run: str) -> RunInfo:
+def import_otel(store: Store, document: Any, *, run: str,
+                on_step: OnStep | None = None) -> RunInfo:
     """Record the GenAI spans of one OTLP-JSON trace as the new run `run`."""
-    return record(store, run, otel_records(document))
+    return record(store, run, otel_records(document), on_step=on_step)
 
 
 def otel_records(document: Any) -> list[Record]:

@@ -21,7 +21,15 @@ from typing import Any
 
 from kvtrace.errors import UsageError
 from kvtrace.rendering import parse_arguments
-from kvtrace.store import ProviderApi, RunInfo, Step, Store, jsontext, kinds, validate_run_name
+from kvtrace.store import (
+    OnStep,
+    ProviderApi,
+    RunInfo,
+    Store,
+    jsontext,
+    kinds,
+    validate_run_name,
+)
 from kvtrace.store.apis import stored_fields
 from kvtrace.store.encoding import canonical_json
 from kvtrace.store.messages import normalize_tools
@@ -35,7 +43,10 @@ class ModelCall:
 
     `messages`, `response`, `tools` and `system` are in the shape of `api`
     (OpenAI chat by default; Anthropic Messages or OpenAI Responses for the
-    agents' own logs).
+    agents' own logs). With `continues` (OpenAI chat), `messages` holds only
+    the messages after those of the previous model call record of the run
+    (`Run.record_model_call(continues=True)`): a long conversation's records
+    then hold each message once, and recording them costs what each adds.
     """
 
     messages: list[dict[str, Any]]
@@ -48,6 +59,7 @@ class ModelCall:
     timings: dict[str, Any] | None = None
     api: ProviderApi = ProviderApi.OPENAI_CHAT
     system: Any = None
+    continues: bool = False
 
     def check(self, where: str) -> None:
         """Refuse, naming `where`, a call the store would refuse (checked before any write)."""
@@ -74,7 +86,8 @@ class ToolCall:
 Record = ModelCall | ToolCall
 
 
-def record(store: Store, run: str, records: Sequence[Record]) -> RunInfo:
+def record(store: Store, run: str, records: Sequence[Record], *,
+           on_step: OnStep | None = None) -> RunInfo:
     """Record `records` as the steps of run `run`, which must be new or empty.
 
     Everything is written in one transaction (`Store.batch`): should the
@@ -83,7 +96,7 @@ def record(store: Store, run: str, records: Sequence[Record]) -> RunInfo:
     """
     validate_run_name(run)
     with store.batch():
-        record_into(store, run, records)
+        record_into(store, run, records, on_step=on_step)
     return run_info(store, run)
 
 
@@ -92,29 +105,35 @@ def run_info(store: Store, run: str) -> RunInfo:
     return next(info for info in store.runs() if info.name == run)
 
 
-def record_into(store: Store, run: str, records: Sequence[Record]) -> list[Step]:
-    """Append `records` to run `run`, which must be new or empty; the steps written.
+def record_into(store: Store, run: str, records: Sequence[Record], *,
+                on_step: OnStep | None = None) -> list[str]:
+    """Append `records` to run `run`, which must be new or empty; the ids of the steps written.
 
     The caller holds the transaction (`Store.batch`): an importer that writes
-    several runs (a session and its subagents) writes them all or none.
+    several runs (a session and its subagents) writes them all or none. Ids,
+    not steps: a step holds its whole conversation, n steps would hold n.
     """
     writer = store.run(run)
     if writer.head is not None:
         raise UsageError(f"run {run!r} exists with {writer.head.depth} steps: "
                          "import under a new name")
-    steps = []
+    ids: list[str] = []
     for item in records:
         if isinstance(item, ModelCall):
-            steps.append(writer.record_model_call(
+            step = writer.record_model_call(
                 item.messages, item.response, model=item.model, tools=item.tools,
                 usage=item.usage, extra=item.extra or None, params=item.params,
                 timings=item.timings, api=item.api, system=item.system,
-            ))
+                continues=item.continues,
+            )
         else:
-            steps.append(writer.record_tool_call(
+            step = writer.record_tool_call(
                 item.name, item.arguments, item.result, call_id=item.call_id,
-                error=item.error, timings=item.timings, extra=item.extra or None))
-    return steps
+                error=item.error, timings=item.timings, extra=item.extra or None)
+        ids.append(step.id)
+        if on_step is not None:
+            on_step(len(ids), len(records))
+    return ids
 
 
 def check_storable(document: Any, where: str = "the document") -> None:

@@ -10,7 +10,9 @@ escaped before it is written: recorded content is untrusted.
 
 from __future__ import annotations
 
-from kvtrace.page.contents import GraphNode, Page, PageRun, PageStep, gather
+from kvtrace.page.contents import GraphNode, Page, PageRun, PageStep, Prompt, gather
 from kvtrace.page.render import render_html, write_report
 
-__all__ = ["GraphNode", "Page", "PageRun", "PageStep", "gather", "render_html", "write_report"]
+__all__ = [
+    "GraphNode", "Page", "PageRun", "PageStep", "Prompt", "gather", "render_html", "write_report",
+]

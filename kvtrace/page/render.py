@@ -28,10 +28,10 @@ from pathlib import Path
 from typing import Any
 
 from kvtrace.inert import inert
-from kvtrace.page.contents import GraphNode, Page, PageRun, PageStep, gather
+from kvtrace.page.contents import GraphNode, Page, PageRun, PageStep, Prompt, gather
 from kvtrace.rendering import content_text
 from kvtrace.replay.backend import Tokenizer
-from kvtrace.store import Store
+from kvtrace.store import OnStep, Store
 from kvtrace.store.kinds import ModelCall, StepKind, ToolCall, view
 from kvtrace.store.messages import tool_calls_of
 
@@ -124,9 +124,12 @@ SCRIPT = """
 def write_report(
     store: Store, runs: list[str], output: str | os.PathLike[str], *,
     tokenizer: Tokenizer | None = None, tokenizer_name: str | None = None,
+    on_step: OnStep | None = None,
 ) -> Page:
-    """Gather the report of `runs` and write it to `output` (atomically: temp file, rename)."""
-    page = gather(store, runs, tokenizer, tokenizer_name=tokenizer_name)
+    """Gather the report of `runs` and write it to `output` (atomically: temp file, rename).
+
+    `on_step(done, total)` is told as each step of a run is read (a progress bar)."""
+    page = gather(store, runs, tokenizer, tokenizer_name=tokenizer_name, on_step=on_step)
     path = Path(output)
     tmp = path.with_name(path.name + ".tmp")
     try:
@@ -334,19 +337,13 @@ def _step_body(item: PageStep, previous: PageStep | None) -> str:
 
 def _model_call_body(item: PageStep, previous: PageStep | None) -> str:
     call = ModelCall(item.step)
-    messages = call.messages
-    known = 0
-    if previous is not None:
-        earlier = ModelCall(previous.step)
-        before = [*earlier.messages, earlier.response]
-        for old, new in zip(before, messages, strict=False):
-            if old != new:
-                break
-            known += 1
-    head = (f"<h4>prompt: {len(messages)} messages, the first {known} as sent to or answered "
-            f"by @{previous.step.depth}; new ones:</h4>" if known and previous is not None
-            else f"<h4>prompt: {len(messages)} messages</h4>")
-    shown = "".join(_message(m) for m in messages[known:]) or "<p>(none)</p>"
+    prompt = item.prompt or Prompt.of(call, ModelCall(previous.step) if previous else None)
+    known = prompt.num_known
+    head = (f"<h4>prompt: {prompt.num_messages} messages, the first {known} as sent to or "
+            f"answered by @{previous.step.depth}; new ones:</h4>"
+            if known and previous is not None
+            else f"<h4>prompt: {prompt.num_messages} messages</h4>")
+    shown = "".join(_message(m) for m in prompt.new) or "<p>(none)</p>"
     parts = [head, shown, "<h4>response</h4>", _message(call.response)]
     tools = call.tools
     if tools:

@@ -26,13 +26,14 @@ from kvtrace.store.records import (
     Divergence,
     FsckReport,
     GraphRow,
+    Growth,
     Note,
     ReflogEntry,
     RunInfo,
     Step,
 )
 from kvtrace.store.run import Run
-from kvtrace.store.store import Store
+from kvtrace.store.store import OnStep, Store
 from kvtrace.store.usage import Usage
 
 T = TypeVar("T")  # what an import returns (the run, or the runs, it made)
@@ -41,10 +42,12 @@ __all__ = [
     "Divergence",
     "FsckReport",
     "GraphRow",
+    "Growth",
     "HttpExchange",
     "ModelCall",
     "Note",
     "NoteStep",
+    "OnStep",
     "ProviderApi",
     "ReflogEntry",
     "Run",

@@ -105,23 +105,46 @@ def stored_fields(api: ProviderApi, conversation: Any, response: Any, *, tools: 
 
 def chat_view(api: ProviderApi, content: Mapping[str, Any]) -> ChatView:
     """The call stored in `content` as OpenAI chat (see the module docstring)."""
+    return ChatView(chat_messages(api, content), chat_tools(api, content),
+                    chat_response(api, content))
+
+
+def chat_messages(api: ProviderApi, content: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The conversation of the call stored in `content`, as OpenAI chat messages (copies)."""
     layout = LAYOUTS[api]
     items = content.get(layout.conversation)
     items = [dict(m) for m in items] if isinstance(items, list) else []
-    request = native_request(api, content)
-    tools = request.get("tools")
-    tools = [dict(t) for t in tools] if isinstance(tools, list) and tools else None
-    response = content.get("response")
     if api is ProviderApi.OPENAI_CHAT:
-        return ChatView(items, tools, response)
-    system = request.get(layout.system) if layout.system else None
+        return items
+    system = native_request(api, content).get(layout.system) if layout.system else None
     if api is ProviderApi.ANTHROPIC_MESSAGES:
-        return ChatView(anthropic.chat_messages(system, items), anthropic.chat_tools(tools),
-                        anthropic.chat_response(response) if isinstance(response, Mapping)
-                        else response)
-    return ChatView(responses.chat_messages(system, items), responses.chat_tools(tools),
-                    responses.chat_response(response) if isinstance(response, Mapping)
-                    else response)
+        return anthropic.chat_messages(system, items)
+    return responses.chat_messages(system, items)
+
+
+def chat_tools(api: ProviderApi, content: Mapping[str, Any]) -> list[dict[str, Any]] | None:
+    """The tool list of the call stored in `content`, in OpenAI chat shape (None for none).
+
+    Read apart from the conversation: a reader of a long run's responses or
+    tools never copies each call's whole history.
+    """
+    tools = native_request(api, content).get("tools")
+    tools = [dict(t) for t in tools] if isinstance(tools, list) and tools else None
+    if api is ProviderApi.OPENAI_CHAT:
+        return tools
+    if api is ProviderApi.ANTHROPIC_MESSAGES:
+        return anthropic.chat_tools(tools)
+    return responses.chat_tools(tools)
+
+
+def chat_response(api: ProviderApi, content: Mapping[str, Any]) -> Any:
+    """The response of the call stored in `content`, in OpenAI chat shape."""
+    response = content.get("response")
+    if api is ProviderApi.OPENAI_CHAT or not isinstance(response, Mapping):
+        return response
+    if api is ProviderApi.ANTHROPIC_MESSAGES:
+        return anthropic.chat_response(response)
+    return responses.chat_response(response)
 
 
 def native_request(api: ProviderApi, content: Mapping[str, Any]) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from sqlalchemy.engine import Connection
 
 from kvtrace.errors import IntegrityError, StepNotFoundError
 from kvtrace.store import codec, lists
-from kvtrace.store.records import Step
+from kvtrace.store.records import Growth, Step
 from kvtrace.store.schema import steps
 
 _IN_CHUNK = 500
@@ -167,12 +167,68 @@ def load_steps(
     conn: Connection,
     ids: list[str],
     known_lists: MutableMapping[lists.ListKey, lists.Resolved] | None = None,
+    decoded: lists.Decoded | None = None,
+    *,
+    with_lists: bool = True,
 ) -> list[Step]:
     """Steps with their content, in the order of `ids`.
 
     List fields (a model call's messages) are resolved to their items through
-    their base steps; `known_lists` caches resolutions across calls.
+    their base steps; `known_lists` caches resolutions across calls, and
+    `decoded` the items already read and decoded (a walk over a long run
+    passes one for all its pages, so each message is read and decoded once).
+    Without `with_lists` they are left out of the content: a listing that
+    shows each step in a line reads no conversation.
     """
+    rows, bodies = _read(conn, ids)
+    keys = [(i, field) for i, body in bodies.items() for field in lists.lists_of(body)
+            if with_lists]
+    resolved = lists.resolve(_fetch(conn, bodies), keys,
+                             known_lists if known_lists is not None else {})
+    decoded = decoded if decoded is not None else lists.Decoded()
+    wanted = {address for body in bodies.values() for address in body["payload"].values()}
+    wanted.update(decoded.wanted(resolved[key] for key in keys))
+    data = codec.read(conn, wanted)
+    return [_step(rows[i], bodies[i], data, resolved, decoded, with_lists) for i in ids]
+
+
+def load_growth(
+    conn: Connection,
+    ids: list[str],
+    known_lists: MutableMapping[lists.ListKey, lists.Resolved],
+    last: dict[str, tuple[str, lists.Resolved]],
+) -> list[tuple[Step, dict[str, Growth]]]:
+    """Steps without their list fields, each with how its lists grow the walk's previous ones.
+
+    `last` maps each field to the walk's previous (step id, resolution) that
+    has it, and is moved on as the steps are read. Only the added items are
+    read and decoded: each message of a conversation once.
+    """
+    rows, bodies = _read(conn, ids)
+    keys = [(i, field) for i, body in bodies.items() for field in lists.lists_of(body)]
+    resolved = lists.resolve(_fetch(conn, bodies), keys, known_lists)
+    plans: list[dict[str, tuple[int, int, tuple[str, ...]]]] = []
+    for step_id in ids:
+        plan = {}
+        for field, entry in lists.lists_of(bodies[step_id]).items():
+            resolution = resolved[(step_id, field)]
+            kept, added = lists.growth(resolution, entry["base"], last.get(field))
+            plan[field] = (resolution.length, kept, added)
+            last[field] = (step_id, resolution)
+        plans.append(plan)
+    wanted = {address for body in bodies.values() for address in body["payload"].values()}
+    wanted.update(a for plan in plans for _, _, added in plan.values() for a in added)
+    data = codec.read(conn, wanted)
+    out = []
+    for step_id, plan in zip(ids, plans, strict=True):
+        step = _step(rows[step_id], bodies[step_id], data, resolved, lists.Decoded(), False)
+        out.append((step, {field: Growth(length, kept, lists.decode_items(added, data))
+                           for field, (length, kept, added) in plan.items()}))
+    return out
+
+
+def _read(conn: Connection, ids: list[str]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """The rows of steps `ids` and their decoded bodies."""
     rows: dict[str, Any] = {}
     for part in chunks(ids):
         for row in conn.execute(sa.select(steps).where(steps.c.id.in_(part))):
@@ -180,8 +236,11 @@ def load_steps(
     missing = [i for i in ids if i not in rows]
     if missing:
         raise StepNotFoundError(f"step {missing[0][:12]} is missing from the store")
-    bodies = {i: json.loads(bytes(rows[i].body)) for i in ids}
-    keys = [(i, field) for i, body in bodies.items() for field in lists.lists_of(body)]
+    return rows, {i: json.loads(bytes(rows[i].body)) for i in ids}
+
+
+def _fetch(conn: Connection, bodies: dict[str, dict[str, Any]]) -> lists.FetchLists:
+    """A `fetch` for `lists.resolve` that finds the bodies already read before asking."""
     loaded = {i: lists.lists_of(body) for i, body in bodies.items()}
     fetch_db = lists.fetch_lists(conn)
 
@@ -190,11 +249,7 @@ def load_steps(
         rest = [i for i in step_ids if i not in loaded]
         return {**found, **fetch_db(rest)} if rest else found
 
-    resolved = lists.resolve(fetch, keys, known_lists if known_lists is not None else {})
-    wanted = {address for body in bodies.values() for address in body["payload"].values()}
-    wanted.update(item for key in keys for item in resolved[key][1])
-    data = codec.read(conn, wanted)
-    return [_step(rows[i], bodies[i], data, resolved) for i in ids]
+    return fetch
 
 
 def _step(
@@ -202,10 +257,12 @@ def _step(
     body: dict[str, Any],
     data: dict[str, bytes],
     resolved: Mapping[lists.ListKey, lists.Resolved],
+    decoded: lists.Decoded,
+    with_lists: bool,
 ) -> Step:
     content: dict[str, Any] = {}
-    for key in lists.lists_of(body):
-        content[key] = lists.item_values(resolved[(row.id, key)], data)
+    for key in lists.lists_of(body) if with_lists else ():
+        content[key] = decoded.values(resolved[(row.id, key)], data)
     for key, address in body["payload"].items():
         if address not in data:
             raise IntegrityError(f"step {row.id[:12]} refers to missing blob {address[:12]}")

@@ -38,7 +38,16 @@ from enum import StrEnum
 from typing import Any, ClassVar
 
 from kvtrace.errors import UsageError
-from kvtrace.store.apis import LAYOUTS, ChatView, ProviderApi, chat_view, native_request
+from kvtrace.store.apis import (
+    LAYOUTS,
+    ChatView,
+    ProviderApi,
+    chat_messages,
+    chat_response,
+    chat_tools,
+    chat_view,
+    native_request,
+)
 from kvtrace.store.records import Step
 from kvtrace.store.usage import Usage
 
@@ -119,7 +128,33 @@ class ModelCall(_View):
     @property
     def messages(self) -> list[dict[str, Any]]:
         """The conversation sent, as OpenAI chat messages."""
-        return self.chat.messages
+        return chat_messages(self.api, self.step.content)
+
+    def added_to(self, previous: ModelCall | None) -> tuple[int, list[dict[str, Any]]]:
+        """(n, rest): how many leading messages of this call the `previous` call sent or
+        answered, and this call's messages after those, in chat shape.
+
+        What a reader of a long run shows of each call: its new messages. Two
+        chat calls read in one walk share their history's objects, so the
+        check is a pointer comparison per message and only new ones are copied.
+        """
+        if previous is not None and self.api is previous.api is ProviderApi.OPENAI_CHAT:
+            items, before = self.step.content.get("messages"), previous.step.content.get(
+                "messages")
+            if isinstance(items, list) and isinstance(before, list) and (
+                items[: len(before)] == before
+            ):
+                known = len(before) + (len(items) > len(before)
+                                       and items[len(before)] == previous.response)
+                return known, [dict(m) for m in items[known:]]
+        messages = self.messages
+        context = [*previous.messages, previous.response] if previous is not None else []
+        known = 0
+        for old, new in zip(context, messages, strict=False):
+            if old != new:
+                break
+            known += 1
+        return known, messages[known:]
 
     @property
     def has_messages(self) -> bool:
@@ -129,12 +164,12 @@ class ModelCall(_View):
     @property
     def tools(self) -> list[dict[str, Any]] | None:
         """The tool definitions sent, in OpenAI chat shape."""
-        return self.chat.tools
+        return chat_tools(self.api, self.step.content)
 
     @property
     def response(self) -> Any:
         """The assistant message returned, in chat shape (a string in the oldest recordings)."""
-        return self.chat.response
+        return chat_response(self.api, self.step.content)
 
     @property
     def conversation_field(self) -> str:

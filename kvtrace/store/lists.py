@@ -17,13 +17,21 @@ every bundle, and the step id, which hashes the body, pins the whole list.
 A chain of bases never grows past `MAX_DEPTH` steps: the step that would
 exceed it lists every item itself, so reading any list takes at most
 `MAX_DEPTH` rounds of queries, and a longer chain is refused as corrupt.
+
+In memory a resolved list is the same chain (`Resolved`: its base's
+resolution, then its own items), never a flat copy: a conversation of n calls
+then costs memory for its n calls' new items, not for n histories, and a
+writer that extends its last call (`Extension`) does work for the new items
+only. `addresses()` spells the whole list out when a reader needs it.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable, Mapping, MutableMapping
-from typing import Any
+from dataclasses import dataclass
+from itertools import chain
+from typing import TYPE_CHECKING, Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
@@ -32,11 +40,63 @@ from kvtrace.errors import IntegrityError
 from kvtrace.store.encoding import list_entry_problem
 from kvtrace.store.schema import steps
 
+if TYPE_CHECKING:
+    from kvtrace.store.records import Step
+
 MAX_DEPTH = 64
 _IN_CHUNK = 500
 
-# A resolved list: (the length of its chain of bases, every item address in order).
-Resolved = tuple[int, tuple[str, ...]]
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Resolved:
+    """A resolved list: its base's resolution (None for a list that names every item), then
+    `items`, the addresses this step adds. `depth` counts the chain's links (1: no base)."""
+
+    base: Resolved | None
+    items: tuple[str, ...]
+    depth: int
+    length: int
+
+    @staticmethod
+    def of(base: Resolved | None, items: tuple[str, ...]) -> Resolved:
+        """The resolution of a list that extends `base` (None: a list of `items` alone)."""
+        if base is None:
+            return Resolved(None, items, 1, len(items))
+        return Resolved(base, items, base.depth + 1, base.length + len(items))
+
+    def links(self) -> list[Resolved]:
+        """The chain, root first: at most MAX_DEPTH links."""
+        found: list[Resolved] = []
+        node: Resolved | None = self
+        while node is not None:
+            found.append(node)
+            node = node.base
+        found.reverse()
+        return found
+
+    def addresses(self) -> tuple[str, ...]:
+        """Every item address of the list, in order."""
+        if self.base is None:
+            return self.items
+        return tuple(chain.from_iterable(link.items for link in self.links()))
+
+
+@dataclass(frozen=True, slots=True)
+class Extension:
+    """A list field given as the list of an earlier step, then `items` (new values).
+
+    What a writer that extends its own previous model call passes to
+    `Store.append` (`Run.record_model_call(..., continues=True)`): the list
+    means `base.content[field] + items`, and is stored exactly as that full
+    list would be (same body, same id); when `base` is the list's base in the
+    store, as it is for a run's previous call, only the new items are
+    encoded and hashed.
+    """
+
+    base: Step
+    items: list[Any]
+
+
 # Where a list lives: (step id, field name).
 ListKey = tuple[str, str]
 # Reads step bodies: ids -> {id: the body's "lists" object}.
@@ -53,15 +113,27 @@ def entry_for(
     short enough. Returns (the entry, its resolution).
     """
     if base is not None:
-        step_id, (depth, base_items) = base
-        count = len(base_items)
-        if count and depth < MAX_DEPTH and tuple(items[:count]) == base_items:
-            # The base's own address strings, not the equal ones just computed: a
-            # store's cache of resolved lists then holds each address once per
-            # conversation, not once per call (113 bytes a call for every item).
-            return ({"base": step_id, "items": items[count:]},
-                    (depth + 1, base_items + tuple(items[count:])))
-    return {"base": None, "items": list(items)}, (1, tuple(items))
+        step_id, resolved = base
+        count = resolved.length
+        if count and resolved.depth < MAX_DEPTH and (
+            tuple(items[:count]) == resolved.addresses()
+        ):
+            return extend(step_id, resolved, items[count:])
+    return {"base": None, "items": list(items)}, Resolved.of(None, tuple(items))
+
+
+def extend(
+    step_id: str, base: Resolved, items: list[str]
+) -> tuple[dict[str, Any], Resolved]:
+    """The body entry of a list that is `base` (the list of step `step_id`), then `items`.
+
+    The caller knows the list extends its base, so nothing before `items` is
+    compared or copied; a chain at MAX_DEPTH names every item, as `entry_for`
+    would.
+    """
+    if base.depth >= MAX_DEPTH or not base.length:
+        return entry_for([*base.addresses(), *items], None)
+    return {"base": step_id, "items": list(items)}, Resolved.of(base, tuple(items))
 
 
 def resolve(
@@ -102,13 +174,12 @@ def resolve(
         if trail > MAX_DEPTH:
             raise IntegrityError("a list's chain of base steps loops or is too deep")
         entry = entries[key]
-        depth, prefix = 1, tuple[str, ...]()
+        base = None
         if entry["base"] is not None:
-            base_depth, prefix = full((entry["base"], key[1]), trail + 1)
-            depth = base_depth + 1
-            if depth > MAX_DEPTH:
+            base = full((entry["base"], key[1]), trail + 1)
+            if base.depth + 1 > MAX_DEPTH:
                 raise IntegrityError(f"step {key[0][:12]} ends a list chain that is too long")
-        known[key] = (depth, prefix + tuple(entry["items"]))
+        known[key] = Resolved.of(base, tuple(entry["items"]))
         return known[key]
 
     return {key: full(key) for key in wanted}
@@ -135,10 +206,74 @@ def lists_of(body: Mapping[str, Any]) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def item_values(resolved: Resolved, data: Mapping[str, bytes]) -> list[Any]:
-    """The decoded items of a resolved list, given every item blob in `data`."""
+def growth(
+    resolved: Resolved, base: str | None, previous: tuple[str, Resolved] | None
+) -> tuple[int, tuple[str, ...]]:
+    """(kept, added): how a list (`resolved`, whose body names `base`) grows the previous list
+    of its field in a walk ((step id, resolution), None for the first): how many leading
+    items it keeps, and the addresses after them.
+
+    A list built on the previous one keeps it whole and adds its own items:
+    nothing else is looked at. Otherwise (each MAX_DEPTH-th step, or a
+    history that was edited) the two lists are compared address by address.
+    """
+    if previous is None:
+        return 0, resolved.addresses()
+    previous_id, before = previous
+    if base == previous_id:
+        return before.length, resolved.items
+    whole, old = resolved.addresses(), before.addresses()
+    if whole[: len(old)] == old:
+        return len(old), whole[len(old):]
+    kept = 0
+    for mine, theirs in zip(whole, old, strict=False):
+        if mine != theirs:
+            break
+        kept += 1
+    return kept, whole[kept:]
+
+
+class Decoded:
+    """The decoded list items of one read, shared by every step it loads.
+
+    The steps of a conversation share their chain links, so each item is
+    decoded once however many steps list it (by address: a link that names
+    every item again, as each MAX_DEPTH-th step does, decodes nothing new),
+    and a step's list is a copy of at most MAX_DEPTH tuples. The values are
+    shared between the steps of the read: a Step is a record, not to be
+    changed.
+    """
+
+    def __init__(self) -> None:
+        self._values: dict[str, Any] = {}
+        self._links: dict[Resolved, tuple[Any, ...]] = {}  # by identity: links are unique
+
+    def wanted(self, resolutions: Iterable[Resolved]) -> set[str]:
+        """The item addresses `values` needs read first for these lists (not decoded yet).
+
+        Each link is looked at once, however many of the lists share it.
+        """
+        links = {link for resolved in resolutions for link in resolved.links()
+                 if link not in self._links}
+        return {item for link in links for item in link.items if item not in self._values}
+
+    def values(self, resolved: Resolved, data: Mapping[str, bytes]) -> list[Any]:
+        """The decoded items of a resolved list, given the blobs `wanted` named in `data`."""
+        parts = []
+        for link in resolved.links():
+            found = self._links.get(link)
+            if found is None:
+                missing = [item for item in link.items if item not in self._values]
+                self._values.update(zip(missing, decode_items(missing, data), strict=True))
+                found = self._links[link] = tuple(map(self._values.__getitem__, link.items))
+            parts.append(found)
+        return list(chain.from_iterable(parts))
+
+
+def decode_items(addresses: Iterable[str], data: Mapping[str, bytes]) -> list[Any]:
+    """The decoded list items at `addresses`, whose blobs are in `data`."""
     values = []
-    for item in resolved[1]:
+    for item in addresses:
         if item not in data:
             raise IntegrityError(f"list item {item[:12]} is missing")
         values.append(json.loads(data[item]))

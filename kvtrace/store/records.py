@@ -52,6 +52,21 @@ class Step:
 
 
 @dataclass(frozen=True, slots=True)
+class Growth:
+    """A step's list field (a model call's conversation) as it grows the one before it.
+
+    What `Store.walk_growth` gives for each list field instead of the whole
+    list: its length, how many leading items the previous list of that field
+    in the walk had too, and the items after those (decoded). A run of n calls
+    is read in time and memory for its messages, not for n histories.
+    """
+
+    num_items: int
+    num_kept: int
+    items: list[Any]
+
+
+@dataclass(frozen=True, slots=True)
 class Note:
     """An annotation attached to a step afterwards; the step itself never changes."""
 

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from kvtrace.errors import UsageError
-from kvtrace.store.apis import stored_fields
+from kvtrace.store.apis import LAYOUTS, stored_fields
 from kvtrace.store.kinds import (
     RESPONSE_SETTINGS,
     ModelCall,
@@ -21,6 +21,7 @@ from kvtrace.store.kinds import (
     StepKind,
     ToolCall,
 )
+from kvtrace.store.lists import Extension
 from kvtrace.store.plain import to_plain
 
 if TYPE_CHECKING:
@@ -35,6 +36,7 @@ class Run:
         self.store = store
         self.name = name
         self._head = head
+        self._call: Step | None = None  # the latest model call up to the head, once known
 
     def __repr__(self) -> str:
         head = self._head.short_id if self._head else None
@@ -53,6 +55,7 @@ class Run:
     def refresh(self) -> Step | None:
         """Re-read the head from the store (after a conflict, say)."""
         self._head = self.store.head(self.name)
+        self._call = None
         return self._head
 
     def record(
@@ -66,6 +69,8 @@ class Run:
         """Append a step of any kind: JSON `payload` fields, raw-bytes `raw` fields."""
         step = self.store.append(self.name, self._head, kind, payload, meta or {}, raw)
         self._head = step
+        if step.kind == StepKind.MODEL_CALL:  # a call without lists: `continues` must look again
+            self._call = None
         return step
 
     def record_model_call(
@@ -84,6 +89,7 @@ class Run:
         raw: Mapping[str, bytes] | None = None,
         prior: list[dict[str, Any]] | None = None,
         response_settings: Mapping[str, Any] | None = None,
+        continues: bool = False,
     ) -> Step:
         """Record one model call: the conversation and tools sent, the response received.
 
@@ -104,6 +110,14 @@ class Run:
         keeps what a response repeats of the settings it ran with (a Responses
         object's `instructions`, `tools`, `temperature`...): one blob, shared by
         every call of a conversation whose settings stay the same.
+
+        With `continues=True`, `messages` holds only the messages after those
+        of the run's previous model call (the latest before the head): the
+        call's conversation is that call's, then these. It is stored as the
+        whole list would be (same step id), but costs what it adds, not its
+        history: what an importer of a long conversation uses. OpenAI chat
+        calls only (the other APIs check tool results against the whole
+        conversation).
         """
         if not isinstance(model, str) or not model:
             raise UsageError("model must name the model that answered (a non-empty string)")
@@ -114,6 +128,10 @@ class Run:
                              f"{', '.join(a.value for a in ProviderApi)}", param="api") from None
         payload, lists = stored_fields(api, messages, response, tools=tools, system=system,
                                        prior=prior)
+        given: dict[str, list[Any] | Extension] = dict(lists)
+        if continues:
+            field = LAYOUTS[api].conversation
+            given[field] = Extension(self._previous_call(api), lists[field])
         settings = _mapping(response_settings, "response_settings")
         if settings:
             payload[RESPONSE_SETTINGS] = settings
@@ -122,9 +140,25 @@ class Run:
             timings=_mapping(timings, "timings"), extra=_mapping(extra, "extra"), api=api,
         )
         step = self.store.append(self.name, self._head, StepKind.MODEL_CALL, payload, meta,
-                                 raw, lists=lists)
-        self._head = step
+                                 raw, lists=given)
+        self._head = self._call = step
         return step
+
+    def _previous_call(self, api: ProviderApi) -> Step:
+        """The run's latest model call up to its head (what `continues=True` extends)."""
+        if api is not ProviderApi.OPENAI_CHAT:
+            raise UsageError("continues=True is for openai-chat calls: pass the whole "
+                             "conversation", param="continues")
+        if self._call is None and self._head is not None:
+            self._call = next((step for step in self.store.log(self._head.id)
+                               if step.kind == StepKind.MODEL_CALL), None)
+        if self._call is None:
+            raise UsageError(f"continues=True needs an earlier model call in run {self.name!r}",
+                             param="continues")
+        if ModelCall(self._call).api is not api:
+            raise UsageError(f"continues=True: the previous model call {self._call.short_id} "
+                             f"is a {ModelCall(self._call).api} call", param="continues")
+        return self._call
 
     def record_tool_call(
         self,

@@ -17,9 +17,9 @@ import io
 import json
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine
@@ -46,6 +46,7 @@ from kvtrace.store.records import (
     Divergence,
     FsckReport,
     GraphRow,
+    Growth,
     Note,
     ReflogEntry,
     RunInfo,
@@ -64,10 +65,15 @@ if TYPE_CHECKING:
     from kvtrace.store.run import Run
     from kvtrace.store.watch import WatchEvent
 
+# Told as a long read or write goes: (steps done, steps in all); what a progress bar shows.
+OnStep = Callable[[int, int], None]
+T = TypeVar("T")
+
 _MAX_KNOWN = 200_000
 _MAX_LISTS = 20_000  # resolved lists kept (each a tuple of its item addresses)
 _NOTES_CHUNK = 500  # step ids per query of notes_on (bound parameters stay few)
 _LIST_BASE_SEARCH = 16  # steps back from a new step to look for its list's base
+_PAGE = 64  # steps a walk reads per query round (a page of a long run's steps in memory)
 
 
 class Store:
@@ -226,16 +232,71 @@ class Store:
             self._lists.clear()
         return self._lists
 
-    def log(self, spec: str, *, limit: int | None = None) -> Iterator[Step]:
+    def log(self, spec: str, *, limit: int | None = None, lists: bool = True
+            ) -> Iterator[Step]:
         """Steps from `spec` (a run means its head) back to the root, head first.
 
         Errors (an unknown run, say) are raised here, not on first iteration.
+        Steps are read a page at a time as the iterator goes (see `walk`).
+        With `lists=False` a step's list fields (a model call's conversation)
+        are left out of its content (`ModelCall.has_messages` is False): a
+        listing of a long run then reads each step's own fields only.
         """
         limit = validation.check_limit(limit)
         with read_transaction(self._reader) as conn:
             start = resolve.step_id_or_empty(conn, spec)
             chain = history.chain(conn, start, limit) if start else []
-            return iter(history.load_steps(conn, chain, self._lists_cache()))
+        return self._pages(chain, None, self._loader(lists))
+
+    def walk(self, spec: str, *, on_step: OnStep | None = None, lists: bool = True
+             ) -> Iterator[Step]:
+        """Steps from the root to `spec`, in order, read a page at a time as the iterator goes.
+
+        What a reader of a long run takes instead of `path`: memory holds one
+        page of steps and the run's messages decoded once (steps share them),
+        not every step's copy of its history. `on_step(done, total)` is told
+        as each step is read (a progress bar); `lists` as for `log`. Errors are
+        raised here.
+        """
+        with read_transaction(self._reader) as conn:
+            start = resolve.step_id_or_empty(conn, spec)
+            chain = history.chain(conn, start, None) if start else []
+        chain.reverse()
+        return self._pages(chain, on_step, self._loader(lists))
+
+    def walk_growth(self, spec: str, *, on_step: OnStep | None = None
+                    ) -> Iterator[tuple[Step, dict[str, Growth]]]:
+        """`walk` without list fields in the steps' content, each step with how its lists grow
+        the previous ones (`Growth`: a model call's new messages).
+
+        What a reader that shows each call's new messages takes (the report):
+        a run of n calls costs its messages, not n copies of its history.
+        """
+        with read_transaction(self._reader) as conn:
+            start = resolve.step_id_or_empty(conn, spec)
+            chain = history.chain(conn, start, None) if start else []
+        chain.reverse()
+        last: dict[str, tuple[str, store_lists.Resolved]] = {}
+        return self._pages(chain, on_step, lambda conn, ids: history.load_growth(
+            conn, ids, self._lists_cache(), last))
+
+    def _pages(self, ids: list[str], on_step: OnStep | None,
+               load: Callable[[Connection, list[str]], list[T]]) -> Iterator[T]:
+        """What `load` makes of the steps `ids`, _PAGE at a time (steps never change: any
+        later read is right)."""
+        for start in range(0, len(ids), _PAGE):
+            with read_transaction(self._reader) as conn:
+                page = load(conn, ids[start:start + _PAGE])
+            for done, item in enumerate(page, start=start + 1):
+                if on_step is not None:
+                    on_step(done, len(ids))
+                yield item
+
+    def _loader(self, lists: bool) -> Callable[[Connection, list[str]], list[Step]]:
+        """Loads pages of steps for one walk (its decoded items shared by all its pages)."""
+        decoded = store_lists.Decoded()
+        return lambda conn, ids: history.load_steps(conn, ids, self._lists_cache(), decoded,
+                                                    with_lists=lists)
 
     def graph(self, spec: str, *, limit: int | None = None) -> list[GraphRow]:
         """`log` plus, per step, the runs whose head it is and the branches (runs) leaving it."""
@@ -244,9 +305,16 @@ class Store:
             start = resolve.step_id_or_empty(conn, spec)
             return views.graph_rows(conn, history.chain(conn, start, limit) if start else [])
 
+    def forks(self, spec: str) -> list[tuple[str, int]]:
+        """The runs that leave the history of `spec`: (run, depth of the step it leaves from),
+        by depth then name. Reads no step content (what `graph` tells, for a long run)."""
+        with read_transaction(self._reader) as conn:
+            start = resolve.step_id_or_empty(conn, spec)
+            return views.forks(conn, history.chain(conn, start, None)) if start else []
+
     def path(self, spec: str) -> list[Step]:
-        """Steps from the root to `spec`, in order (what replay walks)."""
-        return list(reversed(list(self.log(spec))))
+        """Steps from the root to `spec`, in order (what replay walks; see `walk`)."""
+        return list(self.walk(spec))
 
     def diverge(self, a: str, b: str) -> Divergence:
         """Where the histories of `a` and `b` part (like `git merge-base`)."""
@@ -545,7 +613,7 @@ class Store:
         payload: Mapping[str, Any],
         meta: Mapping[str, Any],
         raw: Mapping[str, bytes] | None = None,
-        lists: Mapping[str, list[Any]] | None = None,
+        lists: Mapping[str, list[Any] | store_lists.Extension] | None = None,
         *,
         new_run: str | None = None,
     ) -> Step:
@@ -555,7 +623,8 @@ class Store:
         step instead (a fork whose head is an edited step).
 
         `payload` fields are JSON values stored one blob each, `raw` fields
-        bytes, and `lists` fields lists stored item by item (see store/lists.py).
+        bytes, and `lists` fields lists stored item by item (see store/lists.py),
+        each given whole or as an `Extension` of an earlier step's list.
         Fails with ConflictError, writing nothing, if the run's head is no
         longer `parent` (another writer appended or moved it first).
         """
@@ -568,8 +637,15 @@ class Store:
         data = {key: encoding.canonical_json(value) for key, value in payload.items()}
         data.update(raw)
         addresses = {key: encoding.sha256_hex(value) for key, value in data.items()}
+        origins = {key: value.base for key, value in list_items.items()
+                   if isinstance(value, store_lists.Extension)}
+        for key, origin in origins.items():
+            if not isinstance(origin.content.get(key), list):
+                raise UsageError(f"step {origin.short_id} has no list {key!r} to extend")
+        # Only the items given are encoded: an extension's earlier items are stored already.
         item_data = {
-            key: [encoding.canonical_json(item) for item in items]
+            key: [encoding.canonical_json(item) for item in (
+                items.items if isinstance(items, store_lists.Extension) else items)]
             for key, items in list_items.items()
         }
         parent_id = parent.id if parent else None
@@ -581,11 +657,11 @@ class Store:
             blob_rows = {addresses[key]: value for key, value in data.items()}
             for key, encoded in item_data.items():
                 item_addresses = [encoding.sha256_hex(item) for item in encoded]
-                base = self._list_base(conn, parent_id, key)
-                entries[key], resolutions[key] = store_lists.entry_for(item_addresses, base)
+                entries[key], resolutions[key] = self._list_entry(
+                    conn, parent_id, key, item_addresses, origins.get(key))
                 # The base's items are stored already: only the new ones are written
                 # (and compressed), so a call costs what it adds, not its whole history.
-                new_items = len(entries[key]["items"])
+                new_items = min(len(entries[key]["items"]), len(encoded))
                 blob_rows.update(zip(item_addresses[len(encoded) - new_items:],
                                      encoded[len(encoded) - new_items:], strict=True))
             clean_meta = {key: value for key, value in meta.items() if value is not None}
@@ -635,8 +711,31 @@ class Store:
         content = {key: json.loads(data[key]) for key in payload}
         content.update(raw)
         for key, encoded in item_data.items():
-            content[key] = [json.loads(item) for item in encoded]
+            before = origins[key].content[key] if key in origins else []
+            content[key] = [*before, *(json.loads(item) for item in encoded)]
         return Step(step_id, parent_id, kind, depth, addresses, clean_meta, content, now)
+
+    def _list_entry(
+        self, conn: Connection, parent_id: str | None, field: str, items: list[str],
+        origin: Step | None,
+    ) -> tuple[dict[str, Any], store_lists.Resolved]:
+        """The body entry of list `field` of a new step after `parent_id`, and its resolution.
+
+        `items` are the list's addresses, or with `origin` those after the
+        list of step `origin` (an `Extension`). Either way the entry is the
+        one the whole list gives (`entry_for`): ids never depend on how a
+        list was passed. When `origin` is the base the store finds, as for a
+        run's previous model call, nothing before `items` is touched.
+        """
+        base = self._list_base(conn, parent_id, field)
+        if origin is None:
+            return store_lists.entry_for(items, base)
+        if base is not None and base[0] == origin.id:
+            return store_lists.extend(origin.id, base[1], items)
+        key = (origin.id, field)
+        known = self._lists.get(key) or store_lists.resolve(
+            store_lists.fetch_lists(conn), [key], self._lists)[key]
+        return store_lists.entry_for([*known.addresses(), *items], base)
 
     def _list_base(
         self, conn: Any, parent_id: str | None, field: str

@@ -20,27 +20,8 @@ MAX_RUNS_TO_NAME = 200
 
 def graph_rows(conn: Connection, chain: list[str]) -> list[GraphRow]:
     """Each step of `chain`, the runs whose head it is, and the branches (and runs) leaving it."""
-    heads: dict[str, list[str]] = {}
-    head_depth: dict[str, int] = {}
-    for name, head, depth in conn.execute(
-        sa.select(refs.c.name, refs.c.head, steps.c.depth).join(steps, steps.c.id == refs.c.head)
-    ):
-        heads.setdefault(head, []).append(name)
-        head_depth[head] = depth
-    on_chain = set(chain)
-    leaving: dict[str, str] = {}  # child off the chain -> the chain step it leaves
-    num_branches: dict[str, int] = {}
-    for part in history.chunks(chain):
-        for parent, child in conn.execute(
-            sa.select(steps.c.parent_id, steps.c.id).where(steps.c.parent_id.in_(part))
-        ):
-            if child not in on_chain:
-                leaving[child] = parent
-                num_branches[parent] = num_branches.get(parent, 0) + 1
     loaded = history.load_steps(conn, chain)
-    depth = {step.id: step.depth for step in loaded}
-    off_chain = {head: d for head, d in head_depth.items() if head not in depth}
-    runs = _runs_taking(conn, depth, leaving, off_chain, heads)
+    heads, num_branches, runs = _branches(conn, {step.id: step.depth for step in loaded})
     return [
         GraphRow(
             step,
@@ -50,6 +31,46 @@ def graph_rows(conn: Connection, chain: list[str]) -> list[GraphRow]:
         )
         for step in loaded
     ]
+
+
+def forks(conn: Connection, chain: list[str]) -> list[tuple[str, int]]:
+    """(run, depth of the step it leaves from) of each run that leaves `chain`, by depth.
+
+    What `graph_rows` tells of branches, without reading any step's content:
+    a long run's report needs the forks, not a second copy of every step.
+    """
+    depth: dict[str, int] = {}
+    for part in history.chunks(chain):
+        depth.update(conn.execute(
+            sa.select(steps.c.id, steps.c.depth).where(steps.c.id.in_(part))).all())
+    _, _, runs = _branches(conn, depth)
+    return sorted(((run, depth[step_id]) for step_id, names in (runs or {}).items()
+                   for run in names), key=lambda fork: (fork[1], fork[0]))
+
+
+def _branches(
+    conn: Connection, depth: dict[str, int]
+) -> tuple[dict[str, list[str]], dict[str, int], dict[str, list[str]] | None]:
+    """For a chain (its steps' depths): the runs headed at each step, the number of
+    branches leaving each, and the runs taking them (None: too many to name)."""
+    heads: dict[str, list[str]] = {}
+    head_depth: dict[str, int] = {}
+    for name, head, head_at in conn.execute(
+        sa.select(refs.c.name, refs.c.head, steps.c.depth).join(steps, steps.c.id == refs.c.head)
+    ):
+        heads.setdefault(head, []).append(name)
+        head_depth[head] = head_at
+    leaving: dict[str, str] = {}  # child off the chain -> the chain step it leaves
+    num_branches: dict[str, int] = {}
+    for part in history.chunks(list(depth)):
+        for parent, child in conn.execute(
+            sa.select(steps.c.parent_id, steps.c.id).where(steps.c.parent_id.in_(part))
+        ):
+            if child not in depth:
+                leaving[child] = parent
+                num_branches[parent] = num_branches.get(parent, 0) + 1
+    off_chain = {head: d for head, d in head_depth.items() if head not in depth}
+    return heads, num_branches, _runs_taking(conn, depth, leaving, off_chain, heads)
 
 
 def _runs_taking(
