@@ -26,6 +26,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from kvtrace.errors import (
     ConflictError,
+    RunNotFoundError,
     StepNotFoundError,
     UsageError,
 )
@@ -192,15 +193,50 @@ class Store:
         except ConflictError:  # another writer created it since our read: continue it
             return Run(self, name, self.head(name))
 
-    def runs(self) -> list[RunInfo]:
-        """Every run, by name."""
+    def runs(
+        self, *, limit: int | None = None, after: str | None = None, prefix: str | None = None
+    ) -> list[RunInfo]:
+        """Runs by name: every run, or a page of at most `limit` whose names sort after
+        `after` (the last name of the previous page), or those whose names start with `prefix`.
+
+        A page reads `limit` rows of the name index, however many runs the
+        store holds (names sort as the database sorts them).
+        """
+        limit = validation.check_limit(limit)
+        query = (
+            sa.select(refs.c.name, refs.c.head, refs.c.created_at, steps.c.depth)
+            .select_from(refs.outerjoin(steps, steps.c.id == refs.c.head))
+            .order_by(refs.c.name)
+        )
+        if after is not None:
+            query = query.where(refs.c.name > normalize_run_name(after))
+        if prefix is not None:  # exact on every collation; a scan of the names, not of steps
+            prefix = normalize_run_name(prefix)
+            query = query.where(sa.func.substr(refs.c.name, 1, len(prefix)) == prefix)
+        if limit is not None:
+            query = query.limit(limit)
         with read_transaction(self._reader) as conn:
-            rows = conn.execute(
+            rows = conn.execute(query).all()
+        return [RunInfo(r.name, r.head, r.depth or 0, r.created_at) for r in rows]
+
+    def run_info(self, name: str) -> RunInfo:
+        """Run `name` as `runs` lists it (RunNotFoundError if there is none): one row."""
+        name = normalize_run_name(name)
+        with read_transaction(self._reader) as conn:
+            row = conn.execute(
                 sa.select(refs.c.name, refs.c.head, refs.c.created_at, steps.c.depth)
                 .select_from(refs.outerjoin(steps, steps.c.id == refs.c.head))
-                .order_by(refs.c.name)
-            ).all()
-        return [RunInfo(r.name, r.head, r.depth or 0, r.created_at) for r in rows]
+                .where(refs.c.name == name)
+            ).first()
+        if row is None:
+            raise RunNotFoundError(f"no run named {name!r} (see `kvtrace runs`)")
+        return RunInfo(row.name, row.head, row.depth or 0, row.created_at)
+
+    def has_run(self, name: str) -> bool:
+        """Whether a run is named `name` (an empty run counts): one row of the name index."""
+        name = normalize_run_name(name)
+        with read_transaction(self._reader) as conn:
+            return resolve.ref_row(conn, name) is not None
 
     def head(self, name: str) -> Step | None:
         """The head step of run `name` (None for an empty run)."""
