@@ -37,7 +37,7 @@ def _when(timestamp: float) -> str:
 
 def _last_move(store: Store, run: str) -> ReflogEntry:
     """The reflog entry of the move just made on `run` (what --json prints)."""
-    return store.reflog(run)[0]
+    return store.reflog(run, limit=1)[0]
 
 
 @app.command()

@@ -429,10 +429,12 @@ class Store:
             move_ref(conn, name, head_id, target, reason="reset", message=f"undo {last.reason}")
             return history.load_steps(conn, [target], self._lists)[0] if target else None
 
-    def reflog(self, name: str | None = None) -> list[ReflogEntry]:
+    def reflog(self, name: str | None = None, *, limit: int | None = None) -> list[ReflogEntry]:
         """Every move of run `name`, newest first; without a name, of every run ever,
-        including runs whose ref was deleted behind kvtrace's back."""
-        query = sa.select(reflog).order_by(reflog.c.id.desc())
+        including runs whose ref was deleted behind kvtrace's back. With `limit`, the
+        newest `limit` moves (`limit=1`: the last move, one index probe)."""
+        limit = validation.check_limit(limit)
+        query = sa.select(reflog).order_by(reflog.c.id.desc()).limit(limit)
         with read_transaction(self._reader) as conn:
             if name is not None:
                 name = normalize_run_name(name)

@@ -50,6 +50,7 @@ OPERATIONS: dict[str, Callable[[Store], Any]] = {
     "fork": lambda s: s.fork("run-0@2", "forked"),
     "revert": lambda s: s.revert("run-0", to="run-0@2"),
     "reset": lambda s: s.reset("run-0", to="run-0-edited"),
+    "last move": lambda s: s.reflog("run-0", limit=1),
     "diff": lambda s: compare(s, "run-0", "run-0-edited"),
     "export bundle": lambda s: s.export_run("run-0", io.BytesIO()),
     "export openai": lambda s: export_document(s, "run-0", format="openai"),
