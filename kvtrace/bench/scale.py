@@ -44,7 +44,7 @@ import sqlalchemy as sa
 from kvtrace.bench.conversations import agent_document
 from kvtrace.bench.footprint import store_file_bytes
 from kvtrace.errors import UsageError
-from kvtrace.store import Store, open_store
+from kvtrace.store import StepKind, Store, open_store
 
 GROWTH_TARGET = 2.0  # a single-run operation at the largest size over the smallest
 IMPORT_TARGET = 2000.0  # steps per second, tau-bench-shaped trajectories, SQLite
@@ -195,7 +195,7 @@ def _make_probes(store: Store, analyze_steps: int) -> None:
 def _middle_tool_call(store: Store) -> str:
     depth = store.run_info(PROBE).depth
     for step in store.log(f"{PROBE}@{depth // 2 + 1}", limit=2):
-        if step.kind == "tool_call":
+        if step.kind == StepKind.TOOL_CALL:
             return step.id
     raise UsageError("the probe run has no tool call halfway")
 

@@ -41,6 +41,7 @@ from kvtrace.store.backend import (
     write_transaction,
     writer,
 )
+from kvtrace.store.deferred import DeferredMoves
 from kvtrace.store.kinds import EDIT_OF, MEASUREMENTS, ModelCall, StepKind
 from kvtrace.store.names import normalize_run_name, validate_run_name
 from kvtrace.store.records import (
@@ -85,7 +86,8 @@ class Store:
         # Resolved list fields by (step id, field): steps never change, so this is
         # always right; a model call finds the history it extends here.
         self._lists: dict[store_lists.ListKey, store_lists.Resolved] = {}
-        self._batch: tuple[int, Connection] | None = None  # (thread, its transaction)
+        # (thread, its transaction, its appends' ref moves waiting for the batch's end)
+        self._batch: tuple[int, Connection, DeferredMoves] | None = None
         # SQLite: one connection held for writes (see _write), and the lock
         # that gives it to one thread at a time.
         self._held: Connection | None = None
@@ -127,19 +129,34 @@ class Store:
         nest, and a batch belongs to the thread that opened it. Inside a batch,
         write through `Run` objects (which remember their head): reads open
         their own transaction and do not see the batch's writes until it ends.
+
+        Appends move their run once, when the batch's work is done
+        (deferred.py): a run moved by another writer meanwhile, or paused,
+        fails the batch then (ConflictError, RunPausedError), writing nothing.
         """
         if self._batch is not None:
             raise UsageError("store batches do not nest")
         with write_transaction(self._writer) as conn:
-            self._batch = (threading.get_ident(), conn)
+            moves = DeferredMoves()
+            self._batch = (threading.get_ident(), conn, moves)
             try:
                 yield
+                moves.flush(conn)
             finally:
                 self._batch = None
 
+    def _batch_moves(self) -> DeferredMoves | None:
+        """The waiting ref moves of the batch this thread opened, if it opened one."""
+        batch = self._batch
+        return batch[2] if batch is not None and batch[0] == threading.get_ident() else None
+
     @contextmanager
-    def _write(self) -> Iterator[Connection]:
+    def _write(self, *, flush: bool = True) -> Iterator[Connection]:
         """The batch's transaction in the thread that opened it, else a new write transaction.
+
+        In a batch, the appends' waiting ref moves are made first (unless
+        `flush` is False: an append that adds its own), so that a fork, a
+        revert or a new run sees the heads they left.
 
         Other threads never write through a batch: they wait for the database's
         write lock (SQLite) or row locks (PostgreSQL) as with any writer.
@@ -152,6 +169,8 @@ class Store:
         """
         batch = self._batch
         if batch is not None and batch[0] == threading.get_ident():
+            if flush:
+                batch[2].flush(batch[1])
             yield batch[1]
             return
         if self._engine.dialect.name != "sqlite":
@@ -613,7 +632,8 @@ class Store:
         parent_id = parent.id if parent else None
         depth = parent.depth + 1 if parent else 1
         now = time.time()
-        with self._write() as conn:
+        deferred = self._batch_moves() if new_run is None else None
+        with self._write(flush=deferred is None) as conn:
             entries: dict[str, dict[str, Any]] = {}
             resolutions: dict[str, store_lists.Resolved] = {}
             blob_rows = {addresses[key]: value for key, value in data.items()}
@@ -661,6 +681,8 @@ class Store:
             )
             if new_run is not None:
                 create_ref(conn, name, step_id, reason="fork", message=new_run)
+            elif deferred is not None:  # moved when the batch is done (deferred.py)
+                deferred.append(name, parent_id, step_id, kind)
             else:
                 move_ref(conn, name, parent_id, step_id, reason="append", message=kind)
         if len(self._known) >= _MAX_KNOWN or len(self._lists) >= _MAX_LISTS:
