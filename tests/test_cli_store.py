@@ -145,3 +145,14 @@ def test_log_of_an_empty_run_says_so(home, capsys):
 def test_log_limit_below_one_is_a_one_line_error(home, capsys):
     code, out, err = kv(capsys, "log", "main", "-n", "0")
     assert code == 2 and out == "" and err.count("\n") == 1 and "--limit" in err
+
+
+def test_runs_pages_with_limit_and_after(home, capsys):
+    for name in ("b", "c"):
+        kv(capsys, "fork", "main@1", name)
+    code, out, _ = kv(capsys, "runs", "-n", "2", "--json")
+    assert code == 0 and [run["name"] for run in json.loads(out)] == ["b", "c"]
+    code, out, _ = kv(capsys, "runs", "--limit", "2", "--after", "c")
+    assert code == 0 and out.split()[0] == "main" and len(out.splitlines()) == 1
+    code, _, err = kv(capsys, "runs", "-n", "0")
+    assert code == 2 and err.startswith("error: ")

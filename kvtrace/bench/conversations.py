@@ -8,8 +8,15 @@ string), `role: "tool"` results of 100 to ~2,000 characters, an occasional
 user follow-up and text answer. Each call's messages are the previous call's
 messages plus its response and what followed, as every harness sends them.
 
-Used by `kvtrace bench store` (bytes stored over distinct message bytes) and
-by tests; nothing here is copied from a real trajectory.
+`agent_document(num_calls, seed=, shape=)` gives one whole run as the
+document the OpenAI importer reads (`kvtrace import --format openai`): the
+tau-bench shape above, or a SWE-agent shape (an issue to fix, then bash
+commands whose outputs run from one line to a few KB, each model call with a
+short thought and a `usage` in mini-swe-agent's `extra.response`).
+
+Used by `kvtrace bench store` (bytes stored over distinct message bytes),
+`kvtrace bench scale` (a store of many such runs) and by tests; nothing here
+is copied from a real trajectory.
 """
 
 from __future__ import annotations
@@ -105,8 +112,8 @@ def tool_calling_conversation(num_calls: int, *, seed: int = 0) -> list[Call]:
     ]
     calls: list[Call] = []
     response: dict[str, Any]
+    prompt_chars = sum(len(json.dumps(m)) for m in messages)  # kept up to date as it grows
     for index in range(num_calls):
-        prompt_chars = sum(len(json.dumps(m)) for m in messages)
         usage = {
             "prompt_tokens": prompt_chars // 4,
             "completion_tokens": rng.randint(15, 60),
@@ -117,9 +124,10 @@ def tool_calling_conversation(num_calls: int, *, seed: int = 0) -> list[Call]:
                         "content": f"I found {rng.randint(1, 5)} options; shall I proceed "
                                    f"with option {rng.randint(1, 3)}? (turn {index})"}
             calls.append(Call(list(messages), response, TOOLS, usage, []))
-            messages = [*messages, response,
-                        {"role": "user", "content": rng.choice(["yes", "Yes, go ahead.",
-                                                                "No, try another date."])}]
+            added = [response, {"role": "user", "content": rng.choice(
+                ["yes", "Yes, go ahead.", "No, try another date."])}]
+            messages = [*messages, *added]
+            prompt_chars += sum(len(json.dumps(m)) for m in added)
             continue
         call_id = f"call_{seed}_{index:03d}"
         name, arguments, result = _tool_use(rng, index)
@@ -131,8 +139,10 @@ def tool_calling_conversation(num_calls: int, *, seed: int = 0) -> list[Call]:
         }
         calls.append(Call(list(messages), response, TOOLS, usage,
                           [(call_id, name, arguments, result)]))
-        messages = [*messages, response,
-                    {"role": "tool", "tool_call_id": call_id, "name": name, "content": result}]
+        added = [response,
+                 {"role": "tool", "tool_call_id": call_id, "name": name, "content": result}]
+        messages = [*messages, *added]
+        prompt_chars += sum(len(json.dumps(m)) for m in added)
     return calls
 
 
@@ -208,3 +218,98 @@ def _tool_use(rng: random.Random, index: int) -> tuple[str, dict[str, Any], str]
                       for n in range(rng.randint(10, 60)))
     return ("bash", {"command": f"nl -ba {path} | sed -n 1,40p"},
             f"<returncode>0</returncode>\n<output>\n{lines}\n</output>")
+
+
+SHAPES = ("tau", "swe")
+_SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT && git add -A && git diff --cached"
+_SWE_SYSTEM = (
+    "You are a helpful assistant that can interact with a computer to solve tasks. "
+    "You work in a repository checked out at /testbed. Run one bash command per turn with the "
+    "`bash` tool; each command runs in a new subshell, so directory changes do not persist. "
+    "Start by finding and reading the code relevant to the issue, write a script that "
+    "reproduces it, edit the source to fix it, run the script again to confirm the fix, and "
+    "think about edge cases. Do not modify the tests. When you are done, run "
+    f"`{_SUBMIT}`.\n"
+)
+_WORDS = ("value", "result", "config", "parser", "node", "index", "cache", "request", "token",
+          "path", "handler", "buffer", "session", "schema", "record", "field", "offset", "batch",
+          "stream", "writer", "reader", "limit", "count", "error", "state", "item", "key")
+_SWE_COMMANDS = ("grep -rn {w} src/ | head -40", "sed -n {a},{b}p src/{w}.py",
+                 "python reproduce.py", "python -m pytest tests/test_{w}.py -x -q",
+                 "ls -la src/{w}", "git diff", "cat src/{w}.py | nl | sed -n {a},{b}p")
+
+
+def _source_lines(seed: int) -> list[str]:
+    """A pool of code-like lines that command outputs are cut from (cheap to slice)."""
+    rng = random.Random(seed)
+    lines = []
+    for n in range(2000):
+        a, b = rng.sample(_WORDS, 2)
+        lines.append(rng.choice([
+            f"    def {a}_{b}(self, {b}):",
+            f"        {a} = self.{b}.get({n}, None)",
+            f"        if {a} is None or len({b}) > {rng.randint(1, 999)}:",
+            f"            raise ValueError(f\"bad {a}: {{{b}!r}}\")",
+            f"        return {{'{a}': {a}, '{b}': self._{b}[{n % 97}]}}",
+            f"# {a} {b}: kept for {rng.choice(_WORDS)} compatibility (see #{n})",
+        ]))
+    return lines
+
+
+_LINES = _source_lines(7)
+
+
+def swe_messages(num_calls: int, *, seed: int = 0) -> list[dict[str, Any]]:
+    """A SWE-agent shaped run of `num_calls` model calls, as the whole message list."""
+    rng = random.Random(seed)
+    words = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(150, 450)))
+    issue = (f"<pr_description>\nIssue #{seed}: {rng.choice(_WORDS)} is lost when the "
+             f"{rng.choice(_WORDS)} is empty.\n\n{words}\n</pr_description>")
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": _SWE_SYSTEM},
+        {"role": "user", "content": f"Fix the issue below in /testbed.\n{issue}"},
+    ]
+    prompt_chars = sum(len(m["content"]) for m in messages)
+    for index in range(num_calls):
+        word = rng.choice(_WORDS)
+        start = rng.randrange(len(_LINES) - 80)
+        count = rng.choice((1, 3, 8, 20, 40, 80))
+        command = rng.choice(_SWE_COMMANDS).format(w=word, a=start, b=start + count)
+        if index == num_calls - 1:
+            command = _SUBMIT
+        output = "\n".join(f"{start + i:6d}\t{line}" for i, line in
+                           enumerate(_LINES[start:start + count]))
+        call_id = f"call_{seed}_{index}"
+        thought = (f"THOUGHT: step {index}: the {word} path; " + " ".join(
+            rng.choice(_WORDS) for _ in range(rng.randint(10, 60))))
+        usage = {"prompt_tokens": prompt_chars // 4, "completion_tokens": len(thought) // 4 + 20,
+                 "prompt_tokens_details": {"cached_tokens": (prompt_chars // 4) // 64 * 64}}
+        messages.append({
+            "role": "assistant", "content": thought,
+            "tool_calls": [{"id": call_id, "type": "function", "function": {
+                "name": "bash", "arguments": json.dumps({"command": command})}}],
+            "extra": {"response": {"model": "swe-bench-model", "usage": usage}},
+        })
+        messages.append({"role": "tool", "tool_call_id": call_id,
+                         "content": f"<returncode>0</returncode>\n<output>\n{output}\n</output>"})
+        prompt_chars += len(thought) + len(command) + len(output) + 80
+    return messages
+
+
+def agent_document(num_calls: int, *, seed: int = 0, shape: str = "tau") -> dict[str, Any]:
+    """One run of `num_calls` model calls as an OpenAI document (`model`, `tools`, `messages`).
+
+    Importing it (`import_document(..., format="openai")`) gives a model_call
+    step per call and a tool_call step per tool result: about two steps a call.
+    """
+    if shape == "swe":
+        return {"model": "swe-bench-model", "tools": [TOOLS[2]],
+                "messages": swe_messages(num_calls, seed=seed)}
+    if shape != "tau":
+        raise ValueError(f"unknown shape {shape!r}: use one of {', '.join(SHAPES)}")
+    calls = tool_calling_conversation(num_calls, seed=seed)
+    last = calls[-1]
+    results = [{"role": "tool", "tool_call_id": call_id, "name": name, "content": result}
+               for call_id, name, _, result in last.results]
+    return {"model": "tau-bench-model", "tools": TOOLS,
+            "messages": [*last.messages, last.response, *results]}

@@ -46,7 +46,7 @@ def run_footprint_bench(url: str | None = None, *, num_conversations: int = 14) 
     with tempfile.TemporaryDirectory(prefix="kvtrace-footprint-") as tmp:
         store = open_store(url or f"sqlite:///{Path(tmp) / 'footprint.db'}")
         try:
-            before = 0 if url is None else _file_bytes(store)
+            before = 0 if url is None else store_file_bytes(store)
             start = time.perf_counter()
             num_steps = 0
             for index in range(num_conversations):
@@ -58,7 +58,7 @@ def run_footprint_bench(url: str | None = None, *, num_conversations: int = 14) 
                 distinct.update(canonical_json(normalize_message(m)) for m in messages)
                 distinct.add(canonical_json(calls[0].tools))
             import_s = time.perf_counter() - start
-            file_bytes = _file_bytes(store) - before
+            file_bytes = store_file_bytes(store) - before
             read_ms = _read_ms(store, [f"footprint-{suffix}-{i}" for i in range(num_conversations)])
         finally:
             store.close()
@@ -74,7 +74,7 @@ def run_footprint_bench(url: str | None = None, *, num_conversations: int = 14) 
     }
 
 
-def _file_bytes(store: Store) -> int:
+def store_file_bytes(store: Store) -> int:
     """SQLite: file + WAL after a checkpoint; PostgreSQL: kvtrace's relations, all forks."""
     engine = store.engine
     if engine.dialect.name == "sqlite":

@@ -274,3 +274,26 @@ def bench_long(
     _print_figures(run_long_bench(turns=tuple(turns or (1000, 10000)), trees=tuple(trees or ()),
                                   rounds=rounds, timeout_s=timeout_s, max_rss_mb=max_rss_mb),
                    as_json)
+
+
+@bench_app.command("scale")
+def bench_scale(
+    url: Annotated[str | None, typer.Option(
+        "--url", help="An empty store to build in, e.g. a new PostgreSQL schema (default: a "
+        "new SQLite file in a temp folder).")] = None,
+    num_steps: Annotated[int, typer.Option(
+        "--steps", help="Steps at the largest size; the others are a tenth and a hundredth "
+        "of it.")] = 1_000_000,
+    analyze_steps: Annotated[int, typer.Option(
+        "--analyze-steps", min=0, help="Steps of the run analyze reads (0: skip analyze).")] = 1000,
+    trials: Annotated[int, typer.Option(
+        "--trials", min=1, help="Runs of each operation per size (the median counts).")] = 15,
+    model: Model = None,
+    as_json: Json = False,
+) -> None:
+    """A store of many agent runs grown 100x: one run's operations, import and fsck at each size."""
+    from kvtrace.bench.scale import run_scale_bench
+
+    _print_figures(run_scale_bench(url, num_steps=num_steps, analyze_steps=analyze_steps,
+                                   model=model, trials=trials,
+                                   progress=lambda text: typer.echo(text, err=True)), as_json)

@@ -38,7 +38,7 @@ def _when(timestamp: float) -> str:
 
 def _last_move(store: Store, run: str) -> ReflogEntry:
     """The reflog entry of the move just made on `run` (what --json prints)."""
-    return store.reflog(run)[0]
+    return store.reflog(run, limit=1)[0]
 
 
 @app.command()
@@ -58,10 +58,19 @@ def init(
 
 
 @app.command()
-def runs(ctx: typer.Context, as_json: Json = False) -> None:
-    """List runs (branches) with their head and length."""
+def runs(
+    ctx: typer.Context,
+    limit: Annotated[int | None, typer.Option(
+        "--limit", "-n", help="Show at most this many runs (a page).")] = None,
+    after: Annotated[str | None, typer.Option(
+        "--after", help="Start after this run name (the last one of the previous page).")] = None,
+    as_json: Json = False,
+) -> None:
+    """List runs (branches) by name with their head and length."""
+    if limit is not None and limit < 1:
+        raise UsageError("--limit must be at least 1")
     with _store(ctx) as store:
-        infos = store.runs()
+        infos = store.runs(limit=limit, after=after)
     if as_json:
         print_json([info.to_dict() for info in infos])
         return

@@ -173,8 +173,7 @@ def export_file(
 
 def subagent_runs(store: Store, run: str) -> list[RunInfo]:
     """The runs a Claude Code import made of run `run`'s subagents (`RUN/agent-<id>`)."""
-    prefix = f"{run}/agent-"
-    return [info for info in store.runs() if info.name.startswith(prefix)]
+    return store.runs(prefix=f"{run}/agent-")
 
 
 def default_run_name(filename: str) -> str:

@@ -127,8 +127,7 @@ def _derived(text: str, size: int) -> str:
 def _run_name(store: Store, spec: str, head: Step) -> str:
     """The run that `spec` names (RUN, RUN@N, RUN~K), else the head step's id."""
     name = spec.split("@", 1)[0].split("~", 1)[0]
-    names = {info.name for info in store.runs()}
-    return name if name in names else head.id
+    return name if store.has_run(name) else head.id
 
 
 def _span(step: Step, trace: str, parent: str, run: str, include_content: bool) -> dict[str, Any]:

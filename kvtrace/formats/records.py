@@ -102,7 +102,7 @@ def record(store: Store, run: str, records: Sequence[Record], *,
 
 def run_info(store: Store, run: str) -> RunInfo:
     """The run `run` as `Store.runs` describes it."""
-    return next(info for info in store.runs() if info.name == run)
+    return store.run_info(run)
 
 
 def record_into(store: Store, run: str, records: Sequence[Record], *,

@@ -134,12 +134,11 @@ def branch_out(
 
 
 def _free_names(store: Store, base: str, n: int) -> list[str]:
-    taken = {info.name for info in store.runs()}
     names: list[str] = []
     number = 1
     while len(names) < n:
         name = f"{base}-{number}"
-        if name not in taken:
+        if not store.has_run(name):
             names.append(name)
         number += 1
     return names

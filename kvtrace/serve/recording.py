@@ -194,9 +194,8 @@ def paused_error(run: str, *, is_answered: bool = False) -> APIError:
 def new_run_name(store: Store | None, prefix: str = "serve") -> str:
     """A run name no run has yet: PREFIX-YYYYMMDD-HHMMSS (UTC), with -N appended if taken."""
     base = f"{prefix}-" + datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
-    taken = {info.name for info in store.runs()} if store is not None else set()
     name, number = base, 1
-    while name in taken:
+    while store is not None and store.has_run(name):
         number += 1
         name = f"{base}-{number}"
     return name

@@ -289,8 +289,56 @@ def insert_ignore(
     conn: Connection, table: sa.Table, rows: Sequence[Mapping[str, Any]], key: str
 ) -> None:
     """Insert rows, skipping those whose `key` already exists (content-addressed dedup)."""
-    if rows:
+    if rows and conn.dialect.name != "postgresql":
         _insert_ignore_statement(table, key).execute_many(conn, rows)
+    elif rows:
+        _insert_unnested(conn, table, rows, key)
+
+
+def insert_rows(conn: Connection, table: sa.Table, rows: Sequence[Mapping[str, Any]]) -> None:
+    """Insert rows, in order (each row gives every column it sets, all rows the same ones)."""
+    if rows and conn.dialect.name != "postgresql":
+        _insert_statement(table, tuple(rows[0])).execute_many(conn, rows)
+    elif rows:
+        _insert_unnested(conn, table, rows, None)
+
+
+def _insert_unnested(
+    conn: Connection, table: sa.Table, rows: Sequence[Mapping[str, Any]], key: str | None
+) -> None:
+    """PostgreSQL: the rows in one statement, as one array per column (`unnest`), in order.
+
+    psycopg's executemany runs a pipeline that waits on the server several
+    times (1.9 ms for an append's two or three blobs, against 0.5 ms for one
+    statement); SQLite's executemany stays in the process and needs no such thing.
+    """
+    columns = tuple(rows[0])
+    for start in range(0, len(rows), _UNNEST_ROWS):
+        part = rows[start:start + _UNNEST_ROWS]
+        _unnest_statement(table, columns, key).execute(
+            conn, {column: [row[column] for row in part] for column in columns})
+
+
+_UNNEST_ROWS = 1000  # rows per statement: a bundle's thousands of blobs go in a few
+
+
+@functools.cache
+def _unnest_statement(table: sa.Table, columns: tuple[str, ...], key: str | None) -> Prepared:
+    """INSERT ... SELECT FROM unnest(one array per column) [ON CONFLICT (key) DO NOTHING]."""
+    dialect = postgresql.dialect()
+    arrays = ", ".join(
+        f"CAST(:{column} AS {table.c[column].type.compile(dialect=dialect)}[])"
+        for column in columns)
+    conflict = f" ON CONFLICT ({key}) DO NOTHING" if key else ""
+    return Prepared(postgresql=sa.text(
+        f"INSERT INTO {table.name} ({', '.join(columns)}) SELECT * FROM unnest({arrays})"
+        + conflict))
+
+
+@functools.cache
+def _insert_statement(table: sa.Table, columns: tuple[str, ...]) -> Prepared:
+    return Prepared(
+        sa.insert(table).values({column: sa.bindparam(column) for column in columns}).inline())
 
 
 @functools.cache

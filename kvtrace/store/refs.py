@@ -19,6 +19,10 @@ On PostgreSQL every reflog entry also sends ``NOTIFY kvtrace_refs`` with the
 ref's name (delivered on commit), which `Store.watch` listens for instead of
 polling.
 
+A batch's appends move their run once, when the batch has done its work
+(deferred.py): `move_refs` swaps the head from where the batch found it to
+where the appends left it and writes their reflog rows together.
+
 The statements an append runs are `Prepared` (backend.py): built once here,
 run by the driver.
 """
@@ -26,13 +30,14 @@ run by the driver.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
 from kvtrace.errors import ConflictError, RunPausedError, UsageError
-from kvtrace.store.backend import Prepared
+from kvtrace.store.backend import Prepared, insert_rows
 from kvtrace.store.schema import PAUSE_CONDITION, reflog, refs
 
 REASONS = ("create", "append", "fork", "revert", "reset", "import", "pause", "resume")
@@ -93,20 +98,58 @@ def move_ref(
     An append to a paused run raises RunPausedError (a ConflictError); the
     caller's transaction then writes nothing.
     """
+    _swap(conn, name, old, new, is_append=reason == "append")
+    _log(conn, name, old, new, reason, message, time.time())
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    """One move of a ref, as its reflog row records it."""
+
+    ref: str
+    old_head: str | None
+    new_head: str | None
+    reason: str
+    message: str
+    created_at: float
+
+
+def move_refs(
+    conn: Connection, name: str, first: str | None, last: str | None, appends: list[Move]
+) -> None:
+    """Swap ref `name` from `first` to `last` once for the appends `appends` (each from
+    the head the one before left), and write their reflog rows in one statement.
+
+    ConflictError if the ref is not at `first`, RunPausedError if the run is paused:
+    the caller's transaction then writes nothing.
+    """
+    if any(move.reason != "append" or move.ref != name for move in appends):
+        raise ValueError("move_refs takes the appends of one ref")
+    _swap(conn, name, first, last, is_append=True)
+    insert_rows(conn, reflog, [
+        {"ref": move.ref, "old_head": move.old_head, "new_head": move.new_head,
+         "reason": move.reason, "message": move.message, "created_at": move.created_at}
+        for move in appends])
+    if conn.dialect.name == "postgresql":
+        _NOTIFY.first(conn, {"ref_name": name})
+
+
+def _swap(conn: Connection, name: str, old: str | None, new: str | None, *,
+          is_append: bool) -> None:
+    """The compare-and-swap of a ref, and for an append the paused-run check."""
     if _SWAP.execute(conn, {"ref_name": name, "old_head": old, "new_head": new}) != 1:
         current = conn.execute(sa.select(refs.c.head).where(refs.c.name == name)).scalar()
         raise ConflictError(
             f"run {name!r} moved to {str(current)[:12]} while this writer expected "
             f"{str(old)[:12]}: reload the run (Store.run) and try again"
         )
-    if reason == "append":
+    if is_append:
         pause = pause_entry(conn, name)
         if pause is not None:
             raise RunPausedError(
                 f"run {name!r} is paused ({pause}): wait for a resume (Store.resume), "
                 "then reload the run and go on"
             )
-    _log(conn, name, old, new, reason, message, time.time())
 
 
 def pause_entry(conn: Connection, name: str) -> str | None:

@@ -22,7 +22,7 @@ from sqlalchemy import (
 )
 
 # The revision the code expects; a test checks it is the migrations' head.
-SCHEMA_REVISION = "0005_blob_codecs"
+SCHEMA_REVISION = "0006_refs_head_index"
 APPEND_ONLY_TABLES = ("blobs", "steps", "reflog", "notes")
 PAUSE_REASONS = ("pause", "resume")  # the reflog entries that decide whether a run is paused
 # The condition of the partial index on those entries, as SQL: a query uses the
@@ -60,6 +60,7 @@ refs = Table(
     Column("name", String(200), primary_key=True),
     Column("head", String(64), nullable=True),
     Column("created_at", Float, nullable=False),
+    Index("ix_refs_head", "head"),  # the runs at a step (log --graph), see migration 0006
 )
 
 reflog = Table(

@@ -26,6 +26,7 @@ from sqlalchemy.engine import Connection, Engine
 
 from kvtrace.errors import (
     ConflictError,
+    RunNotFoundError,
     StepNotFoundError,
     UsageError,
 )
@@ -40,6 +41,7 @@ from kvtrace.store.backend import (
     write_transaction,
     writer,
 )
+from kvtrace.store.deferred import DeferredMoves
 from kvtrace.store.kinds import EDIT_OF, MEASUREMENTS, ModelCall, StepKind
 from kvtrace.store.names import normalize_run_name, validate_run_name
 from kvtrace.store.records import (
@@ -90,7 +92,8 @@ class Store:
         # Resolved list fields by (step id, field): steps never change, so this is
         # always right; a model call finds the history it extends here.
         self._lists: dict[store_lists.ListKey, store_lists.Resolved] = {}
-        self._batch: tuple[int, Connection] | None = None  # (thread, its transaction)
+        # (thread, its transaction, its appends' ref moves waiting for the batch's end)
+        self._batch: tuple[int, Connection, DeferredMoves] | None = None
         # SQLite: one connection held for writes (see _write), and the lock
         # that gives it to one thread at a time.
         self._held: Connection | None = None
@@ -132,19 +135,34 @@ class Store:
         nest, and a batch belongs to the thread that opened it. Inside a batch,
         write through `Run` objects (which remember their head): reads open
         their own transaction and do not see the batch's writes until it ends.
+
+        Appends move their run once, when the batch's work is done
+        (deferred.py): a run moved by another writer meanwhile, or paused,
+        fails the batch then (ConflictError, RunPausedError), writing nothing.
         """
         if self._batch is not None:
             raise UsageError("store batches do not nest")
         with write_transaction(self._writer) as conn:
-            self._batch = (threading.get_ident(), conn)
+            moves = DeferredMoves()
+            self._batch = (threading.get_ident(), conn, moves)
             try:
                 yield
+                moves.flush(conn)
             finally:
                 self._batch = None
 
+    def _batch_moves(self) -> DeferredMoves | None:
+        """The waiting ref moves of the batch this thread opened, if it opened one."""
+        batch = self._batch
+        return batch[2] if batch is not None and batch[0] == threading.get_ident() else None
+
     @contextmanager
-    def _write(self) -> Iterator[Connection]:
+    def _write(self, *, flush: bool = True) -> Iterator[Connection]:
         """The batch's transaction in the thread that opened it, else a new write transaction.
+
+        In a batch, the appends' waiting ref moves are made first (unless
+        `flush` is False: an append that adds its own), so that a fork, a
+        revert or a new run sees the heads they left.
 
         Other threads never write through a batch: they wait for the database's
         write lock (SQLite) or row locks (PostgreSQL) as with any writer.
@@ -157,6 +175,8 @@ class Store:
         """
         batch = self._batch
         if batch is not None and batch[0] == threading.get_ident():
+            if flush:
+                batch[2].flush(batch[1])
             yield batch[1]
             return
         if self._engine.dialect.name != "sqlite":
@@ -198,15 +218,50 @@ class Store:
         except ConflictError:  # another writer created it since our read: continue it
             return Run(self, name, self.head(name))
 
-    def runs(self) -> list[RunInfo]:
-        """Every run, by name."""
+    def runs(
+        self, *, limit: int | None = None, after: str | None = None, prefix: str | None = None
+    ) -> list[RunInfo]:
+        """Runs by name: every run, or a page of at most `limit` whose names sort after
+        `after` (the last name of the previous page), or those whose names start with `prefix`.
+
+        A page reads `limit` rows of the name index, however many runs the
+        store holds (names sort as the database sorts them).
+        """
+        limit = validation.check_limit(limit)
+        query = (
+            sa.select(refs.c.name, refs.c.head, refs.c.created_at, steps.c.depth)
+            .select_from(refs.outerjoin(steps, steps.c.id == refs.c.head))
+            .order_by(refs.c.name)
+        )
+        if after is not None:
+            query = query.where(refs.c.name > normalize_run_name(after))
+        if prefix is not None:  # exact on every collation; a scan of the names, not of steps
+            prefix = normalize_run_name(prefix)
+            query = query.where(sa.func.substr(refs.c.name, 1, len(prefix)) == prefix)
+        if limit is not None:
+            query = query.limit(limit)
         with read_transaction(self._reader) as conn:
-            rows = conn.execute(
+            rows = conn.execute(query).all()
+        return [RunInfo(r.name, r.head, r.depth or 0, r.created_at) for r in rows]
+
+    def run_info(self, name: str) -> RunInfo:
+        """Run `name` as `runs` lists it (RunNotFoundError if there is none): one row."""
+        name = normalize_run_name(name)
+        with read_transaction(self._reader) as conn:
+            row = conn.execute(
                 sa.select(refs.c.name, refs.c.head, refs.c.created_at, steps.c.depth)
                 .select_from(refs.outerjoin(steps, steps.c.id == refs.c.head))
-                .order_by(refs.c.name)
-            ).all()
-        return [RunInfo(r.name, r.head, r.depth or 0, r.created_at) for r in rows]
+                .where(refs.c.name == name)
+            ).first()
+        if row is None:
+            raise RunNotFoundError(f"no run named {name!r} (see `kvtrace runs`)")
+        return RunInfo(row.name, row.head, row.depth or 0, row.created_at)
+
+    def has_run(self, name: str) -> bool:
+        """Whether a run is named `name` (an empty run counts): one row of the name index."""
+        name = normalize_run_name(name)
+        with read_transaction(self._reader) as conn:
+            return resolve.ref_row(conn, name) is not None
 
     def head(self, name: str) -> Step | None:
         """The head step of run `name` (None for an empty run)."""
@@ -461,10 +516,12 @@ class Store:
             move_ref(conn, name, head_id, target, reason="reset", message=f"undo {last.reason}")
             return history.load_steps(conn, [target], self._lists)[0] if target else None
 
-    def reflog(self, name: str | None = None) -> list[ReflogEntry]:
+    def reflog(self, name: str | None = None, *, limit: int | None = None) -> list[ReflogEntry]:
         """Every move of run `name`, newest first; without a name, of every run ever,
-        including runs whose ref was deleted behind kvtrace's back."""
-        query = sa.select(reflog).order_by(reflog.c.id.desc())
+        including runs whose ref was deleted behind kvtrace's back. With `limit`, the
+        newest `limit` moves (`limit=1`: the last move, one index probe)."""
+        limit = validation.check_limit(limit)
+        query = sa.select(reflog).order_by(reflog.c.id.desc()).limit(limit)
         with read_transaction(self._reader) as conn:
             if name is not None:
                 name = normalize_run_name(name)
@@ -651,7 +708,8 @@ class Store:
         parent_id = parent.id if parent else None
         depth = parent.depth + 1 if parent else 1
         now = time.time()
-        with self._write() as conn:
+        deferred = self._batch_moves() if new_run is None else None
+        with self._write(flush=deferred is None) as conn:
             entries: dict[str, dict[str, Any]] = {}
             resolutions: dict[str, store_lists.Resolved] = {}
             blob_rows = {addresses[key]: value for key, value in data.items()}
@@ -699,6 +757,8 @@ class Store:
             )
             if new_run is not None:
                 create_ref(conn, name, step_id, reason="fork", message=new_run)
+            elif deferred is not None:  # moved when the batch is done (deferred.py)
+                deferred.append(name, parent_id, step_id, kind)
             else:
                 move_ref(conn, name, parent_id, step_id, reason="append", message=kind)
         if len(self._known) >= _MAX_KNOWN or len(self._lists) >= _MAX_LISTS:

@@ -13,15 +13,29 @@ from kvtrace.store import history
 from kvtrace.store.records import Divergence, GraphRow
 from kvtrace.store.schema import refs, steps
 
-# Naming the runs that leave a chain costs ~log2(chain length) ancestor
-# queries per run off the chain; past this many such runs they go unnamed.
+# The runs taking the branches that leave a chain are found by walking down
+# from each branch; past this many steps below them, or this many runs, they
+# go unnamed (the branches are still counted).
+MAX_STEPS_BELOW = 20_000
 MAX_RUNS_TO_NAME = 200
 
 
 def graph_rows(conn: Connection, chain: list[str]) -> list[GraphRow]:
-    """Each step of `chain`, the runs whose head it is, and the branches (and runs) leaving it."""
+    """Each step of `chain`, the runs whose head it is, and the branches (and runs) leaving it.
+
+    Reads only what the chain reaches: the refs whose head is on it
+    (`ix_refs_head`), the steps whose parent is on it (`ix_steps_parent_id`)
+    and the steps below those, never every run of the store.
+    """
+    heads: dict[str, list[str]] = {}
+    for part in history.chunks(chain):
+        for name, head in conn.execute(
+            sa.select(refs.c.name, refs.c.head).where(refs.c.head.in_(part))
+        ):
+            heads.setdefault(head, []).append(name)
+    leaving, num_branches = _leaving(conn, chain)
     loaded = history.load_steps(conn, chain)
-    heads, num_branches, runs = _branches(conn, {step.id: step.depth for step in loaded})
+    runs = _runs_taking(conn, leaving)
     return [
         GraphRow(
             step,
@@ -39,71 +53,65 @@ def forks(conn: Connection, chain: list[str]) -> list[tuple[str, int]]:
     What `graph_rows` tells of branches, without reading any step's content:
     a long run's report needs the forks, not a second copy of every step.
     """
+    leaving, _ = _leaving(conn, chain)
+    runs = _runs_taking(conn, leaving) or {}
     depth: dict[str, int] = {}
-    for part in history.chunks(chain):
+    for part in history.chunks(list(runs)):
         depth.update(conn.execute(
-            sa.select(steps.c.id, steps.c.depth).where(steps.c.id.in_(part))).all())
-    _, _, runs = _branches(conn, depth)
-    return sorted(((run, depth[step_id]) for step_id, names in (runs or {}).items()
-                   for run in names), key=lambda fork: (fork[1], fork[0]))
+            sa.select(steps.c.id, steps.c.depth).where(steps.c.id.in_(part))).tuples().all())
+    return sorted(((run, depth[step_id]) for step_id, names in runs.items() for run in names),
+                  key=lambda fork: (fork[1], fork[0]))
 
 
-def _branches(
-    conn: Connection, depth: dict[str, int]
-) -> tuple[dict[str, list[str]], dict[str, int], dict[str, list[str]] | None]:
-    """For a chain (its steps' depths): the runs headed at each step, the number of
-    branches leaving each, and the runs taking them (None: too many to name)."""
-    heads: dict[str, list[str]] = {}
-    head_depth: dict[str, int] = {}
-    for name, head, head_at in conn.execute(
-        sa.select(refs.c.name, refs.c.head, steps.c.depth).join(steps, steps.c.id == refs.c.head)
-    ):
-        heads.setdefault(head, []).append(name)
-        head_depth[head] = head_at
+def _leaving(conn: Connection, chain: list[str]) -> tuple[dict[str, str], dict[str, int]]:
+    """The steps off `chain` whose parent is on it (each mapped to that parent), and the
+    number of such branches at each chain step; read through `ix_steps_parent_id`."""
+    on_chain = set(chain)
     leaving: dict[str, str] = {}  # child off the chain -> the chain step it leaves
     num_branches: dict[str, int] = {}
-    for part in history.chunks(list(depth)):
+    for part in history.chunks(chain):
         for parent, child in conn.execute(
             sa.select(steps.c.parent_id, steps.c.id).where(steps.c.parent_id.in_(part))
         ):
-            if child not in depth:
+            if child not in on_chain:
                 leaving[child] = parent
                 num_branches[parent] = num_branches.get(parent, 0) + 1
-    off_chain = {head: d for head, d in head_depth.items() if head not in depth}
-    return heads, num_branches, _runs_taking(conn, depth, leaving, off_chain, heads)
+    return leaving, num_branches
 
 
-def _runs_taking(
-    conn: Connection, chain_depth: dict[str, int], leaving: dict[str, str],
-    off_chain: dict[str, int], heads: dict[str, list[str]],
-) -> dict[str, list[str]] | None:
-    """For each chain step with branches, the runs (headed off the chain) that take one.
+def _runs_taking(conn: Connection, leaving: dict[str, str]) -> dict[str, list[str]] | None:
+    """For each chain step with branches, the runs that take one: those whose head is at or
+    below a branch's first step (`leaving` maps it to the chain step it leaves).
 
-    `off_chain` maps each head off the chain to its depth. A head's ancestors
-    lie on the chain up to the depth where it leaves, and off it after, so
-    that depth is found by bisection. None when there are too many runs to
-    name.
+    The steps below the branches are walked down the parent index; None when
+    there are more than MAX_STEPS_BELOW of them or more than MAX_RUNS_TO_NAME runs.
     """
     if not leaving:
         return {}
-    if sum(len(heads[head]) for head in off_chain) > MAX_RUNS_TO_NAME:
-        return None
-    lowest, highest = min(chain_depth.values()), max(chain_depth.values())
+    below: dict[str, str] = {}  # a step at or below a branch -> the chain step it leaves
+    for part in history.chunks(list(leaving)):
+        walk = (
+            sa.select(steps.c.id, steps.c.id.label("branch"))
+            .where(steps.c.id.in_(part))
+            .cte("below", recursive=True)
+        )
+        walk = walk.union_all(
+            sa.select(steps.c.id, walk.c.branch).join(walk, steps.c.parent_id == walk.c.id)
+        )
+        budget = MAX_STEPS_BELOW - len(below) + 1  # one more tells that there are too many
+        for step_id, branch in conn.execute(sa.select(walk.c.id, walk.c.branch).limit(budget)):
+            below[step_id] = leaving[branch]
+        if len(below) > MAX_STEPS_BELOW:
+            return None
     found: dict[str, list[str]] = {}
-    for head, depth in off_chain.items():
-        if depth <= lowest or history.ancestor_at(conn, head, lowest) not in chain_depth:
-            continue  # shallower than the chain shown, or leaves it before its first step
-        on, off = lowest, min(depth, highest + 1)  # on the chain at `on`, maybe off at `off`
-        while off - on > 1:
-            middle = (on + off) // 2
-            if history.ancestor_at(conn, head, middle) in chain_depth:
-                on = middle
-            else:
-                off = middle
-        child = head if on + 1 == depth else history.ancestor_at(conn, head, on + 1)
-        if child in leaving:
-            found.setdefault(leaving[child], []).extend(heads[head])
-    return found
+    num_runs = 0
+    for part in history.chunks(list(below)):
+        for name, head in conn.execute(
+            sa.select(refs.c.name, refs.c.head).where(refs.c.head.in_(part))
+        ):
+            found.setdefault(below[head], []).append(name)
+            num_runs += 1
+    return None if num_runs > MAX_RUNS_TO_NAME else found
 
 
 def divergence(conn: Connection, chain_a: list[str], chain_b: list[str]) -> Divergence:

@@ -91,7 +91,7 @@ class RecordedPrefix:
             raise UsageError(f"{spec!r} has no steps to answer from", param="spec")
         if edit is not None:  # checked now: a bad edit fails before the agent starts
             path = [*path[:-1], _edited(path[-1], edit, tools=tools)]
-        if fork in {info.name for info in store.runs()}:
+        if store.has_run(fork):
             raise UsageError(f"run {fork!r} exists already: name the fork another way",
                              param="fork")
         self._store = store
@@ -180,9 +180,8 @@ class RecordedPrefix:
 
 def free_fork_name(store: Store, base: str) -> str:
     """`base`, or `base-2`, `base-3`... : the first name no run has."""
-    taken = {info.name for info in store.runs()}
     name, number = base, 1
-    while name in taken:
+    while store.has_run(name):
         number += 1
         name = f"{base}-{number}"
     return name

@@ -115,3 +115,19 @@ def test_a_run_paused_before_the_pause_index_stays_paused(store_url):
     store.resume("old")
     assert store.run("old").record_note("now").depth == 1
     store.close()
+
+
+def test_refs_head_index_is_built_over_the_runs_already_there(store_url):
+    old = open_store(store_url)  # runs recorded, then the index dropped: as 0005 left a store
+    old.run("main").record_tool_call("t", {}, 1)
+    old.fork("main", "side")
+    with old.engine.begin() as conn:
+        conn.execute(sa.text("DROP INDEX ix_refs_head"))
+        conn.execute(sa.text("UPDATE alembic_version SET version_num = '0005_blob_codecs'"))
+    old.close()
+    store = open_store(store_url)  # migrates 0005 -> head
+    with store.engine.connect() as conn:
+        indexes = {index["name"] for index in sa.inspect(conn).get_indexes("refs")}
+    assert "ix_refs_head" in indexes
+    assert [row.heads for row in store.graph("main")] == [["main", "side"]]
+    store.close()
