@@ -219,9 +219,9 @@ def _server(kind: str, folder: Path, *, model: str | None, cache_dir: Path, slot
             _wait_listening(url, process, folder / "server.log")
             yield url
         finally:
-            process.terminate()
+            process.terminate()  # a server still computing an abandoned request may linger
             try:
-                process.wait(timeout=30)
+                process.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
