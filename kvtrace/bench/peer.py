@@ -11,7 +11,8 @@ so it parts from the run there and goes on live.
 
 Both servers get the same requests over loopback HTTP, through the same
 client (replay's `RemoteBackend`, rebuild mode: each recorded prompt with
-`max_tokens=1`, which is what a cache changes the cost of):
+`max_tokens=1`, which is what a cache changes the cost of; a null content
+sent as "", which llama.cpp's server requires):
 
 - kvtrace: `kvtrace serve` on the local engine, a new server with an empty
   KV cache each trial (the radix tree keeps every branch);
@@ -146,6 +147,9 @@ def computed_tokens(tokenizer: Tokenizer, schedule: list[Step]) -> tuple[int, in
 
 
 def _request(messages: list[Any], step: Step | None) -> CallRequest:
+    # llama.cpp's server refuses an assistant message whose content is null (a tool call's):
+    # both sides get "" instead, the same requests.
+    messages = [m | {"content": ""} if m.get("content") is None else m for m in messages]
     return CallRequest(messages, None, SamplingParams(max_new_tokens=1),
                        model=ModelCall(step).model if step is not None else None,
                        tools=step_tools(step) if step is not None else None)

@@ -99,3 +99,17 @@ def test_replay_with_llama_cpp_as_backend_reports_cached_tokens_as_unknown(
     report = json.loads(out)
     assert len(report["steps"]) == 2
     assert all(step["reused_tokens"] is None for step in report["steps"])
+
+
+def test_bench_fork_peer_replays_a_run_and_its_forks_through_kvtrace_and_llama_cpp(
+    home, llama_server
+):
+    from kvtrace.bench.peer import run_peer_bench
+
+    figures = run_peer_bench(llama_server, peer_model="smollm2", calls=4, fork_steps=(1, 2),
+                             trials=1)
+    assert figures["requests"] == 3 * 4
+    assert figures["forks"] == {"fork-1": {"served": 1, "first_live_step": 2},
+                                "fork-2": {"served": 2, "first_live_step": 3}}
+    assert figures["prompt_tokens"]["peer"] > 0 and figures["prompt_tokens"]["kvtrace"] > 0
+    assert figures["computed_tokens"]["radix_tree"] < figures["computed_tokens"]["single_slot"]
