@@ -64,6 +64,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--other-mib", type=int, default=16,
                         help="RSS growth allowed besides the KV memory tier (SQLite's page "
                         "cache, allocator arenas of the threads, Python objects)")
+    parser.add_argument("--probe-memory", metavar="OUT", type=Path,
+                        help="write the server's memory samples to OUT (bench/soak_memory.py)")
+    parser.add_argument("--probe-every", type=float, default=30.0,
+                        help="seconds between memory samples (with --probe-memory)")
+    parser.add_argument("--tracemalloc", type=int, default=0, metavar="FRAMES",
+                        help="trace Python allocations with FRAMES frames and dump a snapshot "
+                        "at each sample (with --probe-memory; slows the server)")
     parser.add_argument("--serve", metavar="FOLDER", help=argparse.SUPPRESS)  # the child
     args = parser.parse_args(argv)
     if args.serve:
@@ -97,9 +104,20 @@ def _serve(folder: Path, args: argparse.Namespace) -> int:
     with open_store(f"sqlite:///{folder / 'store.db'}") as store:
         server = make_server(backend=LocalBackend(engine, cache), store=store, run=RUN,
                              max_queue=max(16, args.clients))
+        probe = None
+        if args.probe_memory:
+            from soak_memory import Probe  # beside this file
+
+            probe = Probe(args.probe_memory, every_s=args.probe_every, frames=args.tracemalloc,
+                          store=store, cache=cache)
         with BackgroundServer(server.app) as running:
             print(json.dumps({"url": running.url, "model": engine.name}), flush=True)
+            if probe is not None:
+                sys.stdin.readline()  # the warm-up request was answered: sampling starts
+                probe.start()
             sys.stdin.read()  # the parent closes it to stop us
+            if probe is not None:
+                probe.finish()
     return 0
 
 
@@ -257,6 +275,9 @@ def soak(folder: Path, args: argparse.Namespace) -> dict[str, Any]:
                "--memory-mib", str(args.memory_mib), "--disk-mib", str(args.disk_mib)]
     if args.model:
         command += ["--model", args.model]
+    if args.probe_memory:
+        command += ["--probe-memory", str(args.probe_memory.resolve()), "--probe-every",
+                    str(args.probe_every), "--tracemalloc", str(args.tracemalloc)]
     child = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
                              text=True)
     try:
@@ -270,6 +291,9 @@ def soak(folder: Path, args: argparse.Namespace) -> dict[str, Any]:
         with httpx.Client(base_url=started["url"], timeout=120) as http:
             clients._plain(http, -1, 0)  # warm-up: torch's first allocations are not growth
         clients.delivered.add(tag(-1, 0))
+        if args.probe_memory:
+            child.stdin.write("warm\n")
+            child.stdin.flush()
         rss_start = _rss_bytes(child.pid)
         rss_peak = rss_start
         sampling = threading.Event()
