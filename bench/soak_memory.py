@@ -128,6 +128,84 @@ class Probe:
             self.sample()
 
 
+# -- the soak's RSS budget ------------------------------------------------------------------
+
+# What the server may keep besides the KV tensors the memory tier's budget counts, measured
+# on the tiny model (docs/reliability.md, "The soak's RSS budget"): each node of the tier
+# costs ~0.8-1.1 KiB of malloc (two tensors' structures) and ~1.1 KiB of Python objects
+# for 15 tokens (the node, its children dict, its token tuple and the ints in it); each
+# step the store's caches hold costs ~0.7-0.8 KiB (its id, its parent and skip pointers,
+# its resolved list and the addresses new in it) plus a tuple slot per list item.
+TIER_NODE_BYTES = 1024
+TIER_TOKEN_BYTES = 80
+STORE_STEP_BYTES = 1024
+STORE_ITEM_BYTES = 8
+
+
+def server_state(store: Any, cache: Any) -> dict[str, int]:
+    """What the server holds that its RSS budget counts (printed by the soak's server)."""
+    stats = cache.memory_stats()
+    return {"tier_nodes": stats.num_entries, "tier_tokens": stats.num_tokens,
+            "tier_bytes": stats.num_bytes, "store_steps": len(store._known),
+            "store_lists": len(store._lists), "store_list_items": store._lists.num_items}
+
+
+def rss_budget(memory_mib: int, other_mib: int, state: dict[str, int]) -> dict[str, float]:
+    """The RSS growth the soak allows, in MiB, part by part (module constants).
+
+    The memory tier's KV tensors up to its budget; the tier's own objects for
+    what it holds at the end (bounded by the budget too: at most budget /
+    KV bytes per token tokens); the store's caches for the steps they hold
+    (the recorded run grows all soak long; the caches are emptied at 20,000
+    steps); `other_mib` for the rest (SQLite's page cache, allocator slack).
+    """
+    tier = state["tier_nodes"] * TIER_NODE_BYTES + state["tier_tokens"] * TIER_TOKEN_BYTES
+    store = (state["store_steps"] * STORE_STEP_BYTES
+             + state["store_list_items"] * STORE_ITEM_BYTES)
+    parts = {"kv_memory_tier": float(memory_mib), "tier_objects": tier / _MIB,
+             "store_caches": store / _MIB, "other": float(other_mib)}
+    return {**{k: round(v, 1) for k, v in parts.items()}, "total": round(sum(parts.values()), 1)}
+
+
+def pid_rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for process {pid}")
+
+
+class RssSampler:
+    """RSS of another process every half second on a thread: its peak, and one value
+    every `every_s` seconds (how the growth goes over the run: does it level off?)."""
+
+    def __init__(self, pid: int, every_s: float = 10.0) -> None:
+        self.pid, self.every_s = pid, every_s
+        self.start = self.peak = pid_rss_bytes(pid)
+        self.series = [self.start]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def __enter__(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.end = pid_rss_bytes(self.pid)
+        self.series.append(self.end)
+
+    def _sample(self) -> None:
+        last = time.monotonic()
+        while not self._stop.wait(0.5):
+            rss = pid_rss_bytes(self.pid)
+            self.peak = max(self.peak, rss)
+            if time.monotonic() - last >= self.every_s:
+                self.series.append(rss)
+                last = time.monotonic()
+
+
 # -- reading the samples ----------------------------------------------------------------------
 
 
