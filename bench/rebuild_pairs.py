@@ -4,7 +4,11 @@ Why: on a shared 2-core machine one trial can run 25 % slower than the next,
 so the fastest of two rebuilds over the fastest of two bounds (what `kvtrace
 bench replay` reports) moves by more than the 1.15 target's margin. Here
 each rebuild runs right before its bound, and the ratio of each pair and
-their median are printed, with each rebuild's peak RSS and how much it grew.
+their median are printed, with each rebuild's peak RSS and how much it grew,
+and where each one's wall time went (kvtrace/bench/clock.py: this process's
+CPU time and context switches, the CPU time of everything else on the
+machine, the load): a slow trial whose CPU time is the fast ones' waited
+for a core; one whose CPU time grew did more work, or worked slower.
 
 Usage: .venv/bin/python bench/rebuild_pairs.py [PAIRS]   (default 4; needs the
 agent fixture, which `kvtrace bench replay --shape agent` records once).
@@ -19,6 +23,7 @@ import tempfile
 from pathlib import Path
 
 from kvtrace.bench.agent import AGENT_RECIPE, NUM_CALLS
+from kvtrace.bench.clock import TrialClock
 from kvtrace.bench.replay import lower_bound_seconds
 from kvtrace.bench.rss import PeakRss, runtime_rss_mb
 from kvtrace.engine import KVCache, load_engine, prefill
@@ -42,10 +47,11 @@ def main(pairs: int) -> dict[str, object]:
     for _ in range(pairs):
         with tempfile.TemporaryDirectory(prefix="kvtrace-pairs-") as tmp:
             cache = KVCache(engine, disk_dir=Path(tmp) / "kv")
-            with PeakRss() as peak:
+            with PeakRss() as peak, TrialClock() as rebuild_clock:
                 report = replay(store, name, LocalBackend(engine, cache), mode="rebuild")
             del cache
-        bound, _ = lower_bound_seconds(store, name, engine, decode=False)
+        with TrialClock() as bound_clock:
+            bound, _ = lower_bound_seconds(store, name, engine, decode=False)
         rows.append({
             "rebuild_s": round(report.wall_s, 3),
             "feed_bound_s": round(bound, 3),
@@ -53,6 +59,8 @@ def main(pairs: int) -> dict[str, object]:
             "peak_rss_mb": round(peak.mb, 1),
             "rss_growth_mb": round(peak.mb - peak.start_mb, 1),
             "peak_over_resident_mb": round(peak.mb - resident, 1),
+            "rebuild_clock": rebuild_clock.figures(),
+            "bound_clock": bound_clock.figures(),
         })
     store.close()
     return {

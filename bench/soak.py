@@ -12,9 +12,11 @@ reused; it starts again past 24 messages), and two kinds of clients that
 leave: one that gives up on a long answer after 0.3 s (a client timeout)
 and one that drops a stream after its first event. It prints one JSON
 object: requests served and errors (target 0), p50/p95 latency, the
-server's RSS after a warm-up request and at the end against the memory
-tier's budget (plus --other-mib for the rest of the process), the disk
-tier's size against its budget, and the store's fsck after the server
+server's RSS after a warm-up request, every T/12 seconds and at the end,
+its growth against a budget of what the server may rightly keep
+(soak_memory.py's `rss_budget`: the memory tier's KV, the tier's own
+objects, the store's caches of the recorded run, plus --other-mib), the
+disk tier's size against its budget, and the store's fsck after the server
 stopped, with what was recorded checked request by request (each request's
 last message carries a tag): every answer a client received recorded once,
 complete; no answer a client gave up on recorded as complete; a dropped
@@ -39,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from soak_memory import Probe, RssSampler, rss_budget, server_state  # beside this file
 
 RUN = "soak"
 MAX_TOKENS = 12
@@ -62,8 +65,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory-mib", type=int, default=64, help="KV memory tier budget")
     parser.add_argument("--disk-mib", type=int, default=256, help="KV disk tier budget")
     parser.add_argument("--other-mib", type=int, default=16,
-                        help="RSS growth allowed besides the KV memory tier (SQLite's page "
-                        "cache, allocator arenas of the threads, Python objects)")
+                        help="RSS growth allowed besides the KV memory tier, its objects and "
+                        "the store's caches (SQLite's page cache, the allocator's slack)")
+    parser.add_argument("--probe-memory", metavar="OUT", type=Path,
+                        help="write the server's memory samples to OUT (bench/soak_memory.py)")
+    parser.add_argument("--probe-every", type=float, default=30.0,
+                        help="seconds between memory samples (with --probe-memory)")
+    parser.add_argument("--tracemalloc", type=int, default=0, metavar="FRAMES",
+                        help="trace Python allocations with FRAMES frames and dump a snapshot "
+                        "at each sample (with --probe-memory; slows the server)")
     parser.add_argument("--serve", metavar="FOLDER", help=argparse.SUPPRESS)  # the child
     args = parser.parse_args(argv)
     if args.serve:
@@ -97,18 +107,20 @@ def _serve(folder: Path, args: argparse.Namespace) -> int:
     with open_store(f"sqlite:///{folder / 'store.db'}") as store:
         server = make_server(backend=LocalBackend(engine, cache), store=store, run=RUN,
                              max_queue=max(16, args.clients))
+        probe = None
+        if args.probe_memory:
+            probe = Probe(args.probe_memory, every_s=args.probe_every, frames=args.tracemalloc,
+                          store=store, cache=cache)
         with BackgroundServer(server.app) as running:
             print(json.dumps({"url": running.url, "model": engine.name}), flush=True)
+            sys.stdin.readline()  # the warm-up request was answered
+            if probe is not None:
+                probe.start()
             sys.stdin.read()  # the parent closes it to stop us
+            if probe is not None:
+                probe.finish()
+            print(json.dumps(server_state(store, cache)), flush=True)
     return 0
-
-
-def _rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmRSS for process {pid}")
 
 
 def _folder_bytes(folder: Path) -> int:
@@ -257,6 +269,9 @@ def soak(folder: Path, args: argparse.Namespace) -> dict[str, Any]:
                "--memory-mib", str(args.memory_mib), "--disk-mib", str(args.disk_mib)]
     if args.model:
         command += ["--model", args.model]
+    if args.probe_memory:
+        command += ["--probe-memory", str(args.probe_memory.resolve()), "--probe-every",
+                    str(args.probe_every), "--tracemalloc", str(args.tracemalloc)]
     child = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
                              text=True)
     try:
@@ -270,33 +285,24 @@ def soak(folder: Path, args: argparse.Namespace) -> dict[str, Any]:
         with httpx.Client(base_url=started["url"], timeout=120) as http:
             clients._plain(http, -1, 0)  # warm-up: torch's first allocations are not growth
         clients.delivered.add(tag(-1, 0))
-        rss_start = _rss_bytes(child.pid)
-        rss_peak = rss_start
-        sampling = threading.Event()
-
-        def sample() -> None:
-            nonlocal rss_peak
-            while not sampling.wait(0.5):
-                rss_peak = max(rss_peak, _rss_bytes(child.pid))
-
-        sampler = threading.Thread(target=sample, daemon=True)
-        sampler.start()
-        began = time.monotonic()
-        clients.run(args.clients, args.seconds)
-        elapsed = time.monotonic() - began
-        health = httpx.get(started["url"].removesuffix("/v1") + "/health", timeout=120).json()
-        sampling.set()
-        sampler.join()
-        rss_end = _rss_bytes(child.pid)
+        child.stdin.write("warm\n")
+        child.stdin.flush()
+        with RssSampler(child.pid, every_s=max(1.0, args.seconds / 12)) as rss:
+            began = time.monotonic()
+            clients.run(args.clients, args.seconds)
+            elapsed = time.monotonic() - began
+            health = httpx.get(started["url"].removesuffix("/v1") + "/health",
+                               timeout=120).json()
         disk_bytes = _folder_bytes(folder / "kv")
         child.stdin.close()
+        state = json.loads(child.stdout.readline())
         code = child.wait(timeout=120)
     finally:
         if child.poll() is None:
             child.kill()
             child.wait()
-    return _report(folder, args, clients, elapsed=elapsed, code=code, rss=(rss_start, rss_end,
-                   rss_peak), disk_bytes=disk_bytes, num_cancelled=health["queue"]["cancelled"])
+    return _report(folder, args, clients, elapsed=elapsed, code=code, rss=rss, state=state,
+                   disk_bytes=disk_bytes, num_cancelled=health["queue"]["cancelled"])
 
 
 def _recorded(store: Any, clients: Clients) -> dict[str, Any]:
@@ -330,7 +336,7 @@ def _recorded(store: Any, clients: Clients) -> dict[str, Any]:
 
 
 def _report(folder: Path, args: argparse.Namespace, clients: Clients, *, elapsed: float,
-            code: int, rss: tuple[int, int, int], disk_bytes: int,
+            code: int, rss: RssSampler, state: dict[str, int], disk_bytes: int,
             num_cancelled: int) -> dict[str, Any]:
     from kvtrace import open_store
 
@@ -339,9 +345,9 @@ def _report(folder: Path, args: argparse.Namespace, clients: Clients, *, elapsed
         recorded = _recorded(store, clients)
     served = len(clients.latencies)
     latencies = sorted(clients.latencies)
-    memory_budget = args.memory_mib * 2**20
-    rss_start, rss_end, rss_peak = rss
-    is_rss_ok = rss_end - rss_start <= memory_budget + args.other_mib * 2**20
+    budget = rss_budget(args.memory_mib, args.other_mib, state)
+    growth = (rss.end - rss.start) / 2**20
+    is_rss_ok = growth <= budget["total"]
     report = {
         "command": f"bench/soak.py --clients {args.clients} --seconds {args.seconds:g}"
                    + (f" --model {args.model}" if args.model else ""),
@@ -358,10 +364,10 @@ def _report(folder: Path, args: argparse.Namespace, clients: Clients, *, elapsed
         "requests_abandoned": len(clients.abandoned), "streams_dropped": len(clients.dropped),
         "cancelled_by_the_server": num_cancelled,
         "recorded": recorded,
-        "server_rss_mib": {"start": round(rss_start / 2**20, 1), "end": round(rss_end / 2**20, 1),
-                           "peak": round(rss_peak / 2**20, 1),
-                           "growth": round((rss_end - rss_start) / 2**20, 1)},
-        "kv_memory_budget_mib": args.memory_mib, "other_growth_budget_mib": args.other_mib,
+        "server_rss_mib": {"start": round(rss.start / 2**20, 1), "end": round(rss.end / 2**20, 1),
+                           "peak": round(rss.peak / 2**20, 1), "growth": round(growth, 1),
+                           "series": [round(x / 2**20, 1) for x in rss.series]},
+        "rss_growth_budget_mib": budget, "server_state": state,
         "rss_growth_within_budget": is_rss_ok,
         "kv_disk_mib": round(disk_bytes / 2**20, 1), "kv_disk_budget_mib": args.disk_mib,
         "server_exit_code": code,

@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "kvtrace"
 
 # A layer may import itself, the shared modules, and the layers listed for it.
 SHARED = {"kvtrace.errors", "kvtrace.paths", "kvtrace.rendering", "kvtrace.numerics",
-          "kvtrace.inert"}
+          "kvtrace.inert", "kvtrace.allocator"}
 ALLOWED = {
     "store": {"store"},
     "engine": {"engine"},

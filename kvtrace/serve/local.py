@@ -28,7 +28,9 @@ request whose client leaves is cancelled (disconnect.py): the engine skips
 it if it has not started, or stops at its next decode step, and nothing is
 recorded (`/health` counts them: `queue.cancelled`). It stays counted in the
 queue until the engine has let it go, so the queue never holds more work
-than it says. Each
+than it says. The answerer fixes glibc's mmap threshold when it is made
+(allocator.py: otherwise transient tensors fragment the heap the memory
+tier's KV lives in, and RSS grows for as long as the server runs). Each
 request goes through replay's `LocalBackend`, so the prefix cache (memory
 then disk) serves every prefix an earlier request or replay computed, in
 any of the three APIs: each answer's usage reports what it reused (the
@@ -64,6 +66,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from kvtrace.allocator import steady_heap
 from kvtrace.errors import GenerationCancelledError, UsageError
 from kvtrace.replay.backend import CallRequest, SamplingParams
 from kvtrace.serve.anthropic_api import (
@@ -121,6 +124,9 @@ class LocalAnswerer:
         self._max_prompt_bytes = _max_prompt_bytes(backend.engine)
         self._preparer = ThreadPoolExecutor(1, thread_name_prefix="kvtrace-prepare")
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="kvtrace-engine")
+        # A server lives for hours: transient tensors must not fragment the heap the
+        # long-lived KV and caches share (kvtrace/allocator.py).
+        steady_heap()
 
     @property
     def model(self) -> str:

@@ -10,8 +10,12 @@ and the server's `Redactor` that writes one step, e.g. exchange.py's
 must not be recorded (a 4xx from the upstream) is sent to `DISCARD`.
 
 Store writes run on one worker thread, so the event loop never waits on the
-database: `record` waits for its write (an answer goes out once its step is
-stored; a write once asked for is made, even if the waiting is cancelled),
+database, through one `Recorder` per run, kept for the runs written last
+(`MAX_RECORDERS`): each holds its run's head step, content and all, so a
+server recording into ever new runs (one per agent session, say) must not
+keep every one; a run written again later reads its head back once.
+`record` waits for its write (an answer goes out once its step is stored; a
+write once asked for is made, even if the waiting is cancelled),
 `record_later` does not (a stream the client dropped: nobody waits for it).
 A bad run name in the header is a 400, checked before anything is read,
 answered or recorded. A run a supervisor paused is a 409
@@ -23,6 +27,7 @@ same 409 at the append, the answer not delivered.
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -39,6 +44,7 @@ if TYPE_CHECKING:
     from starlette.requests import Request
 
 RUN_HEADER = "x-kvtrace-run"
+MAX_RECORDERS = 64  # runs whose Recorder (and head step) the writer keeps (module docstring)
 StepWrite = Callable[[Recorder, Redactor], Step]
 
 
@@ -130,7 +136,7 @@ class StoreWriter:
         self._store = store
         self._redactor = redactor
         self._stats = stats
-        self._recorders: dict[str, Recorder] = {}
+        self._recorders: OrderedDict[str, Recorder] = OrderedDict()  # last written, last
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="kvtrace-store")
 
     async def check_open(self, run: str) -> None:
@@ -161,6 +167,9 @@ class StoreWriter:
         recorder = self._recorders.get(run)
         if recorder is None:
             recorder = self._recorders[run] = Recorder(self._store.run(run))
+            if len(self._recorders) > MAX_RECORDERS:
+                self._recorders.popitem(last=False)
+        self._recorders.move_to_end(run)
         step = write(recorder, self._redactor)
         self._stats.setdefault(run, RunStats()).add(step)
         return step

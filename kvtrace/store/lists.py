@@ -103,6 +103,48 @@ ListKey = tuple[str, str]
 FetchLists = Callable[[list[str]], dict[str, dict[str, Any]]]
 
 
+class ListCache(dict[ListKey, Resolved]):
+    """Resolved lists by (step id, field), bounded by the item addresses they hold.
+
+    An entry holds the addresses its step adds (`Resolved.items`; its base's
+    are the base's entry), and a list that names every item (one call in
+    `MAX_DEPTH`, or any list without a base) holds all of them, so a bound
+    on entries alone does not bound memory. `num_items` counts the addresses
+    the entries hold; `make_room` empties the cache once it holds more than
+    `max_items` slots or `max_entries` entries. It is called between
+    operations, never inside `resolve`, which reads back the entries it has
+    just put in; so the cache can pass its bounds by one operation's lists.
+    Entries are only ever set (`cache[key] = resolved`) or all cleared.
+    """
+
+    def __init__(self, *, max_entries: int, max_items: int) -> None:
+        super().__init__()
+        self.max_entries = max_entries
+        self.max_items = max_items
+        self.num_items = 0
+
+    def __setitem__(self, key: ListKey, value: Resolved) -> None:
+        previous = self.get(key)
+        if previous is not None:
+            self.num_items -= len(previous.items)
+        super().__setitem__(key, value)
+        self.num_items += len(value.items)
+
+    def clear(self) -> None:
+        super().clear()
+        self.num_items = 0
+
+    @property
+    def is_full(self) -> bool:
+        return len(self) >= self.max_entries or self.num_items >= self.max_items
+
+    def make_room(self) -> ListCache:
+        """Itself, emptied first when it is full."""
+        if self.is_full:
+            self.clear()
+        return self
+
+
 def entry_for(
     items: list[str], base: tuple[str, Resolved] | None
 ) -> tuple[dict[str, Any], Resolved]:

@@ -73,6 +73,7 @@ T = TypeVar("T")
 
 _MAX_KNOWN = 200_000
 _MAX_LISTS = 20_000  # resolved lists kept (each a tuple of its item addresses)
+_MAX_LIST_ITEMS = 1_000_000  # their item addresses, in all (8 MB of tuple slots)
 _NOTES_CHUNK = 500  # step ids per query of notes_on (bound parameters stay few)
 _LIST_BASE_SEARCH = 16  # steps back from a new step to look for its list's base
 _PAGE = 64  # steps a walk reads per query round (a page of a long run's steps in memory)
@@ -91,7 +92,9 @@ class Store:
         self._known: dict[str, tuple[str | None, int, str | None]] = {}
         # Resolved list fields by (step id, field): steps never change, so this is
         # always right; a model call finds the history it extends here.
-        self._lists: dict[store_lists.ListKey, store_lists.Resolved] = {}
+        # Bounded by entries and by the addresses they hold (lists.ListCache); every
+        # reader and writer takes it through `_lists_cache`, which keeps the bound.
+        self._lists = store_lists.ListCache(max_entries=_MAX_LISTS, max_items=_MAX_LIST_ITEMS)
         # (thread, its transaction, its appends' ref moves waiting for the batch's end)
         self._batch: tuple[int, Connection, DeferredMoves] | None = None
         # SQLite: one connection held for writes (see _write), and the lock
@@ -208,7 +211,7 @@ class Store:
         with read_transaction(self._reader) as conn:  # continuing a run needs no write lock
             row = resolve.ref_row(conn, name)
             if row is not None:
-                head = (history.load_steps(conn, [row.head], self._lists)[0]
+                head = (history.load_steps(conn, [row.head], self._lists_cache())[0]
                         if row.head else None)
                 return Run(self, name, head)
         try:
@@ -267,7 +270,7 @@ class Store:
         """The head step of run `name` (None for an empty run)."""
         with read_transaction(self._reader) as conn:
             head_id = resolve.head_id(conn, name)
-            return history.load_steps(conn, [head_id], self._lists)[0] if head_id else None
+            return history.load_steps(conn, [head_id], self._lists_cache())[0] if head_id else None
 
     # -- reading ---------------------------------------------------------------
 
@@ -279,13 +282,12 @@ class Store:
     def show(self, spec: str) -> Step:
         """The step that `spec` addresses, with its content."""
         with read_transaction(self._reader) as conn:
-            return history.load_steps(conn, [resolve.step_id(conn, spec)], self._lists)[0]
+            return history.load_steps(conn, [resolve.step_id(conn, spec)], self._lists_cache())[0]
 
-    def _lists_cache(self) -> dict[store_lists.ListKey, store_lists.Resolved]:
-        """The resolved-list cache, emptied when it grows past its bound (readers fill it)."""
-        if len(self._lists) >= _MAX_LISTS:
-            self._lists.clear()
-        return self._lists
+    def _lists_cache(self) -> store_lists.ListCache:
+        """The resolved-list cache, emptied first when it is full (readers fill it too: a
+        process that only reads, a watcher or the UI, must not hold every list it met)."""
+        return self._lists.make_room()
 
     def log(self, spec: str, *, limit: int | None = None, lists: bool = True
             ) -> Iterator[Step]:
@@ -411,7 +413,7 @@ class Store:
             step_id = resolve.step_id(conn, spec)
             message = f"fork from {spec} ({step_id[:12]})"
             create_ref(conn, new_name, step_id, reason="fork", message=message)
-            head = history.load_steps(conn, [step_id], self._lists)[0]
+            head = history.load_steps(conn, [step_id], self._lists_cache())[0]
         return Run(self, new_name, head)
 
     def _fork_edited(self, spec: str, new_name: str, edit: Mapping[str, Any]) -> Step:
@@ -420,10 +422,11 @@ class Store:
         if not isinstance(edit, Mapping) or not edit:
             raise UsageError("edit must map content fields to their new values")
         with read_transaction(self._reader) as conn:
-            original = history.load_steps(conn, [resolve.step_id(conn, spec)], self._lists)[0]
+            found = resolve.step_id(conn, spec)
+            original = history.load_steps(conn, [found], self._lists_cache())[0]
             body = json.loads(bytes(conn.execute(
                 sa.select(steps.c.body).where(steps.c.id == original.id)).scalar_one()))
-            parent = (history.load_steps(conn, [original.parent_id], self._lists)[0]
+            parent = (history.load_steps(conn, [original.parent_id], self._lists_cache())[0]
                       if original.parent_id else None)
         unknown = sorted(set(edit) - editable_fields(original))
         if unknown:
@@ -468,7 +471,7 @@ class Store:
                 )
             message = f"revert to {to} ({target[:12]})"
             move_ref(conn, name, head_id, target, reason="revert", message=message)
-            return history.load_steps(conn, [target], self._lists)[0]
+            return history.load_steps(conn, [target], self._lists_cache())[0]
 
     @retried
     def reset(self, name: str, *, to: str | None = None) -> Step:
@@ -496,7 +499,7 @@ class Store:
                 create_ref(conn, name, target, reason="reset", message=f"restore: {message}")
             else:
                 move_ref(conn, name, row.head, target, reason="reset", message=message)
-            return history.load_steps(conn, [target], self._lists)[0]
+            return history.load_steps(conn, [target], self._lists_cache())[0]
 
     @retried
     def undo(self, name: str) -> Step | None:
@@ -514,7 +517,7 @@ class Store:
                 raise UsageError(f"run {name!r} has no move to undo")
             target = last.old_head
             move_ref(conn, name, head_id, target, reason="reset", message=f"undo {last.reason}")
-            return history.load_steps(conn, [target], self._lists)[0] if target else None
+            return history.load_steps(conn, [target], self._lists_cache())[0] if target else None
 
     def reflog(self, name: str | None = None, *, limit: int | None = None) -> list[ReflogEntry]:
         """Every move of run `name`, newest first; without a name, of every run ever,
@@ -761,7 +764,7 @@ class Store:
                 deferred.append(name, parent_id, step_id, kind)
             else:
                 move_ref(conn, name, parent_id, step_id, reason="append", message=kind)
-        if len(self._known) >= _MAX_KNOWN or len(self._lists) >= _MAX_LISTS:
+        if len(self._known) >= _MAX_KNOWN or self._lists.is_full:
             self._known.clear()
             self._lists.clear()
         self._known[step_id] = (parent_id, depth, skip_id)

@@ -110,7 +110,7 @@ def _events_after(store: Store, engine: Any, name: str, cursor: int) -> list[Wat
         if not rows:
             return []
         appended = [r.new_head for r in rows if r.reason == "append" and r.new_head]
-        steps = {s.id: s for s in history.load_steps(conn, appended, store._lists)}
+        steps = {s.id: s for s in history.load_steps(conn, appended, store._lists_cache())}
         events = []
         for row in rows:
             if row.reason == "append":

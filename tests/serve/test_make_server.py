@@ -63,3 +63,22 @@ def test_an_upstream_url_must_be_http_with_its_api_prefix():
 def test_a_key_that_could_never_match_or_would_match_nothing_is_refused(options, message):
     with pytest.raises(UsageError, match=message):
         make_server(upstream="http://127.0.0.1:9/v1", **options)
+
+
+def test_a_server_recording_into_many_runs_keeps_a_writer_for_the_last_ones_only(
+    sqlite_store, canned_upstream, serve_upstream
+):
+    from kvtrace.serve.recording import MAX_RECORDERS
+
+    proxy = serve_upstream(sqlite_store, canned_upstream.url, run="default")
+    names = [f"session-{i}" for i in range(MAX_RECORDERS + 20)] + ["session-0"]
+    with httpx.Client(base_url=proxy.url) as client:
+        for name in names:  # one agent session per run, as X-Kvtrace-Run names them
+            answer = client.post("/chat/completions", headers={"X-Kvtrace-Run": name},
+                                 json={"model": "canned-model", "messages": QUESTION})
+            assert answer.status_code == 200
+    kept = proxy.server.recording._writer._recorders
+    assert len(kept) == MAX_RECORDERS and list(kept)[-1] == "session-0"
+    # each run holds its steps, the one written again after its writer was let go too
+    assert [len(sqlite_store.path(name)) for name in ("session-0", names[-2])] == [2, 1]
+    assert proxy.server.stats["session-0"].calls == 2
