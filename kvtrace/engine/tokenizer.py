@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtrace.engine.folders import OnConvert, cache_root, tokenizer_folder
+from kvtrace.engine.segments import encoder_for
 from kvtrace.errors import ModelNotFoundError, UsageError
 from kvtrace.rendering import chat_messages, template_supports_tools
 
@@ -46,19 +47,24 @@ class ChatTemplating:
 
         rendered, rendered_tools = chat_messages(messages, tools, native=self.supports_tools)
         try:
-            encoded = self.tokenizer.apply_chat_template(
+            text = self.tokenizer.apply_chat_template(
                 rendered,
                 tools=rendered_tools,
                 add_generation_prompt=add_generation_prompt,
-                tokenize=True,
-                return_dict=True,
+                tokenize=False,
             )
         except (ValueError, TypeError, KeyError, TemplateError) as exc:
             reason = " ".join(str(exc).split())
             raise UsageError(
                 f"cannot render these messages with the chat template: {reason}"
             ) from exc
-        return [int(t) for t in encoded["input_ids"]]
+        # What apply_chat_template(tokenize=True) does with the text, a piece at a
+        # time where the tokenizer allows (segments.py): a growing conversation's
+        # earlier messages are not encoded again on every call.
+        encoder = encoder_for(self.tokenizer)
+        if encoder is not None:
+            return encoder.encode(text)
+        return [int(t) for t in self.tokenizer(text, add_special_tokens=False)["input_ids"]]
 
     def encode(self, text: str) -> list[int]:
         """Token ids of plain text, without special tokens."""

@@ -1,0 +1,124 @@
+"""Token ids of a chat template's text, one segment at a time, each segment encoded once.
+
+An agent's prompts grow: each model call sends the previous call's
+conversation plus a few messages. Encoding every prompt whole costs the square
+of a run's length (a 1,000-step run: ~350 MB of text through the tokenizer
+for `analyze`). But a Hugging Face tokenizer first cuts its input at its
+added tokens (`<|im_start|>`, `<|im_end|>`, ...) and encodes the text between
+them piece by piece, each piece on its own. So the ids of a rendered prompt
+are the ids of its pieces between *split tokens*, joined by the split
+tokens' ids; a piece seen before (a message of an earlier call) is looked up,
+not encoded again.
+
+That identity holds only where the tokenizer really works so, so a split
+token must be an added, special, unnormalized token that strips nothing and
+that no other added token overlaps or contains (the tokenizer then matches it
+wherever its text stands), and the pre-tokenizer must treat every piece
+alike (a `Metaspace` that prepends only at the start of the text does not,
+nor does a normalizer that prepends): otherwise `encoder_for` gives None and
+the text is encoded whole. tests/engine/test_segments.py compares both ways
+on conversations of every shape, special-token text in content included.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import weakref
+from collections import OrderedDict
+from typing import Any
+
+_CACHE_CHARS = 64_000_000  # characters of pieces kept (their ids a few times that in bytes)
+_encoders: weakref.WeakKeyDictionary[Any, SegmentEncoder | None] = weakref.WeakKeyDictionary()
+_lock = threading.Lock()
+
+
+class SegmentEncoder:
+    """Encodes template text as `tokenizer(text, add_special_tokens=False)` does, piece by piece."""
+
+    def __init__(self, tokenizer: Any, split_tokens: dict[str, int]) -> None:
+        self._tokenizer = tokenizer
+        self._ids = split_tokens
+        # Longest first: at one position the longest split token wins, as in the tokenizer.
+        self._pattern = re.compile("|".join(
+            re.escape(token) for token in sorted(split_tokens, key=len, reverse=True)))
+        self._pieces: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._chars = 0
+        self._lock = threading.Lock()
+
+    @property
+    def split_tokens(self) -> frozenset[str]:
+        """The added tokens the text is cut at."""
+        return frozenset(self._ids)
+
+    def encode(self, text: str) -> list[int]:
+        """The token ids of `text`, without special tokens added around it."""
+        ids: list[int] = []
+        start = 0
+        for match in self._pattern.finditer(text):
+            if match.start() > start:
+                ids.extend(self._piece(text[start:match.start()]))
+            ids.append(self._ids[match.group()])
+            start = match.end()
+        if start < len(text):
+            ids.extend(self._piece(text[start:]))
+        return ids
+
+    def _piece(self, piece: str) -> tuple[int, ...]:
+        with self._lock:
+            found = self._pieces.get(piece)
+            if found is not None:
+                self._pieces.move_to_end(piece)
+                return found
+        found = tuple(int(t) for t in self._tokenizer.encode(piece, add_special_tokens=False))
+        with self._lock:
+            if piece not in self._pieces:
+                self._pieces[piece] = found
+                self._chars += len(piece)
+            while self._chars > _CACHE_CHARS and self._pieces:
+                dropped, _ = self._pieces.popitem(last=False)
+                self._chars -= len(dropped)
+        return found
+
+
+def encoder_for(tokenizer: Any) -> SegmentEncoder | None:
+    """The segment encoder of a Hugging Face tokenizer, or None when its pieces are not
+    encoded independently (see the module docstring): then encode text whole."""
+    with _lock:
+        if tokenizer in _encoders:
+            return _encoders[tokenizer]
+    encoder = _build(tokenizer)
+    with _lock:
+        _encoders[tokenizer] = encoder
+    return encoder
+
+
+def _build(tokenizer: Any) -> SegmentEncoder | None:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "split_special_tokens", False):
+        return None  # not a fast tokenizer, or special-token text encoded as text
+    try:
+        config = json.loads(backend.to_str())
+    except (ValueError, AttributeError):
+        return None
+    if "Metaspace" in json.dumps(config.get("pre_tokenizer")) or (
+            "Prepend" in json.dumps(config.get("normalizer"))):
+        return None
+    added = [token for token in config.get("added_tokens", [])
+             if isinstance(token, dict) and isinstance(token.get("content"), str)
+             and token["content"]]
+    split = {token["content"]: int(token["id"]) for token in added
+             if token.get("special") and not token.get("normalized") and not token.get("lstrip")
+             and not token.get("rstrip") and not token.get("single_word")}
+    texts = [token["content"] for token in added]
+    split = {text: token_id for text, token_id in split.items()
+             if not any(_overlaps(text, other) for other in texts if other != text)}
+    return SegmentEncoder(tokenizer, split) if split else None
+
+
+def _overlaps(a: str, b: str) -> bool:
+    """Whether `b` contains `a`, `a` contains `b`, or one's end is the other's start."""
+    if a in b or b in a:
+        return True
+    return any(a.endswith(b[:k]) or b.endswith(a[:k]) for k in range(1, min(len(a), len(b))))
