@@ -100,6 +100,11 @@ class RecordedPrefix:
         self.summary = PrefixSummary(spec, fork, len(self._calls),
                                      edit_seen=False if edit is not None else None)
 
+    @property
+    def served(self) -> tuple[Step, ...]:
+        """The recorded steps served so far, in order."""
+        return tuple(self._served)
+
     def serve(self, request: httpx.Request) -> Step | None:
         """The recorded step that answers `request` (the recording's next call), else None."""
         if self.is_live:

@@ -171,6 +171,22 @@ def test_a_cancelled_generation_leaves_the_others_unchanged(tiny_engine, tokens,
     assert reuse.num_cached_tokens == len(prompt)
 
 
+def test_a_generation_cancelled_while_it_waits_is_never_prefilled(tiny_engine, tokens,
+                                                                   make_cache):
+    requests = _requests(tiny_engine, tokens, 3)
+    alone = [generate(tiny_engine, None, p, padded_decode=True, **o) for p, o in requests]
+    prompt, options = requests[2]
+    requests[2] = (prompt, {**options, "is_cancelled": lambda: True})  # its caller left
+    cache = make_cache(tiny_engine, disk_dir=None)
+    with DecodeBatcher(tiny_engine, cache) as batcher:
+        together = _run_together(batcher, requests)
+    assert isinstance(together[2], GenerationCancelledError)
+    assert "before it started" in str(together[2])
+    assert [r.token_ids for r in together[:2]] == [r.token_ids for r in alone[:2]]
+    # never prefilled: of its prompt, only the prefix it shares with the others is cached
+    assert prefill(tiny_engine, cache, prompt).num_cached_tokens < len(prompt) - 1
+
+
 def test_batches_past_max_batch_wait_their_turn(tiny_engine, tokens):
     requests = _requests(tiny_engine, tokens, 5)
     alone = [generate(tiny_engine, None, p, padded_decode=True, **o) for p, o in requests]
