@@ -317,11 +317,11 @@ def render_experiment(report: ExperimentReport) -> None:
     for run in report.runs:
         if run.summary.parted:
             say(f"{run.agent.fork}: parted early: {run.summary.parted}", err=True)
-    say(f"kvtrace record: {len(report.runs)} agents took {report.wall_s:.1f} s together; "
-        f"re-running each from the start: ~{report.rerun_total_s / len(report.runs):.1f} s "
-        f"(its own time here, measured, + {report.prefix_recorded_s:.1f} s of "
-        f"{report.spec}'s model calls, their recorded durations), "
-        f"{report.rerun_total_s:.1f} s one after another", err=True)
+    num, prefix = len(report.runs), report.prefix_recorded_s
+    calls = report.runs[0].summary.num_recorded if report.runs else 0
+    say(f"kvtrace record: {num} agents took {report.wall_s:.1f} s together; a full re-run of "
+        f"each would also compute {report.spec}'s {calls} model calls again: +{prefix:.1f} s "
+        f"each by their recorded durations ({num * prefix:.1f} s for the {num})", err=True)
     sys.stderr.flush()
 
 
