@@ -178,7 +178,8 @@ def serve_command(
     redact_header: Redact = None,
     max_queue: Annotated[int, typer.Option(
         "--max-queue",
-        help="Local mode: requests that may wait for the engine; past it, 429.")] = MAX_QUEUE,
+        help="Local mode: the server holds at most N + 1 requests (decoded together, up to "
+        "16, or waiting for a place); past it, 429.")] = MAX_QUEUE,
     max_body_bytes: Annotated[int, typer.Option(
         "--max-body-bytes", help="Largest request body accepted (else 413).")] = MAX_BODY_BYTES,
     upstream_timeout: UpstreamTimeout = UPSTREAM_TIMEOUT_S,

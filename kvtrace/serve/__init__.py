@@ -77,7 +77,8 @@ def make_server(
     clients must send (then their Authorization is not forwarded);
     `upstream_api_key`: the one sent upstream instead; `redact_headers`:
     headers never stored, besides the built-in secret ones; `max_queue`:
-    local requests that may wait for the engine (past it, 429);
+    local mode holds at most `max_queue + 1` requests, decoded together or
+    waiting for a place in the batch (past it, 429);
     `max_body_bytes`: the largest request body (past it, 413);
     `upstream_timeout`: seconds the upstream may take for each wait (to
     connect, for the next bytes of its answer; past it, 504); `strict_model`

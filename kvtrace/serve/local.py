@@ -85,7 +85,6 @@ from kvtrace.serve.recording import Sink
 from kvtrace.serve.responses_api import RESPONSES_PATH, ResponsesReply, parse_responses_request
 
 if TYPE_CHECKING:
-    from kvtrace.engine.batch import DecodeBatcher
     from kvtrace.replay.local import LocalBackend
 
 DEFAULT_MAX_TOKENS = 256  # replay's default too, so an unset max_tokens replays alike
@@ -145,22 +144,18 @@ class LocalAnswerer:
         return f"local model {self.model}"
 
     @property
-    def _batcher(self) -> DecodeBatcher:
-        batcher = self._backend.batcher
-        if batcher is None:  # batching() always gives one
-            raise RuntimeError("the local answerer's backend lost its batcher")
-        return batcher
-
-    @property
     def queue(self) -> dict[str, int]:
-        running = min(self._in_flight, self._batcher.max_batch)
+        batcher = self._backend.batcher
+        running = min(self._in_flight, batcher.max_batch if batcher is not None else 1)
         return {"running": running, "waiting": self._in_flight - running,
                 "capacity": self._capacity, "cancelled": self._num_cancelled}
 
     @property
     def batch(self) -> dict[str, int]:
         """How the requests were decoded: forwards run, rows they decoded, the most at once."""
-        batcher = self._batcher
+        batcher = self._backend.batcher
+        if batcher is None:  # batching() always gives one
+            return {}
         return {"max_batch": batcher.max_batch, "decode_steps": batcher.num_steps,
                 "decoded_rows": batcher.num_step_rows, "max_rows": batcher.max_step_rows}
 

@@ -153,3 +153,15 @@ def test_record_n_on_the_command_line(tmp_path, monkeypatch, capfd, tiny_model_f
     with open_store() as store:
         assert sorted(info.name for info in store.runs()) == runs  # nothing recorded
     assert not (tmp_path / "same").exists()
+
+
+def test_the_experiments_bench_gets_the_same_tokens_both_ways(tiny_model_folder):
+    from kvtrace.bench.experiments import run_experiments_bench
+
+    figures = run_experiments_bench(model=str(tiny_model_folder), n=2, calls=3, k=1,
+                                    max_tokens=6, steps=1, trials=1)
+    for case in ("agents", "branch"):
+        assert figures[case]["same_tokens"] is True, case
+        [alone], [together] = figures[case]["one_after_another"], figures[case]["together"]
+        assert alone["completion_tokens"] == together["completion_tokens"] > 0, case
+        assert alone["max_rows"] == 1 and figures[case]["ratio"] > 0
