@@ -8,13 +8,13 @@ engine's queue, so they are decoded together for certain (no timing).
 from __future__ import annotations
 
 import threading
-import time
 
 import httpx
 
 from kvtrace.engine import KVCache
 from kvtrace.replay.local import LocalBackend
 from kvtrace.store import ModelCall
+from tests.held_engine import engine_held
 
 SYSTEM = {"role": "system", "content": "You write one line about the sea. " * 6}
 
@@ -56,23 +56,12 @@ def test_concurrent_requests_get_exactly_the_tokens_each_gets_alone(
         _post(server.url, path, body, f"alone-{i}")
     batcher = backend.batcher
     assert batcher is not None and batcher.max_step_rows == 1
-    gate, holding = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        holding.set()
-        gate.wait()
-
-    holder = threading.Thread(target=batcher.call, args=(hold,))
-    holder.start()
-    holding.wait()
     clients = [threading.Thread(target=_post, args=(server.url, path, body, f"together-{i}"))
                for i, (path, body) in enumerate(bodies)]
+    with engine_held(batcher, until_waiting=len(bodies)):  # all queued for the engine
+        for thread in clients:
+            thread.start()
     for thread in clients:
-        thread.start()
-    while batcher.num_waiting < len(bodies):  # all of them queued for the engine
-        time.sleep(0.01)
-    gate.set()
-    for thread in [holder, *clients]:
         thread.join(timeout=300)
     assert batcher.max_step_rows == len(bodies)  # decoded together
     health = httpx.get(server.url.removesuffix("/v1") + "/health").json()
