@@ -138,6 +138,11 @@ def test_record_n_on_the_command_line(tmp_path, monkeypatch, capfd, tiny_model_f
                       *agent, "--folder", str(tmp_path / "b"))
     assert code == 0, err
     assert "base-from-2-3" in err and "base-from-2-4" in err and "a full re-run of each" in err
+    # --workdir without --n: the one program's working folder, made if missing
+    code, _, err = kv("record", *model, "--workdir", str(tmp_path / "one" / "here"), "--",
+                      sys.executable, "-c", "open('marker', 'w').close()")
+    assert code == 0, err
+    assert (tmp_path / "one" / "here" / "marker").exists()
     with open_store() as store:
         runs = sorted(info.name for info in store.runs())
     for argv, message in [
@@ -146,13 +151,14 @@ def test_record_n_on_the_command_line(tmp_path, monkeypatch, capfd, tiny_model_f
         (["--from", "base@2", "--n", "2", "--workdir", str(tmp_path / "same")], "{i}"),
         (["--from", "base@2", "--seed", "3"], "--seed"),
         (["--from", "nope@2", "--n", "2"], "nope"),
+        (["--workdir", str(tmp_path / "x{i}")], "{i}"),
     ]:
         code, _, err = kv("record", *model, *argv, "--", *agent)
         assert code == 2, err
         assert err.startswith("error:") and message in err and len(err.strip().splitlines()) == 1
     with open_store() as store:
         assert sorted(info.name for info in store.runs()) == runs  # nothing recorded
-    assert not (tmp_path / "same").exists()
+    assert not (tmp_path / "same").exists() and not (tmp_path / "x{i}").exists()
 
 
 def test_the_experiments_bench_gets_the_same_tokens_both_ways(tiny_model_folder):
