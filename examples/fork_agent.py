@@ -10,6 +10,7 @@ on the answers it got, so answered the same, it asks the same.
 
     kvtrace record --run base -- python examples/fork_agent.py
     kvtrace record --from base@6 -- python examples/fork_agent.py
+    kvtrace record --from base@6 --n 4 --workdir 'runs/{i}' -- python "$PWD/examples/fork_agent.py"
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--model", default="gpt-4o-mini")
     parser.add_argument("--folder", type=Path, default=Path.cwd())
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="above 0: sampled (`record --n K` gives each copy its seed)")
     args = parser.parse_args()
     args.folder.mkdir(parents=True, exist_ok=True)
     client = openai.OpenAI(max_retries=0)
@@ -45,7 +48,8 @@ def main() -> None:
                 {"role": "user", "content": "Write the first note about the sea."}]
     for turn in range(args.calls):
         reply = client.chat.completions.create(
-            model=args.model, messages=messages, tools=TOOLS, max_tokens=8, temperature=0)
+            model=args.model, messages=messages, tools=TOOLS, max_tokens=8,
+            temperature=args.temperature)
         text = reply.choices[0].message.content or ""
         call_id = f"call_{turn}"
         messages.append({"role": "assistant", "content": None, "tool_calls": [{

@@ -1,10 +1,8 @@
 """What `--from RUN@K` saves: an unchanged agent forked at step K against re-running it all.
 
-The agent is a ten-call chat agent whose tool writes a file (the loop of
-examples/fork_agent.py, spoken here over httpx so the benchmark needs no
-SDK) with a ~2,000-token system prompt (real agents' instructions and tool
-documentation are longer), run against `kvtrace serve` on the local
-engine over a loopback socket:
+The agent is a ten-call chat agent whose tool writes a file, with a
+~2,000-token system prompt (fork_agent.py), run against `kvtrace serve` on
+the local engine over a loopback socket:
 
 1. `base`: the agent recorded once (its KV blocks written to the disk tier).
 2. `full_s`: the whole agent run again on a fresh KV cache: what re-running
@@ -19,57 +17,14 @@ Cases 2 and 3 alternate `trials` times; the fastest of each counts.
 
 from __future__ import annotations
 
-import json
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-
+from kvtrace.bench.fork_agent import run_agent
 from kvtrace.serve import BackgroundServer, make_server
 from kvtrace.store import open_store
-
-TOOLS = [{"type": "function", "function": {
-    "name": "write_note", "description": "Append a line to notes.txt.",
-    "parameters": {"type": "object", "properties": {"text": {"type": "string"}},
-                   "required": ["text"]}}}]
-# A coding agent's system prompt and tool documentation run to thousands of tokens; this
-# one is ~2,000, the low end (the issue's point: the prefix a fork does not recompute).
-_SYSTEM = "You keep short notes about the sea: tides, weather, boats, birds.\n" + "".join(
-    f"Rule {i}: a note about {topic} names one place and one time of day, in under twenty "
-    "words, and never repeats an earlier note.\n"
-    for i, topic in enumerate(["tides", "weather", "boats", "birds", "fish", "storms",
-                               "harbours", "lighthouses"] * 10))
-
-
-def run_agent(url: str, folder: Path, *, calls: int, model: str = "gpt-4o-mini",
-              max_tokens: int = 24) -> int:
-    """The ten-call agent against `url`; returns the completion tokens it was sent."""
-    messages: list[dict[str, Any]] = [
-        {"role": "system", "content": _SYSTEM},
-        {"role": "user", "content": "Write the first note about the sea."}]
-    completion_tokens = 0
-    with httpx.Client(base_url=url, timeout=600) as client:
-        for turn in range(calls):
-            reply = client.post("/chat/completions", json={
-                "model": model, "messages": messages, "tools": TOOLS,
-                "max_tokens": max_tokens, "temperature": 0})
-            reply.raise_for_status()
-            answer = reply.json()
-            completion_tokens += answer.get("usage", {}).get("completion_tokens", 0)
-            text = answer["choices"][0]["message"].get("content") or ""
-            with (folder / "notes.txt").open("a", encoding="utf-8") as notes:
-                notes.write(text.replace("\n", " ") + "\n")
-            call_id = f"call_{turn}"
-            messages += [
-                {"role": "assistant", "content": None, "tool_calls": [{
-                    "id": call_id, "type": "function", "function": {
-                        "name": "write_note", "arguments": json.dumps({"text": text})}}]},
-                {"role": "tool", "tool_call_id": call_id,
-                 "content": json.dumps({"wrote_chars": len(text)})},
-                {"role": "user", "content": f"Now note {turn + 2}, about something else."}]
-    return completion_tokens
 
 
 def record_agent(store: Any, backend: Any, folder: Path, name: str, *, calls: int,

@@ -164,6 +164,19 @@ def bench_fork(
         "--k", min=1, help="Answer calls 1..K from the recording (--from base@K).")] = 6,
     trials: Annotated[int, typer.Option(
         "--trials", min=1, help="Runs per case, alternating (the fastest counts).")] = 2,
+    n: Annotated[int | None, typer.Option(
+        "--n", min=1,
+        help="Instead: N agent processes (record --from base@K --n N) and N branches (branch "
+        "--n N) decoded together, against the same N one after another: tokens per second.")
+    ] = None,
+    max_tokens: Annotated[int, typer.Option(
+        "--max-tokens", min=1, help="With --n: tokens per answer (the agents' max_tokens, the "
+        "branches' max_new_tokens).")] = 96,
+    temperature: Annotated[float, typer.Option(
+        "--temperature", help="With --n: sampling temperature (agent i, branch i: seed i-1).")
+    ] = 0.8,
+    steps: Annotated[int, typer.Option(
+        "--steps", min=1, help="With --n: model calls per branch.")] = 2,
     peer: Annotated[str | None, typer.Option(
         "--peer", help="Instead: replay the run and forks of it taken at --fork-steps, "
         "interleaved, through kvtrace serve and through this OpenAI-compatible server "
@@ -177,25 +190,33 @@ def bench_fork(
     as_json: Json = False,
 ) -> None:
     """An agent forked at step K (--from) against re-running it whole, on the local engine;
-    with --peer, a run and its forks replayed through kvtrace and through another server."""
+    with --n, K experiments at once against one after another; with --peer, a run and its
+    forks replayed through kvtrace and through another server."""
     if peer is not None:
         from kvtrace.bench.peer import run_peer_bench
 
         try:
-            steps = tuple(int(part) for part in fork_steps.split(","))
+            fork_at = tuple(int(part) for part in fork_steps.split(","))
         except ValueError:
             raise typer.BadParameter(f"{fork_steps!r} is not a comma-separated list of steps",
                                      param_hint="--fork-steps") from None
-        if not steps or any(not 1 <= step < calls for step in steps):
+        if not fork_at or any(not 1 <= step < calls for step in fork_at):
             raise typer.BadParameter(f"fork steps must be in 1..{calls - 1}",
                                      param_hint="--fork-steps")
         _print_figures(run_peer_bench(peer, model=model, peer_model=peer_model, calls=calls,
-                                      fork_steps=steps, trials=trials), as_json)
+                                      fork_steps=fork_at, trials=trials), as_json)
+        return
+    if k >= calls:
+        raise typer.BadParameter(f"--k must be below --calls ({calls})", param_hint="--k")
+    if n is not None:
+        from kvtrace.bench.experiments import run_experiments_bench
+
+        _print_figures(run_experiments_bench(
+            model=model, n=n, calls=calls, k=k, max_tokens=max_tokens, temperature=temperature,
+            steps=steps, trials=trials), as_json)
         return
     from kvtrace.bench.fork import run_fork_bench
 
-    if k >= calls:
-        raise typer.BadParameter(f"--k must be below --calls ({calls})", param_hint="--k")
     _print_figures(run_fork_bench(model=model, calls=calls, k=k, trials=trials), as_json)
 
 

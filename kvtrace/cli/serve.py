@@ -20,6 +20,7 @@ from kvtrace.store import Store, open_store, validate_run_name
 
 if TYPE_CHECKING:
     from kvtrace.serve import ChatServer, RunStats
+    from kvtrace.serve.experiment import ExperimentReport
 
 Upstream = Annotated[str | None, typer.Option(
     "--upstream",
@@ -58,6 +59,18 @@ EditFile = Annotated[str | None, typer.Option(
     "--edit",
     help="With --from: a JSON file of step K's fields to replace (e.g. {\"response\": "
     "{...}}): the agent is answered with the edited step.")]
+NumAgents = Annotated[int | None, typer.Option(
+    "--n",
+    help="With --from: run COMMAND K times at once from the fork point, against one server "
+    "(one engine; requests in flight decoded together); agent i at /a/i/v1, recorded on its "
+    "own fork (NAME-i), sampled with its own seed; then compare the K runs.")]
+AgentSeed = Annotated[int | None, typer.Option(
+    "--seed",
+    help="With --n: agent i's sampled requests that send no seed use S + i - 1 (default 0).")]
+Workdir = Annotated[str | None, typer.Option(
+    "--workdir",
+    help="COMMAND's working folder, made if missing; with --n, {i} in it is the agent's "
+    "number (e.g. 'runs/agent-{i}').")]
 MAX_QUEUE = 16
 MAX_BODY_BYTES = 16 * 1024 * 1024
 UPSTREAM_TIMEOUT_S = 600.0
@@ -68,9 +81,11 @@ def _chat_server(store: Store, *, upstream: str | None, model: str | None, run: 
                  run_prefix: str, api_key: str | None, upstream_api_key: str | None,
                  redact_headers: list[str], max_queue: int, max_body_bytes: int,
                  upstream_timeout: float, strict_model: bool, from_run: str | None = None,
-                 edit: str | None = None, command: str = "serve") -> ChatServer:
+                 edit: str | None = None, command: str = "serve", num_agents: int | None = None,
+                 seed: int | None = None, workdir: str | None = None) -> ChatServer:
     """Check the options (before any model loads), then build the server; with `from_run`,
-    warm the local engine's KV with the recorded prefix first (fromrun.py)."""
+    warm the local engine's KV with the recorded prefix first (fromrun.py); with
+    `num_agents`, for that many copies of the agent (agents.py)."""
     from kvtrace.serve import make_server
     from kvtrace.serve.app import check_api_key
     from kvtrace.serve.recording import new_run_name
@@ -91,7 +106,19 @@ def _chat_server(store: Store, *, upstream: str | None, model: str | None, run: 
     changes = read_edit(edit) if edit is not None else None
     if changes is not None and from_run is None:
         raise UsageError("--edit changes step K of --from RUN@K: give --from too")
-    if from_run is not None and run is None:
+    if num_agents is not None and from_run is None:
+        raise UsageError("--n runs K copies of an agent forked at one step: give --from RUN@K")
+    if seed is not None and num_agents is None:
+        raise UsageError("--seed gives the K agents of --n their seeds: give --n too")
+    agents = []
+    if num_agents is not None and from_run is not None:
+        from kvtrace.serve.agents import make_agents
+
+        base = run or from_run.replace("@", "-from-").replace("~", "-back-")
+        agents = make_agents(store, base, num_agents, seed=seed or 0, workdir=workdir)
+        run = None
+        max_queue = max(max_queue, 2 * num_agents)  # an agent's request is never a 429
+    elif from_run is not None and run is None:
         from kvtrace.tracer.prefix import free_fork_name
 
         run = free_fork_name(store, from_run.replace("@", "-from-").replace("~", "-back-"))
@@ -107,7 +134,8 @@ def _chat_server(store: Store, *, upstream: str | None, model: str | None, run: 
                          api_key=api_key, upstream_api_key=upstream_api_key,
                          redact_headers=redact_headers, max_queue=max_queue,
                          max_body_bytes=max_body_bytes, upstream_timeout=upstream_timeout,
-                         strict_model=strict_model, from_run=from_run, edit=changes)
+                         strict_model=strict_model, from_run=from_run, edit=changes,
+                         agents=agents)
     if from_run is not None and backend is not None:
         from kvtrace.serve.fromrun import warm
 
@@ -150,7 +178,8 @@ def serve_command(
     redact_header: Redact = None,
     max_queue: Annotated[int, typer.Option(
         "--max-queue",
-        help="Local mode: requests that may wait for the engine; past it, 429.")] = MAX_QUEUE,
+        help="Local mode: the server holds at most N + 1 requests (decoded together, up to "
+        "16, or waiting for a place); past it, 429.")] = MAX_QUEUE,
     max_body_bytes: Annotated[int, typer.Option(
         "--max-body-bytes", help="Largest request body accepted (else 413).")] = MAX_BODY_BYTES,
     upstream_timeout: UpstreamTimeout = UPSTREAM_TIMEOUT_S,
@@ -210,26 +239,38 @@ def record_command(
     strict_model: StrictModel = False,
     from_run: FromRun = None,
     edit: EditFile = None,
+    num_agents: NumAgents = None,
+    seed: AgentSeed = None,
+    workdir: Workdir = None,
     as_json: Json = False,
 ) -> None:
     """Run COMMAND against a recording server on a free loopback port (OPENAI_BASE_URL,
-    ANTHROPIC_BASE_URL).
+    ANTHROPIC_BASE_URL); with --from RUN@K --n K, K copies of it at once.
 
     SIGTERM and SIGINT go on to COMMAND, which is waited for."""
+    from pathlib import Path
+
     from kvtrace.serve import BackgroundServer
     from kvtrace.serve.runner import client_env, run_command
 
+    if workdir is not None and num_agents is None and "{i}" in workdir:
+        raise UsageError(f"--workdir {workdir!r}: {{i}} is the agent's number with --n")
     with open_store(store_url(ctx)) as store:
         server = _chat_server(store, upstream=upstream, model=model, run=run, run_prefix="record",
                               api_key=None, upstream_api_key=upstream_api_key,
                               redact_headers=redact_header or [], max_queue=MAX_QUEUE,
                               max_body_bytes=MAX_BODY_BYTES, upstream_timeout=upstream_timeout,
                               strict_model=strict_model, from_run=from_run, edit=edit,
-                              command="record")
+                              command="record", num_agents=num_agents, seed=seed,
+                              workdir=workdir)
+        if server.agents and from_run is not None:
+            _record_agents(store, server, from_run, command, as_json=as_json)
+            return
         with BackgroundServer(server.app) as running:
             say(f"kvtrace record: run '{server.default_run}', {running.url}", err=True)
             _say_model_rule(server, "record")
-            code = run_command(command, client_env(os.environ, running.url))
+            cwd = Path(workdir).resolve() if workdir is not None else None
+            code = run_command(command, client_env(os.environ, running.url), cwd=cwd)
     if as_json:
         sys.stdout.flush()
         print_json({"run": server.default_run, "exit_code": code, **_summary(server.stats),
@@ -238,6 +279,51 @@ def record_command(
         _print_summary(server.stats, default=server.default_run)
         _print_from(server, "record")
     raise typer.Exit(code)
+
+
+def _record_agents(store: Store, server: ChatServer, spec: str, command: list[str], *,
+                   as_json: bool) -> None:
+    """`record --from RUN@K --n K`: the K agents at once, then their comparison; exits with
+    the first agent's exit code that is not 0."""
+    from kvtrace.serve import BackgroundServer
+    from kvtrace.serve.experiment import ExperimentReport, run_agents
+
+    with BackgroundServer(server.app) as running:
+        say(f"kvtrace record: {len(server.agents)} agents from {spec}, agent i at "
+            f"{running.url.removesuffix('/v1')}/a/i/v1, on forks "
+            f"{server.agents[0].fork} ... {server.agents[-1].fork}", err=True)
+        _say_model_rule(server, "record")
+        exits = run_agents(command, server.agents, running.url)
+    report = ExperimentReport.of(store, spec, server, exits)
+    if as_json:
+        sys.stdout.flush()
+        print_json({**report.to_dict(), "batch": server.answerer.health().get("batch")})
+    else:
+        render_experiment(report)
+    raise typer.Exit(report.exit_code)
+
+
+def render_experiment(report: ExperimentReport) -> None:
+    """The K runs side by side, as `kvtrace branch` shows its branches, then the time."""
+    say(f"{'run':<24} {'seed':>5} {'exit':>4} {'recorded':>8} {'live':>5} {'prompt':>7} "
+        f"{'cached':>7} {'output':>6} {'diverges':>8}  final output", err=True)
+    for run in report.runs:
+        row = run.to_dict()
+        served = f"{run.summary.num_served}/{run.summary.num_recorded}"
+        where = "-" if run.diverged_at is None else f"@{run.diverged_at}"
+        text = " ".join(run.output.split())
+        say(f"{row['run']:<24} {row['seed']:>5} {row['exit_code']:>4} {served:>8} "
+            f"{row['live_calls']:>5} {row['prompt_tokens']:>7} {row['cached_tokens']:>7} "
+            f"{row['completion_tokens']:>6} {where:>8}  {text[:50]}", err=True)
+    for run in report.runs:
+        if run.summary.parted:
+            say(f"{run.agent.fork}: parted early: {run.summary.parted}", err=True)
+    num, prefix = len(report.runs), report.prefix_recorded_s
+    calls = report.runs[0].summary.num_recorded if report.runs else 0
+    say(f"kvtrace record: {num} agents took {report.wall_s:.1f} s together; a full re-run of "
+        f"each would also compute {report.spec}'s {calls} model calls again: +{prefix:.1f} s "
+        f"each by their recorded durations ({num * prefix:.1f} s for the {num})", err=True)
+    sys.stderr.flush()
 
 
 def _from_summary(server: ChatServer) -> dict[str, object]:

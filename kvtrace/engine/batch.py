@@ -7,7 +7,9 @@ replay's rebuild prefill) queue a job and wait for it. One thread, started
 at the first job, does all the work, in a loop like a serving engine's:
 
 1. admit queued jobs: a call runs; a generation is prefilled (`begin`) and
-   joins the running ones, up to `max_batch` (the rest wait their turn);
+   joins the running ones, up to `max_batch` (the rest wait their turn); one
+   whose `is_cancelled` already says so fails at once, never prefilled (its
+   caller left while it waited);
 2. each running generation chooses its next token from its own logits (its
    own seeded generator when sampling), or is over: a stop token,
    `max_new_tokens`, or `is_cancelled` saying so (GenerationCancelledError
@@ -221,8 +223,11 @@ class DecodeBatcher:
         return taken
 
     def _admit(self, job: _Job) -> None:
-        self._protect(None)
+        is_cancelled = job.options.get("is_cancelled")
         try:
+            if job.work is None and is_cancelled is not None and is_cancelled():
+                raise GenerationCancelledError("generation cancelled before it started")
+            self._protect(None)
             if job.work is not None:
                 job.succeed(job.work())
                 return

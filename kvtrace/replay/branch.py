@@ -8,11 +8,24 @@ of the first branch), and every branch's first prompt, identical up to its
 last token, is then a cache hit, so the prefix is computed once, not K times.
 `BranchReport.prefix_computed_tokens` and each branch's `computed_tokens`
 show it.
+
+The K branches run at once when the backend can decode them together (a
+local backend: `LocalBackend.batching`, kvtrace/engine/batch.py), one
+thread each: their generations in flight share one forward per token, and
+each gets exactly the tokens it gets alone (a branch run with `n=1` and its
+seed). Their first prompts are prefilled one after another on the engine
+thread, so one of them computes what follows the checked-out prefix and the
+others hit it. Other backends run the branches one after another.
+
+`diverged_at` and `final_output` are the comparison `kvtrace record --from
+RUN@K --n K` (serve/agents.py) reuses for its runs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -24,6 +37,7 @@ from kvtrace.replay.recording import response_text
 from kvtrace.replay.report import Totals
 from kvtrace.store import Step, Store
 from kvtrace.store.kinds import StepKind, edit_of
+from kvtrace.store.names import numbered_names
 
 MAX_BRANCHES = 64
 
@@ -44,10 +58,7 @@ class Branch:
     @property
     def output(self) -> str:
         """The final answer, else the text of the last response."""
-        if self.result.final_answer is not None:
-            return self.result.final_answer
-        calls = [s for s in self.result.new_steps if s.kind == StepKind.MODEL_CALL]
-        return response_text(calls[-1]) if calls else ""
+        return final_output(self.result.new_steps, self.result.final_answer)
 
     def to_dict(self) -> dict[str, Any]:
         totals = self.totals
@@ -113,39 +124,65 @@ def branch_out(
     params = params or SamplingParams(temperature=0.7)
     start = store.show(spec)  # fails at once on a bad spec
     base = prefix or f"{spec.split('@')[0].split('~')[0]}-branch"
-    names = _free_names(store, base, n)
+    names = numbered_names(base, n, store.has_run)
     first = store.fork(spec, names[0], edit=edit) if edit else store.fork(spec, names[0])
     fork_step = first.head or start
     for name in names[1:]:
         store.fork(fork_step.id, name)
-    warm = checkout(store, names[0], backend)
+    first_seed = 0 if seed is None else seed
+    seeded = [replace(params, seed=first_seed + index) for index in range(n)]
+    with _batching(backend) as batched:
+        chosen = batched or backend
+        warm = checkout(store, names[0], chosen)
+
+        def run(index: int) -> ContinueResult:
+            return continue_run(store, names[index], chosen, steps=steps, tools=tools,
+                                params=seeded[index])
+
+        if batched is None:  # the backend cannot decode them together: one after another
+            results = [run(index) for index in range(n)]
+        else:
+            with ThreadPoolExecutor(n, thread_name_prefix="kvtrace-branch") as pool:
+                futures = [pool.submit(run, index) for index in range(n)]
+            results = [future.result() for future in futures]  # the first error, in order
     prefix_tokens = sum(s.prompt_tokens for s in warm.steps)
     prefix_computed = sum(s.computed_tokens or 0 for s in warm.steps)
-    first_seed = 0 if seed is None else seed
-    branches: list[Branch] = []
-    for index, name in enumerate(names):
-        branch_params = replace(params, seed=first_seed + index)
-        result = continue_run(store, name, backend, steps=steps, tools=tools,
-                              params=branch_params)
-        reference = branches[0].result.new_steps if branches else result.new_steps
-        branches.append(Branch(name, branch_params.seed, result,
-                               _diverged_at(reference, result.new_steps)))
+    reference = results[0].new_steps
+    branches = [Branch(name, chosen_params.seed, result,
+                       diverged_at(reference, result.new_steps))
+                for name, chosen_params, result in zip(names, seeded, results, strict=True)]
     return BranchReport(spec, fork_step, prefix_tokens, prefix_computed, branches)
 
 
-def _free_names(store: Store, base: str, n: int) -> list[str]:
-    names: list[str] = []
-    number = 1
-    while len(names) < n:
-        name = f"{base}-{number}"
-        if not store.has_run(name):
-            names.append(name)
-        number += 1
-    return names
+@contextmanager
+def _batching(backend: Backend) -> Iterator[Backend | None]:
+    """`backend` behind an engine thread that decodes generations together, when it is a
+    local backend (the thread stopped at the end, unless it was running already); else None."""
+    batching = getattr(backend, "batching", None)
+    if batching is None:
+        yield None
+        return
+    is_own = getattr(backend, "batcher", None) is None
+    batched: Backend = batching()
+    try:
+        yield batched
+    finally:
+        close = getattr(batched, "close", None)
+        if is_own and callable(close):
+            close()
 
 
-def _diverged_at(reference: list[Step], steps: list[Step]) -> int | None:
-    """Depth of the first step whose content differs from the reference branch's."""
+def final_output(steps: Sequence[Step], final_answer: str | None = None) -> str:
+    """`final_answer` when there is one, else the text of the last model call's response."""
+    if final_answer is not None:
+        return final_answer
+    calls = [s for s in steps if s.kind == StepKind.MODEL_CALL]
+    return response_text(calls[-1]) if calls else ""
+
+
+def diverged_at(reference: Sequence[Step], steps: Sequence[Step]) -> int | None:
+    """Depth of the first step of `steps` whose kind or content differs from `reference`'s
+    at the same place (one running out first differs there); None when they are alike."""
     for mine, theirs in zip(steps, reference, strict=False):
         if mine.kind != theirs.kind or mine.content != theirs.content:
             return mine.depth

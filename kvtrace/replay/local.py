@@ -61,13 +61,27 @@ class LocalBackend:
     def batching(self, *, max_batch: int | None = None) -> LocalBackend:
         """This backend behind one engine thread (`kvtrace.engine.batch.DecodeBatcher`):
         `generate`, `rebuild` and `settle` may then be called from many threads, and
-        concurrent generations are decoded together, each with the result it gets alone."""
+        concurrent generations are decoded together, each with the result it gets alone.
+        A backend that batches already is returned as it is (one engine, one thread)."""
         from kvtrace.engine.batch import DEFAULT_MAX_BATCH, DecodeBatcher
+
+        if self._batcher is not None:
+            return self
 
         batcher = DecodeBatcher(self._engine, self._cache,
                                 max_batch=max_batch or DEFAULT_MAX_BATCH)
         return LocalBackend(self._engine, self._cache, defer_output=self._defer_output,
                             batcher=batcher)
+
+    @property
+    def batcher(self) -> DecodeBatcher | None:
+        """The engine thread this backend's calls go through (`batching`), or None."""
+        return self._batcher
+
+    def close(self) -> None:
+        """Stop the batcher's engine thread once its queued jobs are done (if it has one)."""
+        if self._batcher is not None:
+            self._batcher.close()
 
     @property
     def name(self) -> str:

@@ -8,6 +8,8 @@ local engine or by forwarding to an upstream.
 `app` with `BackgroundServer` (runner.py) or any ASGI server. The modules:
 
 - app.py: `ChatServer`, the routes, the bearer-token and body-size checks;
+- agents.py: K copies of one agent against one server (`record --n K`): agent
+  i's base URL `/a/i/v1`, its fork and its seed;
 - disconnect.py: work stopped when its client leaves before the answer;
 - answerer.py: the `Answerer` interface the app calls, implemented by
   local.py (`LocalAnswerer`: the engine, through replay's local backend) and
@@ -29,10 +31,11 @@ benchmarks import it, never the tracer.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvtrace.errors import UsageError
+from kvtrace.serve.agents import Agent
 from kvtrace.serve.answerer import Answerer
 from kvtrace.serve.app import DEFAULT_MAX_BODY_BYTES, ChatServer, check_api_key
 from kvtrace.serve.recording import Recording, RunStats
@@ -63,6 +66,7 @@ def make_server(
     strict_model: bool = False,
     from_run: str | None = None,
     edit: Mapping[str, Any] | None = None,
+    agents: Sequence[Agent] = (),
 ) -> ChatServer:
     """A server answered by `backend` (the local engine) or by `upstream` (a base URL with
     its API prefix, e.g. http://host:8080/v1): exactly one of the two.
@@ -73,7 +77,8 @@ def make_server(
     clients must send (then their Authorization is not forwarded);
     `upstream_api_key`: the one sent upstream instead; `redact_headers`:
     headers never stored, besides the built-in secret ones; `max_queue`:
-    local requests that may wait for the engine (past it, 429);
+    local mode holds at most `max_queue + 1` requests, decoded together or
+    waiting for a place in the batch (past it, 429);
     `max_body_bytes`: the largest request body (past it, 413);
     `upstream_timeout`: seconds the upstream may take for each wait (to
     connect, for the next bytes of its answer; past it, 504); `strict_model`
@@ -85,7 +90,11 @@ def make_server(
     model calls up to step K are answered from the recording; the rest are
     answered live and recorded on a fork named `run` (needed then), made
     where the two parted; `edit` replaces fields of step K. The answerer is
-    then `FromRecording`, whose `summary` says what happened.
+    then `FromRecording`, whose `summary` says what happened. With `agents`
+    (agents.py: `make_agents`), K copies of the agent are answered at once,
+    agent i at `/a/i/v1`, each on its own fork and with its own seed (`run`
+    is then only the default run of requests that name no agent, answered
+    404); `FromRecording.summaries` says what each did.
     """
     if max_body_bytes < 1:
         raise UsageError(f"max_body_bytes must be >= 1, not {max_body_bytes}")
@@ -106,16 +115,21 @@ def make_server(
     else:
         raise UsageError("make_server answers from a local backend or from an upstream URL: "
                          "give exactly one of backend= and upstream=")
+    if agents and from_run is None:
+        raise UsageError("agents are K copies of an agent forked at one step: give from_run "
+                         "too", param="agents")
     if from_run is not None:
         from kvtrace.serve.fromrun import FromRecording
 
-        if store is None or run is None:
+        if store is None or (run is None and not agents):
             raise UsageError("from_run answers from a store's run and records on a fork: "
                              "give store= and run= (the fork's name)", param="from_run")
-        answerer = FromRecording(answerer, store, from_run, fork=run, edit=edit,
+        answerer = FromRecording(answerer, store, from_run, fork=None if agents else run,
+                                 agents=agents, edit=edit,
                                  redact_headers=tuple(redact_headers))
     elif edit is not None:
         raise UsageError("edit changes the step a from_run run is answered from: give from_run",
                          param="edit")
     recording = Recording(store, run=run, redact_headers=redact_headers)
-    return ChatServer(answerer, recording, api_key=api_key, max_body_bytes=max_body_bytes)
+    return ChatServer(answerer, recording, api_key=api_key, max_body_bytes=max_body_bytes,
+                      agents=agents)

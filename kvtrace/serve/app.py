@@ -40,15 +40,17 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp
 
 from kvtrace.errors import UsageError
+from kvtrace.serve.agents import Agent, AgentRoutes
 from kvtrace.serve.answerer import Answerer
 from kvtrace.serve.anthropic_api import (
     COUNT_TOKENS_PATH,
@@ -71,12 +73,16 @@ class ChatServer:
     """An answerer and a recording behind one ASGI application, `app`."""
 
     def __init__(self, answerer: Answerer, recording: Recording, *, api_key: str | None = None,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                 agents: Sequence[Agent] = ()) -> None:
         self.answerer = answerer
         self.recording = recording
         self.api_key = check_api_key(api_key)
         self.max_body_bytes = max_body_bytes
-        self.app = self._build_app()
+        self.agents = tuple(agents)
+        routes = self._build_app()
+        # K agents (agents.py): /a/i/... is /... asked by agent i
+        self.app: ASGIApp = AgentRoutes(routes, self.agents) if self.agents else routes
 
     @property
     def default_run(self) -> str:

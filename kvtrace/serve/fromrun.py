@@ -10,17 +10,24 @@ computed before the agent started, or the upstream), recorded on the fork
 `RecordedPrefix.go_live` makes where the two parted (the server's default
 run is that fork). Requests are taken one at a time until the agent is
 live: an agent's calls depend on the answers before them.
+
+With `agents` (`kvtrace record --n K`, agents.py), each agent has a
+recorded prefix of its own, matched on its own and going live on its own
+fork; a `/v1` request that comes from no agent is a 404.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import httpx
 from starlette.responses import Response
 
+from kvtrace.errors import UsageError
+from kvtrace.serve.agents import Agent, agent_of
+from kvtrace.serve.api import APIError
 from kvtrace.tracer.cassette import served_response
 from kvtrace.tracer.prefix import PrefixSummary, RecordedPrefix
 
@@ -38,17 +45,28 @@ _NOT_SENT_ON = frozenset({"content-length", "content-encoding", "transfer-encodi
 class FromRecording:
     """An answerer that answers from `spec`'s recorded model calls, then from `inner`."""
 
-    def __init__(self, inner: Answerer, store: Store, spec: str, *, fork: str,
-                 edit: Mapping[str, Any] | None = None,
+    def __init__(self, inner: Answerer, store: Store, spec: str, *, fork: str | None = None,
+                 agents: Sequence[Agent] = (), edit: Mapping[str, Any] | None = None,
                  redact_headers: tuple[str, ...] = ()) -> None:
+        forks: dict[int | None, str] = {agent.index: agent.fork for agent in agents}
+        if not forks:
+            if fork is None:
+                raise UsageError("from_run needs the fork's name (or agents)", param="fork")
+            forks[None] = fork
         self.inner = inner
-        self.prefix = RecordedPrefix(store, spec, fork=fork, edit=edit,
-                                     redact_headers=redact_headers)
-        self._lock = asyncio.Lock()
+        self.prefixes = {key: RecordedPrefix(store, spec, fork=name, edit=edit,
+                                             redact_headers=redact_headers)
+                         for key, name in forks.items()}
+        self._locks = {key: asyncio.Lock() for key in forks}
+
+    @property
+    def summaries(self) -> list[PrefixSummary]:
+        """What each agent's recorded part did, in agent order."""
+        return [prefix.summary for prefix in self.prefixes.values()]
 
     @property
     def summary(self) -> PrefixSummary:
-        return self.prefix.summary
+        return self.summaries[0]
 
     @property
     def model(self) -> str | None:
@@ -60,29 +78,37 @@ class FromRecording:
 
     @property
     def description(self) -> str:
-        summary = self.prefix.summary
+        summary = self.summary
         return (f"{self.inner.description}, after the {summary.num_recorded} recorded calls "
                 f"of {summary.spec}")
 
     def health(self) -> dict[str, Any]:
-        return {**self.inner.health(), "from": self.prefix.summary.to_dict()}
+        if None in self.prefixes:
+            return {**self.inner.health(), "from": self.summary.to_dict()}
+        return {**self.inner.health(), "from": [s.to_dict() for s in self.summaries]}
 
     async def close(self) -> None:
         await self.inner.close()
 
     async def answer(self, request: Request, body: bytes, sink: Sink) -> Response:
-        if not self.prefix.is_live and request.method == "POST":  # GET /v1/models: no call
-            async with self._lock:
-                if not self.prefix.is_live:
+        agent = agent_of(request)
+        key = agent.index if agent is not None else None
+        prefix = self.prefixes.get(key)
+        if prefix is None:
+            raise APIError(404, f"this server answers {len(self.prefixes)} agents, each at "
+                           "its own base URL: /a/1/v1 ... (docs/fork.md)", code="not_found")
+        if not prefix.is_live and request.method == "POST":  # GET /v1/models: no call
+            async with self._locks[key]:
+                if not prefix.is_live:
                     live = httpx.Request(request.method, str(request.url),
                                          headers=list(request.headers.items()), content=body)
-                    step = self.prefix.serve(live)
+                    step = prefix.serve(live)
                     if step is not None:
                         recorded = served_response(step, live)
                         return Response(recorded.content, status_code=recorded.status_code,
                                         headers={k: v for k, v in recorded.headers.items()
                                                  if k.lower() not in _NOT_SENT_ON})
-                    await asyncio.to_thread(self.prefix.go_live)
+                    await asyncio.to_thread(prefix.go_live)
         return await self.inner.answer(request, body, sink)
 
 

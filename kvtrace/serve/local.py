@@ -1,4 +1,4 @@
-"""The local answerer: the engine answers three APIs, one request at a time, in a queue.
+"""The local answerer: the engine answers three APIs, decoding the requests in flight together.
 
 `LocalAnswerer.answer` serves `POST /v1/chat/completions`, `POST
 /v1/messages` (Anthropic) and `POST /v1/responses` (OpenAI Responses), `GET
@@ -20,17 +20,20 @@ more bytes than the context's tokens can cover (`context x the longest
 token's bytes`) is refused before it is tokenised, so a 15 MB prompt costs
 no tokenisation at all.
 
-The one engine computes one request at a time on one worker thread (the
-engine and its KV cache are not thread-safe, and two requests at once would
-each run at half speed anyway). Requests wait in a queue of `max_queue`;
-past it the server answers 429 at once, never queues without bound. A
+The one engine decodes the requests in flight together
+(`kvtrace.engine.batch.DecodeBatcher`, docs/batching.md): one engine thread
+owns the engine and its KV cache, prefills each request as it arrives and
+runs one forward per token for all of them (up to 16; more wait for a
+place), and each request gets exactly the tokens it gets alone. The server
+holds at most `max_queue + 1` requests at once, decoded or waiting for a
+place; past that it answers 429 at once, never queues without bound. A
 request whose client leaves is cancelled (disconnect.py): the engine skips
 it if it has not started, or stops at its next decode step, and nothing is
-recorded (`/health` counts them: `queue.cancelled`). It stays counted in the
-queue until the engine has let it go, so the queue never holds more work
-than it says. The answerer fixes glibc's mmap threshold when it is made
-(allocator.py: otherwise transient tensors fragment the heap the memory
-tier's KV lives in, and RSS grows for as long as the server runs). Each
+recorded (`/health` counts them: `queue.cancelled`). It stays counted until
+the engine has let it go, so the server never holds more work than it says.
+The answerer fixes glibc's mmap threshold when it is made (allocator.py:
+otherwise transient tensors fragment the heap the memory tier's KV lives in,
+and RSS grows for as long as the server runs). Each
 request goes through replay's `LocalBackend`, so the prefix cache (memory
 then disk) serves every prefix an earlier request or replay computed, in
 any of the three APIs: each answer's usage reports what it reused (the
@@ -43,8 +46,9 @@ the chat view the store reads their steps back in), and the generated text
 is parsed back into an assistant message with `parse_assistant_text` when
 the request offers tools (and its tool choice is not "none"); each API
 words its tool calls its own way. Sampling is greedy unless the request
-sets `temperature > 0` (then a random seed is chosen when none is given,
-and recorded so `replay --mode verify` can reproduce it). `stop` strings
+sets `temperature > 0` (then, when none is given, the seed of the agent
+the request came from, agents.py, or a random one, and it is recorded as
+chosen so `replay --mode verify` can reproduce it). `stop` strings
 (`stop_sequences`) cut the text after generation. Local streaming sends the
 answer as the API's SSE events once it is generated: the engine has no
 per-token callback; it is recorded just before the stream's last event
@@ -69,6 +73,7 @@ from starlette.responses import JSONResponse, Response
 from kvtrace.allocator import steady_heap
 from kvtrace.errors import GenerationCancelledError, UsageError
 from kvtrace.replay.backend import CallRequest, SamplingParams
+from kvtrace.serve.agents import agent_of
 from kvtrace.serve.anthropic_api import (
     COUNT_TOKENS_PATH,
     MESSAGES_PATH,
@@ -116,14 +121,18 @@ class LocalAnswerer:
         # Each answer's output is stored before the reply: the next request
         # may come from another client, or never, and `cached_tokens` must
         # count only KV the cache held (no deferred output, see replay/local.py).
-        self._backend = backend.storing_output()
+        # A backend that batches already (shared with other servers) is used as
+        # it is; else this answerer starts an engine thread of its own, and stops it.
+        self._owns_batcher = backend.batcher is None
+        self._backend = backend.storing_output().batching()
         self.is_model_strict = strict_model
-        self._capacity = max_queue + 1  # the one running, and those waiting
+        self._capacity = max_queue + 1  # decoded together, or waiting for a place
         self._in_flight = 0
         self._num_cancelled = 0
         self._max_prompt_bytes = _max_prompt_bytes(backend.engine)
         self._preparer = ThreadPoolExecutor(1, thread_name_prefix="kvtrace-prepare")
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="kvtrace-engine")
+        # One thread per request held, each waiting for its generation in the batcher.
+        self._waiters = ThreadPoolExecutor(self._capacity, thread_name_prefix="kvtrace-wait")
         # A server lives for hours: transient tensors must not fragment the heap the
         # long-lived KV and caches share (kvtrace/allocator.py).
         steady_heap()
@@ -142,16 +151,28 @@ class LocalAnswerer:
 
     @property
     def queue(self) -> dict[str, int]:
-        running = min(self._in_flight, 1)
+        batcher = self._backend.batcher
+        running = min(self._in_flight, batcher.max_batch if batcher is not None else 1)
         return {"running": running, "waiting": self._in_flight - running,
                 "capacity": self._capacity, "cancelled": self._num_cancelled}
 
+    @property
+    def batch(self) -> dict[str, int]:
+        """How the requests were decoded: forwards run, rows they decoded, the most at once."""
+        batcher = self._backend.batcher
+        if batcher is None:  # batching() always gives one
+            return {}
+        return {"max_batch": batcher.max_batch, "decode_steps": batcher.num_steps,
+                "decoded_rows": batcher.num_step_rows, "max_rows": batcher.max_step_rows}
+
     def health(self) -> dict[str, Any]:
-        return {"mode": "local", "model": self.model, "queue": self.queue}
+        return {"mode": "local", "model": self.model, "queue": self.queue, "batch": self.batch}
 
     async def close(self) -> None:
         self._preparer.shutdown(wait=True)
-        self._worker.shutdown(wait=True)
+        self._waiters.shutdown(wait=True)
+        if self._owns_batcher:
+            self._backend.close()
 
     async def answer(self, request: Request, body: bytes, sink: Sink) -> Response:
         """An answer in the API of the path, or the model list; any other path is a 404."""
@@ -230,18 +251,19 @@ class LocalAnswerer:
                            code="rate_limit_exceeded")
         self._in_flight += 1
         cancelled = threading.Event()
+        agent = agent_of(client)
         try:
             loop = asyncio.get_running_loop()
-            job = loop.run_in_executor(self._worker, self._generate, request, prompt,
-                                       cancelled)
+            job = loop.run_in_executor(self._waiters, self._generate, request, prompt,
+                                       cancelled, agent.seed if agent is not None else None)
             return await unless_client_leaves(client, job, stop=cancelled.set)
         finally:
             self._in_flight -= 1
             if cancelled.is_set():
                 self._num_cancelled += 1
 
-    def _generate(self, request: LocalCall, prompt: list[int],
-                  cancelled: threading.Event) -> Generation:
+    def _generate(self, request: LocalCall, prompt: list[int], cancelled: threading.Event,
+                  agent_seed: int | None) -> Generation:
         if cancelled.is_set():  # its client left while it waited: the engine never starts it
             raise client_left()
         body = request.body
@@ -250,10 +272,11 @@ class LocalAnswerer:
         if limit is not None:
             max_new = max(1, min(max_new, limit - len(prompt)))
         temperature = float(body.get("temperature") or 0.0)
+        seed = body.get("seed")
         params = SamplingParams(
             temperature=temperature,
             top_p=float(body.get("top_p") or 1.0),
-            seed=body.get("seed") if temperature > 0 else None,
+            seed=(agent_seed if seed is None else seed) if temperature > 0 else None,
             max_new_tokens=max_new,
         )
         started = time.perf_counter()

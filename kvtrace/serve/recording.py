@@ -1,6 +1,7 @@
 """What `kvtrace serve` records, and where: the run of each request, one store writer thread.
 
-A request is recorded into the run its `X-Kvtrace-Run` header names, else
+A request is recorded into the fork of the agent it came from (`kvtrace
+record --n K`, agents.py), else the run its `X-Kvtrace-Run` header names, else
 the server's default run (given, or named at start: `serve-YYYYMMDD-HHMMSS`).
 `Recording.sink(request)` decides once per request where its step goes: a
 `RunSink` on that run, or `DISCARD` when the server was given no store. An
@@ -35,6 +36,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Protocol
 
 from kvtrace.errors import RunNotFoundError, RunPausedError, UsageError
+from kvtrace.serve.agents import agent_of
 from kvtrace.serve.api import APIError
 from kvtrace.store import ModelCall, Step, StepKind, Store, validate_run_name
 from kvtrace.tracer.recorder import Recorder
@@ -114,7 +116,11 @@ class Recording:
                         if store is not None else None)
 
     def sink(self, request: Request) -> Sink:
-        """Where the answer to `request` is recorded (the run header checked here)."""
+        """Where the answer to `request` is recorded (the run header checked here): the
+        fork of the agent it came from (agents.py), else the run its header names."""
+        agent = agent_of(request)
+        if agent is not None:
+            return RunSink(self._writer, agent.fork) if self._writer is not None else DISCARD
         name = request.headers.get(RUN_HEADER)
         try:
             run = validate_run_name(name) if name is not None else self.default_run

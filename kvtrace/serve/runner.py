@@ -13,9 +13,10 @@ themselves); a placeholder key for each SDK that has none, since both
 refuse to start without one (a key the user set is kept: in upstream mode
 it travels to the upstream).
 
-`run_command` runs `kvtrace record`'s program: SIGTERM and SIGINT sent to
-this process go on to the program, which is waited for, so the server it
-talks to stops only after it (never an orphan pointed at a dead server).
+`run_command` runs `kvtrace record`'s program (`run_commands`, K of them
+at once for `--n K`): SIGTERM and SIGINT sent to this process go on to the
+program, which is waited for, so the server it talks to stops only after it
+(never an orphan pointed at a dead server).
 SIGINT is not sent on when this process is the terminal's foreground
 group: a Ctrl-C there reached the program already. `is_loopback` tells
 whether an address is reachable only from this machine.
@@ -30,7 +31,10 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -137,30 +141,73 @@ def client_env(environ: Mapping[str, str], url: str) -> dict[str, str]:
     return env
 
 
-def run_command(command: Sequence[str], env: Mapping[str, str]) -> int:
+def run_command(command: Sequence[str], env: Mapping[str, str], *,
+                cwd: Path | None = None) -> int:
     """Run `command` to its end, passing SIGTERM and SIGINT on (module docstring).
 
     Returns its exit code, 128 + N when signal N ended it (as a shell reports it).
     """
+    [(code, _)] = run_commands([Child(command, env, cwd)])
+    return code
+
+
+@dataclass(frozen=True, slots=True)
+class Child:
+    """A program to run: its arguments, its environment, its working folder (None: ours)."""
+
+    command: Sequence[str]
+    env: Mapping[str, str]
+    cwd: Path | None = None
+
+
+def run_commands(children: Sequence[Child]) -> list[tuple[int, float]]:
+    """Run the programs at once, each to its end, passing SIGTERM and SIGINT on to every one;
+    per program, its exit code (as `run_command`'s) and the seconds it ran. A working folder
+    that does not exist is made first."""
+    for child in children:
+        if child.cwd is not None:
+            try:
+                child.cwd.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise UsageError(f"cannot make the working folder {child.cwd}: "
+                                 f"{exc.strerror or exc}") from exc
+    started = time.perf_counter()
+    running: list[subprocess.Popen[bytes]] = []
     try:
-        child = subprocess.Popen(list(command), env=dict(env))
+        for child in children:
+            running.append(subprocess.Popen(list(child.command), env=dict(child.env),
+                                            cwd=child.cwd))
     except FileNotFoundError as exc:
-        raise UsageError(f"cannot run {command[0]!r}: no such program") from exc
+        for process in running:
+            process.kill()
+            process.wait()
+        raise UsageError(f"cannot run {children[0].command[0]!r}: no such program") from exc
 
     def forward(signum: int, _: FrameType | None) -> None:
         if signum == signal.SIGINT and _is_foreground():
-            return  # the terminal sent it to the program's process group too
-        child.send_signal(signum)
+            return  # the terminal sent it to the programs' process group too
+        for process in running:
+            if process.poll() is None:
+                process.send_signal(signum)
 
     is_main = threading.current_thread() is threading.main_thread()  # where handlers can be
     previous = {signum: signal.signal(signum, forward)
                 for signum in (signal.SIGINT, signal.SIGTERM) if is_main}
+    ended: dict[int, tuple[int, float]] = {}
     try:
-        code = child.wait()
+        while len(ended) < len(running):
+            for index, process in enumerate(running):
+                if index not in ended:
+                    code = process.wait() if len(running) == 1 else process.poll()
+                    if code is not None:
+                        ended[index] = (128 - code if code < 0 else code,
+                                        time.perf_counter() - started)
+            if len(ended) < len(running):
+                time.sleep(0.02)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-    return 128 - code if code < 0 else code
+    return [ended[index] for index in range(len(running))]
 
 
 def _is_foreground() -> bool:

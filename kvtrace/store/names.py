@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import re
 import unicodedata
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +56,19 @@ def normalize_run_name(name: Any) -> str:
     if not isinstance(name, str):
         raise InvalidNameError(f"a run name must be a string, not {type(name).__name__}")
     return unicodedata.normalize("NFC", name)
+
+
+def numbered_names(base: str, n: int, is_taken: Callable[[str], bool]) -> list[str]:
+    """`base-1`, `base-2`, ...: the first `n` such names `is_taken` refuses (a fork per branch
+    or agent: numbers already taken are skipped; `Store.has_run` asks one index row each)."""
+    names: list[str] = []
+    number = 1
+    while len(names) < n:
+        name = validate_run_name(f"{base}-{number}")
+        if not is_taken(name):
+            names.append(name)
+        number += 1
+    return names
 
 
 def _name_problem(name: str) -> str | None:

@@ -116,6 +116,11 @@ class RecordedPrefix:
                    fork=fork or free_fork_name(store, f"{name}-from-{until}"),
                    edit=edit, redact_headers=redact_headers, tools=tools)
 
+    @property
+    def served(self) -> tuple[Step, ...]:
+        """The recorded steps served so far, in order."""
+        return tuple(self._served)
+
     def serve(self, request: httpx.Request) -> Step | None:
         """The recorded step that answers `request` (the recording's next call), else None."""
         expected = self._next()

@@ -10,7 +10,6 @@ those of `generate` run one after another.
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ from kvtrace.engine.batch import DecodeBatcher
 from kvtrace.engine.decode import decode_rows, decode_step
 from kvtrace.engine.generate import Generation, begin
 from kvtrace.errors import GenerationCancelledError, UsageError
+from tests.held_engine import engine_held
 
 SHARED = 150  # tokens every prompt starts with (a shared prefix, as forks have)
 
@@ -95,15 +95,6 @@ def _requests(tiny_engine, tokens, count: int) -> list[tuple[list[int], dict]]:
 
 def _run_together(batcher: DecodeBatcher, requests, **extra) -> list:
     """Every request on a thread of its own, all admitted at once (held behind one call)."""
-    gate, holding = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        holding.set()
-        gate.wait()
-
-    holder = threading.Thread(target=batcher.call, args=(hold,))
-    holder.start()
-    holding.wait()
     results: list = [None] * len(requests)
 
     def run(i: int) -> None:
@@ -114,12 +105,10 @@ def _run_together(batcher: DecodeBatcher, requests, **extra) -> list:
             results[i] = exc
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(requests))]
+    with engine_held(batcher, until_waiting=len(requests)):
+        for thread in threads:
+            thread.start()
     for thread in threads:
-        thread.start()
-    while batcher.num_waiting < len(requests):
-        time.sleep(0.01)
-    gate.set()
-    for thread in [holder, *threads]:
         thread.join(timeout=120)
     return results
 
@@ -169,6 +158,22 @@ def test_a_cancelled_generation_leaves_the_others_unchanged(tiny_engine, tokens,
     # the cancelled prompt stays cached, its partial output does not
     reuse = prefill(tiny_engine, cache, [*prompt, *alone[3].token_ids])
     assert reuse.num_cached_tokens == len(prompt)
+
+
+def test_a_generation_cancelled_while_it_waits_is_never_prefilled(tiny_engine, tokens,
+                                                                   make_cache):
+    requests = _requests(tiny_engine, tokens, 3)
+    alone = [generate(tiny_engine, None, p, padded_decode=True, **o) for p, o in requests]
+    prompt, options = requests[2]
+    requests[2] = (prompt, {**options, "is_cancelled": lambda: True})  # its caller left
+    cache = make_cache(tiny_engine, disk_dir=None)
+    with DecodeBatcher(tiny_engine, cache) as batcher:
+        together = _run_together(batcher, requests)
+    assert isinstance(together[2], GenerationCancelledError)
+    assert "before it started" in str(together[2])
+    assert [r.token_ids for r in together[:2]] == [r.token_ids for r in alone[:2]]
+    # never prefilled: of its prompt, only the prefix it shares with the others is cached
+    assert prefill(tiny_engine, cache, prompt).num_cached_tokens < len(prompt) - 1
 
 
 def test_batches_past_max_batch_wait_their_turn(tiny_engine, tokens):

@@ -1,0 +1,176 @@
+"""K experiments from one fork point at once, against the same K one after another.
+
+Two ways to run K experiments, each measured both ways on the local engine:
+
+- `agents`: `kvtrace record --from base@K --n N`: N processes of the fork
+  agent (fork_agent.py, sampled, no seed sent: agent i gets seed i - 1 from
+  the server) against one server, answered from the recording up to step K,
+  live after; against the same N agents run one after another through the
+  same kind of server;
+- `branch`: `kvtrace branch branch-base --n N` (`branch_out`, N
+  continuations of `steps` calls, seeds 0..N-1, decoded together) of a
+  three-call run of the demo ReAct agent (whose tools kvtrace runs) over the
+  same ~2,000-token rules, against the same N branches run one at a time
+  (`branch_out(n=1, seed=i)`).
+
+The figure is the total decode throughput: completion tokens generated live,
+summed, per second of wall time (the agents' process starts included). Each
+side starts from a fresh KV cache with the fork point's prefix warmed
+(not timed), so neither reuses what the other computed; the sides alternate
+(`trials`). Both sides run every request through a `DecodeBatcher`, so each
+agent's and each branch's tokens are the same on both sides: checked, and
+the check is in the figures (`same_tokens`).
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from kvtrace.bench.fork_agent import SYSTEM, run_agent
+from kvtrace.serve import BackgroundServer, make_server
+from kvtrace.store import ModelCall, StepKind, Store, open_store
+
+BRANCH_BASE = "branch-base"
+
+
+def run_experiments_bench(*, model: str | None = None, n: int = 8, calls: int = 10,
+                          k: int = 8, max_tokens: int = 96, temperature: float = 0.8,
+                          steps: int = 2, trials: int = 1) -> dict[str, Any]:
+    """N agents and N branches from one fork point, together against one after another."""
+    from kvtrace.engine import KVCache, load_engine
+    from kvtrace.replay.local import LocalBackend
+
+    if not 1 <= k < calls:
+        raise ValueError(f"k must be in 1..{calls - 1}")
+    engine = load_engine(model)
+    figures: dict[str, Any] = {"model": engine.name, "n": n, "calls": calls, "k": k,
+                               "max_tokens": max_tokens, "temperature": temperature,
+                               "branch_steps": steps, "trials": trials}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        store = open_store(f"sqlite:///{root / 'bench.db'}")
+        recorder = LocalBackend(engine, KVCache(engine))
+        server = make_server(backend=recorder, store=store, run="base")
+        (root / "base").mkdir()
+        with BackgroundServer(server.app) as running:
+            run_agent(running.url, root / "base", calls=calls, model=engine.name,
+                      max_tokens=max_tokens, temperature=temperature)
+
+        def fresh() -> LocalBackend:
+            return LocalBackend(engine, KVCache(engine)).batching()
+
+        command = [sys.executable, "-m", "kvtrace.bench.fork_agent", "--calls", str(calls),
+                   "--max-tokens", str(max_tokens), "--temperature", str(temperature),
+                   "--model", engine.name]
+        spec = f"base@{k}"
+        figures["agents"] = _alternate(trials, lambda together, trial: _agents_side(
+            store, fresh(), spec, command, n, root / f"{together}-{trial}", together))
+        _record_branch_base(store, recorder, max_tokens)
+        figures["branch"] = _alternate(trials, lambda together, trial: _branch_side(
+            store, fresh(), BRANCH_BASE, n, steps, max_tokens, temperature,
+            f"{together}-{trial}", together))
+        store.close()
+    return figures
+
+
+def _alternate(trials: int, side: Any) -> dict[str, Any]:
+    """Both sides `trials` times, taking turns; tok/s and their ratio, best of each."""
+    rows: dict[str, list[dict[str, Any]]] = {"one_after_another": [], "together": []}
+    for trial in range(trials):
+        order = ("together", "one_after_another") if trial % 2 else (
+            "one_after_another", "together")
+        for name in order:
+            rows[name].append(side(name, trial))
+    best = {name: max(rows[name], key=lambda row: row["tok_per_s"]) for name in rows}
+    same = all(a["outputs"] == b["outputs"] for a, b in zip(
+        rows["one_after_another"], rows["together"], strict=True))
+    for name in rows:
+        for row in rows[name]:
+            row.pop("outputs")
+    return {**{name: rows[name] for name in rows},
+            "ratio": round(best["together"]["tok_per_s"]
+                           / best["one_after_another"]["tok_per_s"], 2),
+            "same_tokens": same, "target_ratio": 3.0}
+
+
+def _agents_side(store: Store, backend: Any, spec: str, command: list[str], n: int,
+                 folder: Path, side: str) -> dict[str, Any]:
+    from kvtrace.serve.agents import make_agents
+    from kvtrace.serve.experiment import run_agents
+    from kvtrace.serve.fromrun import warm
+
+    warm(store, spec, backend)
+    agents = make_agents(store, side, n, workdir=str(folder / "{i}"))
+    server = make_server(backend=backend, store=store, from_run=spec, agents=agents,
+                         max_queue=2 * n)
+    with BackgroundServer(server.app) as running:
+        started = time.perf_counter()
+        if side == "together":
+            exits = run_agents(command, agents, running.url)
+        else:
+            exits = [ended for agent in agents
+                     for ended in run_agents(command, [agent], running.url)]
+        seconds = time.perf_counter() - started
+    backend.close()
+    if any(ended.exit_code for ended in exits):
+        raise RuntimeError(f"an agent failed: exit codes {[e.exit_code for e in exits]}")
+    outputs = [_live_outputs(store, agent.fork) for agent in agents]
+    batch = server.answerer.health().get("batch") or {}
+    return _row(seconds, outputs, max_rows=batch.get("max_rows"))
+
+
+def _record_branch_base(store: Store, backend: Any, max_tokens: int) -> None:
+    """The demo ReAct agent (kvtrace runs its tools) over the fork agent's ~2,000-token
+    rules, three greedy calls: what `kvtrace branch` continues."""
+    from kvtrace.replay import SamplingParams, continue_run
+    from kvtrace.replay.tools import DEMO_TOOLS, demo_messages
+
+    continue_run(store, BRANCH_BASE, backend, steps=3, tools=DEMO_TOOLS,
+                 messages=demo_messages("What is 12 times 7?", notes=SYSTEM),
+                 params=SamplingParams(max_new_tokens=max_tokens))
+
+
+def _branch_side(store: Store, backend: Any, spec: str, n: int, steps: int, max_tokens: int,
+                 temperature: float, prefix: str, side: str) -> dict[str, Any]:
+    from kvtrace.replay import SamplingParams, checkout
+    from kvtrace.replay.branch import branch_out
+    from kvtrace.replay.tools import DEMO_TOOLS
+
+    tools = DEMO_TOOLS
+
+    params = SamplingParams(temperature=temperature, max_new_tokens=max_tokens)
+    checkout(store, spec, backend)  # the prefix warm on both sides (not timed)
+    started = time.perf_counter()
+    if side == "together":
+        reports = [branch_out(store, spec, backend, n=n, steps=steps, tools=tools,
+                              params=params, seed=0, prefix=prefix)]
+    else:
+        reports = [branch_out(store, spec, backend, n=1, steps=steps, tools=tools,
+                              params=params, seed=index, prefix=f"{prefix}-{index}")
+                   for index in range(n)]
+    seconds = time.perf_counter() - started
+    max_rows = backend.batcher.max_step_rows
+    backend.close()
+    outputs = [[ModelCall(s).output_ids for s in branch.result.new_steps
+                if s.kind == StepKind.MODEL_CALL]
+               for report in reports for branch in report.branches]
+    return _row(seconds, outputs, max_rows=max_rows)
+
+
+def _live_outputs(store: Store, run: str) -> list[list[int] | None]:
+    """The output token ids of the model calls recorded live on `run` (not base's)."""
+    recorded = {step.id for step in store.path("base")}
+    return [ModelCall(s).output_ids for s in store.path(run)
+            if s.kind == StepKind.MODEL_CALL and s.id not in recorded]
+
+
+def _row(seconds: float, outputs: list[list[list[int] | None]], *,
+         max_rows: int | None) -> dict[str, Any]:
+    tokens = sum(len(ids or []) for run in outputs for ids in run)
+    return {"seconds": round(seconds, 2), "completion_tokens": tokens,
+            "tok_per_s": round(tokens / seconds, 2) if seconds else 0.0,
+            "max_rows": max_rows, "outputs": outputs}
