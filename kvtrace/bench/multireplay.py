@@ -11,9 +11,10 @@ counts. `ratio` is the wall time at the highest concurrency over that at 1
 (issue 22's target: <= 0.4 for 4 against a server with four parallel slots).
 
 Servers (`server`):
-- `serve`: `kvtrace serve` in its own process on the local model (its engine
-  computes one request at a time: what it gains from concurrency is the
-  overlap of HTTP, tokenisation and queueing with the engine's work);
+- `serve`: `kvtrace serve` in its own process on the local model (one
+  engine thread: prompts are prefilled one after another, the requests in
+  flight decoded together, so verify gains from concurrency where rebuild,
+  prompts only, gains the overlap of HTTP and tokenisation with the engine);
 - `llama-cpp`: llama.cpp's server as llama-cpp-python ships it (the
   integration build's `.venv-llama`, or `llama_python`) on the same model's
   GGUF, on all cores. Its server (0.3.36) has no parallel slots: it takes
