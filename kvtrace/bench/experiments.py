@@ -8,10 +8,10 @@ Two ways to run K experiments, each measured both ways on the local engine:
   live after; against the same N agents run one after another through the
   same kind of server;
 - `branch`: `kvtrace branch branch-base --n N` (`branch_out`, N
-  continuations of `steps` calls, seeds 0..N-1, decoded together) of a
-  three-call run of the demo ReAct agent (whose tools kvtrace runs) over the
-  same ~2,000-token rules, against the same N branches run one at a time
-  (`branch_out(n=1, seed=i)`).
+  continuations of up to `steps` calls, seeds 0..N-1, decoded together) of a
+  demo ReAct agent's run (whose tools kvtrace runs: a question asking for a
+  long answer over the same ~2,000-token rules, an action, its result),
+  against the same N branches run one at a time (`branch_out(n=1, seed=i)`).
 
 The figure is the total decode throughput: completion tokens generated live,
 summed, per second of wall time (the agents' process starts included). Each
@@ -34,45 +34,54 @@ from kvtrace.bench.fork_agent import SYSTEM, run_agent
 from kvtrace.serve import BackgroundServer, make_server
 from kvtrace.store import ModelCall, StepKind, Store, open_store
 
+CASES = ("agents", "branch")
 BRANCH_BASE = "branch-base"
+BRANCH_QUESTION = ("What is 12 times 7? Then write ten notes about the sea, one per line, "
+                   "each naming a place and a time of day.")
 
 
 def run_experiments_bench(*, model: str | None = None, n: int = 8, calls: int = 10,
                           k: int = 8, max_tokens: int = 96, temperature: float = 0.8,
-                          steps: int = 2, trials: int = 1) -> dict[str, Any]:
-    """N agents and N branches from one fork point, together against one after another."""
+                          steps: int = 2, trials: int = 1,
+                          cases: tuple[str, ...] = CASES) -> dict[str, Any]:
+    """N agents and N branches from one fork point, together against one after another
+    (`cases`: either or both)."""
     from kvtrace.engine import KVCache, load_engine
     from kvtrace.replay.local import LocalBackend
 
     if not 1 <= k < calls:
         raise ValueError(f"k must be in 1..{calls - 1}")
+    if not cases or set(cases) - set(CASES):
+        raise ValueError(f"cases must be some of {CASES}")
     engine = load_engine(model)
     figures: dict[str, Any] = {"model": engine.name, "n": n, "calls": calls, "k": k,
                                "max_tokens": max_tokens, "temperature": temperature,
                                "branch_steps": steps, "trials": trials}
+
+    def fresh() -> LocalBackend:
+        return LocalBackend(engine, KVCache(engine)).batching()
+
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         store = open_store(f"sqlite:///{root / 'bench.db'}")
-        recorder = LocalBackend(engine, KVCache(engine))
-        server = make_server(backend=recorder, store=store, run="base")
-        (root / "base").mkdir()
-        with BackgroundServer(server.app) as running:
-            run_agent(running.url, root / "base", calls=calls, model=engine.name,
-                      max_tokens=max_tokens, temperature=temperature)
-
-        def fresh() -> LocalBackend:
-            return LocalBackend(engine, KVCache(engine)).batching()
-
-        command = [sys.executable, "-m", "kvtrace.bench.fork_agent", "--calls", str(calls),
-                   "--max-tokens", str(max_tokens), "--temperature", str(temperature),
-                   "--model", engine.name]
-        spec = f"base@{k}"
-        figures["agents"] = _alternate(trials, lambda together, trial: _agents_side(
-            store, fresh(), spec, command, n, root / f"{together}-{trial}", together))
-        _record_branch_base(store, recorder, max_tokens)
-        figures["branch"] = _alternate(trials, lambda together, trial: _branch_side(
-            store, fresh(), BRANCH_BASE, n, steps, max_tokens, temperature,
-            f"{together}-{trial}", together))
+        if "agents" in cases:
+            server = make_server(backend=LocalBackend(engine, KVCache(engine)), store=store,
+                                 run="base")
+            (root / "base").mkdir()
+            with BackgroundServer(server.app) as running:
+                run_agent(running.url, root / "base", calls=calls, model=engine.name,
+                          max_tokens=max_tokens, temperature=temperature)
+            command = [sys.executable, "-m", "kvtrace.bench.fork_agent", "--calls",
+                       str(calls), "--max-tokens", str(max_tokens), "--temperature",
+                       str(temperature), "--model", engine.name]
+            spec = f"base@{k}"
+            figures["agents"] = _alternate(trials, lambda together, trial: _agents_side(
+                store, fresh(), spec, command, n, root / f"{together}-{trial}", together))
+        if "branch" in cases:
+            _record_branch_base(store, engine.name)
+            figures["branch"] = _alternate(trials, lambda together, trial: _branch_side(
+                store, fresh(), BRANCH_BASE, n, steps, max_tokens, temperature,
+                f"{together}-{trial}", together))
         store.close()
     return figures
 
@@ -91,9 +100,9 @@ def _alternate(trials: int, side: Any) -> dict[str, Any]:
     for name in rows:
         for row in rows[name]:
             row.pop("outputs")
+    alone = best["one_after_another"]["tok_per_s"]
     return {**{name: rows[name] for name in rows},
-            "ratio": round(best["together"]["tok_per_s"]
-                           / best["one_after_another"]["tok_per_s"], 2),
+            "ratio": round(best["together"]["tok_per_s"] / alone, 2) if alone else None,
             "same_tokens": same, "target_ratio": 3.0}
 
 
@@ -123,15 +132,17 @@ def _agents_side(store: Store, backend: Any, spec: str, command: list[str], n: i
     return _row(seconds, outputs, max_rows=batch.get("max_rows"))
 
 
-def _record_branch_base(store: Store, backend: Any, max_tokens: int) -> None:
-    """The demo ReAct agent (kvtrace runs its tools) over the fork agent's ~2,000-token
-    rules, three greedy calls: what `kvtrace branch` continues."""
-    from kvtrace.replay import SamplingParams, continue_run
-    from kvtrace.replay.tools import DEMO_TOOLS, demo_messages
+def _record_branch_base(store: Store, model: str) -> None:
+    """A demo ReAct agent's run (kvtrace runs its tools) over the fork agent's ~2,000-token
+    rules: a question asking for a long answer, the model's action, the tool's result; what
+    `kvtrace branch` continues (a recorded final answer would leave it nothing to do)."""
+    from kvtrace.replay.tools import demo_messages
 
-    continue_run(store, BRANCH_BASE, backend, steps=3, tools=DEMO_TOOLS,
-                 messages=demo_messages("What is 12 times 7?", notes=SYSTEM),
-                 params=SamplingParams(max_new_tokens=max_tokens))
+    run = store.run(BRANCH_BASE)
+    run.record_model_call(demo_messages(BRANCH_QUESTION, notes=SYSTEM),
+                          "Thought: I need the product first.\nAction: calculator\n"
+                          "Action Input: 12*7", model=model)
+    run.record_tool_call("calculator", "12*7", 84)
 
 
 def _branch_side(store: Store, backend: Any, spec: str, n: int, steps: int, max_tokens: int,

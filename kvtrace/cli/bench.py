@@ -177,6 +177,8 @@ def bench_fork(
     ] = 0.8,
     steps: Annotated[int, typer.Option(
         "--steps", min=1, help="With --n: model calls per branch.")] = 2,
+    case: Annotated[str, typer.Option(
+        "--case", help="With --n: 'agents', 'branch' or 'both'.")] = "both",
     peer: Annotated[str | None, typer.Option(
         "--peer", help="Instead: replay the run and forks of it taken at --fork-steps, "
         "interleaved, through kvtrace serve and through this OpenAI-compatible server "
@@ -208,12 +210,14 @@ def bench_fork(
         return
     if k >= calls:
         raise typer.BadParameter(f"--k must be below --calls ({calls})", param_hint="--k")
+    if case not in ("agents", "branch", "both"):
+        raise typer.BadParameter(f"{case!r}: 'agents', 'branch' or 'both'", param_hint="--case")
     if n is not None:
-        from kvtrace.bench.experiments import run_experiments_bench
+        from kvtrace.bench.experiments import CASES, run_experiments_bench
 
         _print_figures(run_experiments_bench(
             model=model, n=n, calls=calls, k=k, max_tokens=max_tokens, temperature=temperature,
-            steps=steps, trials=trials), as_json)
+            steps=steps, trials=trials, cases=CASES if case == "both" else (case,)), as_json)
         return
     from kvtrace.bench.fork import run_fork_bench
 
