@@ -90,8 +90,7 @@ class Probe:
                                "gc_objects": len(gc.get_objects())}
         if self.store is not None:
             lists = self.store._lists
-            row["store"] = {"lists": len(lists),
-                            "list_items": sum(len(items) for _, items in lists.values()),
+            row["store"] = {"lists": len(lists), "list_items": lists.num_items,
                             "known": len(self.store._known)}
         if self.cache is not None:
             stats = self.cache.memory_stats()
