@@ -370,7 +370,7 @@ def export_run(
             with step_bar(f"export {run}") as on_step:
                 export_file(store, run, file, format=fmt, include_content=include_content,
                             on_step=on_step)
-            num_steps = next((step.depth for step in store.log(run, limit=1)), 0)
+            num_steps = next((s.depth for s in store.log(run, limit=1, lists=False)), 0)
             file.flush()
             os.fsync(file.fileno())
         num_bytes = tmp.stat().st_size

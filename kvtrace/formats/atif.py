@@ -50,6 +50,7 @@ from kvtrace.formats.records import (
 )
 from kvtrace.rendering import tool_result_content
 from kvtrace.store import OnStep, RunInfo, Store, kinds
+from kvtrace.store.lists import shared_prefix
 from kvtrace.store.messages import normalize_message, normalize_response, tool_calls_of
 
 LATEST_VERSION = "ATIF-v1.7"
@@ -162,7 +163,7 @@ def export_atif(store: Store, spec: str, *,
         kept = _kept(call)
         messages = call.messages
         response = normalize_response(call.response)
-        new = messages[_shared(context, messages):]
+        new = messages[shared_prefix(context, messages):]
         if agent is not None:
             size = _observation_size(agent_kept, new)
             _observe(agent, agent_kept, new[:size], results, is_last=False)
@@ -329,18 +330,6 @@ def _observation(
 def _kept(call: kinds.ModelCall) -> dict[str, Any]:
     kept = call.extra.get("atif")
     return kept if isinstance(kept, dict) else {}
-
-
-def _shared(context: list[dict[str, Any]], messages: list[dict[str, Any]]) -> int:
-    """How many leading messages of a prompt the previous prompt and response already gave."""
-    if messages[: len(context)] == context:
-        return len(context)
-    count = 0
-    for old, new in zip(context, messages, strict=False):
-        if old != new:
-            break
-        count += 1
-    return count
 
 
 def _observation_size(kept: Mapping[str, Any], new: list[dict[str, Any]]) -> int:

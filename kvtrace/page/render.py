@@ -24,6 +24,7 @@ import datetime
 import html
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -133,7 +134,8 @@ def write_report(
     path = Path(output)
     tmp = path.with_name(path.name + ".tmp")
     try:
-        tmp.write_text(render_html(page), encoding="utf-8")
+        with tmp.open("w", encoding="utf-8") as out:
+            out.writelines(_document(page))  # a part at a time: a long run's page is large
         tmp.replace(path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -142,6 +144,11 @@ def write_report(
 
 def render_html(page: Page) -> str:
     """The page as one HTML document."""
+    return "".join(_document(page))
+
+
+def _document(page: Page) -> Iterator[str]:
+    """The page's HTML in parts, each run's steps one part each."""
     names = ", ".join(page.lanes[: len(page.runs)])
     tokens = (f"tokens counted with the tokenizer of {_e(page.tokenizer)}" if page.tokenizer
               else "no token counts of kvtrace's own (no tokenizer)")
@@ -162,11 +169,13 @@ def render_html(page: Page) -> str:
         '<p><button id="expand-all" type="button">expand all</button>'
         '<button id="collapse-all" type="button">collapse all</button></p></header>',
         _graph(page),
-        *(_run_section(index, run) for index, run in enumerate(page.runs)),
-        f"<script>{SCRIPT}</script>",
-        "</body></html>",
     ]
-    return "\n".join(parts) + "\n"
+    for part in parts:
+        yield part + "\n"
+    for index, run in enumerate(page.runs):
+        yield from _run_section(index, run)
+        yield "\n"
+    yield f"<script>{SCRIPT}</script>\n</body></html>\n"
 
 
 # -- the branch graph -----------------------------------------------------------
@@ -232,7 +241,7 @@ def _kind_class(kind: str) -> str:
 # -- runs and steps ---------------------------------------------------------------
 
 
-def _run_section(index: int, run: PageRun) -> str:
+def _run_section(index: int, run: PageRun) -> Iterator[str]:
     model_calls = [s for s in run.steps if s.step.kind == StepKind.MODEL_CALL]
     totals = [f"{len(run.steps)} steps", f"{len(model_calls)} model calls"]
     if run.prompt_tokens:
@@ -249,17 +258,18 @@ def _run_section(index: int, run: PageRun) -> str:
     problem = (f'<p class="problem">no token bars: {_e(run.token_problem)}</p>'
                if run.token_problem else "")
     largest = max((s.tokens.prompt_tokens for s in run.steps if s.tokens), default=0)
-    items = []
+    yield (f'<section class="run" id="run-{index}"><h2>run <code>{_e(run.name)}</code></h2>'
+           f'<p class="totals">{_e(" · ".join(totals))}</p>'
+           + (f'<p class="forks">forks: {forks}</p>' if forks else "")
+           + f'{problem}<ol class="steps">')
     previous: PageStep | None = None
     for step in run.steps:
-        items.append(_step_item(step, previous, largest))
+        yield _step_item(step, previous, largest)
         if step.step.kind == StepKind.MODEL_CALL:
             previous = step
-    body = "".join(items) if items else "<li>no steps yet</li>"
-    return (f'<section class="run" id="run-{index}"><h2>run <code>{_e(run.name)}</code></h2>'
-            f'<p class="totals">{_e(" · ".join(totals))}</p>'
-            + (f'<p class="forks">forks: {forks}</p>' if forks else "")
-            + f'{problem}<ol class="steps">{body}</ol></section>')
+    if not run.steps:
+        yield "<li>no steps yet</li>"
+    yield "</ol></section>"
 
 
 def _step_item(item: PageStep, previous: PageStep | None, largest: int) -> str:

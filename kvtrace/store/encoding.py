@@ -197,9 +197,11 @@ def list_entry_problem(entry: Any) -> str | None:
 def _are_addresses(values: list[Any]) -> bool:
     """`all(is_address(v) for v in values)`, with one match over them all: a long
     conversation's bodies list thousands of addresses, and every read checks them."""
-    if not all(isinstance(v, str) and len(v) == 64 for v in values):
+    if not values:
+        return True
+    if set(map(type, values)) != {str} or set(map(len, values)) != {64}:
         return False
-    return not values or _HEX.fullmatch("".join(values)) is not None
+    return _HEX.fullmatch("".join(values)) is not None
 
 
 def _shape_problem(value: dict[str, Any]) -> str | None:

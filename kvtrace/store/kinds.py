@@ -48,6 +48,7 @@ from kvtrace.store.apis import (
     chat_view,
     native_request,
 )
+from kvtrace.store.lists import shared_prefix
 from kvtrace.store.records import Step
 from kvtrace.store.usage import Usage
 
@@ -149,11 +150,7 @@ class ModelCall(_View):
                 return known, [dict(m) for m in items[known:]]
         messages = self.messages
         context = [*previous.messages, previous.response] if previous is not None else []
-        known = 0
-        for old, new in zip(context, messages, strict=False):
-            if old != new:
-                break
-            known += 1
+        known = shared_prefix(context, messages)
         return known, messages[known:]
 
     @property

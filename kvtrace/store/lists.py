@@ -28,7 +28,8 @@ only. `addresses()` spells the whole list out when a reader needs it.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Mapping, MutableMapping
+import sys
+from collections.abc import Callable, Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from itertools import chain
 from typing import TYPE_CHECKING, Any
@@ -221,7 +222,9 @@ def resolve(
             base = full((entry["base"], key[1]), trail + 1)
             if base.depth + 1 > MAX_DEPTH:
                 raise IntegrityError(f"step {key[0][:12]} ends a list chain that is too long")
-        known[key] = Resolved.of(base, tuple(entry["items"]))
+        # Interned: every 64th step names every address again, and a cache of resolved
+        # lists would otherwise hold a copy of each address per such step (n^2/64 of them).
+        known[key] = Resolved.of(base, tuple(map(sys.intern, entry["items"])))
         return known[key]
 
     return {key: full(key) for key in wanted}
@@ -264,15 +267,21 @@ def growth(
     previous_id, before = previous
     if base == previous_id:
         return before.length, resolved.items
-    whole, old = resolved.addresses(), before.addresses()
-    if whole[: len(old)] == old:
-        return len(old), whole[len(old):]
+    whole = resolved.addresses()
+    kept = shared_prefix(before.addresses(), whole)
+    return kept, whole[kept:]
+
+
+def shared_prefix(before: Sequence[Any], after: Sequence[Any]) -> int:
+    """How many leading items of `after` are equal to `before`'s (compared in C when all are)."""
+    if list(after[: len(before)]) == list(before):
+        return len(before)
     kept = 0
-    for mine, theirs in zip(whole, old, strict=False):
-        if mine != theirs:
+    for old, new in zip(before, after, strict=False):
+        if old != new:
             break
         kept += 1
-    return kept, whole[kept:]
+    return kept
 
 
 class Decoded:
