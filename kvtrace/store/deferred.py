@@ -22,18 +22,19 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from sqlalchemy.engine import Connection
 
 from kvtrace.errors import ConflictError
-from kvtrace.store.refs import Move, move_refs
+from kvtrace.store.refs import move_refs, reflog_row
 
 
 @dataclass(slots=True)
 class _Run:
     first: str | None  # the head the batch found
     last: str | None  # where its appends have taken it
-    moves: list[Move] = field(default_factory=list)
+    rows: list[dict[str, Any]] = field(default_factory=list)  # reflog rows, one per append
 
 
 class DeferredMoves:
@@ -53,10 +54,10 @@ class DeferredMoves:
                 f"run {name!r} moved to {str(run.last)[:12]} while this writer expected "
                 f"{str(old)[:12]}: reload the run (Store.run) and try again")
         run.last = new
-        run.moves.append(Move(name, old, new, "append", message, time.time()))
+        run.rows.append(reflog_row(name, old, new, "append", message, time.time()))
 
     def flush(self, conn: Connection) -> None:
         """Swap each run's head once and write the reflog rows, in `conn`'s transaction."""
         runs, self._runs = self._runs, {}
         for name, run in runs.items():
-            move_refs(conn, name, run.first, run.last, run.moves)
+            move_refs(conn, name, run.first, run.last, run.rows)

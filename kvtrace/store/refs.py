@@ -30,7 +30,7 @@ run by the driver.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
@@ -102,36 +102,32 @@ def move_ref(
     _log(conn, name, old, new, reason, message, time.time())
 
 
-@dataclass(frozen=True, slots=True)
-class Move:
-    """One move of a ref, as its reflog row records it."""
-
-    ref: str
-    old_head: str | None
-    new_head: str | None
-    reason: str
-    message: str
-    created_at: float
-
-
 def move_refs(
-    conn: Connection, name: str, first: str | None, last: str | None, appends: list[Move]
+    conn: Connection, name: str, first: str | None, last: str | None,
+    appends: list[dict[str, Any]],
 ) -> None:
-    """Swap ref `name` from `first` to `last` once for the appends `appends` (each from
-    the head the one before left), and write their reflog rows in one statement.
+    """Swap ref `name` from `first` to `last` once for the appends whose reflog rows
+    (`reflog_row`) are `appends` (each from the head the one before left), and write
+    those rows in one statement.
 
     ConflictError if the ref is not at `first`, RunPausedError if the run is paused:
     the caller's transaction then writes nothing.
     """
-    if any(move.reason != "append" or move.ref != name for move in appends):
+    if any(row["reason"] != "append" or row["ref"] != name for row in appends):
         raise ValueError("move_refs takes the appends of one ref")
     _swap(conn, name, first, last, is_append=True)
-    insert_rows(conn, reflog, [
-        {"ref": move.ref, "old_head": move.old_head, "new_head": move.new_head,
-         "reason": move.reason, "message": move.message, "created_at": move.created_at}
-        for move in appends])
+    insert_rows(conn, reflog, appends)
     if conn.dialect.name == "postgresql":
         _NOTIFY.first(conn, {"ref_name": name})
+
+
+def reflog_row(name: str, old: str | None, new: str | None, reason: str, message: str,
+               now: float) -> dict[str, Any]:
+    """The reflog row of one move of ref `name`."""
+    if reason not in REASONS:
+        raise ValueError(f"unknown reflog reason {reason!r}")
+    return {"ref": name, "old_head": old, "new_head": new, "reason": reason,
+            "message": message, "created_at": now}
 
 
 def _swap(conn: Connection, name: str, old: str | None, new: str | None, *,
@@ -199,18 +195,6 @@ def _log(
     message: str,
     now: float,
 ) -> None:
-    if reason not in REASONS:
-        raise ValueError(f"unknown reflog reason {reason!r}")
-    _LOG.execute(
-        conn,
-        {
-            "ref": name,
-            "old_head": old,
-            "new_head": new,
-            "reason": reason,
-            "message": message,
-            "created_at": now,
-        },
-    )
+    _LOG.execute(conn, reflog_row(name, old, new, reason, message, now))
     if conn.dialect.name == "postgresql":
         _NOTIFY.first(conn, {"ref_name": name})
