@@ -113,6 +113,7 @@ def test_record_n_on_the_command_line(tmp_path, monkeypatch, capfd, tiny_model_f
     monkeypatch.setenv("KVTRACE_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("KVTRACE_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("KVTRACE_STORE", raising=False)
+    monkeypatch.chdir(tmp_path)  # an agent given no folder writes its notes here, not in the repo
 
     def kv(*argv: str) -> tuple[int, str, str]:
         with pytest.raises(SystemExit) as exit_info:
