@@ -24,10 +24,18 @@ same store, and at each size times:
 The runs the operations touch (`probe`, its edited fork and the analyze run)
 are imported first, so every size times the same runs. Each operation runs
 `trials` times, each on a newly opened store (as a CLI command does: no
-cache), and the median counts. `growth` is each figure at the largest size
-over the smallest; a single-run operation meets its target when that is at
-most GROWTH_TARGET (DESIGN.md: at 1,000,000 steps every single-run
-operation costs at most 2x what it costs at 10,000).
+cache), and the median counts.
+
+The sizes are timed minutes or hours apart, and on a shared machine the load
+changes in between. So a *control* store, built the same way up to the
+smallest size and then left alone (default: a second SQLite file; on another
+backend `control_url`), is timed at every size too, its trials taking turns
+with the growing store's: `over_control` is an operation's time over the
+control's in the same minutes. `growth` is each figure at the largest size
+over the smallest, `growth_vs_control` the same for `over_control`; a
+single-run operation meets its target when the latter (the former without a
+control) is at most GROWTH_TARGET (DESIGN.md: at 1,000,000 steps every
+single-run operation costs at most 2x what it costs at 10,000).
 """
 
 from __future__ import annotations
@@ -101,46 +109,71 @@ def run_scale_bench(
     analyze_steps: int = 1000,
     model: str | None = None,
     trials: int = 15,
+    control_url: str | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Build a store of `num_steps` steps on `url` (an empty store; default: a new SQLite
-    file in a temp folder) in three sizes and time every operation at each."""
+    file in a temp folder) in three sizes and time every operation at each, against a
+    control store left at the smallest size (`control_url`, an empty store; default
+    with the default `url`: another new SQLite file; else no control)."""
     if num_steps < MIN_STEPS:
         raise UsageError(f"steps must be at least {MIN_STEPS}", param="steps")
     if analyze_steps < 0 or trials < 1:
         raise UsageError("analyze_steps must be >= 0 and trials >= 1")
     say = progress or (lambda _text: None)
     with tempfile.TemporaryDirectory(prefix="kvtrace-scale-") as tmp:
-        store = open_store(url or f"sqlite:///{Path(tmp) / 'scale.db'}")
+        store = _empty_store(url or f"sqlite:///{Path(tmp) / 'scale.db'}", "url")
+        control = None
         try:
-            if store.runs(limit=1):
-                raise UsageError("the scale benchmark needs an empty store: give a new "
-                                 "database (PostgreSQL: a new schema)", param="url")
-            return _bench(store, num_steps, analyze_steps, model, trials, say)
+            if control_url or url is None:
+                control = _empty_store(control_url or f"sqlite:///{Path(tmp) / 'control.db'}",
+                                       "control_url")
+            return _bench(store, control, num_steps, analyze_steps, model, trials, say)
         finally:
             store.close()
+            if control is not None:
+                control.close()
 
 
-def _bench(store: Store, num_steps: int, analyze_steps: int, model: str | None, trials: int,
-           say: Callable[[str], None]) -> dict[str, Any]:
+def _empty_store(url: str, param: str) -> Store:
+    store = open_store(url)
+    if store.runs(limit=1):
+        store.close()
+        raise UsageError("the scale benchmark needs an empty store: give a new database "
+                         "(PostgreSQL: a new schema)", param=param)
+    return store
+
+
+def _grow(store: Store, size: int, built: int, index: int,
+          say: Callable[[str], None]) -> tuple[int, int]:
+    """Import the store's next runs until it holds `size` steps; (steps, runs imported)."""
     from kvtrace.formats import import_document
 
+    while built < size:
+        name, document = _run_document(index)
+        built += import_document(store, document, format="openai", run=name).depth
+        index += 1
+        if index % 500 == 0:
+            say(f"built {built:,} steps ({index:,} runs)")
+    return built, index
+
+
+def _bench(store: Store, control: Store | None, num_steps: int, analyze_steps: int,
+           model: str | None, trials: int, say: Callable[[str], None]) -> dict[str, Any]:
     sizes = [num_steps // 100, num_steps // 10, num_steps]
     tokenizer = _tokenizer(model) if analyze_steps else None
+    if control is not None:  # the same runs up to the smallest size, then left alone
+        _make_probes(control, analyze_steps)
+        _grow(control, sizes[0], _count_steps(control), 0, say)
     _make_probes(store, analyze_steps)
     built, index, build_s = _count_steps(store), 0, 0.0
     at_size: list[dict[str, Any]] = []
     for size in sizes:
         start, first = time.perf_counter(), built
-        while built < size:
-            name, document = _run_document(index)
-            built += import_document(store, document, format="openai", run=name).depth
-            index += 1
-            if index % 500 == 0:
-                say(f"built {built:,} steps ({index:,} runs)")
+        built, index = _grow(store, size, built, index, say)
         build_s += time.perf_counter() - start
         say(f"at {built:,} steps ({index:,} runs): timing")
-        figures = _time_operations(store, trials, tokenizer, label=str(size))
+        figures = _time_operations(store, control, trials, tokenizer, label=str(size))
         figures["build_steps_per_s"] = round((built - first) / max(
             time.perf_counter() - start, 1e-9), 1) if built > first else None
         imported = figures["import"]["num_steps"]
@@ -161,9 +194,14 @@ def _report(store: Store, sizes: list[int], at_size: list[dict[str, Any]], analy
               for name in first["ms"] if first["ms"][name]}
     growth["import_steps_per_s"] = round(
         last["import"]["steps_per_s"] / first["import"]["steps_per_s"], 3)
+    growth["import_steps_per_cpu_s"] = round(
+        last["import"]["steps_per_cpu_s"] / first["import"]["steps_per_cpu_s"], 3)
     growth["fsck_mb_per_s"] = round(last["fsck"]["mb_per_s"] / first["fsck"]["mb_per_s"], 3)
+    vs_control = {name: round(last["over_control"][name] / first["over_control"][name], 3)
+                  for name in first.get("over_control", {}) if first["over_control"][name]}
     is_sqlite = store.engine.dialect.name == "sqlite"
-    single = {name: growth[name] for name in SINGLE_RUN if name in growth}
+    judged = vs_control or growth
+    single = {name: judged[name] for name in SINGLE_RUN if name in judged}
     return {
         "backend": store.engine.dialect.name,
         "sizes": sizes,
@@ -171,6 +209,7 @@ def _report(store: Store, sizes: list[int], at_size: list[dict[str, Any]], analy
         "build_s": round(build_s, 1),
         "at": {str(figures["num_steps"]): figures for figures in at_size},
         "growth": growth,
+        "growth_vs_control": vs_control or None,
         "worst_single_run_growth": max(single.values()) if single else None,
         "targets": {"single_run_growth": GROWTH_TARGET,
                     "import_steps_per_s": IMPORT_TARGET if is_sqlite else None},
@@ -219,13 +258,65 @@ def _tokenizer(model: str | None) -> Any:
     return load_tokenizer(model, cache_dir=default_cache_dir())
 
 
-def _time_operations(store: Store, trials: int, tokenizer: Any, *, label: str) -> dict[str, Any]:
-    """Median ms of each operation over `trials` newly opened stores, then import and fsck."""
-    from kvtrace.formats import export_document
+def _time_operations(store: Store, control: Store | None, trials: int, tokenizer: Any, *,
+                     label: str) -> dict[str, Any]:
+    """Median ms of each operation over `trials` newly opened stores (taking turns with the
+    control's, when there is one), then import and fsck."""
+    ms = _median_ms(store, control, trials, tokenizer, label)
+    figures: dict[str, Any] = {"ms": ms[0]}
+    if control is not None:
+        figures["control_ms"] = ms[1]
+        figures["over_control"] = {name: round(ms[0][name] / ms[1][name], 3)
+                                   for name in ms[0] if ms[1].get(name)}
+    figures["import"] = _time_import(store, label)
+    figures["fsck"] = _time_fsck(store)
+    return figures
+
+
+def _median_ms(store: Store, control: Store | None, trials: int, tokenizer: Any,
+               label: str) -> list[dict[str, float]]:
+    """[store's medians, control's medians ({} without one)]: the two take turns, each trial
+    starting with the other, so that machine noise hits both alike."""
     from kvtrace.replay import analyze
+
+    targets = [store] if control is None else [store, control]
+    samples: list[dict[str, list[float]]] = [{} for _ in targets]
+    operations = [_operations(target, label) for target in targets]
+    for trial in range(trials):
+        for name in operations[0]:
+            order = list(range(len(targets)))
+            for which in order if trial % 2 == 0 else order[::-1]:
+                samples[which].setdefault(name, []).append(
+                    _time_fresh(targets[which], operations[which][name], name))
+    medians = [{name: round(statistics.median(values), 3) for name, values in found.items()}
+               for found in samples]
+    if tokenizer is not None:
+        for which, target in enumerate(targets):
+            medians[which]["analyze"] = _time_fresh(
+                target, lambda s: analyze(s, ANALYZED, tokenizer), "analyze")
+    return medians if control is not None else [medians[0], {}]
+
+
+def _time_fresh(store: Store, operation: Callable[[Store], Any], name: str) -> float:
+    """ms of `operation` on a newly opened store (a revert is undone after, untimed)."""
+    head = store.resolve(PROBE) if name == "revert" else None
+    reader = open_store(store.url)
+    try:
+        begin = time.perf_counter()
+        operation(reader)
+        elapsed = (time.perf_counter() - begin) * 1000
+        if name == "revert":
+            reader.reset(PROBE, to=head)
+        return round(elapsed, 3)
+    finally:
+        reader.close()
+
+
+def _operations(store: Store, label: str) -> dict[str, Callable[[Store], Any]]:
+    """The timed operations on `store`'s probe runs, by name."""
+    from kvtrace.formats import export_document
     from kvtrace.store.compare import compare
 
-    head = store.resolve(PROBE)
     depth = store.run_info(PROBE).depth
     counter = iter(range(1_000_000))
     operations: dict[str, Callable[[Store], Any]] = {
@@ -241,28 +332,7 @@ def _time_operations(store: Store, trials: int, tokenizer: Any, *, label: str) -
         "export_openai": lambda s: export_document(s, PROBE, format="openai"),
         "runs_all": lambda s: s.runs(),
     }
-    samples: dict[str, list[float]] = {name: [] for name in operations}
-    for _ in range(trials):
-        for name, operation in operations.items():
-            reader = open_store(store.url)
-            try:
-                begin = time.perf_counter()
-                operation(reader)
-                samples[name].append((time.perf_counter() - begin) * 1000)
-                if name == "revert":
-                    reader.reset(PROBE, to=head)
-            finally:
-                reader.close()
-    ms = {name: round(statistics.median(values), 3) for name, values in samples.items()}
-    if tokenizer is not None:
-        reader = open_store(store.url)
-        try:
-            begin = time.perf_counter()
-            analyze(reader, ANALYZED, tokenizer)
-            ms["analyze"] = round((time.perf_counter() - begin) * 1000, 3)
-        finally:
-            reader.close()
-    return {"ms": ms, "import": _time_import(store, label), "fsck": _time_fsck(store)}
+    return operations
 
 
 def _time_import(store: Store, label: str) -> dict[str, Any]:

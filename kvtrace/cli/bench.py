@@ -313,6 +313,10 @@ def bench_scale(
         "--analyze-steps", min=0, help="Steps of the run analyze reads (0: skip analyze).")] = 1000,
     trials: Annotated[int, typer.Option(
         "--trials", min=1, help="Runs of each operation per size (the median counts).")] = 15,
+    control_url: Annotated[str | None, typer.Option(
+        "--control-url", help="An empty store for the control, built to the smallest size and "
+        "timed beside the growing one (default without --url: a new SQLite file; with --url: "
+        "no control).")] = None,
     model: Model = None,
     as_json: Json = False,
 ) -> None:
@@ -320,5 +324,5 @@ def bench_scale(
     from kvtrace.bench.scale import run_scale_bench
 
     _print_figures(run_scale_bench(url, num_steps=num_steps, analyze_steps=analyze_steps,
-                                   model=model, trials=trials,
+                                   model=model, trials=trials, control_url=control_url,
                                    progress=lambda text: typer.echo(text, err=True)), as_json)

@@ -36,8 +36,10 @@ def test_scale_bench_times_every_operation_at_three_sizes(tiny_model_factory, ca
     assert sizes[0]["num_runs"] < sizes[-1]["num_runs"]
     for size in sizes:
         assert set(SINGLE_RUN) <= set(size["ms"]) and all(v > 0 for v in size["ms"].values())
+        # the control store, timed beside it, is the same runs at the smallest size
+        assert set(size["control_ms"]) == set(size["ms"]) == set(size["over_control"])
         assert size["import"]["steps_per_s"] > 0 and size["fsck"]["is_ok"] is True
-    assert set(SINGLE_RUN) <= set(figures["growth"])
+    assert set(SINGLE_RUN) <= set(figures["growth"]) & set(figures["growth_vs_control"])
     assert isinstance(figures["targets_met"], bool)
     assert "timing" in err  # progress goes to stderr, the figures to stdout
 
