@@ -57,8 +57,8 @@ def forks(conn: Connection, chain: list[str]) -> list[tuple[str, int]]:
     runs = _runs_taking(conn, leaving) or {}
     depth: dict[str, int] = {}
     for part in history.chunks(list(runs)):
-        depth.update(conn.execute(
-            sa.select(steps.c.id, steps.c.depth).where(steps.c.id.in_(part))).tuples().all())
+        depth.update((step_id, at) for step_id, at in conn.execute(
+            sa.select(steps.c.id, steps.c.depth).where(steps.c.id.in_(part))))
     return sorted(((run, depth[step_id]) for step_id, names in runs.items() for run in names),
                   key=lambda fork: (fork[1], fork[0]))
 
