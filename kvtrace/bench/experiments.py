@@ -13,8 +13,13 @@ Two ways to run K experiments, each measured both ways on the local engine:
   long answer over the same ~2,000-token rules, an action, its result),
   against the same N branches run one at a time (`branch_out(n=1, seed=i)`).
 
-The figure is the total decode throughput: completion tokens generated live,
-summed, per second of wall time (the agents' process starts included). Each
+Two figures per side, each completion tokens generated live, summed, per
+second: of wall time (`tok_per_s`: the agents' process starts, their
+replayed calls, every prefill and output insert included), and of decoding
+(`decode_tok_per_s`: the engine thread's seconds choosing tokens and in
+decode forwards, `DecodeBatcher.decode_seconds`, as the engine's own batch
+benchmark counts it); `ratio` and `decode_ratio` compare the best of each
+side. Each
 side starts from a fresh KV cache with the fork point's prefix warmed
 (not timed), so neither reuses what the other computed; the sides alternate
 (`trials`). Both sides run every request through a `DecodeBatcher`, so each
@@ -94,16 +99,20 @@ def _alternate(trials: int, side: Any) -> dict[str, Any]:
             "one_after_another", "together")
         for name in order:
             rows[name].append(side(name, trial))
-    best = {name: max(rows[name], key=lambda row: row["tok_per_s"]) for name in rows}
     same = all(a["outputs"] == b["outputs"] for a, b in zip(
         rows["one_after_another"], rows["together"], strict=True))
     for name in rows:
         for row in rows[name]:
             row.pop("outputs")
-    alone = best["one_after_another"]["tok_per_s"]
-    return {**{name: rows[name] for name in rows},
-            "ratio": round(best["together"]["tok_per_s"] / alone, 2) if alone else None,
-            "same_tokens": same, "target_ratio": 3.0}
+
+    def ratio(key: str) -> float | None:
+        best = {name: max(row[key] for row in rows[name]) for name in rows}
+        alone = best["one_after_another"]
+        return round(best["together"] / alone, 2) if alone else None
+
+    return {**{name: rows[name] for name in rows}, "ratio": ratio("tok_per_s"),
+            "decode_ratio": ratio("decode_tok_per_s"), "same_tokens": same,
+            "target_ratio": 3.0}
 
 
 def _agents_side(store: Store, backend: Any, spec: str, command: list[str], n: int,
@@ -129,7 +138,8 @@ def _agents_side(store: Store, backend: Any, spec: str, command: list[str], n: i
         raise RuntimeError(f"an agent failed: exit codes {[e.exit_code for e in exits]}")
     outputs = [_live_outputs(store, agent.fork) for agent in agents]
     batch = server.answerer.health().get("batch") or {}
-    return _row(seconds, outputs, max_rows=batch.get("max_rows"))
+    return _row(seconds, outputs, max_rows=batch.get("max_rows"),
+                decode_s=batch.get("decode_s") or 0.0)
 
 
 def _record_branch_base(store: Store, model: str) -> None:
@@ -164,12 +174,12 @@ def _branch_side(store: Store, backend: Any, spec: str, n: int, steps: int, max_
                               params=params, seed=index, prefix=f"{prefix}-{index}")
                    for index in range(n)]
     seconds = time.perf_counter() - started
-    max_rows = backend.batcher.max_step_rows
+    max_rows, decode_s = backend.batcher.max_step_rows, backend.batcher.decode_seconds
     backend.close()
     outputs = [[ModelCall(s).output_ids for s in branch.result.new_steps
                 if s.kind == StepKind.MODEL_CALL]
                for report in reports for branch in report.branches]
-    return _row(seconds, outputs, max_rows=max_rows)
+    return _row(seconds, outputs, max_rows=max_rows, decode_s=decode_s)
 
 
 def _live_outputs(store: Store, run: str) -> list[list[int] | None]:
@@ -179,9 +189,11 @@ def _live_outputs(store: Store, run: str) -> list[list[int] | None]:
             if s.kind == StepKind.MODEL_CALL and s.id not in recorded]
 
 
-def _row(seconds: float, outputs: list[list[list[int] | None]], *,
-         max_rows: int | None) -> dict[str, Any]:
+def _row(seconds: float, outputs: list[list[list[int] | None]], *, max_rows: int | None,
+         decode_s: float) -> dict[str, Any]:
     tokens = sum(len(ids or []) for run in outputs for ids in run)
     return {"seconds": round(seconds, 2), "completion_tokens": tokens,
             "tok_per_s": round(tokens / seconds, 2) if seconds else 0.0,
+            "decode_s": round(decode_s, 2),
+            "decode_tok_per_s": round(tokens / decode_s, 2) if decode_s else 0.0,
             "max_rows": max_rows, "outputs": outputs}

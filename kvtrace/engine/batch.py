@@ -38,6 +38,7 @@ none does.
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
@@ -106,6 +107,9 @@ class DecodeBatcher:
         self.num_steps = 0  # decode forwards run
         self.num_step_rows = 0  # generations they decoded, summed
         self.max_step_rows = 0  # the most generations one forward decoded
+        # Seconds spent decoding: choosing tokens, decode forwards, the KV copies of
+        # overlapping generations; not prefills or output inserts (for throughput figures).
+        self.decode_seconds = 0.0
 
     def generate(
         self,
@@ -245,7 +249,9 @@ class DecodeBatcher:
         stepping: list[tuple[_Job, Generation]] = []
         for job, generation in self._running:
             try:
+                started = time.perf_counter()
                 is_over = generation.advance()
+                self.decode_seconds += time.perf_counter() - started
                 if is_over:
                     self._protect(generation)
                     job.succeed(generation.finish())
@@ -257,6 +263,7 @@ class DecodeBatcher:
         self._running = stepping
         if not stepping:
             return
+        started = time.perf_counter()
         try:
             decode_step(self.engine, [generation.decoding for _, generation in stepping])
         except BaseException as exc:
@@ -264,6 +271,7 @@ class DecodeBatcher:
                 job.fail(exc)
             self._running = []
             return
+        self.decode_seconds += time.perf_counter() - started
         self.num_steps += 1
         self.num_step_rows += len(stepping)
         self.max_step_rows = max(self.max_step_rows, len(stepping))
@@ -275,4 +283,6 @@ class DecodeBatcher:
             return
         self._live = None
         if any(generation is live for _, generation in self._running):
+            started = time.perf_counter()
             live.decoding.detach()
+            self.decode_seconds += time.perf_counter() - started

@@ -157,13 +157,15 @@ class LocalAnswerer:
                 "capacity": self._capacity, "cancelled": self._num_cancelled}
 
     @property
-    def batch(self) -> dict[str, int]:
-        """How the requests were decoded: forwards run, rows they decoded, the most at once."""
+    def batch(self) -> dict[str, float]:
+        """How the requests were decoded: forwards run, rows they decoded, the most at once,
+        seconds spent decoding (prefills and output inserts aside)."""
         batcher = self._backend.batcher
         if batcher is None:  # batching() always gives one
             return {}
         return {"max_batch": batcher.max_batch, "decode_steps": batcher.num_steps,
-                "decoded_rows": batcher.num_step_rows, "max_rows": batcher.max_step_rows}
+                "decoded_rows": batcher.num_step_rows, "max_rows": batcher.max_step_rows,
+                "decode_s": round(batcher.decode_seconds, 3)}
 
     def health(self) -> dict[str, Any]:
         return {"mode": "local", "model": self.model, "queue": self.queue, "batch": self.batch}
