@@ -11,8 +11,9 @@ import kvtrace.replay
 def test_public_names_are_pinned():
     assert sorted(kvtrace.replay.__all__) == sorted([
         "Analysis", "Backend", "BranchReport", "ContinueResult", "LocalBackend", "PrefixBreaker",
-        "RemoteBackend", "ReplayMode", "ReplayReport", "SamplingParams", "StepReport", "analyze",
-        "branch_out", "checkout", "continue_run", "open_local_backend", "replay",
+        "RemoteBackend", "ReplayMode", "ReplayReport", "RetryPolicy", "RunOutcome", "RunStatus",
+        "RunsReport", "SamplingParams", "StepReport", "analyze", "branch_out", "checkout",
+        "continue_run", "open_local_backend", "replay", "replay_runs", "select_runs",
     ])
     for name in kvtrace.replay.__all__:
         assert hasattr(kvtrace.replay, name), name
