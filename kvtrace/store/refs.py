@@ -21,7 +21,7 @@ polling.
 
 A batch's appends move their run once, when the batch has done its work
 (deferred.py): `move_refs` swaps the head from where the batch found it to
-where the appends left it and writes their reflog rows together.
+where the appends left it, with one reflog entry (reason `batch`) for them all.
 
 The statements an append runs are `Prepared` (backend.py): built once here,
 run by the driver.
@@ -37,10 +37,10 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
 from kvtrace.errors import ConflictError, RunPausedError, UsageError
-from kvtrace.store.backend import Prepared, insert_rows
+from kvtrace.store.backend import Prepared
 from kvtrace.store.schema import PAUSE_CONDITION, reflog, refs
 
-REASONS = ("create", "append", "fork", "revert", "reset", "import", "pause", "resume")
+REASONS = ("create", "append", "batch", "fork", "revert", "reset", "import", "pause", "resume")
 NOTIFY_CHANNEL = "kvtrace_refs"
 
 # Built once: appending a step runs these on every call, and building
@@ -102,23 +102,16 @@ def move_ref(
     _log(conn, name, old, new, reason, message, time.time())
 
 
-def move_refs(
-    conn: Connection, name: str, first: str | None, last: str | None,
-    appends: list[dict[str, Any]],
-) -> None:
-    """Swap ref `name` from `first` to `last` once for the appends whose reflog rows
-    (`reflog_row`) are `appends` (each from the head the one before left), and write
-    those rows in one statement.
+def move_refs(conn: Connection, name: str, first: str | None, last: str | None,
+              message: str) -> None:
+    """Swap ref `name` from `first` to `last` once for a batch of appends (deferred.py),
+    logged as one `batch` entry.
 
     ConflictError if the ref is not at `first`, RunPausedError if the run is paused:
     the caller's transaction then writes nothing.
     """
-    if any(row["reason"] != "append" or row["ref"] != name for row in appends):
-        raise ValueError("move_refs takes the appends of one ref")
     _swap(conn, name, first, last, is_append=True)
-    insert_rows(conn, reflog, appends)
-    if conn.dialect.name == "postgresql":
-        _NOTIFY.first(conn, {"ref_name": name})
+    _log(conn, name, first, last, "batch", message, time.time())
 
 
 def reflog_row(name: str, old: str | None, new: str | None, reason: str, message: str,

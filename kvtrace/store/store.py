@@ -140,7 +140,8 @@ class Store:
         their own transaction and do not see the batch's writes until it ends.
 
         Appends move their run once, when the batch's work is done
-        (deferred.py): a run moved by another writer meanwhile, or paused,
+        (deferred.py), with one reflog entry (reason `batch`) that `undo`
+        takes back whole: a run moved by another writer meanwhile, or paused,
         fails the batch then (ConflictError, RunPausedError), writing nothing.
         """
         if self._batch is not None:

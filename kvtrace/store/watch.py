@@ -39,9 +39,9 @@ class WatchEvent:
     """One thing that happened to a watched run.
 
     `kind` is "step" (a step was appended: `step` is it), "moved" (a revert,
-    reset, fork or import moved the head: `head` is the new head, None for an
-    empty run, and `is_back` says whether it moved to an ancestor of the old
-    head, as a revert does), "pause" or "resume". `cursor` is the reflog
+    reset, fork, import or a batch of appends moved the head: `head` is the
+    new head, None for an empty run, and `is_back` says whether it moved to
+    an ancestor of the old head, as a revert does), "pause" or "resume". `cursor` is the reflog
     entry's id: pass it as `since` to resume watching after this event.
     """
 

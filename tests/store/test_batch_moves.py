@@ -15,18 +15,45 @@ def _count(store, table: str) -> int:
         return int(conn.execute(sa.text(f"SELECT count(*) FROM {table}")).scalar_one())
 
 
-def test_each_append_of_a_batch_has_its_reflog_row_in_order(store):
+def test_a_batch_logs_one_entry_per_run_from_where_it_found_it(store):
     run = store.run("main")
-    run.record_tool_call("t", {"i": 0}, 0)
+    before = run.record_tool_call("t", {"i": 0}, 0)
     with store.batch():
         steps = [run.record_tool_call("t", {"i": i}, i) for i in range(1, 6)]
         other = store.run("other")
         other.record_tool_call("t", {"other": True}, 1)
-    appends = [e for e in reversed(store.reflog("main")) if e.reason == "append"]
-    assert [e.new_head for e in appends][1:] == [s.id for s in steps]
-    assert [e.old_head for e in appends][1:] == [s.parent_id for s in steps]
+    last = store.reflog("main")[0]
+    assert (last.reason, last.old_head, last.new_head) == ("batch", before.id, steps[-1].id)
+    assert last.message == "5 steps appended in one batch: 5 tool_call"
+    assert [e.reason for e in reversed(store.reflog("main"))] == ["create", "append", "batch"]
+    assert [s.id for s in store.log("main")] == [s.id for s in reversed(steps)] + [before.id]
     assert store.head("main").id == steps[-1].id and store.head("other").depth == 1
     assert store.fsck().is_ok
+
+
+def test_undo_of_a_batch_moves_the_run_back_to_where_the_batch_found_it(store):
+    run = store.run("main")
+    before = run.record_tool_call("t", {"i": 0}, 0)
+    with store.batch():
+        for i in range(1, 4):
+            run.record_tool_call("t", {"i": i}, i)
+    undone = store.undo("main")
+    assert undone is not None and undone.id == before.id == store.head("main").id
+    assert [e.reason for e in store.reflog("main")][:2] == ["reset", "batch"]
+    store.undo("main")  # the undo is itself undone: the batch's steps are all back
+    assert store.head("main").depth == 4 and store.fsck().is_ok
+
+
+def test_undo_of_an_imported_run_leaves_it_empty(store):
+    from kvtrace.formats import import_document
+
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+                {"role": "user", "content": "more"}, {"role": "assistant", "content": "done"}]
+    info = import_document(store, {"messages": messages}, format="openai", run="imported")
+    assert [e.reason for e in reversed(store.reflog("imported"))] == ["create", "batch"]
+    assert store.undo("imported") is None and store.run_info("imported").head_id is None
+    store.undo("imported")
+    assert store.run_info("imported").head_id == info.head_id
 
 
 def test_a_write_inside_a_batch_sees_the_heads_its_appends_left(store):
@@ -39,7 +66,8 @@ def test_a_write_inside_a_batch_sees_the_heads_its_appends_left(store):
         run.record_tool_call("t", {"i": 3}, 4)
     assert store.resolve("side@2") == last.id and store.head("side").depth == 3
     assert store.head("main").depth == 3
-    assert [e.reason for e in reversed(store.reflog("main"))] == ["create"] + ["append"] * 3
+    # the fork flushed the first two appends' move: one entry, and one for the third
+    assert [e.reason for e in reversed(store.reflog("main"))] == ["create", "batch", "batch"]
 
 
 def test_a_batch_on_a_paused_run_writes_nothing(store):
@@ -88,6 +116,6 @@ def test_a_batch_moves_each_run_with_one_swap(tmp_path):
                 run.record_tool_call("t", {"i": i}, i)
         swaps = [s for s in statements if s.startswith("UPDATE refs")]
         assert len(swaps) == 1 and store.head("main").depth == 10
-        assert len(store.reflog("main")) == 11
+        assert [e.reason for e in store.reflog("main")] == ["batch", "create"]
     finally:
         store.close()
