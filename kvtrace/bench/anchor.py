@@ -19,7 +19,10 @@ import sqlite3
 import time
 from pathlib import Path
 
-_STEP_COLUMNS = ("id", "parent_id", "kind", "depth", "body", "recorded_at", "skip_id", "skip_depth")
+from kvtrace.store import bodies
+
+_STEP_COLUMNS = ("id", "parent_id", "kind", "depth", "body", "recorded_at", "skip_id", "skip_depth",
+                 "body_codec")
 _REFLOG_COLUMNS = ("ref", "old_head", "new_head", "reason", "message", "created_at")
 
 
@@ -70,7 +73,7 @@ class SqliteAnchor:
         columns = ", ".join(_STEP_COLUMNS)
         step_row = self._source.execute(
             f"SELECT {columns} FROM steps WHERE id = ?", (step_id,)).fetchone()
-        body = json.loads(step_row[4])
+        body = json.loads(bodies.decode(step_row[4], step_row[8]))
         addresses = set(body["payload"].values())
         for entry in body.get("lists", {}).values():
             addresses.update(entry["items"])

@@ -29,7 +29,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from kvtrace.errors import ConflictError, IntegrityError, UsageError
-from kvtrace.store import codec, history, jsontext, lists
+from kvtrace.store import bodies, codec, history, jsontext, lists
 from kvtrace.store.backend import insert_ignore
 from kvtrace.store.encoding import decode_body, decode_json_blob, is_address
 from kvtrace.store.history import chunks, skip_in_memory
@@ -56,12 +56,12 @@ def write_bundle(
     written: set[str] = set()
     for part in chunks(chain):
         rows = {r.id: r for r in conn.execute(sa.select(steps).where(steps.c.id.in_(part)))}
-        needs = {step_id: _blobs_of(bytes(row.body)) for step_id, row in rows.items()}
+        kept = {step_id: bodies.decode(row.body, row.body_codec) for step_id, row in rows.items()}
+        needs = {step_id: _blobs_of(body) for step_id, body in kept.items()}
         wanted = sorted(set().union(*needs.values()) - written)
         data = codec.read(conn, wanted)
         for step_id in part:
-            row = rows[step_id]
-            body = bytes(row.body)
+            row, body = rows[step_id], kept[step_id]
             for address in needs[step_id]:
                 if address in written:
                     continue
@@ -179,7 +179,9 @@ def read_bundle(conn: Connection, file: IO[bytes], name: str | None) -> RunInfo:
     # Key order, as in Store.append: concurrent writers never wait on each other in a cycle.
     insert_ignore(conn, blobs, [codec.row(row["hash"], row["data"])
                                 for row in sorted(blob_rows, key=lambda row: row["hash"])], "hash")
-    insert_ignore(conn, steps, sorted(step_rows, key=lambda row: row["id"]), "id")
+    insert_ignore(conn, steps, [
+        {**row, **dict(zip(("body", "body_codec"), bodies.encode(row["body"]), strict=True))}
+        for row in sorted(step_rows, key=lambda row: row["id"])], "id")
     for note in note_rows:
         duplicate = conn.execute(
             sa.select(notes.c.id).where(
@@ -267,7 +269,7 @@ def _parse_line(
             "parent_id": value["parent"],
             "kind": value["kind"],
             "depth": 0,
-            "body": body,
+            "body": body,  # kept as `bodies.encode` says when inserted
             "recorded_at": check_timestamp(item["recorded_at"], "a bundle step's recorded_at"),
             "skip_id": None,
             "skip_depth": None,

@@ -20,7 +20,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from kvtrace.errors import IntegrityError, UsageError
-from kvtrace.store import codec, lists
+from kvtrace.store import bodies, codec, lists
 from kvtrace.store.encoding import decode_body, decode_json_blob
 from kvtrace.store.history import ancestor_in_memory, skip_in_memory
 from kvtrace.store.records import FsckReport
@@ -171,7 +171,12 @@ def _check_lists(
 
 def _check_body(row: Any, problems: list[str]) -> dict[str, Any] | None:
     label = f"step {row.id[:12]}"
-    body = bytes(row.body)
+    try:
+        body = bodies.decode(row.body, row.body_codec)
+    except IntegrityError as exc:
+        problems.append(f"{label}: body kept as {row.body_codec!r} does not decode (tampered): "
+                        f"{exc}")
+        return None
     if hashlib.sha256(body).hexdigest() != row.id:
         problems.append(f"{label}: body does not hash to its id (tampered)")
         return None

@@ -19,7 +19,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from kvtrace.errors import IntegrityError, StepNotFoundError
-from kvtrace.store import codec, lists
+from kvtrace.store import bodies, codec, lists
 from kvtrace.store.records import Growth, Step
 from kvtrace.store.schema import steps
 
@@ -236,7 +236,7 @@ def _read(conn: Connection, ids: list[str]) -> tuple[dict[str, Any], dict[str, d
     missing = [i for i in ids if i not in rows]
     if missing:
         raise StepNotFoundError(f"step {missing[0][:12]} is missing from the store")
-    return rows, {i: json.loads(bytes(rows[i].body)) for i in ids}
+    return rows, {i: json.loads(bodies.decode(rows[i].body, rows[i].body_codec)) for i in ids}
 
 
 def _fetch(conn: Connection, bodies: dict[str, dict[str, Any]]) -> lists.FetchLists:

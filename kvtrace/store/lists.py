@@ -38,6 +38,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from kvtrace.errors import IntegrityError
+from kvtrace.store import bodies
 from kvtrace.store.encoding import list_entry_problem
 from kvtrace.store.schema import steps
 
@@ -236,10 +237,10 @@ def fetch_lists(conn: Connection) -> FetchLists:
     def fetch(ids: list[str]) -> dict[str, dict[str, Any]]:
         found: dict[str, dict[str, Any]] = {}
         for start in range(0, len(ids), _IN_CHUNK):
-            query = sa.select(steps.c.id, steps.c.body).where(
+            query = sa.select(steps.c.id, steps.c.body, steps.c.body_codec).where(
                 steps.c.id.in_(ids[start : start + _IN_CHUNK]))
-            for step_id, body in conn.execute(query):
-                found[step_id] = lists_of(json.loads(bytes(body)))
+            for step_id, body, body_codec in conn.execute(query):
+                found[step_id] = lists_of(json.loads(bodies.decode(body, body_codec)))
         return found
 
     return fetch

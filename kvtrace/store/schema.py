@@ -22,7 +22,7 @@ from sqlalchemy import (
 )
 
 # The revision the code expects; a test checks it is the migrations' head.
-SCHEMA_REVISION = "0006_refs_head_index"
+SCHEMA_REVISION = "0007_step_body_codecs"
 APPEND_ONLY_TABLES = ("blobs", "steps", "reflog", "notes")
 PAUSE_REASONS = ("pause", "resume")  # the reflog entries that decide whether a run is paused
 # The condition of the partial index on those entries, as SQL: a query uses the
@@ -51,6 +51,7 @@ steps = Table(
     Column("recorded_at", Float, nullable=False),
     Column("skip_id", String(64), nullable=True),  # see history.py
     Column("skip_depth", Integer, nullable=True),
+    Column("body_codec", String(16), nullable=True),  # how `body` keeps it: see bodies.py
     Index("ix_steps_parent_id", "parent_id"),
 )
 

@@ -30,7 +30,7 @@ from kvtrace.errors import (
     StepNotFoundError,
     UsageError,
 )
-from kvtrace.store import codec, encoding, history, resolve, validation, views
+from kvtrace.store import bodies, codec, encoding, history, resolve, validation, views
 from kvtrace.store import lists as store_lists
 from kvtrace.store.backend import (
     insert_ignore,
@@ -425,8 +425,9 @@ class Store:
         with read_transaction(self._reader) as conn:
             found = resolve.step_id(conn, spec)
             original = history.load_steps(conn, [found], self._lists_cache())[0]
-            body = json.loads(bytes(conn.execute(
-                sa.select(steps.c.body).where(steps.c.id == original.id)).scalar_one()))
+            kept = conn.execute(sa.select(steps.c.body, steps.c.body_codec)
+                                .where(steps.c.id == original.id)).one()
+            body = json.loads(bodies.decode(kept.body, kept.body_codec))
             parent = (history.load_steps(conn, [original.parent_id], self._lists_cache())[0]
                       if original.parent_id else None)
         unknown = sorted(set(edit) - editable_fields(original))
@@ -732,6 +733,7 @@ class Store:
                 meta=clean_meta, lists=entries,
             )
             step_id = encoding.sha256_hex(body)
+            kept, body_codec = bodies.encode(body)
             skip_id, skip_depth = history.skip_for(conn, parent_id, depth, self._known)
             # Hash order: concurrent writers sharing blobs take row locks in one order.
             insert_ignore(
@@ -751,7 +753,8 @@ class Store:
                         "parent_id": parent_id,
                         "kind": kind,
                         "depth": depth,
-                        "body": body,
+                        "body": kept,
+                        "body_codec": body_codec,
                         "recorded_at": now,
                         "skip_id": skip_id,
                         "skip_depth": skip_depth,

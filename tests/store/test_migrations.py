@@ -117,12 +117,19 @@ def test_a_run_paused_before_the_pause_index_stays_paused(store_url):
     store.close()
 
 
-def test_refs_head_index_is_built_over_the_runs_already_there(store_url):
-    old = open_store(store_url)  # runs recorded, then the index dropped: as 0005 left a store
+def test_refs_head_index_is_built_over_the_runs_already_there(store_url, monkeypatch):
+    from kvtrace.store import bodies
+
+    # Runs recorded as 0005 wrote them (bodies as they are), then what 0006 and 0007 added
+    # dropped: as 0005 left a store.
+    monkeypatch.setattr(bodies, "encode", lambda body: (body, None))
+    old = open_store(store_url)
     old.run("main").record_tool_call("t", {}, 1)
     old.fork("main", "side")
+    monkeypatch.undo()
     with old.engine.begin() as conn:
         conn.execute(sa.text("DROP INDEX ix_refs_head"))
+        conn.execute(sa.text("ALTER TABLE steps DROP COLUMN body_codec"))
         conn.execute(sa.text("UPDATE alembic_version SET version_num = '0005_blob_codecs'"))
     old.close()
     store = open_store(store_url)  # migrates 0005 -> head
