@@ -27,8 +27,10 @@ from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.engine import Connection
 
-from kvtrace.store import StepKind, Store, open_store
+from kvtrace.store import StepKind, Store, bodies, open_store
+from kvtrace.store.schema import steps
 
 KVTRACE_TABLES = ("blobs", "steps", "refs", "reflog", "notes", "alembic_version")
 
@@ -72,6 +74,17 @@ def run_footprint_bench(url: str | None = None, *, num_conversations: int = 14) 
         "import_steps_per_s": round(num_steps / import_s, 1),
         "read_step_ms_p50": round(statistics.median(read_ms), 4),
     }
+
+
+def body_bytes(conn: Connection) -> tuple[int, int]:
+    """(canonical, kept): the bytes of every step body as its id hashes it, and as the
+    `steps` rows keep it (packed: store/bodies.py). Content figures count the first."""
+    canonical = kept = 0
+    query = sa.select(steps.c.body, steps.c.body_codec)
+    for body, body_codec in conn.execution_options(yield_per=1000).execute(query):
+        canonical += len(bodies.decode(body, body_codec))
+        kept += len(body)
+    return canonical, kept
 
 
 def store_file_bytes(store: Store) -> int:

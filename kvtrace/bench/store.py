@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtrace.bench.anchor import SqliteAnchor
-from kvtrace.bench.footprint import run_footprint_bench
+from kvtrace.bench.footprint import body_bytes, run_footprint_bench
 from kvtrace.errors import UsageError
 from kvtrace.store import Store, open_store
 from kvtrace.store.apis import ProviderApi
@@ -232,14 +232,13 @@ def _distinct_bytes(calls: list[Any], api: ProviderApi) -> int:
 
 
 def _stored_bytes(store: Store) -> int:
-    """Bytes of every blob and step body in the store."""
+    """Bytes of every blob's content and step body (canonical, as hashed) in the store."""
     import sqlalchemy as sa
 
     with store.engine.connect() as conn:
         blob_bytes = conn.execute(sa.text("SELECT COALESCE(SUM(size), 0) FROM blobs")).scalar()
-        body_bytes = conn.execute(
-            sa.text("SELECT COALESCE(SUM(LENGTH(body)), 0) FROM steps")).scalar()
-    return int(blob_bytes or 0) + int(body_bytes or 0)
+        canonical_body_bytes, _ = body_bytes(conn)
+    return int(blob_bytes or 0) + canonical_body_bytes
 def run_append_comparison(
     urls: list[str] | None = None, *, num_appends: int = 1000, round_size: int = 50
 ) -> dict[str, Any]:

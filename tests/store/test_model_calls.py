@@ -14,7 +14,7 @@ import sqlalchemy as sa
 from kvtrace import open_store
 from kvtrace.bench.conversations import tool_calling_conversation
 from kvtrace.errors import IntegrityError, UsageError
-from kvtrace.store import codec, lists
+from kvtrace.store import bodies, codec, lists
 from kvtrace.store.encoding import canonical_json
 from kvtrace.store.messages import normalize_message
 from tests.conftest import tamper
@@ -31,8 +31,9 @@ def _blobs(store) -> dict[str, bytes]:
 def _list_entries(store) -> list[dict]:
     """The "messages" entry of every model call's body."""
     with store.engine.connect() as conn:
-        bodies = [json.loads(bytes(b)) for (b,) in conn.execute(sa.text("SELECT body FROM steps"))]
-    return [b["lists"]["messages"] for b in bodies if "messages" in b.get("lists", {})]
+        kept = conn.execute(sa.text("SELECT body, body_codec FROM steps")).all()
+    found = [json.loads(bodies.decode(body, body_codec)) for body, body_codec in kept]
+    return [b["lists"]["messages"] for b in found if "messages" in b.get("lists", {})]
 
 
 def _record(run, calls, *, tool_steps: bool = True):

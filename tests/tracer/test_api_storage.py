@@ -17,10 +17,11 @@ import pytest
 import sqlalchemy as sa
 
 from kvtrace import open_store
+from kvtrace.bench.footprint import body_bytes
 from kvtrace.store import Store
 from kvtrace.store.encoding import canonical_json
 from kvtrace.store.kinds import ModelCall, model_calls
-from kvtrace.store.schema import blobs, steps
+from kvtrace.store.schema import blobs
 from kvtrace.tracer import RecordingTransport
 from tests.canned import SECRET_KEY
 
@@ -88,12 +89,14 @@ def responses_agent(url: str, transport: Any, *, stream: bool) -> None:
 
 
 def stored_bytes(store: Store) -> dict[str, int]:
-    """Content bytes of every blob, bytes kept for them (zstd), and step-body bytes."""
+    """Content bytes of every blob, bytes kept for them (zstd), and step-body bytes
+    (canonical, and as kept: packed)."""
     with store.engine.connect() as conn:
         content, kept = conn.execute(sa.select(sa.func.sum(blobs.c.size),
                                                sa.func.sum(sa.func.length(blobs.c.data)))).one()
-        bodies = conn.execute(sa.select(sa.func.sum(sa.func.length(steps.c.body)))).scalar()
-    return {"blob_bytes": int(content), "kept_blob_bytes": int(kept), "body_bytes": int(bodies)}
+        canonical_bodies, kept_bodies = body_bytes(conn)
+    return {"blob_bytes": int(content), "kept_blob_bytes": int(kept),
+            "body_bytes": canonical_bodies, "kept_body_bytes": kept_bodies}
 
 
 def distinct_bytes(calls: list[ModelCall]) -> int:
@@ -133,7 +136,7 @@ def measure(url: str, agent: Callable[..., None], upstream: Any, *, stream: bool
             "stream_bytes": stream_bytes, "response_bytes": response_bytes(calls),
             "over_distinct": round(stored / distinct, 3),
             "over_distinct_without_streams": round((stored - stream_bytes) / distinct, 3),
-            "kept_over_distinct": round((figures["kept_blob_bytes"] + figures["body_bytes"])
+            "kept_over_distinct": round((figures["kept_blob_bytes"] + figures["kept_body_bytes"])
                                         / distinct, 3)}
 
 
