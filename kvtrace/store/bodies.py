@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import re
 import threading
+from binascii import unhexlify
 
 import zstandard
 
@@ -92,7 +93,8 @@ def encode(body: bytes) -> tuple[bytes, str | None]:
     if _MARK in body:  # not UTF-8, so not a body kvtrace writes: kept as it is
         return body, None
     parts = _ADDRESS.split(body)  # the text between addresses, and each address's hex
-    parts[1::2] = [_MARK + bytes.fromhex(address.decode("ascii")) for address in parts[1::2]]
+    for index in range(1, len(parts), 2):
+        parts[index] = _MARK + unhexlify(parts[index])
     data = _compressor().compress(b"".join(parts))[4:]  # the magic number: the column says it
     if len(data) >= len(body):
         return body, None
