@@ -265,7 +265,7 @@ def undo(
     run: Annotated[str, typer.Argument(help="Run whose last move to undo.")],
     as_json: Json = False,
 ) -> None:
-    """Undo the last revert, reset or append of a run, using its reflog."""
+    """Undo the last revert, reset, append or import of a run, using its reflog."""
     with _store(ctx) as store:
         step = store.undo(run)
         moved = _last_move(store, run)

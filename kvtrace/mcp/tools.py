@@ -245,7 +245,7 @@ class Tools:
         return self._last_move(run)
 
     def undo(self, run: Run) -> dict[str, Any]:
-        """Undo the last revert, reset or append of a run, from its reflog (`kvtrace undo
+        """Undo the last revert, reset, append or import of a run, from its reflog (`kvtrace undo
         --json`: the undo's reflog entry)."""
         self.store.undo(run)
         return self._last_move(run)
