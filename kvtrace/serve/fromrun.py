@@ -27,7 +27,7 @@ from starlette.responses import Response
 
 from kvtrace.errors import UsageError
 from kvtrace.serve.agents import Agent, agent_of
-from kvtrace.serve.api import APIError
+from kvtrace.serve.request import APIError
 from kvtrace.tracer.cassette import served_response
 from kvtrace.tracer.prefix import PrefixSummary, RecordedPrefix
 
