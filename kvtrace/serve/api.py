@@ -33,6 +33,7 @@ from kvtrace.serve.request import (
     parse_json,
 )
 from kvtrace.store.messages import normalize_messages, normalize_tools
+from kvtrace.tracer import sse
 
 # Programs and tests import these from here too (the shared ones live in request.py).
 __all__ = ["CHAT_PATH", "MAX_BODY_DEPTH", "MODELS_PATH", "APIError", "ChatRequest",
@@ -53,8 +54,7 @@ class ChatRequest(RequestFields):
 
     @property
     def includes_usage(self) -> bool:
-        options = self.body.get("stream_options")
-        return isinstance(options, dict) and bool(options.get("include_usage"))
+        return sse.includes_usage(self.body)
 
     @property
     def stop(self) -> list[str]:
