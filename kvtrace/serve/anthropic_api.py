@@ -150,7 +150,7 @@ def parse_messages_request(data: bytes, *, is_counted_only: bool = False) -> Mes
     check_type(body, "metadata", dict, "an object")
     check_seed(body)
     stored = normalised(lambda _: stored_call(ProviderApi.ANTHROPIC_MESSAGES, messages,
-                                               system, tools), None, "messages")
+                                              system, tools), None, "messages")
     view = chat_view(ProviderApi.ANTHROPIC_MESSAGES, stored)
     native = native_request(ProviderApi.ANTHROPIC_MESSAGES, stored)
     return MessagesRequest(body=body, native_messages=stored["messages"],
@@ -230,10 +230,10 @@ class MessagesReply:
                 opened = {**block, "input": {}}
                 delta = {"type": "input_json_delta",
                          "partial_json": json.dumps(block["input"], ensure_ascii=False)}
-            yield sse_event("content_block_start", {"type": "content_block_start", "index": index,
-                                                 "content_block": opened})
-            yield sse_event("content_block_delta", {"type": "content_block_delta", "index": index,
-                                                 "delta": delta})
+            yield sse_event("content_block_start", {"type": "content_block_start",
+                                                    "index": index, "content_block": opened})
+            yield sse_event("content_block_delta", {"type": "content_block_delta",
+                                                    "index": index, "delta": delta})
             yield sse_event("content_block_stop", {"type": "content_block_stop", "index": index})
         yield sse_event("message_delta", {
             "type": "message_delta", "usage": self.usage,

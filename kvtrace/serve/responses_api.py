@@ -137,8 +137,8 @@ def parse_responses_request(data: bytes, *, is_local: bool) -> ResponsesRequest:
     check_type(body, "include", list, "an array")
     check_seed(body)
     stored = normalised(lambda _: stored_call(ProviderApi.OPENAI_RESPONSES, items,
-                                               instructions, tools, prior=prior or None),
-                         None, "input")
+                                              instructions, tools, prior=prior or None),
+                        None, "input")
     view = chat_view(ProviderApi.OPENAI_RESPONSES, stored)
     native = native_request(ProviderApi.OPENAI_RESPONSES, stored)
     return ResponsesRequest(body=body, native_input=stored["input"],
@@ -154,8 +154,6 @@ def _unstored_calls(value: Any, *, continues: bool) -> list[dict[str, Any]]:
         return []
     return [{"type": "function_call", "call_id": item.get("call_id")}
             for item in value if isinstance(item, dict)]
-
-
 
 
 def output_items(generation: Generation, *, is_incomplete: bool) -> list[dict[str, Any]]:
