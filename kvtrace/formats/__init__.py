@@ -2,8 +2,8 @@
 
 One module per format, each converting a whole document to the store's
 records and back (`import_X(store, document, *, run)`, `export_X(store,
-spec)`): `openai.py` (a list of chat messages), `atif.py` (Harbor's Agent
-Trajectory Interchange Format), `otel.py` / `otel_import.py`
+spec)`): `openai.py` (a list of chat messages), `atif.py` / `atif_export.py`
+(Harbor's Agent Trajectory Interchange Format), `otel.py` / `otel_import.py`
 (OpenTelemetry OTLP-JSON spans with the GenAI conventions), and the
 agents' own logs, JSON Lines (jsonl.py): `claude_code.py` /
 `claude_code_export.py` (Claude Code session transcripts, subagents as
@@ -21,7 +21,8 @@ from enum import StrEnum
 from typing import IO, Any
 
 from kvtrace.errors import UsageError
-from kvtrace.formats.atif import atif_records, export_atif, import_atif
+from kvtrace.formats.atif import atif_records, import_atif
+from kvtrace.formats.atif_export import export_atif
 from kvtrace.formats.claude_code import (
     claude_code_plan,
     claude_code_records,

@@ -25,7 +25,7 @@ from typing import Any
 
 from kvtrace.errors import UsageError
 from kvtrace.formats.claude_code import KEY
-from kvtrace.formats.records import restore
+from kvtrace.formats.records import kept_lines, restore
 from kvtrace.rendering import parse_arguments, tool_result_content
 from kvtrace.store import OnStep, ProviderApi, Step, Store, kinds
 
@@ -162,12 +162,7 @@ class _Writer:
 
 
 def _kept(step: Step) -> dict[str, Any]:
-    """What the import kept of the step's lines; an edited copy writes itself afresh."""
-    if kinds.edit_of(step) is not None:
-        return {}
-    typed = kinds.view(step)
-    kept = typed.extra.get(KEY) if isinstance(typed, (kinds.ModelCall, kinds.ToolCall)) else None
-    return kept if isinstance(kept, dict) else {}
+    return kept_lines(step, KEY)
 
 
 def _response_blocks(call: kinds.ModelCall) -> list[dict[str, Any]]:

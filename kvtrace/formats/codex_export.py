@@ -22,7 +22,7 @@ from typing import Any
 
 from kvtrace.errors import UsageError
 from kvtrace.formats.codex import KEY, is_model_item
-from kvtrace.formats.records import restore
+from kvtrace.formats.records import kept_lines, restore
 from kvtrace.rendering import content_text, tool_result_content
 from kvtrace.store import OnStep, ProviderApi, Step, Store, kinds
 
@@ -153,12 +153,7 @@ class _Writer:
 
 
 def _kept(step: Step) -> dict[str, Any]:
-    """What the import kept of the step's lines; an edited copy writes itself afresh."""
-    if kinds.edit_of(step) is not None:
-        return {}
-    typed = kinds.view(step)
-    kept = typed.extra.get(KEY) if isinstance(typed, (kinds.ModelCall, kinds.ToolCall)) else None
-    return kept if isinstance(kept, dict) else {}
+    return kept_lines(step, KEY)
 
 
 def _output_items(call: kinds.ModelCall) -> list[dict[str, Any]]:

@@ -25,6 +25,7 @@ from kvtrace.store import (
     OnStep,
     ProviderApi,
     RunInfo,
+    Step,
     Store,
     jsontext,
     kinds,
@@ -193,6 +194,16 @@ def keep(obj: Mapping[str, Any], mapped: set[str] | frozenset[str]) -> dict[str,
     """
     fields = {k: v for k, v in obj.items() if k not in mapped or v in (None, [], {})}
     return {"keys": list(obj), "fields": fields}
+
+
+def kept_lines(step: Step, key: str) -> dict[str, Any]:
+    """What a JSON Lines import kept of a step's lines, under `meta.extra[key]`; nothing for
+    an edited copy, which its export writes afresh (the kept lines are the original's)."""
+    if kinds.edit_of(step) is not None:
+        return {}
+    typed = kinds.view(step)
+    kept = typed.extra.get(key) if isinstance(typed, (kinds.ModelCall, kinds.ToolCall)) else None
+    return kept if isinstance(kept, dict) else {}
 
 
 def restore(mapped: Mapping[str, Any], kept: Mapping[str, Any] | None) -> dict[str, Any]:

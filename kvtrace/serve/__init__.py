@@ -16,9 +16,10 @@ local engine or by forwarding to an upstream.
   upstream.py (`UpstreamAnswerer`: forwards to another server);
 - recording.py: which run a request is recorded into, the store writer
   thread, the per-run stats (`store=None`: nothing is recorded);
-- api.py: the chat request's checks, the body checks all three APIs share,
-  and the errors; anthropic_api.py and responses_api.py: the other two APIs'
-  requests, answers and SSE events; chat_reply.py: chat's local answer;
+- request.py: the body checks all three APIs share, their common fields
+  and the errors; api.py: the chat request's checks; anthropic_api.py and
+  responses_api.py: the other two APIs' requests, answers and SSE events;
+  chat_reply.py: chat's local answer;
   generation.py: what the engine is asked and made, whatever the API;
   openapi.py: the three request schemas in `GET /openapi.json`;
 - runner.py: `BackgroundServer`, uvicorn on a thread, and the program

@@ -49,7 +49,7 @@ class Answerer(Protocol):
 
     async def answer(self, request: Request, body: bytes, sink: Sink) -> Response:
         """The response to an authorized `/v1/...` request whose body was read; its step
-        goes to `sink`. Bad input raises api.py's `APIError` before anything is recorded."""
+        goes to `sink`. Bad input raises request.py's `APIError` before anything is recorded."""
 
     async def close(self) -> None:
         """Free what the answerer holds (threads, connections); the server has stopped."""

@@ -1,8 +1,8 @@
 """The Anthropic Messages API as `kvtrace serve` speaks it: requests, answers, streams, errors.
 
 `parse_messages_request` checks a `POST /v1/messages` body before any work
-(the shared body checks of api.py, then the API's own fields) and raises
-api.py's `APIError`, which app.py sends in Anthropic's error shape
+(the shared body checks of request.py, then the API's own fields) and raises
+request.py's `APIError`, which app.py sends in Anthropic's error shape
 (`error_body`: ``{"type": "error", "error": {"type", "message"}}``, the
 type named from the status). Required: `model`, `max_tokens` (>= 1) and
 `messages`, whose blocks are checked by the store's own normaliser
@@ -36,30 +36,27 @@ import json
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from kvtrace.errors import UsageError
-from kvtrace.serve.api import (
+from kvtrace.serve.generation import Generation, native_step, sse_event, stored_call
+from kvtrace.serve.request import (
     APIError,
+    RequestFields,
     check_max_tokens,
     check_number,
     check_seed,
     check_type,
     is_int,
+    normalised,
     parse_json,
     require,
 )
-from kvtrace.serve.generation import Generation, local_extra, recorded_params, stored_call
 from kvtrace.store import anthropic
 from kvtrace.store.apis import ProviderApi, chat_view, native_request
-from kvtrace.store.kinds import STREAM_FIELD, TOKEN_IDS_KEY
-from kvtrace.tracer.endpoints import ANTHROPIC, response_fields
+from kvtrace.tracer.endpoints import ANTHROPIC
 
 if TYPE_CHECKING:
     from kvtrace.serve.recording import StepWrite
-    from kvtrace.store import Step
-    from kvtrace.tracer.recorder import Recorder
-    from kvtrace.tracer.redact import Redactor
 
 MESSAGES_PATH = "/v1/messages"
 COUNT_TOKENS_PATH = "/v1/messages/count_tokens"  # Claude Code asks it; local mode answers
@@ -81,33 +78,20 @@ def error_body(error: APIError) -> dict[str, Any]:
 
 def error_event(error: APIError) -> bytes:
     """`error` as the SSE event that ends a Messages stream (the SDK raises it)."""
-    return _event("error", error_body(error))
+    return sse_event("error", error_body(error))
 
 
 @dataclass(frozen=True, slots=True)
-class MessagesRequest:
+class MessagesRequest(RequestFields):
     """A checked Messages request: `body` as sent, its stored form, and its chat view."""
 
+    MAX_TOKENS_FIELDS: ClassVar[tuple[str, ...]] = ("max_tokens",)
     body: dict[str, Any]
     native_messages: list[dict[str, Any]]
     system: str | list[dict[str, Any]] | None
     native_tools: list[dict[str, Any]] | None
     messages: list[dict[str, Any]]  # the chat view, what the engine renders
     tools: list[dict[str, Any]] | None
-
-    @property
-    def model(self) -> str | None:
-        model = self.body.get("model")
-        return model if isinstance(model, str) else None
-
-    @property
-    def is_stream(self) -> bool:
-        return bool(self.body.get("stream"))
-
-    @property
-    def max_tokens(self) -> int | None:
-        value = self.body.get("max_tokens")
-        return int(value) if value is not None else None
 
     @property
     def stop(self) -> list[str]:
@@ -143,9 +127,9 @@ def parse_messages_request(data: bytes, *, is_counted_only: bool = False) -> Mes
             body["messages"]):
         raise APIError(400, "'messages' must be a non-empty array of messages",
                        param="messages", code="invalid_type")
-    messages = _normalised(anthropic.normalize_messages, body["messages"], "messages")
-    system = _normalised(anthropic.normalize_system, body.get("system"), "system")
-    tools = _normalised(anthropic.normalize_tools, body.get("tools"), "tools")
+    messages = normalised(anthropic.normalize_messages, body["messages"], "messages")
+    system = normalised(anthropic.normalize_system, body.get("system"), "system")
+    tools = normalised(anthropic.normalize_tools, body.get("tools"), "tools")
     for index, tool in enumerate(tools or []):
         if "input_schema" in tool and not isinstance(tool["input_schema"], dict):
             raise APIError(400, f"tools[{index}].input_schema must be a JSON schema object",
@@ -165,20 +149,13 @@ def parse_messages_request(data: bytes, *, is_counted_only: bool = False) -> Mes
     check_type(body, "stream", bool, "a boolean")
     check_type(body, "metadata", dict, "an object")
     check_seed(body)
-    stored = _normalised(lambda _: stored_call(ProviderApi.ANTHROPIC_MESSAGES, messages,
-                                               system, tools), None, "messages")
+    stored = normalised(lambda _: stored_call(ProviderApi.ANTHROPIC_MESSAGES, messages,
+                                              system, tools), None, "messages")
     view = chat_view(ProviderApi.ANTHROPIC_MESSAGES, stored)
     native = native_request(ProviderApi.ANTHROPIC_MESSAGES, stored)
     return MessagesRequest(body=body, native_messages=stored["messages"],
                            system=native.get("system"), native_tools=native.get("tools"),
                            messages=view.messages, tools=view.tools)
-
-
-def _normalised(normalise: Any, value: Any, param: str) -> Any:
-    try:
-        return normalise(value)
-    except UsageError as exc:
-        raise APIError(400, str(exc), param=param, code="invalid_value") from exc
 
 
 def _check_tool_choice(choice: Any) -> None:
@@ -244,7 +221,7 @@ class MessagesReply:
         message = self.body
         start = {**message, "content": [], "stop_reason": None, "stop_sequence": None,
                  "usage": {**self.usage, "output_tokens": 0}}
-        yield _event("message_start", {"type": "message_start", "message": start})
+        yield sse_event("message_start", {"type": "message_start", "message": start})
         for index, block in enumerate(message["content"]):
             if block["type"] == "text":
                 opened: dict[str, Any] = {"type": "text", "text": ""}
@@ -253,37 +230,20 @@ class MessagesReply:
                 opened = {**block, "input": {}}
                 delta = {"type": "input_json_delta",
                          "partial_json": json.dumps(block["input"], ensure_ascii=False)}
-            yield _event("content_block_start", {"type": "content_block_start", "index": index,
-                                                 "content_block": opened})
-            yield _event("content_block_delta", {"type": "content_block_delta", "index": index,
-                                                 "delta": delta})
-            yield _event("content_block_stop", {"type": "content_block_stop", "index": index})
-        yield _event("message_delta", {
+            yield sse_event("content_block_start", {"type": "content_block_start",
+                                                    "index": index, "content_block": opened})
+            yield sse_event("content_block_delta", {"type": "content_block_delta",
+                                                    "index": index, "delta": delta})
+            yield sse_event("content_block_stop", {"type": "content_block_stop", "index": index})
+        yield sse_event("message_delta", {
             "type": "message_delta", "usage": self.usage,
             "delta": {"stop_reason": message["stop_reason"],
                       "stop_sequence": message["stop_sequence"]}})
-        yield _event("message_stop", {"type": "message_stop"})
+        yield sse_event("message_stop", {"type": "message_stop"})
 
     def step(self, url: str, *, is_complete: bool = True) -> StepWrite:
-        request, generation, message = self.request, self.generation, self.body
-
-        def write(recorder: Recorder, redactor: Redactor) -> Step:
-            usage = {**self.usage,
-                     "finish_reason": anthropic.finish_reason(message),
-                     TOKEN_IDS_KEY: list(generation.output_ids)}
-            own, _ = response_fields(ANTHROPIC, message)  # as the tracer splits a response
-            extra = local_extra(request, generation, url=redactor.url(url),
-                                answered_by=self.model, is_complete=is_complete, response=own)
-            stream = b"".join(self.events()) if request.is_stream else None
-            return recorder.record_model_call(
-                request.native_messages, message, model=self.model, tools=request.native_tools,
-                params=redactor.fields(recorded_params(request.body, NOT_PARAMS, generation)),
-                usage=usage, timings=generation.timings, extra=extra,
-                api=ProviderApi.ANTHROPIC_MESSAGES, system=request.system,
-                raw={STREAM_FIELD: stream} if stream is not None else None)
-
-        return write
-
-
-def _event(name: str, data: dict[str, Any]) -> bytes:
-    return (f"event: {name}\ndata: " + json.dumps(data, ensure_ascii=False) + "\n\n").encode()
+        request = self.request
+        return native_step(self, url, is_complete=is_complete, endpoint=ANTHROPIC,
+                           conversation=request.native_messages, system=request.system,
+                           tools=request.native_tools, finish_reason=anthropic.finish_reason,
+                           not_params=NOT_PARAMS)

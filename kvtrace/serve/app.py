@@ -12,7 +12,7 @@ the modes is in the answerers.
 
 Bad input (malformed JSON, wrong types, a prompt past the context, a body
 over `max_body_bytes`, a missing or wrong bearer token) is a 4xx with an
-error body in the shape of the API the path belongs to (api.py's
+error body in the shape of the API the path belongs to (request.py's
 `APIError`: OpenAI's `{"error": {...}}`, or Anthropic's `{"type": "error",
 "error": {...}}` under `/v1/messages`), and nothing is recorded. Anything else
 that fails while a request is answered (the store's database gone, a bug)
@@ -58,9 +58,10 @@ from kvtrace.serve.anthropic_api import (
     error_body,
     is_anthropic_path,
 )
-from kvtrace.serve.api import CHAT_PATH, MODELS_PATH, APIError, check_content_type
+from kvtrace.serve.api import CHAT_PATH, MODELS_PATH
 from kvtrace.serve.openapi import chat_operation, messages_operation, responses_operation
 from kvtrace.serve.recording import DISCARD, Recording, RunStats
+from kvtrace.serve.request import APIError, check_content_type
 from kvtrace.serve.responses_api import RESPONSES_PATH
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024

@@ -30,7 +30,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from kvtrace.serve.api import APIError
+from kvtrace.serve.request import APIError
 
 T = TypeVar("T")
 CLIENT_CLOSED_REQUEST = 499

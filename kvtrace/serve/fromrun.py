@@ -27,9 +27,9 @@ from starlette.responses import Response
 
 from kvtrace.errors import UsageError
 from kvtrace.serve.agents import Agent, agent_of
-from kvtrace.serve.api import APIError
-from kvtrace.tracer.cassette import served_response
+from kvtrace.serve.request import APIError
 from kvtrace.tracer.prefix import PrefixSummary, RecordedPrefix
+from kvtrace.tracer.served import served_response
 
 if TYPE_CHECKING:
     from starlette.requests import Request

@@ -13,20 +13,28 @@ the step that records it.
 `local_extra` is what every local answer records in `extra`, whichever
 API: the HTTP facts, the response's own ids, the model name the request
 asked for when another model answered (`request_model`), the chosen seed.
+`native_step` is how an answer in a provider's own API (Messages,
+Responses) is recorded, and `sse_event` how those two write an event: one
+rule each, so the two APIs' steps and streams cannot drift apart.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvtrace.store.apis import ProviderApi, stored_fields
 from kvtrace.store.encoding import canonical_json
+from kvtrace.store.kinds import STREAM_FIELD, TOKEN_IDS_KEY
+from kvtrace.tracer.endpoints import Endpoint, response_fields
 
 if TYPE_CHECKING:
     from kvtrace.serve.recording import StepWrite
+    from kvtrace.store import Step
+    from kvtrace.tracer.recorder import Recorder
+    from kvtrace.tracer.redact import Redactor
 
 SERVED_BY = "kvtrace serve (local)"
 
@@ -107,6 +115,24 @@ class Reply(Protocol):
         """How the answer is recorded (`is_complete=False`: a stream the client dropped)."""
 
 
+class NativeReply(Reply, Protocol):
+    """A Reply in a provider's own API: what `native_step` records of it."""
+
+    @property
+    def request(self) -> LocalCall: ...
+
+    @property
+    def generation(self) -> Generation: ...
+
+    @property
+    def model(self) -> str:
+        """The model that answered."""
+
+    @property
+    def usage(self) -> dict[str, Any]:
+        """The answer's usage, in the API's own terms."""
+
+
 def stored_call(api: ProviderApi, conversation: Any, system: Any, tools: Any, *,
                 prior: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """A request's conversation, system prompt and tools as a step of `api` stores them, and
@@ -144,3 +170,35 @@ def recorded_params(body: dict[str, Any], not_params: frozenset[str],
     if generation.chosen_seed is not None:
         params["seed"] = generation.chosen_seed
     return params
+
+
+def native_step(reply: NativeReply, url: str, *, is_complete: bool, endpoint: Endpoint,
+                conversation: list[dict[str, Any]], system: Any,
+                tools: list[dict[str, Any]] | None,
+                finish_reason: Callable[[Mapping[str, Any]], Any],
+                not_params: frozenset[str]) -> StepWrite:
+    """How a Messages or Responses answer is recorded: the request in its stored form
+    (`conversation`, `system`, `tools`), the answer split as the tracer splits a response
+    (endpoints.py), its usage with the finish reason and token ids, and the stream sent."""
+    request, generation, response = reply.request, reply.generation, reply.body
+
+    def write(recorder: Recorder, redactor: Redactor) -> Step:
+        usage = {**reply.usage, "finish_reason": finish_reason(response),
+                 TOKEN_IDS_KEY: list(generation.output_ids)}
+        own, settings = response_fields(endpoint, response)
+        extra = local_extra(request, generation, url=redactor.url(url), answered_by=reply.model,
+                            is_complete=is_complete, response=own)
+        stream = b"".join(reply.events()) if request.is_stream else None
+        return recorder.record_model_call(
+            conversation, response, model=reply.model, tools=tools,
+            params=redactor.fields(recorded_params(request.body, not_params, generation)),
+            usage=usage, timings=generation.timings, extra=extra, api=endpoint.api,
+            system=system, raw={STREAM_FIELD: stream} if stream is not None else None,
+            response_settings=redactor.fields(settings) or None)
+
+    return write
+
+
+def sse_event(name: str, data: dict[str, Any]) -> bytes:
+    """One `event:` / `data:` block of a Messages or Responses stream the server writes."""
+    return (f"event: {name}\ndata: " + json.dumps(data, ensure_ascii=False) + "\n\n").encode()

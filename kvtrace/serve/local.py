@@ -80,11 +80,12 @@ from kvtrace.serve.anthropic_api import (
     MessagesReply,
     parse_messages_request,
 )
-from kvtrace.serve.api import CHAT_PATH, MODELS_PATH, APIError, parse_chat_request
+from kvtrace.serve.api import CHAT_PATH, MODELS_PATH, parse_chat_request
 from kvtrace.serve.chat_reply import ChatReply
 from kvtrace.serve.disconnect import ClosingStream, client_left, unless_client_leaves
 from kvtrace.serve.generation import Generation, LocalCall, Reply
 from kvtrace.serve.recording import Sink
+from kvtrace.serve.request import APIError
 from kvtrace.serve.responses_api import RESPONSES_PATH, ResponsesReply, parse_responses_request
 
 if TYPE_CHECKING:

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from kvtrace.errors import RunNotFoundError, RunPausedError, UsageError
 from kvtrace.serve.agents import agent_of
-from kvtrace.serve.api import APIError
+from kvtrace.serve.request import APIError
 from kvtrace.store import ModelCall, Step, StepKind, Store, validate_run_name
 from kvtrace.tracer.recorder import Recorder
 from kvtrace.tracer.redact import Redactor

@@ -1,8 +1,8 @@
 """The OpenAI Responses API as `kvtrace serve` speaks it: requests, answers, streams.
 
 `parse_responses_request` checks a `POST /v1/responses` body before any
-work (the shared body checks of api.py, then the API's own fields) and
-raises api.py's `APIError`, sent in OpenAI's error shape. `input` (a string
+work (the shared body checks of request.py, then the API's own fields) and
+raises request.py's `APIError`, sent in OpenAI's error shape. `input` (a string
 or a list of items) is checked by the store's own normaliser
 (store/responses.py: an item needs its fields, a `function_call_output`
 must answer an earlier `function_call`); `model`, `instructions`, `tools`,
@@ -34,34 +34,30 @@ Streamed, it is the API's events, each with its `sequence_number`:
 from __future__ import annotations
 
 import itertools
-import json
 import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from kvtrace.errors import UsageError
-from kvtrace.serve.api import (
+from kvtrace.serve.generation import Generation, native_step, sse_event, stored_call
+from kvtrace.serve.request import (
     APIError,
+    RequestFields,
     check_max_tokens,
     check_number,
     check_seed,
     check_type,
+    normalised,
     parse_json,
     require,
 )
-from kvtrace.serve.generation import Generation, local_extra, recorded_params, stored_call
 from kvtrace.store import responses
 from kvtrace.store.apis import ProviderApi, chat_view, native_request
-from kvtrace.store.kinds import STREAM_FIELD, TOKEN_IDS_KEY
-from kvtrace.tracer.endpoints import RESPONSES, response_fields
+from kvtrace.tracer.endpoints import RESPONSES
 
 if TYPE_CHECKING:
     from kvtrace.serve.recording import StepWrite
-    from kvtrace.store import Step
-    from kvtrace.tracer.recorder import Recorder
-    from kvtrace.tracer.redact import Redactor
 
 RESPONSES_PATH = "/v1/responses"
 NOT_PARAMS = frozenset({"input", "instructions", "tools", "model", "stream"})
@@ -71,9 +67,10 @@ _NOT_LOCAL = (*_CONTINUES, "prompt")
 
 
 @dataclass(frozen=True, slots=True)
-class ResponsesRequest:
+class ResponsesRequest(RequestFields):
     """A checked Responses request: `body` as sent, its stored form, and its chat view."""
 
+    MAX_TOKENS_FIELDS: ClassVar[tuple[str, ...]] = ("max_output_tokens",)
     body: dict[str, Any]
     native_input: list[dict[str, Any]]
     instructions: str | None
@@ -82,26 +79,8 @@ class ResponsesRequest:
     tools: list[dict[str, Any]] | None
 
     @property
-    def model(self) -> str | None:
-        model = self.body.get("model")
-        return model if isinstance(model, str) else None
-
-    @property
-    def is_stream(self) -> bool:
-        return bool(self.body.get("stream"))
-
-    @property
-    def max_tokens(self) -> int | None:
-        value = self.body.get("max_output_tokens")
-        return int(value) if value is not None else None
-
-    @property
     def stop(self) -> list[str]:
         return []
-
-    @property
-    def parses_tool_calls(self) -> bool:
-        return bool(self.tools) and self.body.get("tool_choice") != "none"
 
 
 def parse_responses_request(data: bytes, *, is_local: bool) -> ResponsesRequest:
@@ -136,8 +115,9 @@ def parse_responses_request(data: bytes, *, is_local: bool) -> ResponsesRequest:
         raise APIError(400, "'instructions' must be a string", param="instructions",
                        code="invalid_type")
     prior = _unstored_calls(body.get("input"), continues=continues)
-    items = _input_items(body.get("input") or [], prior)
-    tools = _normalised(responses.normalize_tools, body.get("tools"), "tools")
+    items = normalised(lambda value: responses.normalize_input(value, prior),
+                       body.get("input") or [], "input")
+    tools = normalised(responses.normalize_tools, body.get("tools"), "tools")
     for index, tool in enumerate(tools or []):
         if tool["type"] == "function" and not isinstance(tool.get("parameters", {}),
                                                          (dict, type(None))):
@@ -156,9 +136,9 @@ def parse_responses_request(data: bytes, *, is_local: bool) -> ResponsesRequest:
     check_type(body, "metadata", dict, "an object")
     check_type(body, "include", list, "an array")
     check_seed(body)
-    stored = _normalised(lambda _: stored_call(ProviderApi.OPENAI_RESPONSES, items,
-                                               instructions, tools, prior=prior or None),
-                         None, "input")
+    stored = normalised(lambda _: stored_call(ProviderApi.OPENAI_RESPONSES, items,
+                                              instructions, tools, prior=prior or None),
+                        None, "input")
     view = chat_view(ProviderApi.OPENAI_RESPONSES, stored)
     native = native_request(ProviderApi.OPENAI_RESPONSES, stored)
     return ResponsesRequest(body=body, native_input=stored["input"],
@@ -174,20 +154,6 @@ def _unstored_calls(value: Any, *, continues: bool) -> list[dict[str, Any]]:
         return []
     return [{"type": "function_call", "call_id": item.get("call_id")}
             for item in value if isinstance(item, dict)]
-
-
-def _input_items(value: Any, prior: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    try:
-        return responses.normalize_input(value, prior)
-    except UsageError as exc:
-        raise APIError(400, str(exc), param="input", code="invalid_value") from exc
-
-
-def _normalised(normalise: Any, value: Any, param: str) -> Any:
-    try:
-        return normalise(value)
-    except UsageError as exc:
-        raise APIError(400, str(exc), param=param, code="invalid_value") from exc
 
 
 def output_items(generation: Generation, *, is_incomplete: bool) -> list[dict[str, Any]]:
@@ -252,9 +218,7 @@ class ResponsesReply:
         numbers = itertools.count()
 
         def event(kind: str, **fields: Any) -> bytes:
-            data = {"type": kind, **fields, "sequence_number": next(numbers)}
-            return (f"event: {kind}\ndata: " + json.dumps(data, ensure_ascii=False)
-                    + "\n\n").encode()
+            return sse_event(kind, {"type": kind, **fields, "sequence_number": next(numbers)})
 
         shell = {**response, "status": "in_progress", "output": [], "usage": None,
                  "incomplete_details": None}
@@ -287,21 +251,8 @@ class ResponsesReply:
         yield event(f"response.{response['status']}", response=response)
 
     def step(self, url: str, *, is_complete: bool = True) -> StepWrite:
-        request, generation, response = self.request, self.generation, self.body
-
-        def write(recorder: Recorder, redactor: Redactor) -> Step:
-            usage = {**self.usage, "finish_reason": responses.finish_reason(response),
-                     TOKEN_IDS_KEY: list(generation.output_ids)}
-            own, settings = response_fields(RESPONSES, response)  # as the tracer splits it
-            extra = local_extra(request, generation, url=redactor.url(url),
-                                answered_by=self.model, is_complete=is_complete, response=own)
-            stream = b"".join(self.events()) if request.is_stream else None
-            return recorder.record_model_call(
-                request.native_input, response, model=self.model, tools=request.native_tools,
-                params=redactor.fields(recorded_params(request.body, NOT_PARAMS, generation)),
-                usage=usage, timings=generation.timings, extra=extra,
-                api=ProviderApi.OPENAI_RESPONSES, system=request.instructions,
-                raw={STREAM_FIELD: stream} if stream is not None else None,
-                response_settings=redactor.fields(settings) or None)
-
-        return write
+        request = self.request
+        return native_step(self, url, is_complete=is_complete, endpoint=RESPONSES,
+                           conversation=request.native_input, system=request.instructions,
+                           tools=request.native_tools, finish_reason=responses.finish_reason,
+                           not_params=NOT_PARAMS)

@@ -49,9 +49,10 @@ from kvtrace.serve.anthropic_api import (
     is_anthropic_path,
     parse_messages_request,
 )
-from kvtrace.serve.api import CHAT_PATH, APIError, parse_chat_request
+from kvtrace.serve.api import CHAT_PATH, parse_chat_request
 from kvtrace.serve.disconnect import ClosingStream, unless_client_leaves
 from kvtrace.serve.recording import DISCARD, RUN_HEADER, Sink, StepWrite
+from kvtrace.serve.request import APIError
 from kvtrace.serve.responses_api import RESPONSES_PATH, parse_responses_request
 from kvtrace.tracer.exchange import Exchange, decoded_body, record_exchange
 from kvtrace.tracer.sse import DONE

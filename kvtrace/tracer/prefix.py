@@ -40,9 +40,9 @@ from kvtrace.errors import UsageError
 from kvtrace.store import HttpExchange, ModelCall, Run, Step, StepKind, Store, ToolCall
 from kvtrace.store.edits import editable_fields, edited_content
 from kvtrace.store.plain import to_plain
-from kvtrace.tracer.cassette import Cassette
 from kvtrace.tracer.endpoints import endpoint_for
 from kvtrace.tracer.exchange import is_chat_completions
+from kvtrace.tracer.matching import Cassette
 from kvtrace.tracer.redact import Redactor
 
 _SNIPPET = 80

@@ -79,7 +79,7 @@ class Replaying:
 
     def take_request(self, request: httpx.Request) -> httpx.Response | Recorder:
         """The recorded answer to `request`, or the fork's recorder to record it live on."""
-        from kvtrace.tracer.cassette import served_response
+        from kvtrace.tracer.served import served_response
 
         taken = self._take(lambda: self._prefix.serve(request))
         return served_response(taken, request) if isinstance(taken, Step) else taken

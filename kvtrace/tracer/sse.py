@@ -119,6 +119,12 @@ def assemble(data: bytes) -> dict[str, Any]:
     return completion
 
 
+def includes_usage(request: Mapping[str, Any]) -> bool:
+    """Whether a streamed chat request asks for the usage chunk (`stream_options`)."""
+    options = request.get("stream_options")
+    return isinstance(options, Mapping) and bool(options.get("include_usage"))
+
+
 def stream_bytes(completion: Mapping[str, Any], *, include_usage: bool = False) -> bytes:
     """SSE bytes of a completion: a role chunk, content, tool calls, the finish, [DONE]."""
     return b"".join(stream_events(completion, include_usage=include_usage))

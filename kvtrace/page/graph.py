@@ -1,0 +1,72 @@
+"""The branch graph as inline SVG: one lane per run, each step once, linked to its entry.
+
+A node is drawn at its lane and depth (`GraphNode`, contents.py, laid them
+out), an edge from its parent, and one line of text per depth names the
+steps there (heads in bold); forks past `MAX_FORKS` are counted, not drawn.
+"""
+
+from __future__ import annotations
+
+from kvtrace.page.contents import GraphNode, Page
+from kvtrace.page.markup import cut, escape
+from kvtrace.store.kinds import StepKind
+
+LANE, ROW, MARGIN = 22, 22, 14  # graph geometry in pixels
+
+
+def graph_section(page: Page) -> str:
+    nodes = page.nodes
+    if not nodes:
+        return '<section id="graph"><h2>Branch graph</h2><p>no steps yet</p></section>'
+    where = {node.step_id: node for node in nodes}
+    max_depth = max(node.depth for node in nodes)
+    text_x = MARGIN * 2 + LANE * len(page.lanes)
+    width = text_x + 760
+    height = MARGIN * 2 + ROW * (max_depth - 1) + 8
+    rows: dict[int, list[GraphNode]] = {}
+    for node in nodes:
+        rows.setdefault(node.depth, []).append(node)
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+           f'viewBox="0 0 {width} {height}" role="img" aria-label="branch graph">']
+    for node in nodes:
+        parent = where.get(node.parent_id) if node.parent_id else None
+        if parent is None:
+            continue
+        (x1, y1), (x2, y2) = _xy(parent), _xy(node)
+        middle = (y1 + y2) / 2
+        out.append(f'<path class="edge" d="M{x1} {y1} C{x1} {middle} {x2} {middle} {x2} {y2}"/>')
+    for node in nodes:
+        x, y = _xy(node)
+        circle = (f'<circle class="node kind-{kind_class(node.kind)}" cx="{x}" cy="{y}" r="6">'
+                  f"<title>@{node.depth} {escape(node.kind)} {escape(node.summary)}</title>"
+                  "</circle>")
+        out.append(f'<a href="#{node.anchor}">{circle}</a>' if node.anchor else circle)
+    for depth, row in sorted(rows.items()):
+        y = MARGIN + ROW * (depth - 1) + 4
+        labels = []
+        width = max(16, 90 // len(row))  # several steps at one depth share the line
+        for node in row:
+            heads = "".join(f'<tspan class="head">({escape(h)}) </tspan>' for h in node.heads)
+            label = f"{heads}@{depth} {escape(node.kind)} {escape(cut(node.summary, width))}"
+            labels.append(f'<a href="#{node.anchor}">{label}</a>' if node.anchor else label)
+        out.append(f'<text x="{text_x}" y="{y}">{" | ".join(labels)}</text>')
+    out.append("</svg>")
+    lanes = " ".join(f"<span>lane {i + 1}: <code>{escape(name)}</code></span>"
+                     for i, name in enumerate(page.lanes))
+    kinds = " ".join(f'<span><i class="dot kind-{k}"></i>{k}</span>'
+                     for k in (*_DRAWN_KINDS, "other"))
+    more = (f"<p class=\"meta\">{page.num_forks_left_out} more forks not drawn</p>"
+            if page.num_forks_left_out else "")
+    return (f'<section id="graph"><h2>Branch graph</h2><div class="scroll">{"".join(out)}</div>'
+            f'<p class="legend">{kinds}</p><p class="legend">{lanes}</p>{more}</section>')
+
+
+def _xy(node: GraphNode) -> tuple[int, int]:
+    return MARGIN + LANE * node.lane, MARGIN + ROW * (node.depth - 1)
+
+
+_DRAWN_KINDS = (StepKind.MODEL_CALL, StepKind.TOOL_CALL, StepKind.NOTE)
+
+
+def kind_class(kind: str) -> str:
+    return kind if kind in _DRAWN_KINDS else "other"
