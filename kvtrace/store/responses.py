@@ -257,7 +257,8 @@ def _item(item: Any, where: str) -> dict[str, Any]:
     if not isinstance(kind, str):
         raise UsageError(f"{where} must have a type")
     if kind == "message":
-        if out.get("role") not in ROLES:
+        role = out.get("role")
+        if not isinstance(role, str) or role not in ROLES:
             raise UsageError(f"{where}.role is {out.get('role')!r}: use one of "
                              f"{', '.join(sorted(ROLES))}")
         content = out.get("content")

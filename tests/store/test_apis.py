@@ -194,6 +194,7 @@ def test_a_responses_sdk_object_is_taken_as_it_is(store):
      "arguments must be a JSON string"),
     ([{"type": "function_call", "name": "f", "arguments": "{}"}], "needs a call_id"),
     ([{"type": "message", "role": "tool", "content": "x"}], "role is 'tool'"),
+    ([{"role": ["user"], "content": "x"}], r"role is \['user'\]"),
     ([{"content": "no type, no role"}], "must have a type"),
     (7, "input must be a string or a list"),
 ])
