@@ -1,14 +1,18 @@
 """Decode steps: the next token of one sequence or many, in one padded forward.
 
 Why padded: CPU GEMMs give a row the same bits whatever the row count from
-12 rows up, and not below (prefill.py, docs/cache.md). A decode forward
-therefore always runs a multiple of `ROW_MULTIPLE` rows (16 for up to 16
-sequences): each sequence's last token, one row each, then padding rows
-whose outputs are dropped. Everything but attention is row-wise (the
-embedding, the norms, the linear layers, the MLP, the output layer), and a
-row's bits there do not depend on the other rows' values, so a sequence's
-logits have the same bits whether it decodes alone or with up to 15 others,
-in any row (tests/engine/test_batch.py).
+12 rows up, and not below on every machine (prefill.py, docs/cache.md). A
+decode forward therefore always runs a multiple of the engine's decode row
+multiple: each sequence's last token, one row each, then padding rows whose
+outputs are dropped. That multiple is 16 unless a probe of the engine's own
+model on this machine (`row_multiple`) shows that a row gets the same bits
+from forwards of 4 (or 8) rows as from 16: on the machines measured it does
+(4 rows cost a lone generation what 1 row costs; 16 rows cost it ~25 %
+more per token, docs/benchmarks.md). Everything but attention is row-wise
+(the embedding, the norms, the linear layers, the MLP, the output layer),
+and a row's bits there do not depend on the other rows' values, so a
+sequence's logits have the same bits whether it decodes alone or with up to
+15 others, in any row (tests/engine/test_batch.py).
 
 Attention is per sequence: the step hands the model a `RowRouter` as its
 cache, which appends each row's key and value to that sequence's own
@@ -24,6 +28,8 @@ attention): it is never stored (generate.py re-prefills the output).
 
 from __future__ import annotations
 
+import copy
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -36,6 +42,9 @@ from kvtrace.engine.prefill import ROW_MULTIPLE
 from kvtrace.errors import CacheError
 
 _PAD_TOKEN = 0
+_CANDIDATE_MULTIPLES = (4, 8)  # tried in turn; ROW_MULTIPLE when neither holds
+_PROBE_TOKENS = 24
+_multiples: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
 
 
 class Decoding:
@@ -110,23 +119,67 @@ class RowRouter(DynamicCache):
         return key_states, value_states
 
 
-def decode_rows(num_sequences: int) -> int:
-    """Rows of the forward that decodes `num_sequences` sequences: a multiple of 16, at least 16."""
-    return max(ROW_MULTIPLE, -(-num_sequences // ROW_MULTIPLE) * ROW_MULTIPLE)
+def decode_rows(num_sequences: int, multiple: int = ROW_MULTIPLE) -> int:
+    """Rows of the forward that decodes `num_sequences` sequences: a multiple of `multiple`."""
+    return max(multiple, -(-num_sequences // multiple) * multiple)
+
+
+def row_multiple(engine: Engine) -> int:
+    """The smallest padding multiple whose forwards give a row the bits of a 16-row one.
+
+    Probed once per model in this process (module docstring): one short
+    sequence decoded one step at every width of the candidate multiple up to
+    16, its whole logits compared bit for bit with the 16-row step's. Any
+    difference in any layer shows in the logits, and the widths a batch of
+    up to 16 may take are exactly the ones compared.
+    """
+    model = engine.model
+    known = _multiples.get(model)
+    if known is None:
+        known = _probe_multiple(engine)
+        _multiples[model] = known
+    return known
+
+
+def _probe_multiple(engine: Engine) -> int:
+    from kvtrace.engine.prefill import prefill
+
+    tokens = [1 + (7 * i) % (engine.vocab_size - 1) for i in range(_PROBE_TOKENS)]
+    pre = prefill(engine, None, tokens)
+
+    def logits_at(width: int) -> torch.Tensor:
+        sequence = Decoding(copy.deepcopy(pre.kv), pre.logits, temperature=0.0, top_p=1.0,
+                            generator=None)
+        sequence.choose()
+        decode_forward(engine, [sequence], width)
+        return sequence.logits
+
+    reference = logits_at(ROW_MULTIPLE)
+    for multiple in _CANDIDATE_MULTIPLES:
+        if all(torch.equal(logits_at(width), reference)
+               for width in range(multiple, ROW_MULTIPLE, multiple)):
+            return multiple
+    return ROW_MULTIPLE
 
 
 def decode_step(engine: Engine, sequences: Sequence[Decoding], *, padded: bool = True) -> None:
     """Feed each sequence's last chosen token; set its logits for the next one.
 
-    One forward of `decode_rows(len(sequences))` rows (module docstring), or,
-    with `padded=False`, of one row per sequence: what a lone generation
-    outside a batcher runs (generate.py), ~30-40 % faster per token for one
-    sequence, with bits of its own (a 1-row GEMM). Each sequence must have
-    chosen a token since its last step.
+    One forward of `decode_rows(len(sequences), row_multiple(engine))` rows
+    (module docstring), or, with `padded=False`, of one row per sequence:
+    what a lone generation outside a batcher runs (generate.py), with bits
+    of its own on machines where a 1-row GEMM differs. Each sequence must
+    have chosen a token since its last step.
     """
     if not sequences:
         return
-    width = decode_rows(len(sequences)) if padded else len(sequences)
+    width = decode_rows(len(sequences), row_multiple(engine)) if padded else len(sequences)
+    decode_forward(engine, sequences, width)
+
+
+def decode_forward(engine: Engine, sequences: Sequence[Decoding], width: int) -> None:
+    """One decode forward of exactly `width` rows (at least one per sequence): `decode_step`
+    without the choice of width; the probe and the tests compare widths with it."""
     device = engine.device
     ids = torch.full((1, width), _PAD_TOKEN, dtype=torch.long, device=device)
     positions = torch.zeros((1, width), dtype=torch.long, device=device)

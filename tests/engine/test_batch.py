@@ -16,7 +16,7 @@ import torch
 
 from kvtrace.engine import KVCache, generate, prefill
 from kvtrace.engine.batch import DecodeBatcher
-from kvtrace.engine.decode import decode_rows, decode_step
+from kvtrace.engine.decode import decode_forward, decode_rows, decode_step, row_multiple
 from kvtrace.engine.generate import Generation, begin
 from kvtrace.errors import GenerationCancelledError, UsageError
 from tests.held_engine import engine_held
@@ -65,12 +65,29 @@ def _assert_batch_sizes_match_alone(engine, prompts: list[list[int]], num_steps:
                 assert torch.equal(a, b), f"batch of {size}: sequence {i} (row {row}) step {step}"
 
 
-def test_decode_rows_are_a_multiple_of_16_from_16_up():
+def test_decode_rows_are_a_multiple_of_the_engines_multiple():
     assert [decode_rows(n) for n in (1, 8, 16, 17, 33)] == [16, 16, 16, 32, 48]
+    assert [decode_rows(n, 4) for n in (1, 4, 5, 8, 9, 16)] == [4, 4, 8, 8, 12, 16]
 
 
-def test_batched_logits_equal_alone_at_batch_sizes_1_to_8(tiny_engine, tokens):
-    _assert_batch_sizes_match_alone(tiny_engine, _prompts(tokens, 8), num_steps=6)
+def test_the_probed_multiple_is_one_whose_forwards_give_a_16_row_forwards_bits(
+        tiny_engine, tokens):
+    multiple = row_multiple(tiny_engine)
+    assert multiple in (4, 8, 16) and row_multiple(tiny_engine) == multiple  # probed once
+    prompt = tokens(90, seed=5)
+    seen = {}
+    for width in sorted({multiple, 16}):
+        begun = begin(tiny_engine, None, prompt, max_new_tokens=4, stop_ids=())
+        assert isinstance(begun, Generation)
+        begun.advance()
+        decode_forward(tiny_engine, [begun.decoding], width)
+        seen[width] = begun.decoding.logits
+    assert torch.equal(seen[multiple], seen[16])
+
+
+def test_batched_logits_equal_alone_at_batch_sizes_1_to_12(tiny_engine, tokens):
+    # With a multiple of 4 this spans forwards of 4, 8 and 12 rows against the alone 4.
+    _assert_batch_sizes_match_alone(tiny_engine, _prompts(tokens, 12), num_steps=6)
 
 
 @pytest.mark.slow
