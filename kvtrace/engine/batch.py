@@ -52,7 +52,7 @@ from kvtrace.errors import GenerationCancelledError, UsageError
 
 T = TypeVar("T")
 
-DEFAULT_MAX_BATCH = ROW_MULTIPLE  # one 16-row decode forward
+DEFAULT_MAX_BATCH = ROW_MULTIPLE  # at most one 16-row decode forward
 
 
 class _Job:

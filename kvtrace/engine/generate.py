@@ -2,11 +2,12 @@
 
 Decoding runs one token per forward on the DynamicCache that prefill left:
 a 1-row forward for a lone generation, or, in a `DecodeBatcher` (batch.py),
-a padded forward of 16 rows that may decode other sequences too
-(decode.py), whose tokens and logits are the same whatever else the
-batcher decodes (`padded_decode=True` runs that step alone). The padded
-step costs a lone sequence ~30-40 % more per token (docs/benchmarks.md,
-"Batched decoding"), so it is used only where requests are batched. Those
+a padded forward (a multiple of 4, 8 or 16 rows, decode.py) that may
+decode other sequences too, whose tokens and logits are the same whatever
+else the batcher decodes (`padded_decode=True` runs that step alone). Where
+the probe finds only 16 rows safe, the padded step costs a lone sequence
+~30-40 % more per token (docs/benchmarks.md, "Batched decoding"), so it is
+used only where requests are batched. Those
 rows are not canonical (one query row's
 attention is not the tiled attention of a prefill chunk), so after
 generation the output is re-prefilled
@@ -134,7 +135,7 @@ def generate(
     is asked before each decode step: when it says True, generation stops
     with GenerationCancelledError, and the output so far is not cached (the
     prompt, prefilled, stays cached). Decoding runs 1-row forwards; with
-    `padded_decode` it runs the padded 16-row step a `DecodeBatcher` runs
+    `padded_decode` it runs the padded step a `DecodeBatcher` runs
     (decode.py), so the tokens and logits equal that batcher's, whatever else
     it decodes alongside.
     """
