@@ -18,7 +18,7 @@ from kvtrace.store.apis import ProviderApi
 from kvtrace.store.kinds import ModelCall, view
 from tests.canned import all_blob_bytes, all_step_meta
 from tests.serve.canned_apis import CANNED_MESSAGE, CANNED_MESSAGE_STREAM
-from tests.serve.conftest import SERVER_KEY
+from tests.serve.conftest import SERVER_KEY, recorded_steps
 
 ASKED = "claude-sonnet-4-5"  # a name an unchanged agent sends; the local model answers it
 SYSTEM = "You are a terse assistant. " * 8
@@ -269,21 +269,11 @@ def test_a_stream_dropped_after_its_first_event_is_recorded_once(store, serve_lo
     with httpx.stream("POST", f"{server.url}/messages", json=body, timeout=60) as reply:
         assert next(reply.iter_lines()) == "event: message_start"
     deadline = time.monotonic() + 20
-    while not (steps := _recorded(store, "dropped")):  # the run's step, not only its name
+    while not (steps := recorded_steps(store, "dropped")):  # the run's step, not only its name
         assert time.monotonic() < deadline, "the dropped stream was not recorded"
         time.sleep(0.05)
     [step] = steps
     assert ModelCall(step).http["stream"] is True  # complete only if message_stop was sent
-
-
-def _recorded(store, run: str) -> list:
-    """The steps of `run`, [] while it does not exist yet."""
-    from kvtrace.errors import KvtraceError
-
-    try:
-        return store.path(run)
-    except KvtraceError:
-        return []
 
 
 @pytest.mark.slow
@@ -394,10 +384,12 @@ def test_an_upstream_stream_the_client_drops_is_closed_and_recorded_incomplete(
     with httpx.stream("POST", f"{proxy.url}/messages", json=body, timeout=30) as reply:
         assert next(reply.iter_lines()) == "event: message_start"
     deadline = time.monotonic() + 10
-    while canned_apis.abandoned != ["/v1/messages"] or not store.runs():
+    # the run's step, not only its name (PostgreSQL may show the name first)
+    while canned_apis.abandoned != ["/v1/messages"] or not (
+            steps := recorded_steps(store, "mid-way")):
         assert time.monotonic() < deadline, "the proxy did not close its upstream request"
         time.sleep(0.05)
-    [step] = store.path("mid-way")
+    [step] = steps
     assert view(step).is_complete is False  # nothing of it is recorded as complete
 
 

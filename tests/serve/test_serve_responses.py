@@ -18,7 +18,7 @@ import pytest
 from kvtrace.store.apis import ProviderApi
 from kvtrace.store.kinds import ModelCall, view
 from tests.serve.canned_apis import CANNED_RESPONSE, CANNED_RESPONSE_STREAM
-from tests.serve.conftest import SERVER_KEY
+from tests.serve.conftest import SERVER_KEY, recorded_steps
 
 ASKED = "gpt-4o-mini"  # a name an unchanged agent sends; the local model answers it
 SYSTEM = "You are a terse assistant. " * 8
@@ -317,8 +317,9 @@ def test_an_upstream_stream_the_client_drops_is_closed_and_recorded_incomplete(
     with httpx.stream("POST", f"{proxy.url}/responses", json=body, timeout=30) as reply:
         assert next(reply.iter_lines()) == "event: response.created"
     deadline = time.monotonic() + 10
-    while canned_apis.abandoned != ["/v1/responses"] or not store.runs():
+    while canned_apis.abandoned != ["/v1/responses"] or not (
+            steps := recorded_steps(store, "mid-way")):
         assert time.monotonic() < deadline, "the proxy did not close its upstream request"
         time.sleep(0.05)
-    [step] = store.path("mid-way")
+    [step] = steps
     assert view(step).is_complete is False  # nothing of it is recorded as complete
