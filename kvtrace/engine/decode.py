@@ -38,7 +38,7 @@ from transformers import DynamicCache
 from kvtrace.engine.attention import ROUTER_KWARG
 from kvtrace.engine.kvbuffer import GrowingLayer, growing_layers
 from kvtrace.engine.model import Engine
-from kvtrace.engine.prefill import ROW_MULTIPLE
+from kvtrace.engine.prefill import ROW_MULTIPLE, prefill
 from kvtrace.errors import CacheError
 
 _PAD_TOKEN = 0
@@ -142,8 +142,6 @@ def row_multiple(engine: Engine) -> int:
 
 
 def _probe_multiple(engine: Engine) -> int:
-    from kvtrace.engine.prefill import prefill
-
     tokens = [1 + (7 * i) % (engine.vocab_size - 1) for i in range(_PROBE_TOKENS)]
     pre = prefill(engine, None, tokens)
 
