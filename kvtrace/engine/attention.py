@@ -35,9 +35,11 @@ multiple of 16 each), each block attending to the keys up to its last row.
 That is the same computation as a prefill chunk ending there, which gives a
 row the same bits by the rules above (at 5k tokens of context a 430-row
 forward's scores alone would be ~80 MB per layer call). Decode steps (one
-query row per sequence, decode.py) go to torch's `scaled_dot_product_attention`
-instead, each sequence's row over its own K/V, handed over by the step's
-`RowRouter` (the `ROUTER_KWARG` model argument): their KV is not canonical
+query row per sequence, decode.py) go to `decode_attention.py` instead
+(torch's flash-attention kernel, a prompt's first part read once for the
+sequences that share it), each sequence's row over its own K/V, handed over
+by the step's `RowRouter` (the `ROUTER_KWARG` model argument): their KV is
+not canonical
 and is never stored (see generate.py), and the cached and uncached paths,
 alone or batched, decode identically from identical KV, so greedy tokens
 still match bit for bit.
@@ -50,6 +52,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from kvtrace.engine.decode_attention import SequenceKV, decode_attention
 
 ATTN_IMPLEMENTATION = "kvtrace_canonical"
 TILE = 64
@@ -83,9 +87,9 @@ def canonical_attention(
     scale = scaling if scaling is not None else head_dim**-0.5
     router = kwargs.get(ROUTER_KWARG)
     if router is not None:
-        return _decode_attention(query, router.rows[module.layer_idx], scale), None
+        return decode_attention(query, router.rows[module.layer_idx], router.groups, scale), None
     if q_len == 1:
-        return _decode_attention(query, [(key, value)], scale), None
+        return decode_attention(query, [SequenceKV(key, value, 0)], [[0]], scale), None
     batch, num_heads = query.shape[0], query.shape[1]
     groups = num_heads // num_kv_heads
     num_tiles = -(-kv_len // TILE)
@@ -115,26 +119,6 @@ def canonical_attention(
             batch, num_heads, hi - lo, head_dim))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     return out.transpose(1, 2).contiguous(), None
-
-
-def _decode_attention(
-    query: torch.Tensor, rows: list[tuple[torch.Tensor, torch.Tensor]], scale: float
-) -> torch.Tensor:
-    """A decode step's attention: query row i over sequence i's own K/V; zeros past them.
-
-    `query` is `[1, heads, width, dim]` (one row per sequence, then padding
-    rows); returns `[1, width, heads, dim]`. Decoded KV is never stored and
-    a sequence's row is computed the same way alone or among others, so the
-    fastest kernel will do (tiling here would copy all of K and V per layer
-    per token).
-    """
-    out = query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
-    for i, (key, value) in enumerate(rows):
-        single = F.scaled_dot_product_attention(
-            query[:, :, i : i + 1], key, value, scale=scale, enable_gqa=True
-        )
-        out[:, i : i + 1] = single.transpose(1, 2)
-    return out
 
 
 def _query_block(q_len: int, num_tiles: int, num_kv_heads: int, groups: int,

@@ -17,10 +17,11 @@ sequence's logits have the same bits whether it decodes alone or with up to
 Attention is per sequence: the step hands the model a `RowRouter` as its
 cache, which appends each row's key and value to that sequence's own
 `GrowingLayer`s (kvbuffer.py) and keeps the sequence's whole K/V for the
-attention function; `kvtrace.engine.attention` then runs each sequence's one
-query row over its own K/V, with the kernel a lone decode step uses, and
-gives padding rows zeros. Sequences of different lengths thus share every
-other layer with no mask and no padding of their KV.
+attention function; `decode_attention.py` then runs each sequence's one
+query row over its own K/V, reading the first part of a prompt once for all
+the sequences whose prompts start alike (a fork point's), and gives padding
+rows zeros. Sequences of different lengths thus share every other layer
+with no mask and no padding of their KV.
 
 Decoded KV is not canonical (one query row through `sdpa`, not the tiled
 attention): it is never stored (generate.py re-prefills the output).
@@ -36,6 +37,7 @@ import torch
 from transformers import DynamicCache
 
 from kvtrace.engine.attention import ROUTER_KWARG
+from kvtrace.engine.decode_attention import SequenceKV, SharedPrefix, sharing_groups
 from kvtrace.engine.kvbuffer import GrowingLayer, growing_layers
 from kvtrace.engine.model import Engine
 from kvtrace.engine.prefill import ROW_MULTIPLE, prefill
@@ -50,7 +52,8 @@ _multiples: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDic
 class Decoding:
     """One sequence being decoded: its KV, the logits of its next token, its tokens so far."""
 
-    __slots__ = ("generator", "kv", "layers", "logits", "temperature", "tokens", "top_p")
+    __slots__ = ("generator", "kv", "layers", "logits", "prefix", "temperature", "tokens",
+                 "top_p")
 
     def __init__(
         self,
@@ -60,11 +63,17 @@ class Decoding:
         temperature: float,
         top_p: float,
         generator: torch.Generator | None,
+        prompt_ids: Sequence[int] = (),
     ) -> None:
+        """`prompt_ids`: the tokens `kv` holds, when known: their first part may then be
+        read once with other sequences that start alike (decode_attention.py)."""
         if not isinstance(kv, DynamicCache):
             raise CacheError("decoding needs a prefill's DynamicCache")
         self.kv = kv
         self.layers = growing_layers(kv)
+        if prompt_ids and len(prompt_ids) != self.num_kv_rows:
+            raise CacheError(f"{len(prompt_ids)} prompt ids for {self.num_kv_rows} KV rows")
+        self.prefix = SharedPrefix.of(prompt_ids)
         self.logits = logits
         self.temperature = temperature
         self.top_p = top_p
@@ -93,13 +102,16 @@ class RowRouter(DynamicCache):
     `update` appends each real row to its sequence's `GrowingLayer` and keeps
     the sequence's whole K/V (`rows[layer]`) for the attention function;
     padding rows are written nowhere. What it returns is the step's own
-    rows, which nothing reads (attention takes `rows`).
+    rows, which nothing reads (attention takes `rows`). `groups` are the
+    sequences that read their prompts' shared part together, the same in
+    every layer.
     """
 
     def __init__(self, config: object, sequences: Sequence[Decoding]) -> None:
         super().__init__(config=config)  # type: ignore[arg-type]
         self.sequences = list(sequences)
-        self.rows: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.rows: dict[int, list[SequenceKV]] = {}
+        self.groups = sharing_groups([sequence.prefix for sequence in self.sequences])
 
     def update(
         self,
@@ -112,9 +124,9 @@ class RowRouter(DynamicCache):
         per_sequence = []
         for i, sequence in enumerate(self.sequences):
             layer: GrowingLayer = sequence.layers[layer_idx]
-            per_sequence.append(
-                layer.update(key_states[:, :, i : i + 1], value_states[:, :, i : i + 1])
-            )
+            key, value = layer.update(key_states[:, :, i : i + 1], value_states[:, :, i : i + 1])
+            split = 0 if sequence.prefix is None else sequence.prefix.length
+            per_sequence.append(SequenceKV(key, value, split))
         self.rows[layer_idx] = per_sequence
         return key_states, value_states
 

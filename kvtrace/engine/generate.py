@@ -223,7 +223,8 @@ def begin(
         generator = torch.Generator(device=engine.device)
         generator.manual_seed(used_seed)
     decoding = Decoding(
-        pre.kv, pre.logits, temperature=temperature, top_p=top_p, generator=generator
+        pre.kv, pre.logits, temperature=temperature, top_p=top_p, generator=generator,
+        prompt_ids=prompt_ids,
     )
     return Generation(
         engine,
