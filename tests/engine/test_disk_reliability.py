@@ -1,6 +1,7 @@
 """The disk tier never uses a block it should not (issue 11, item 11 and "prove it"):
 zero-length, foreign-model, foreign-dtype and foreign-shape block files are rejected
-and recomputed; two processes writing the same blocks leave a consistent folder; a
+and recomputed; two processes writing the same blocks leave a consistent folder; blocks
+written by a process on one torch thread are the bits a process on two computes; a
 writer killed mid-block never leaves a block that is used."""
 
 from __future__ import annotations
@@ -87,11 +88,18 @@ def test_a_zero_length_block_file_is_rejected_and_recomputed(
     _assert_rejected_and_recomputed(tiny_engine, make_cache, kv_equal, prompt, path)
 
 
-def _writer_script(tiny_folder, engine_root, kv_dir, prompt) -> str:
+def _writer_script(tiny_folder, engine_root, kv_dir, prompt, *, num_threads=None) -> str:
+    """A writer process: loads the tiny engine, says ready, prefills `prompt` on "go".
+
+    `num_threads` sets its torch threads (default: torch's own, as a user's process has).
+    """
     return textwrap.dedent(
         f"""
         import sys
+        import torch
         from kvtrace.engine import KVCache, load_engine, prefill
+        if {num_threads!r} is not None:
+            torch.set_num_threads({num_threads!r})
         engine = load_engine({str(tiny_folder)!r}, cache_dir={str(engine_root / "cache")!r})
         cache = KVCache(engine, disk_dir={str(kv_dir)!r})
         print("ready", flush=True)
@@ -150,6 +158,28 @@ def test_two_processes_writing_the_same_blocks_leave_a_consistent_folder(
     hot = prefill(tiny_engine, make_cache(tiny_engine), [*prompt, 5])
     assert hot.num_disk_tokens == 20 * B
     assert kv_equal(hot, prefill(tiny_engine, None, [*prompt, 5]))
+
+
+def test_blocks_written_on_one_thread_are_the_bits_two_threads_compute(
+    tiny_engine, tiny_folder, engine_root, tokens, make_cache, kv_dir, kv_equal
+):
+    """The folder is shared by processes whatever their thread counts (the fingerprint
+    does not name one): a one-thread writer's blocks must be what a two-thread reader
+    computes, on the prefill's every chunk shape (512-row chunks, a padded tail)."""
+    prompt = tokens(20 * B + 37, seed=64)
+    script = _writer_script(tiny_folder, engine_root, kv_dir, prompt, num_threads=1)
+    (process,) = _start_writers(1, script)
+    out, err = process.communicate(timeout=300)
+    assert process.returncode == 0 and "done" in out, err[-2000:]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        hot = prefill(tiny_engine, make_cache(tiny_engine), [*prompt, 5])
+        cold = prefill(tiny_engine, None, [*prompt, 5])
+    finally:
+        torch.set_num_threads(threads)
+    assert hot.num_disk_tokens == 20 * B
+    assert kv_equal(hot, cold)
 
 
 def test_a_writer_killed_mid_block_never_leaves_a_block_that_is_used(
