@@ -65,8 +65,10 @@ class CannedUpstream:
 
     POST /v1/chat/completions answers CANNED_STREAM when `stream` is true,
     else CANNED_TEXT_COMPLETION when the last message is a tool result, else
-    CANNED_COMPLETION. A request whose last message says "hang" gets the
-    first two stream events and then nothing until `release` is set.
+    CANNED_COMPLETION. A request whose last message says "hang" (a stream:
+    after its first two events) waits until `release` is set, then gets
+    the rest of its answer; one whose client left meanwhile is listed in
+    `abandoned` and gets nothing more.
     A model named "missing" gets a 404 error body.
     """
 
@@ -126,8 +128,10 @@ class CannedUpstream:
                     for event in events:
                         self.wfile.write(event)
                         self.wfile.flush()
-                    if last.get("content") == "hang":
-                        self._hang()
+                    if last.get("content") == "hang" and self._hang():
+                        for event in CANNED_STREAM[2:]:  # released: the rest of the stream
+                            self.wfile.write(event)
+                        self.wfile.flush()
                     return
                 answer = CANNED_TEXT_COMPLETION if last["role"] == "tool" else CANNED_COMPLETION
                 self._send(200, answer, "application/json")

@@ -81,6 +81,14 @@ def error_event(error: APIError) -> bytes:
     return sse_event("error", error_body(error))
 
 
+def stream_error_event(path: str, error: APIError) -> bytes:
+    """The SSE event that ends a stream of the API of `path` with `error` (the SDKs raise
+    it): Anthropic's `error` event, else a data line holding an OpenAI error body."""
+    if is_anthropic_path(path):
+        return error_event(error)
+    return b"data: " + json.dumps(error.body()).encode() + b"\n\n"
+
+
 @dataclass(frozen=True, slots=True)
 class MessagesRequest(RequestFields):
     """A checked Messages request: `body` as sent, its stored form, and its chat view."""

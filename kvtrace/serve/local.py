@@ -79,6 +79,7 @@ from kvtrace.serve.anthropic_api import (
     MESSAGES_PATH,
     MessagesReply,
     parse_messages_request,
+    stream_error_event,
 )
 from kvtrace.serve.api import CHAT_PATH, MODELS_PATH, parse_chat_request
 from kvtrace.serve.chat_reply import ChatReply
@@ -200,6 +201,7 @@ class LocalAnswerer:
             await sink.record(reply.step(url))
             return JSONResponse(reply.body)
         events = list(reply.events())
+        await sink.check_open(is_answered=True)  # paused meanwhile: a 409, before any byte
 
         async def stream() -> AsyncIterator[bytes]:
             is_recorded = False
@@ -207,7 +209,11 @@ class LocalAnswerer:
                 for index, event in enumerate(events):
                     if index == len(events) - 1:  # the stream's end: recorded before it is sent
                         is_recorded = True  # before the wait: the write goes on if we are
-                        await sink.record(reply.step(url))  # cancelled meanwhile
+                        try:  # cancelled meanwhile
+                            await sink.record(reply.step(url))
+                        except APIError as exc:  # paused since the check: refused, unrecorded
+                            yield stream_error_event(request.url.path, exc)
+                            return
                     yield event
             finally:
                 if not is_recorded:  # the client left early: the answer, marked incomplete

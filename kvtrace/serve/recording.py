@@ -22,7 +22,8 @@ A bad run name in the header is a 400, checked before anything is read,
 answered or recorded. A run a supervisor paused is a 409
 (`run_paused`), checked before anything is computed or forwarded
 (`Sink.check_open`); a pause that lands while an answer is computed is the
-same 409 at the append, the answer not delivered.
+same 409 at the append, the answer not delivered (a stream already under
+way ends with that error as its last event, in place of its closing one).
 """
 
 from __future__ import annotations
@@ -78,8 +79,9 @@ class RunStats:
 class Sink(Protocol):
     """Where one answer's step goes."""
 
-    async def check_open(self) -> None:
-        """Raise APIError (409) when a step cannot go there now: the run is paused."""
+    async def check_open(self, *, is_answered: bool = False) -> None:
+        """Raise APIError (409) when a step cannot go there now: the run is paused
+        (`is_answered`: the answer is computed already, and will not be delivered)."""
 
     async def record(self, write: StepWrite) -> None:
         """Write the step and wait until it is stored."""
@@ -91,7 +93,7 @@ class Sink(Protocol):
 class _Discard:
     """The sink of an answer that is not recorded."""
 
-    async def check_open(self) -> None:
+    async def check_open(self, *, is_answered: bool = False) -> None:
         return None
 
     async def record(self, write: StepWrite) -> None:
@@ -145,10 +147,10 @@ class StoreWriter:
         self._recorders: OrderedDict[str, Recorder] = OrderedDict()  # last written, last
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="kvtrace-store")
 
-    async def check_open(self, run: str) -> None:
+    async def check_open(self, run: str, *, is_answered: bool = False) -> None:
         loop = asyncio.get_running_loop()
         if await loop.run_in_executor(self._worker, self._is_paused, run):
-            raise paused_error(run)
+            raise paused_error(run, is_answered=is_answered)
 
     async def record(self, run: str, write: StepWrite) -> None:
         loop = asyncio.get_running_loop()
@@ -188,8 +190,8 @@ class RunSink:
     writer: StoreWriter
     run: str
 
-    async def check_open(self) -> None:
-        await self.writer.check_open(self.run)
+    async def check_open(self, *, is_answered: bool = False) -> None:
+        await self.writer.check_open(self.run, is_answered=is_answered)
 
     async def record(self, write: StepWrite) -> None:
         await self.writer.record(self.run, write)
@@ -201,7 +203,8 @@ class RunSink:
 def paused_error(run: str, *, is_answered: bool = False) -> APIError:
     """The answer to a request for a paused run (`is_answered`: paused while it was answered)."""
     what = ("it was paused while this request was answered: the answer was neither recorded "
-            "nor sent" if is_answered else "nothing was computed, forwarded or recorded")
+            "nor delivered whole" if is_answered
+            else "nothing was computed, forwarded or recorded")
     return APIError(409, f"run {run!r} is paused by a supervisor ({what}); retry once it is "
                     "resumed", kind="conflict_error", param=RUN_HEADER, code="run_paused")
 

@@ -32,7 +32,6 @@ and nothing is recorded.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -45,9 +44,9 @@ from kvtrace.errors import UsageError
 from kvtrace.serve.anthropic_api import (
     COUNT_TOKENS_PATH,
     MESSAGES_PATH,
-    error_event,
     is_anthropic_path,
     parse_messages_request,
+    stream_error_event,
 )
 from kvtrace.serve.api import CHAT_PATH, parse_chat_request
 from kvtrace.serve.disconnect import ClosingStream, unless_client_leaves
@@ -157,12 +156,14 @@ class UpstreamAnswerer:
                             await sink.record(step(b"".join(chunks), first_byte_s,
                                                    is_complete=True))
                         yield chunk
+                    if not is_recorded:  # a stream without [DONE], read to its end
+                        is_recorded = True
+                        await sink.record(step(b"".join(chunks), first_byte_s,
+                                               is_complete=True))
                 except httpx.HTTPError as exc:  # the SDKs raise an SSE event holding "error"
-                    yield _error_event(request.url.path, self._broken_off(exc))
-                    return
-                if not is_recorded:  # a stream without [DONE], read to its end
-                    is_recorded = True
-                    await sink.record(step(b"".join(chunks), first_byte_s, is_complete=True))
+                    yield stream_error_event(request.url.path, self._broken_off(exc))
+                except APIError as exc:  # the run was paused meanwhile: refused, unrecorded
+                    yield stream_error_event(request.url.path, exc)
             finally:
                 if not is_recorded:  # the client left early, or the upstream stalled
                     sink.record_later(step(b"".join(chunks), first_byte_s, is_complete=False))
@@ -243,9 +244,3 @@ class _StreamEnd:
                           or any(block.rstrip().endswith(DONE) for block in blocks))
         return self.has_ended
 
-
-def _error_event(path: str, error: APIError) -> bytes:
-    """The SSE event that ends a broken-off stream, in its API's shape (the SDKs raise it)."""
-    if is_anthropic_path(path):
-        return error_event(error)
-    return b"data: " + json.dumps(error.body()).encode() + b"\n\n"

@@ -91,7 +91,7 @@ def test_clients_that_gave_up_do_not_hold_the_queue_against_new_ones(store, serv
     assert len(store.path("queue")) == 1
 
 
-def test_a_stream_the_client_drops_after_its_first_bytes_is_recorded_incomplete(
+def test_a_stream_the_client_drops_after_its_first_bytes_is_recorded_once(
     store, serve_local, tiny_engine
 ):
     server = serve_local(store, run="dropped")
@@ -101,8 +101,11 @@ def test_a_stream_the_client_drops_after_its_first_bytes_is_recorded_incomplete(
         assert first.startswith("data: ")
     wait_until(lambda: recorded(store, "dropped"), seconds=20,
                what="the dropped stream was recorded")
+    time.sleep(0.3)  # a second write (the generator's end) would land meanwhile
     [step] = store.path("dropped")
-    # all of it may have reached the socket already: complete only if [DONE] was sent
+    # a local answer is sent whole once generated, so all of it may have reached the socket
+    # already: complete or not, as [DONE] was sent or not (the upstream tests below
+    # pin complete: false on a stream that really broke off)
     assert step.meta["extra"]["http"]["stream"] is True
 
 
@@ -219,20 +222,62 @@ def test_a_local_request_to_a_paused_run_is_a_409_before_the_engine_runs(
     assert len(store.path("side")) == 1 and len(store.path("main")) == 1
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
 def test_a_run_paused_while_its_answer_is_computed_gets_a_409_and_records_nothing(
-    store, serve_local, tiny_engine
+    store, serve_local, tiny_engine, stream
 ):
     server = serve_local(store, run="paused-late")
     body = {"model": tiny_engine.name, "messages": QUESTION, "max_tokens": 2}
     assert httpx.post(f"{server.url}/chat/completions", json=body, timeout=60).status_code == 200
     results: list[httpx.Response] = []
     worker = threading.Thread(target=lambda: results.append(httpx.post(
-        f"{server.url}/chat/completions", json={**body, "max_tokens": 300}, timeout=300)))
+        f"{server.url}/chat/completions", json={**body, "max_tokens": 300, "stream": stream},
+        timeout=300)))
     worker.start()
     wait_until(lambda: health_of(server)["queue"]["running"] == 1 or not worker.is_alive(),
                seconds=30, what="the engine started")
     store.pause("paused-late")
     worker.join()
     assert results[0].status_code == 409, results[0].text
-    assert "neither recorded nor sent" in results[0].json()["error"]["message"]
+    assert "neither recorded nor delivered" in results[0].json()["error"]["message"]
     assert len(store.path("paused-late")) == 1
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_a_run_paused_while_the_upstream_answers_records_nothing_and_the_client_is_told(
+    store, canned_upstream, serve_upstream, stream
+):
+    proxy = serve_upstream(store, canned_upstream.url, run="paused-up")
+    sdk = openai.OpenAI(base_url=proxy.url, api_key="x", max_retries=0)
+    sdk.chat.completions.create(model="canned-model", messages=QUESTION)
+    received = []
+
+    def ask() -> None:  # the upstream holds its answer (after two events, streamed)
+        answer = sdk.chat.completions.create(model="canned-model", messages=HANG, stream=stream)
+        received.extend(answer if stream else [answer])
+
+    errors: list[Exception] = []
+    worker = threading.Thread(target=lambda: _catching(ask, errors))
+    worker.start()
+    wait_until(lambda: len(canned_upstream.seen) == 2, seconds=10, what="the request went on")
+    time.sleep(0.3)  # a stream's first events reach the client
+    store.pause("paused-up")
+    canned_upstream.release.set()  # the upstream answers in full, now that the run is paused
+    worker.join(timeout=30)
+    [error] = errors
+    # plain: a 409; a stream already under way: what arrives is passed on, but in place of
+    # [DONE] an event holding the error, which the SDK raises; nothing recorded either way
+    assert isinstance(error, openai.APIError) and "paused" in str(error), repr(error)
+    if stream:
+        assert len(received) >= 2
+    else:
+        assert isinstance(error, openai.ConflictError) and received == []
+    time.sleep(0.2)
+    assert len(store.path("paused-up")) == 1
+
+
+def _catching(work: Callable[[], None], errors: list[Exception]) -> None:
+    try:
+        work()
+    except Exception as exc:  # the test looks at it
+        errors.append(exc)
