@@ -72,8 +72,7 @@ class TranscriptBuilder:
         for line in lines:
             check_storable(line.value, lines.where(line))
         self.lines = lines
-        self.by_uuid = {line.value["uuid"]: line for line in lines
-                        if isinstance(line.value.get("uuid"), str)}
+        self.by_uuid = _by_uuid(lines)
         self.calls: dict[str, _Call] = {}  # by response id
         self.call_of_line: dict[int, _Call] = {}  # by line number
         self.uses: dict[str, tuple[dict[str, Any], _Call]] = {}  # tool_use id -> block, call
@@ -220,6 +219,22 @@ class TranscriptBuilder:
                     and b.get("type") == "text"]
                 return next((t for t in texts if isinstance(t, str)), None)
         return None
+
+
+def _by_uuid(lines: JsonLines) -> dict[str, Line]:
+    """Each line by its uuid. A uuid names one line (the same line written twice is that
+    line): a `parentUuid` naming two lines that differ has no one conversation, and the
+    one taken would depend on the lines' order, which export does not keep."""
+    found: dict[str, Line] = {}
+    for line in lines:
+        uuid = line.value.get("uuid")
+        if not isinstance(uuid, str):
+            continue
+        other = found.setdefault(uuid, line)
+        if other.value != line.value:
+            raise UsageError(f"{lines.where(line)}: uuid {uuid!r} is also the uuid of line "
+                             f"{other.number}, a different line: each line has its own uuid")
+    return found
 
 
 def _kind(line: Line, lines: JsonLines) -> str:

@@ -213,8 +213,22 @@ def _broken(tmp_path, change):
     return path
 
 
+def _with_uuid_of(first: str, line: str) -> str:
+    """`line` given the uuid of `first` (found by the import property test: a parentUuid
+    naming two lines imported one conversation, and its export another)."""
+    return json.dumps({**json.loads(line), "uuid": json.loads(first)["uuid"]}) + "\n"
+
+
 def _tool_result_line(lines):
     return next(i for i, line in enumerate(lines) if '"tool_result"' in line)
+
+
+def test_a_line_written_twice_is_one_line_and_imports(store, tmp_path):
+    path = _broken(tmp_path, lambda ls: [*ls[:3], ls[2], *ls[3:]])  # the first prompt
+    _import(store, "twice", path)
+    _import(store, "once", MAIN)
+    assert [step.content for step in store.path("twice")] == [
+        step.content for step in store.path("once")]
 
 
 @pytest.mark.parametrize(("case", "change", "message"), [
@@ -234,6 +248,8 @@ def _tool_result_line(lines):
         ls[0], ls[1], ls[2], ls[3].replace('"content":[', '"content":"oops","x":['), *ls[4:]],
      r"broken\.jsonl line 4: an assistant message's content must be a list"),
     ("no model call", lambda ls: ls[:3], r"broken\.jsonl has no assistant message"),
+    ("a uuid on two different lines", lambda ls: [*ls[:4], _with_uuid_of(ls[3], ls[4]), *ls[5:]],
+     r"broken\.jsonl line 5: uuid '[\w-]+' is also the uuid of line 4, a different line"),
 ])
 def test_a_bad_transcript_is_one_error_naming_its_line_and_writes_nothing(
         store, tmp_path, case, change, message):
