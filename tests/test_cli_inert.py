@@ -54,3 +54,13 @@ def test_json_output_escapes_them_and_still_decodes_to_the_recording(capsys, hos
     document = json.loads(out)
     step = document[0] if isinstance(document, list) else document
     assert step["meta"]["tool"] == SPOOFED  # the data itself is unchanged
+
+
+@pytest.mark.parametrize("argv", [
+    ["show", f"main{TITLE}"], ["fork", "main", f"ma{SPOOFED}"], ["note", "main", f"x\x00{TITLE}"],
+    ["import", f"/nonexistent/run{TITLE}{SPOOFED}.json"],  # quoted as given, not by repr
+], ids=["address", "run name", "note text", "file name"])
+def test_an_error_line_quoting_the_input_shows_it_as_escapes(capsys, hostile, argv):
+    code, out = kv(capsys, "--store", hostile, *argv)
+    assert code == 2 and out.startswith("error: ") and out.count("\n") == 1, repr(out)
+    assert not any(char in out for char in RAW), repr(out)
