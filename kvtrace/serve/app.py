@@ -18,7 +18,8 @@ error body in the shape of the API the path belongs to (request.py's
 that fails while a request is answered (the store's database gone, a bug)
 is a 500 with the same kind of body, logged once with its traceback: an
 exception left to the ASGI server would be a plain-text 500 that also
-closes the client's kept-alive connection. When the server stops, the
+closes the client's kept-alive connection (a stream under way ends with
+that error as an SSE event instead, the answerers' part). When the server stops, the
 answerer is closed and the store writes still queued are waited for.
 
 A WebSocket upgrade on `/v1/responses` (Codex tries one first, to speak
@@ -39,7 +40,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -61,11 +61,10 @@ from kvtrace.serve.anthropic_api import (
 from kvtrace.serve.api import CHAT_PATH, MODELS_PATH
 from kvtrace.serve.openapi import chat_operation, messages_operation, responses_operation
 from kvtrace.serve.recording import DISCARD, Recording, RunStats
-from kvtrace.serve.request import APIError, check_content_type
+from kvtrace.serve.request import APIError, check_content_type, failed_answer
 from kvtrace.serve.responses_api import RESPONSES_PATH
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
-_log = logging.getLogger("uvicorn.error")  # where uvicorn logs its own errors
 JSON_PATHS = frozenset({CHAT_PATH, MESSAGES_PATH, COUNT_TOKENS_PATH, RESPONSES_PATH})
 UPGRADE_REQUIRED = 426
 
@@ -167,11 +166,7 @@ class ChatServer:
         except (APIError, asyncio.CancelledError):
             raise
         except Exception as exc:  # the module docstring: a JSON 500, the connection kept
-            _log.error("kvtrace serve: %s %s failed", request.method, request.url.path,
-                       exc_info=exc)
-            raise APIError(500, f"kvtrace serve failed to answer ({type(exc).__name__}: "
-                           f"{exc}); the server's log has the details", kind="server_error",
-                           code="internal_error") from exc
+            raise failed_answer(request.method, request.url.path, exc) from exc
 
     async def _answer_checked(self, request: Request) -> Response:
         self._authorize(request)

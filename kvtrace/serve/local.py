@@ -86,7 +86,7 @@ from kvtrace.serve.chat_reply import ChatReply
 from kvtrace.serve.disconnect import ClosingStream, client_left, unless_client_leaves
 from kvtrace.serve.generation import Generation, LocalCall, Reply
 from kvtrace.serve.recording import Sink
-from kvtrace.serve.request import APIError
+from kvtrace.serve.request import APIError, failed_answer
 from kvtrace.serve.responses_api import RESPONSES_PATH, ResponsesReply, parse_responses_request
 
 if TYPE_CHECKING:
@@ -213,6 +213,10 @@ class LocalAnswerer:
                             await sink.record(reply.step(url))
                         except APIError as exc:  # paused since the check: refused, unrecorded
                             yield stream_error_event(request.url.path, exc)
+                            return
+                        except Exception as exc:  # the store failed: app.py's 500, as an event
+                            yield stream_error_event(request.url.path, failed_answer(
+                                request.method, request.url.path, exc))
                             return
                     yield event
             finally:

@@ -24,6 +24,7 @@ for each API's checked request.
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -36,6 +37,7 @@ JSON_MEDIA_TYPE = "application/json"
 # content.messages): the body keeps that much below the store's own limit.
 MAX_BODY_DEPTH = MAX_DEPTH - 8
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # what a 64-bit generator seed holds
+_log = logging.getLogger("uvicorn.error")  # where uvicorn logs its own errors
 
 
 class APIError(Exception):
@@ -87,6 +89,14 @@ class RequestFields:
     @property
     def parses_tool_calls(self) -> bool:
         return bool(self.tools) and self.body.get("tool_choice") != "none"
+
+
+def failed_answer(method: str, path: str, exc: Exception) -> APIError:
+    """The 500 to answer when answering failed for no fault of the request (the store's
+    database gone, a bug), logged here once with its traceback."""
+    _log.error("kvtrace serve: %s %s failed", method, path, exc_info=exc)
+    return APIError(500, f"kvtrace serve failed to answer ({type(exc).__name__}: {exc}); the "
+                    "server's log has the details", kind="server_error", code="internal_error")
 
 
 def check_content_type(content_type: str | None) -> None:

@@ -51,7 +51,7 @@ from kvtrace.serve.anthropic_api import (
 from kvtrace.serve.api import CHAT_PATH, parse_chat_request
 from kvtrace.serve.disconnect import ClosingStream, unless_client_leaves
 from kvtrace.serve.recording import DISCARD, RUN_HEADER, Sink, StepWrite
-from kvtrace.serve.request import APIError
+from kvtrace.serve.request import APIError, failed_answer
 from kvtrace.serve.responses_api import RESPONSES_PATH, parse_responses_request
 from kvtrace.tracer.exchange import Exchange, decoded_body, record_exchange
 from kvtrace.tracer.sse import DONE
@@ -164,6 +164,9 @@ class UpstreamAnswerer:
                     yield stream_error_event(request.url.path, self._broken_off(exc))
                 except APIError as exc:  # the run was paused meanwhile: refused, unrecorded
                     yield stream_error_event(request.url.path, exc)
+                except Exception as exc:  # the store failed: app.py's 500, as an event
+                    yield stream_error_event(request.url.path, failed_answer(
+                        request.method, request.url.path, exc))
             finally:
                 if not is_recorded:  # the client left early, or the upstream stalled
                     sink.record_later(step(b"".join(chunks), first_byte_s, is_complete=False))

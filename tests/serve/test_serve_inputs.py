@@ -259,3 +259,25 @@ def test_a_failure_that_is_no_bad_input_is_a_json_500_and_the_connection_stays_u
         error = assert_error(response, 500, "internal_error")
         assert "StoreError" in error["message"]
         assert http.get(f"{server.url}/models").status_code == 200  # the same connection
+
+
+@pytest.mark.parametrize("mode", ["local", "upstream"])
+def test_a_stream_whose_step_cannot_be_written_ends_with_the_500_and_the_connection_stays_usable(
+    store, serve_local, serve_upstream, canned_upstream, tiny_engine, mode
+):
+    import sqlalchemy as sa
+
+    server = (serve_local(store, run="broken") if mode == "local"
+              else serve_upstream(store, canned_upstream.url, run="broken"))
+    with store.engine.begin() as conn:  # the database loses a table under the server
+        conn.execute(sa.text("DROP TABLE reflog"))
+    with httpx.Client() as http:
+        response = http.post(f"{server.url}/chat/completions", timeout=60,
+                             json={**chat_body(tiny_engine.name), "stream": True})
+        # the step is written before the last event: that event holds the error instead
+        assert response.status_code == 200
+        *_, last = [line for line in response.text.splitlines() if line]
+        error = json.loads(last.removeprefix("data: "))["error"]
+        assert error["code"] == "internal_error" and "StoreError" in error["message"]
+        assert "[DONE]" not in response.text
+        assert http.get(f"{server.url}/models").status_code == 200
