@@ -172,14 +172,15 @@ class _StepPass:
         again); KeyError when a step it reaches is not in the store."""
         while True:
             try:
-                return walk(self._links.__getitem__)
+                return walk(self._links.lookup())
             except KeyError as exc:
-                if not self._read_links({exc.args[0]}):
+                if not self._links.revive(exc.args[0]) and not self._read_links({exc.args[0]}):
                     raise
 
-    def _read_links(self, ids: set[str | None]) -> bool:
+    def _read_links(self, ids: set[Any]) -> bool:
         """Keep the links of the steps `ids` not kept yet; whether any was read."""
-        wanted = sorted(i for i in ids if i is not None and i not in self._links)
+        ids.discard(None)
+        wanted = sorted(self._links.missing(ids))
         query = sa.select(steps.c.id, steps.c.parent_id, steps.c.depth, steps.c.skip_id)
         is_read = False
         for part in chunks(wanted):
@@ -261,14 +262,14 @@ class _StepPass:
             for address in sorted(as_json.intersection(self._not_json)):
                 self._report_json(address, self._not_json[address])
             to_check = []
-            to_find = sorted(a for a in as_json.union(as_raw) if self._blobs.get(a) is None)
+            to_find = sorted(self._blobs.missing(as_json.union(as_raw)))
         missing = set(to_check).union(to_find)
         missing.difference_update(self._check_json(to_check))
         query = sa.select(blobs.c.hash)
         for part in chunks(to_find):
-            for (address,) in self._conn.execute(query.where(blobs.c.hash.in_(part))):
-                self._blobs[address] = self._not_json is not None  # then JSON is known
-                missing.discard(address)
+            present = self._conn.execute(query.where(blobs.c.hash.in_(part))).scalars().all()
+            self._blobs.set_all(present, self._not_json is not None)  # then JSON is known
+            missing.difference_update(present)
         if missing:
             self._report_missing(values, entries, missing)
 

@@ -7,11 +7,12 @@ most `size` each: a full young generation becomes the old one and the
 previous old one is dropped, and an entry found in the old generation moves
 back to the young one. So memory stays under 2 x `size` entries however large
 the store, and an entry used again and again (the root of a long run) stays.
-A miss only costs the caller a read from the database.
+A miss only costs the caller a read from the database. Values are never None.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from typing import Generic, TypeVar
 
 K = TypeVar("K")
@@ -45,6 +46,31 @@ class Recent(Generic[K, V]):
             value = self._old.pop(key)  # KeyError: not kept
         self[key] = value
         return value
+
+    def lookup(self) -> Callable[[K], V]:
+        """A fast `__getitem__` for many lookups in a row (a walk): it looks in the young
+        generation only, so a KeyError may mean an old entry; `revive` brings it back."""
+        return self._young.__getitem__
+
+    def revive(self, key: K) -> bool:
+        """Move `key` from the old generation to the young one; whether it was there."""
+        value = self._old.pop(key, None)
+        if value is None:
+            return False
+        self[key] = value
+        return True
+
+    def missing(self, keys: Iterable[K]) -> set[K]:
+        """The keys not kept; those in the old generation move to the young one."""
+        absent = set(keys).difference(self._young)
+        for key in absent.intersection(self._old):
+            self.revive(key)
+        return absent.difference(self._young).difference(self._old)  # a move may swap them
+
+    def set_all(self, keys: Iterable[K], value: V) -> None:
+        """Set each of `keys` to `value`."""
+        for key in keys:
+            self[key] = value
 
     def __setitem__(self, key: K, value: V) -> None:
         self._young[key] = value
