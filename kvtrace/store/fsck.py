@@ -259,7 +259,7 @@ class _StepPass:
             to_check = sorted(a for a in as_json if self._blobs.get(a) is not True)
             to_find = sorted(a for a in as_raw - as_json if self._blobs.get(a) is None)
         else:
-            for address in sorted(as_json.intersection(self._not_json)):
+            for address in sorted(a for a in as_json if a in self._not_json):
                 self._report_json(address, self._not_json[address])
             to_check = []
             to_find = sorted(self._blobs.missing(as_json.union(as_raw)))

@@ -63,8 +63,8 @@ class Recent(Generic[K, V]):
     def missing(self, keys: Iterable[K]) -> set[K]:
         """The keys not kept; those in the old generation move to the young one."""
         absent = set(keys).difference(self._young)
-        for key in absent.intersection(self._old):
-            self.revive(key)
+        for key in [key for key in absent if key in self._old]:  # not .intersection(dict):
+            self.revive(key)  # that walks the whole dict
         return absent.difference(self._young).difference(self._old)  # a move may swap them
 
     def set_all(self, keys: Iterable[K], value: V) -> None:
