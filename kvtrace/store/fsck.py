@@ -12,11 +12,12 @@ Memory does not grow with the store. Steps and blobs are streamed in pages of
 lists' bases, blobs) is found in bounded caches of recent steps, lists and
 blobs (recent.py, `lists.ListCache`), and what they miss is read by primary
 key, one query per page and kind. The store is written in order, so a step's
-history is nearly always recent: on the bench's stores the caches answer
-almost every lookup. A skip pointer is checked against the walk along its
-ancestors' stored pointers: if any pointer is wrong, the shallowest wrong one
-is found by a walk over right ones, so a store is reported sound only when
-every pointer is right, and a hop that does not go shallower ends a walk.
+history is nearly always recent and the cache of steps answers almost every
+lookup; a blob is looked up by its address when a step first names it. A
+skip pointer is checked against the walk along its ancestors' stored
+pointers: if any pointer is wrong, the shallowest wrong one is found by a
+walk over right ones, so a store is reported sound only when every pointer
+is right, and a hop that does not go shallower ends a walk.
 
 Only the steps say which blobs are read as JSON, so the blob pass (first)
 parses every blob and remembers those that are not canonical JSON: raw bytes
