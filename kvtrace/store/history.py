@@ -93,13 +93,21 @@ def skip_for(
 def skip_in_memory(
     parent_id: str | None, depth: int, lookup: Callable[[str], tuple[str | None, int, str | None]]
 ) -> tuple[str | None, int | None]:
-    """Like `skip_for`, walking rows given by `lookup(id) -> (parent, depth, skip)`."""
+    """Like `skip_for`, walking rows given by `lookup(id) -> (parent, depth, skip)`.
+
+    Every hop must reach a shallower step, or the walk stops with an IntegrityError:
+    rows changed behind kvtrace's back (fsck walks stored rows) cannot make it loop.
+    """
     target = skip_depth(depth)
     if target is None or parent_id is None:
         return None, None
     current = parent_id
+    below = depth
     while True:
         parent, current_depth, skip = lookup(current)
+        if current_depth >= below:
+            raise _loop(current, current_depth, below)
+        below = current_depth
         if current_depth == target:
             return current, target
         current_skip = skip_depth(current_depth)
@@ -115,16 +123,27 @@ def ancestor_in_memory(
     start: str, target_depth: int, lookup: Callable[[str], tuple[str | None, int, str | None]]
 ) -> str | None:
     """The ancestor of `start` (or itself) at `target_depth`, walking rows given by
-    `lookup(id) -> (parent, depth, skip)` along skip pointers; None if there is none."""
+    `lookup(id) -> (parent, depth, skip)` along skip pointers; None if there is none.
+    Like `skip_in_memory`, a hop that does not reach a shallower step is an IntegrityError."""
     current: str | None = start
+    below: int | None = None
     while current is not None:
         parent, depth, skip = lookup(current)
+        if below is not None and depth >= below:
+            raise _loop(current, depth, below)
+        below = depth
         if depth <= target_depth:
             return current if depth == target_depth else None
         reach = skip_depth(depth)
         current = skip if skip is not None and reach is not None and reach >= target_depth else (
             parent)
     return None
+
+
+def _loop(step_id: str, depth: int, below: int) -> IntegrityError:
+    """The error of a walk that reached `step_id`, at `depth`, by a hop from depth `below`."""
+    return IntegrityError(f"the history of {step_id[:12]} loops (depth {depth} reached from "
+                          f"depth {below}): run `kvtrace fsck`")
 
 
 def is_ancestor(conn: Connection, ancestor: str, descendant: str) -> bool:

@@ -5,8 +5,11 @@ Each test runs once per backend through the `store` fixture (tests/conftest.py).
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import io
 import json
+import sqlite3
 import threading
 
 import pytest
@@ -20,6 +23,7 @@ from kvtrace.errors import (
     StoreError,
     UsageError,
 )
+from kvtrace.store.encoding import step_body
 from tests.conftest import tamper
 
 MSGS = [{"role": "user", "content": "What is 2+2?"}]
@@ -583,6 +587,112 @@ def test_fsck_detects_a_wrong_skip_pointer(store):
     # depth 8 skips to depth 2; point it at depth 3 instead
     tamper(store, "UPDATE steps SET skip_id = :s WHERE id = :i", s=steps[2].id, i=steps[7].id)
     assert any("skip pointer" in p for p in store.fsck().problems)
+
+
+def test_fsck_detects_a_depth_that_does_not_count_from_the_root(store):
+    _, steps = _linear(store, n=3)
+    tamper(store, "UPDATE steps SET depth = 7 WHERE id = :i", i=steps[1].id)
+    problems = store.fsck().problems
+    assert any(steps[1].id[:12] in p and "parent's depth + 1" in p for p in problems)
+
+
+def test_fsck_stops_at_a_skip_pointer_that_points_down_its_own_run(store):
+    _, steps = _linear(store, n=6)
+    # depth 4 skips to depth 2; pointed at its child, depth 6's walk would go round for ever
+    tamper(store, "UPDATE steps SET skip_id = :s WHERE id = :i", s=steps[4].id, i=steps[3].id)
+    problems = store.fsck().problems
+    assert problems == [f"step {steps[3].id[:12]}: skip pointer is wrong"]
+
+
+def test_fsck_detects_a_run_whose_head_is_missing(store):
+    _linear(store, n=2)
+    tamper(store, "UPDATE refs SET head = :h WHERE name = 'main'", h="f" * 64)
+    assert f"run 'main': head {'f' * 12} is missing" in store.fsck().problems
+
+
+def test_fsck_detects_a_reflog_entry_whose_step_is_missing(store):
+    _linear(store, n=2)
+    first = store.reflog("main")[-1]
+    tamper(store, "UPDATE reflog SET new_head = :h WHERE id = :i", h="e" * 64, i=first.id)
+    assert f"reflog entry {first.id}: step {'e' * 12} is missing" in store.fsck().problems
+
+
+def test_fsck_detects_a_note_whose_step_is_missing(store):
+    _linear(store, n=2)
+    insert = "INSERT INTO notes (step_id, author, text, created_at) VALUES (?, NULL, 'x', 1.0)"
+    if store.engine.dialect.name == "sqlite":  # past the foreign key, which both enforce
+        with contextlib.closing(sqlite3.connect(store.engine.url.database)) as conn, conn:
+            conn.execute(insert, ("d" * 64,))  # a plain connection: foreign keys off
+    else:
+        with store.engine.begin() as conn:
+            conn.execute(sa.text("SET LOCAL session_replication_role = replica"))
+            conn.exec_driver_sql(insert.replace("?", "%s"), ("d" * 64,))
+    (problem,) = store.fsck().problems
+    assert problem.startswith("note ") and problem.endswith(f": step {'d' * 12} is missing")
+
+
+def _plant_blob(store, content: bytes) -> str:
+    address = hashlib.sha256(content).hexdigest()
+    tamper(store, "INSERT INTO blobs (hash, size, data, codec) VALUES (:h, :s, :d, NULL)",
+           h=address, s=len(content), d=content)
+    return address
+
+
+def _plant_step(store, *, parent=None, depth=1, payload=None, raw=(), lists=None) -> str:
+    """A step row written behind kvtrace's back: a hand-made (canonical) body; its id."""
+    body = step_body(kind="tool_call", parent=parent, payload=payload or {}, raw=list(raw),
+                     meta={}, lists=lists)
+    step_id = hashlib.sha256(body).hexdigest()
+    tamper(store, "INSERT INTO steps (id, parent_id, kind, depth, body, recorded_at, skip_id, "
+           "skip_depth, body_codec) VALUES (:i, :p, 'tool_call', :d, :b, 1.0, NULL, NULL, NULL)",
+           i=step_id, p=parent, d=depth, b=body)
+    return step_id
+
+
+def test_fsck_detects_a_list_built_on_a_step_that_is_not_an_ancestor(store):
+    message = _plant_blob(store, b'{"role":"user"}')
+    other = _plant_step(store, lists={"messages": {"base": None, "items": [message]}})
+    root = _plant_step(store, payload={"x": message})
+    step = _plant_step(store, parent=root, depth=2,
+                       lists={"messages": {"base": other, "items": [message]}})
+    problems = store.fsck().problems
+    assert problems == [f"step {step[:12]}: list 'messages' builds on {other[:12]}, which is "
+                        "not one of its ancestors"]
+
+
+def test_fsck_detects_a_list_built_on_a_step_without_the_list(store):
+    message = _plant_blob(store, b'{"role":"user"}')
+    root = _plant_step(store, payload={"x": message})
+    step = _plant_step(store, parent=root, depth=2,
+                       lists={"messages": {"base": root, "items": [message]}})
+    problems = store.fsck().problems
+    assert len(problems) == 1 and step[:12] in problems[0] and "no list" in problems[0]
+
+
+def test_fsck_detects_a_blob_read_as_json_that_is_not_canonical(store):
+    address = _plant_blob(store, b'{ "a": 1 }')
+    _plant_step(store, payload={"result": address})
+    assert store.fsck().problems == [
+        f"blob {address[:12]}: a JSON payload blob is not in canonical form"]
+
+
+def test_fsck_leaves_a_blob_read_as_raw_bytes_unparsed(store):
+    address = _plant_blob(store, b'{ "a": 1 }')
+    _plant_step(store, payload={"body": address}, raw=["body"])
+    assert store.fsck().is_ok
+
+
+def test_fsck_reads_again_the_json_blobs_of_a_store_with_many_raw_blobs(store, monkeypatch):
+    from kvtrace.store import fsck
+
+    monkeypatch.setattr(fsck, "_MAX_NOT_JSON", 1)  # as if it held more raw blobs than that
+    raw = [_plant_blob(store, b"data: %d" % i) for i in range(3)]
+    _plant_step(store, payload={f"body{i}": a for i, a in enumerate(raw)},
+                raw=[f"body{i}" for i in range(3)])
+    address = _plant_blob(store, b'{ "a": 1 }')
+    _plant_step(store, payload={"result": address})
+    assert store.fsck().problems == [
+        f"blob {address[:12]}: a JSON payload blob is not in canonical form"]
 
 
 def test_open_without_create_refuses_a_missing_store(store_urls):

@@ -139,3 +139,29 @@ def test_a_single_run_operation_reads_every_table_through_an_index(store_url, na
         assert scans == {}
     finally:
         store.close()
+
+
+
+def test_fsck_reads_steps_and_blobs_whole_once_each(store_url):
+    """fsck streams each table once. The steps and blobs a row refers to (a parent, a
+    blob, a ref's head, a note's step) it reaches through their primary keys: those two
+    tables, which grow with the store, are never read whole but by their own stream."""
+    builder = open_store(store_url)
+    _build(builder)
+    builder.close()
+    store = open_store(store_url)
+    try:
+        with _captured(store) as captured:
+            assert store.fsck().is_ok
+            statements = list(captured)
+        read_whole: list[tuple[str, str]] = []  # (the table a statement streams, one read whole)
+        for statement, parameters in statements:
+            words = statement.split()  # "SELECT steps.id, ...": it streams steps
+            streamed = words[1].split(".")[0] if len(words) > 1 else ""
+            for scan in _full_scans(store, statement, parameters):
+                table = scan.split(" on ")[1].split()[0] if " on " in scan else scan.split()[1]
+                if table in ("steps", "blobs"):
+                    read_whole.append((streamed, table))
+        assert sorted(read_whole) == [("blobs", "blobs"), ("steps", "steps")]
+    finally:
+        store.close()
