@@ -16,10 +16,11 @@ import torch
 
 from kvtrace.engine import KVCache, generate, prefill
 from kvtrace.engine.batch import DecodeBatcher
-from kvtrace.engine.decode import decode_forward, decode_rows, decode_step, row_multiple
+from kvtrace.engine.decode import decode_forward, decode_rows, row_multiple
 from kvtrace.engine.decode_attention import SPLIT_BLOCK
 from kvtrace.engine.generate import Generation, begin
 from kvtrace.errors import GenerationCancelledError, UsageError
+from tests.engine.batch_checks import assert_batch_sizes_match_alone, sampling
 from tests.held_engine import engine_held
 
 SHARED = 150  # tokens every prompt starts with (a shared prefix, as forks have)
@@ -29,48 +30,6 @@ def _prompts(tokens, count: int, shared: int = SHARED) -> list[list[int]]:
     """Prompts that share a prefix and differ in length after it."""
     head = tokens(shared, seed=99)
     return [head + tokens(7 + 23 * i, seed=i) for i in range(count)]
-
-
-def _sampling(i: int) -> dict:
-    """Every other sequence samples, each from a seed of its own."""
-    return {"temperature": 0.9, "top_p": 0.95, "seed": 100 + i} if i % 2 else {}
-
-
-def _decode(engine, prompts: list[list[int]], chosen: list[int], num_steps: int,
-            cache: KVCache | None = None) -> list[list[torch.Tensor]]:
-    """Logits after every step, per sequence, decoding prompts[chosen] together (no stop ids).
-
-    With a `cache`, prompts reuse what earlier ones computed (the same bits,
-    tests/engine/test_parity.py) and each takes its KV out of the cache's
-    buffers, as the batcher does, so the next prefill cannot write over it.
-    """
-    generations = []
-    for i in chosen:
-        begun = begin(engine, cache, prompts[i], max_new_tokens=num_steps + 1, stop_ids=(),
-                      **_sampling(i))
-        assert isinstance(begun, Generation)
-        begun.decoding.detach()
-        generations.append(begun)
-    seen: list[list[torch.Tensor]] = [[g.decoding.logits.clone()] for g in generations]
-    for _ in range(num_steps):
-        for generation in generations:
-            assert not generation.advance()
-        decode_step(engine, [g.decoding for g in generations])
-        for logits, generation in zip(seen, generations, strict=True):
-            logits.append(generation.decoding.logits.clone())
-    return seen
-
-
-def _assert_batch_sizes_match_alone(engine, prompts: list[list[int]], num_steps: int,
-                                    cache: KVCache | None = None) -> None:
-    alone = [_decode(engine, prompts, [i], num_steps, cache)[0] for i in range(len(prompts))]
-    for size in range(1, len(prompts) + 1):
-        # Sequences take other rows in every batch: the last `size` prompts, reversed.
-        chosen = list(range(len(prompts) - size, len(prompts)))[::-1]
-        together = _decode(engine, prompts, chosen, num_steps, cache)
-        for row, i in enumerate(chosen):
-            for step, (a, b) in enumerate(zip(alone[i], together[row], strict=True)):
-                assert torch.equal(a, b), f"batch of {size}: sequence {i} (row {row}) step {step}"
 
 
 def test_decode_rows_are_a_multiple_of_the_engines_multiple():
@@ -95,7 +54,7 @@ def test_the_probed_multiple_is_one_whose_forwards_give_a_16_row_forwards_bits(
 
 def test_batched_logits_equal_alone_at_batch_sizes_1_to_12(tiny_engine, tokens):
     # With a multiple of 4 this spans forwards of 4, 8 and 12 rows against the alone 4.
-    _assert_batch_sizes_match_alone(tiny_engine, _prompts(tokens, 12), num_steps=6)
+    assert_batch_sizes_match_alone(tiny_engine, _prompts(tokens, 12), num_steps=6)
 
 
 @pytest.mark.slow
@@ -103,7 +62,7 @@ def test_default_model_batched_logits_equal_alone_at_batch_sizes_1_to_8(default_
     # Past a split block, so the prompts' shared part is read once (decode_attention.py);
     # through a cache, so that 44 prefills of ~1,100 tokens compute each prompt once.
     prompts = _prompts(tokens, 8, shared=SPLIT_BLOCK + 60)
-    _assert_batch_sizes_match_alone(default_engine, prompts, num_steps=4,
+    assert_batch_sizes_match_alone(default_engine, prompts, num_steps=4,
                                     cache=KVCache(default_engine))
 
 
@@ -111,7 +70,7 @@ def _requests(tiny_engine, tokens, count: int) -> list[tuple[list[int], dict]]:
     """Mixed requests: greedy and sampled, different limits, one stopping on a token."""
     requests = []
     for i, prompt in enumerate(_prompts(tokens, count)):
-        options = {"max_new_tokens": 6 + 3 * i, **_sampling(i)}
+        options = {"max_new_tokens": 6 + 3 * i, **sampling(i)}
         requests.append((prompt, options))
     # The second request (sampled) stops early: on its first token not drawn before.
     prompt, options = requests[1]
@@ -239,7 +198,7 @@ def test_local_backend_batching_answers_threads_as_alone(tiny_engine, tokens):
     from kvtrace.replay.local import LocalBackend
 
     prompts = _prompts(tokens, 4)
-    calls = [CallRequest([], p, SamplingParams(max_new_tokens=5, **_sampling(i)))
+    calls = [CallRequest([], p, SamplingParams(max_new_tokens=5, **sampling(i)))
              for i, p in enumerate(prompts)]
     alone_backend = LocalBackend(tiny_engine, KVCache(tiny_engine)).batching()
     alone = [alone_backend.generate(c) for c in calls]  # one at a time, through a batcher

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from kvtrace.engine import decode_attention
-from kvtrace.engine.decode import Decoding, RowRouter, decode_step
+from kvtrace.engine.decode import Decoding, RowRouter
 from kvtrace.engine.decode_attention import (
     MAX_SHARING,
     SPLIT_BLOCK,
@@ -27,6 +27,11 @@ from kvtrace.engine.decode_attention import (
 )
 from kvtrace.engine.generate import Generation, begin
 from kvtrace.errors import CacheError
+from tests.engine.batch_checks import (
+    assert_batch_sizes_match_alone,
+    decode_together,
+    sampling,
+)
 
 
 def _prompts(tokens) -> list[list[int]]:
@@ -37,33 +42,13 @@ def _prompts(tokens) -> list[list[int]]:
 
 
 def _begin(engine, prompt: list[int], i: int) -> Generation:
-    sampling = {"temperature": 0.9, "top_p": 0.95, "seed": 50 + i} if i % 2 else {}
-    begun = begin(engine, None, prompt, max_new_tokens=8, stop_ids=(), **sampling)
+    begun = begin(engine, None, prompt, max_new_tokens=8, stop_ids=(), **sampling(i))
     assert isinstance(begun, Generation)
     return begun
 
 
-def _decode(engine, prompts, chosen: list[int], num_steps: int) -> list[list[torch.Tensor]]:
-    generations = [_begin(engine, prompts[i], i) for i in chosen]
-    seen = [[] for _ in chosen]
-    for _ in range(num_steps):
-        for generation in generations:
-            assert not generation.advance()
-        decode_step(engine, [g.decoding for g in generations])
-        for logits, generation in zip(seen, generations, strict=True):
-            logits.append(generation.decoding.logits.clone())
-    return seen
-
-
 def test_sequences_that_start_alike_share_and_keep_their_bits(tiny_engine, tokens):
-    prompts = _prompts(tokens)
-    alone = [_decode(tiny_engine, prompts, [i], 4)[0] for i in range(len(prompts))]
-    for size in range(1, len(prompts) + 1):
-        chosen = list(range(len(prompts) - size, len(prompts)))[::-1]
-        together = _decode(tiny_engine, prompts, chosen, 4)
-        for row, i in enumerate(chosen):
-            for step, (a, b) in enumerate(zip(alone[i], together[row], strict=True)):
-                assert torch.equal(a, b), f"batch of {size}: sequence {i} (row {row}) step {step}"
+    assert_batch_sizes_match_alone(tiny_engine, _prompts(tokens), num_steps=4)
 
 
 def test_the_step_groups_the_sequences_whose_prompts_start_alike(tiny_engine, tokens):
@@ -104,7 +89,7 @@ def test_groups_need_the_same_tokens_not_only_the_same_hash():
 def test_without_exact_sharing_each_sequence_reads_its_own_shared_part(
         tiny_engine, tokens, monkeypatch):
     prompts = _prompts(tokens)[:3]
-    shared = _decode(tiny_engine, prompts, [0, 1, 2], 3)
+    shared = decode_together(tiny_engine, prompts, [0, 1, 2], 3)
     calls: list[int] = []
     real_flash = decode_attention._flash
 
@@ -114,7 +99,7 @@ def test_without_exact_sharing_each_sequence_reads_its_own_shared_part(
 
     monkeypatch.setattr(decode_attention, "sharing_is_exact", lambda *shape: False)
     monkeypatch.setattr(decode_attention, "_flash", counted_flash)
-    unshared = _decode(tiny_engine, prompts, [0, 1, 2], 3)
+    unshared = decode_together(tiny_engine, prompts, [0, 1, 2], 3)
     per_head = tiny_engine.model.config.num_attention_heads // (
         tiny_engine.model.config.num_key_value_heads)
     assert set(calls) == {per_head}  # no call read more than one sequence's rows
