@@ -125,11 +125,7 @@ def _pg_full_scans(node: dict[str, Any], *, is_limited: bool) -> Iterator[str]:
 
 @pytest.mark.parametrize("name", list(OPERATIONS))
 def test_a_single_run_operation_reads_every_table_through_an_index(store_url, name):
-    builder = open_store(store_url)
-    _build(builder)
-    builder.close()
-    store = open_store(store_url)
-    try:
+    with _built_store(store_url) as store:
         with _captured(store) as captured:
             OPERATIONS[name](store)
             statements = list(captured)  # what the plans are asked with is not the operation's
@@ -137,20 +133,26 @@ def test_a_single_run_operation_reads_every_table_through_an_index(store_url, na
         scans = {statement[:120]: found for statement, parameters in statements
                  if (found := _full_scans(store, statement, parameters))}
         assert scans == {}
+
+
+@contextmanager
+def _built_store(store_url: str) -> Iterator[Store]:
+    """The store the tests build, opened anew (no cache of the build's left)."""
+    builder = open_store(store_url)
+    _build(builder)
+    builder.close()
+    store = open_store(store_url)
+    try:
+        yield store
     finally:
         store.close()
-
 
 
 def test_fsck_reads_steps_and_blobs_whole_once_each(store_url):
     """fsck streams each table once. The steps and blobs a row refers to (a parent, a
     blob, a ref's head, a note's step) it reaches through their primary keys: those two
     tables, which grow with the store, are never read whole but by their own stream."""
-    builder = open_store(store_url)
-    _build(builder)
-    builder.close()
-    store = open_store(store_url)
-    try:
+    with _built_store(store_url) as store:
         with _captured(store) as captured:
             assert store.fsck().is_ok
             statements = list(captured)
@@ -163,5 +165,3 @@ def test_fsck_reads_steps_and_blobs_whole_once_each(store_url):
                 if table in ("steps", "blobs"):
                     read_whole.append((streamed, table))
         assert sorted(read_whole) == [("blobs", "blobs"), ("steps", "steps")]
-    finally:
-        store.close()
