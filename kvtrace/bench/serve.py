@@ -63,7 +63,7 @@ def _local_mode(model: str | None, cache_dir: Path, tmp: Path, num_requests: int
                 max_tokens: int) -> dict[str, Any]:
     from kvtrace.replay import open_local_backend
 
-    backend = open_local_backend(model, cache_dir=cache_dir, kv_dir=tmp / "kv")
+    backend = open_local_backend(model, cache_dir=cache_dir, kv_dir=tmp / "kv", batching=True)
     store = open_store(f"sqlite:///{tmp / 'local.db'}")
     server = make_server(backend=backend, store=store, run="bench-local")
     latencies, prompt, cached = [], 0, 0
@@ -80,6 +80,7 @@ def _local_mode(model: str | None, cache_dir: Path, tmp: Path, num_requests: int
             prompt += reply["usage"]["prompt_tokens"]
             cached += reply["usage"]["prompt_tokens_details"]["cached_tokens"]
     store.close()
+    backend.close()
     return {
         "model": backend.model,
         "requests": num_requests,

@@ -129,7 +129,8 @@ def _chat_server(store: Store, *, upstream: str | None, model: str | None, run: 
     if upstream is None:
         from kvtrace.replay import open_local_backend
 
-        backend = open_local_backend(model, cache_dir=default_cache_dir())
+        # Loaded on the engine thread that will decode (DecodeBatcher.loading).
+        backend = open_local_backend(model, cache_dir=default_cache_dir(), batching=True)
     server = make_server(backend=backend, upstream=upstream, store=store, run=run,
                          api_key=api_key, upstream_api_key=upstream_api_key,
                          redact_headers=redact_headers, max_queue=max_queue,

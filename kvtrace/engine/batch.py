@@ -32,6 +32,14 @@ first moves its KV into buffers of its own (`Decoding.detach`, one copy of
 its rows), so only concurrent generations pay for it; one after another
 none does.
 
+Which thread loads the engine matters on the CPU: the first thread in the
+process to run MKL's threaded calls (torch's `exp` and kin) keeps them cheap,
+and every later one pays tens of microseconds a call, a few hundred times a
+decode step (a padded step 62-65 ms on the first thread, 97-124 on another;
+docs/benchmarks.md, "where the regression is"). `DecodeBatcher.loading`
+therefore loads the engine on the engine thread itself, before anything
+else in the process runs MKL; a server uses it.
+
 `close` lets every queued job finish, then ends the thread.
 """
 
@@ -110,6 +118,41 @@ class DecodeBatcher:
         # Seconds spent decoding: choosing tokens, decode forwards, the KV copies of
         # overlapping generations; not prefills or output inserts (for throughput figures).
         self.decode_seconds = 0.0
+
+    @classmethod
+    def loading(
+        cls,
+        load: Callable[[], tuple[Engine, KVCache | None]],
+        *,
+        max_batch: int = DEFAULT_MAX_BATCH,
+    ) -> DecodeBatcher:
+        """A batcher whose engine thread first runs `load` (the engine and its cache), so
+        that the thread decoding is the one that loaded the model (module docstring).
+
+        Blocks until `load` is done; raises what it raised, and then no thread is left.
+        """
+        started = threading.Event()
+        outcome: list[DecodeBatcher | BaseException] = []
+
+        def run() -> None:
+            try:
+                engine, cache = load()
+                batcher = cls(engine, cache, max_batch=max_batch)
+                batcher._thread = threading.current_thread()
+            except BaseException as exc:  # for the caller, on its own thread
+                outcome.append(exc)
+                started.set()
+                return
+            outcome.append(batcher)
+            started.set()
+            batcher._loop()
+
+        threading.Thread(target=run, name="kvtrace-decode", daemon=True).start()
+        started.wait()
+        result = outcome[0]
+        if isinstance(result, BaseException):
+            raise result
+        return result
 
     def generate(
         self,

@@ -214,6 +214,7 @@ def open_local_backend(
     use_cache: bool = True,
     memory_bytes: int | None = None,
     on_convert: Callable[[str], None] | None = None,
+    batching: bool = False,
 ) -> LocalBackend:
     """Load the engine and a two-tier KV cache.
 
@@ -222,20 +223,33 @@ def open_local_backend(
     `cache_dir/kv`, where `kvtrace cache` looks): another `kv_dir` gives a
     fresh, empty cache that still reuses the converted model. `on_convert` is
     told before that one-time conversion (`load_engine`).
+
+    `batching`: the backend `LocalBackend.batching` gives, with the engine
+    loaded on its engine thread (`DecodeBatcher.loading`: on another thread
+    than the loading one, every decode step costs a third more); its `close`
+    stops that thread. For a server, or anything else that generates from
+    many threads.
     """
     from kvtrace.engine import KVCache, load_engine
+    from kvtrace.engine.batch import DecodeBatcher
     from kvtrace.engine.maintenance import default_kv_dir
 
-    engine = load_engine(model, cache_dir=cache_dir, on_convert=on_convert)
-    if not use_cache:
-        return LocalBackend(engine, None)
-    options: dict[str, Any] = {}
-    if memory_bytes is not None:
-        options["memory_bytes"] = memory_bytes
-    disk_dir = kv_dir or default_kv_dir(cache_dir)
-    # Blocks are written inline: write-behind measured 17-22 % slower on the
-    # 2-core machines (its thread competes with torch's; docs/benchmarks.md).
-    return LocalBackend(engine, KVCache(engine, disk_dir=disk_dir, **options))
+    def load() -> tuple[Engine, KVCache | None]:
+        engine = load_engine(model, cache_dir=cache_dir, on_convert=on_convert)
+        if not use_cache:
+            return engine, None
+        options: dict[str, Any] = {}
+        if memory_bytes is not None:
+            options["memory_bytes"] = memory_bytes
+        disk_dir = kv_dir or default_kv_dir(cache_dir)
+        # Blocks are written inline: write-behind measured 17-22 % slower on the
+        # 2-core machines (its thread competes with torch's; docs/benchmarks.md).
+        return engine, KVCache(engine, disk_dir=disk_dir, **options)
+
+    if not batching:
+        return LocalBackend(*load())
+    batcher = DecodeBatcher.loading(load)
+    return LocalBackend(batcher.engine, batcher.cache, batcher=batcher)
 
 
 def _prompt_reuse(stats: PrefillResult, prompt_len: int, *,

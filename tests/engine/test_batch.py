@@ -218,3 +218,53 @@ def test_local_backend_batching_answers_threads_as_alone(tiny_engine, tokens):
     assert [r.output_ids for r in results[:-1]] == [r.output_ids for r in alone]
     assert [r.seed for r in results[:-1]] == [r.seed for r in alone]
     assert results[-1].output_ids == [7, 8, 9]
+
+
+def test_a_loading_batcher_decodes_on_the_thread_that_loaded(tiny_engine, tokens):
+    loaders: list[threading.Thread] = []
+
+    def load():
+        loaders.append(threading.current_thread())
+        return tiny_engine, KVCache(tiny_engine)
+
+    requests = _requests(tiny_engine, tokens, 3)
+    alone = [generate(tiny_engine, None, p, padded_decode=True, **o) for p, o in requests]
+    batcher = DecodeBatcher.loading(load, max_batch=2)
+    assert loaders and loaders[0] is not threading.current_thread()
+    assert batcher.call(threading.current_thread) is loaders[0]
+    together = _run_together(batcher, requests)
+    assert [r.token_ids for r in together] == [r.token_ids for r in alone]
+    batcher.close()
+    assert not loaders[0].is_alive()
+
+
+def test_a_failed_load_raises_in_the_caller_and_leaves_no_thread():
+    def load():
+        raise ValueError("no such model")
+
+    before = set(threading.enumerate())
+    with pytest.raises(ValueError, match="no such model"):
+        DecodeBatcher.loading(load)
+    started = [t for t in threading.enumerate() if t not in before]
+    for thread in started:  # the loading thread, if it has not returned yet
+        thread.join(timeout=10)
+    assert not [t for t in started if t.is_alive()]
+
+
+def test_open_local_backend_batching_loads_on_its_engine_thread(tiny_folder, engine_root, tokens):
+    from kvtrace.replay.backend import CallRequest, SamplingParams
+    from kvtrace.replay.local import open_local_backend
+
+    backend = open_local_backend(tiny_folder, cache_dir=engine_root / "cache",
+                                 kv_dir=engine_root / "kv-batching", batching=True)
+    batcher = backend.batcher
+    assert batcher is not None and backend.is_concurrent
+    engine_thread = batcher.call(threading.current_thread)
+    assert engine_thread is not threading.current_thread()
+    prompt = tokens(40, seed=3)
+    call = CallRequest([], prompt, SamplingParams(max_new_tokens=6, **sampling(1)))
+    alone = generate(backend.engine, None, prompt, max_new_tokens=6, padded_decode=True,
+                     **sampling(1))
+    assert list(backend.generate(call).output_ids) == list(alone.token_ids)
+    backend.close()
+    assert not engine_thread.is_alive()
