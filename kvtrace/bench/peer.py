@@ -14,8 +14,9 @@ client (replay's `RemoteBackend`, rebuild mode: each recorded prompt with
 `max_tokens=1`, which is what a cache changes the cost of; a null content
 sent as "", which llama.cpp's server requires):
 
-- kvtrace: `kvtrace serve` on the local engine, a new server with an empty
-  KV cache each trial (the radix tree keeps every branch);
+- kvtrace: `kvtrace serve` on the local engine in its own process, as a
+  user runs it (bench/servers.py), a new server with an empty KV cache each
+  trial (the radix tree keeps every branch);
 - the peer: any OpenAI-compatible server (llama.cpp's, under `make
   test-integration`), made cold before each trial by one unrelated prompt
   (a single-slot prefix cache then holds nothing the workload shares; a
@@ -38,6 +39,8 @@ from pathlib import Path
 from typing import Any
 
 from kvtrace.bench.fork import record_agent
+from kvtrace.bench.servers import kvtrace_serve
+from kvtrace.paths import default_cache_dir
 from kvtrace.replay.backend import CallRequest, SamplingParams, Tokenizer
 from kvtrace.replay.oracle import PrefixOracle, common_prefix_length
 from kvtrace.replay.recording import prompt_ids, step_messages, step_tools
@@ -54,7 +57,6 @@ def run_peer_bench(peer: str, *, model: str | None = None, peer_model: str | Non
     """Time the interleaved replay through kvtrace and through `peer` (module docstring)."""
     from kvtrace.engine import KVCache, load_engine
     from kvtrace.replay.local import LocalBackend
-    from kvtrace.serve import BackgroundServer, make_server
 
     if not fork_steps or any(not 1 <= s < calls for s in fork_steps):
         raise ValueError(f"fork steps must be in 1..{calls - 1}")
@@ -73,9 +75,9 @@ def run_peer_bench(peer: str, *, model: str | None = None, peer_model: str | Non
             order = ["kvtrace", "peer"] if trial % 2 == 0 else ["peer", "kvtrace"]
             for side in order:
                 if side == "kvtrace":
-                    server = make_server(backend=LocalBackend(engine, KVCache(engine)))
-                    with BackgroundServer(server.app) as running, \
-                            RemoteBackend(running.url, model=engine.name) as client:
+                    with kvtrace_serve(root / f"serve-{trial}", model=model,
+                                       cache_dir=default_cache_dir()) as url, \
+                            RemoteBackend(url, model=engine.name) as client:
                         seconds, tokens["kvtrace"] = timed_replay(client, schedule)
                     kvtrace_s.append(seconds)
                 else:

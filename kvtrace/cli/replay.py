@@ -104,8 +104,10 @@ class _Lazy:
 def _backend(
     backend: str, model: str | None, *, no_cache: bool = False,
     tokenizer: str | None = None, api_key: str | None = None, retries: int | None = None,
+    batching: bool = False,
 ) -> Backend:
-    """The backend the options name, loaded when the API first uses it."""
+    """The backend the options name, loaded when the API first uses it; `batching`: a local
+    one loaded on the engine thread that decodes generations together (for `branch`)."""
     if backend == "local" and tokenizer is not None:
         raise UsageError("--tokenizer is for remote backends: the local engine has its own")
     if backend == "local" and retries is not None:
@@ -119,7 +121,8 @@ def _backend(
 
         if backend == "local":
             return open_local_backend(model, cache_dir=default_cache_dir(),
-                                      use_cache=not no_cache, on_convert=announce_conversion)
+                                      use_cache=not no_cache, on_convert=announce_conversion,
+                                      batching=batching)
         local_tokenizer = None
         if tokenizer is not None:
             name = None if tokenizer == "default" else tokenizer
@@ -368,8 +371,8 @@ def branch_command(
 
     changes = read_edit(edit) if edit is not None else None
     params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens)
-    chosen = _backend("local", model)
-    with open_store(store_url(ctx), create=False) as store:
+    chosen = _backend("local", model, batching=True)
+    with _closing(chosen), open_store(store_url(ctx), create=False) as store:
         report = branch_out(store, spec, chosen, n=n, prefix=prefix, steps=steps,
                             tools=tools.tools(), params=params, seed=seed, edit=changes)
     if as_json:

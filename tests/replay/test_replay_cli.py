@@ -173,3 +173,25 @@ def test_a_failure_during_a_replay_prints_exactly_one_line(tmp_path, capsys, sta
                           "--retries", "0")
     assert code == 2 and out == ""
     assert err.startswith("error:") and err.count("\n") == 1
+
+
+def test_branch_decodes_its_branches_on_the_engine_thread_that_loaded_the_model(
+        tmp_path, capsys, monkeypatch, tiny_model_factory):
+    """`kvtrace branch` loads the local engine on its DecodeBatcher's thread (a thread that
+    did not load the model pays for every MKL call) and still forks, decodes and records."""
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    _record(url)
+    monkeypatch.setenv("KVTRACE_CACHE", str(tmp_path / "cache"))
+    folder = tiny_model_factory("cli-branch", seed=3)
+    code, out, err = _run(capsys, "--store", url, "branch", "mid", "--n", "2", "--steps", "1",
+                          "--tools", "none", "--model", str(folder), "--max-new-tokens", "4",
+                          "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert [(b["steps"], b["model_calls"]) for b in data["branches"]] == [(1, 1), (1, 1)]
+    assert all(b["output_tokens"] > 0 for b in data["branches"])
+    from kvtrace import open_store
+
+    with open_store(url) as store:
+        names = [b["run"] for b in data["branches"]]
+        assert [store.path(name)[2].kind for name in names] == ["model_call", "model_call"]
