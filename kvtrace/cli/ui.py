@@ -61,8 +61,10 @@ def ui_command(
         def load_backend() -> Backend:
             from kvtrace.replay import open_local_backend
 
+            # Requests come on any worker thread: the engine's own thread, which loads
+            # it, is the one that keeps MKL's calls cheap (docs/batching.md).
             return open_local_backend(model, cache_dir=default_cache_dir(),
-                                      on_convert=announce_conversion)
+                                      on_convert=announce_conversion, batching=True)
 
         ui = UiServer(store, host=host, api_key=api_key, tokenizer=tokenizer,
                       tokenizer_name=tokenizer.name if tokenizer is not None else None,

@@ -57,8 +57,10 @@ class Models:
             if self._backend is None:
                 from kvtrace.replay import open_local_backend
 
+                # Tool calls come on any worker thread: the engine's own thread, which
+                # loads it, is the one that keeps MKL's calls cheap (docs/batching.md).
                 self._backend = open_local_backend(self.model, cache_dir=self.cache_dir,
-                                                   on_convert=_announce)
+                                                   on_convert=_announce, batching=True)
             return self._backend
 
     def _load_tokenizer(self) -> Tokenizer:
