@@ -28,7 +28,9 @@ is >= 3. `prompt_tokens` says how many tokens each side's template made of
 the prompts; `computed_tokens` (from kvtrace's tokenizer) is what an exact
 prefix cache must compute with a radix tree (every earlier sequence) and
 with a single slot (the previous request's only), which is the gap the
-figures come from.
+figures come from; `computed_tokens_reported` is what each server's usage
+said it computed (its own tokenization; None when it reports no cached
+tokens).
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ def run_peer_bench(peer: str, *, model: str | None = None, peer_model: str | Non
         kvtrace_s: list[float] = []
         peer_s: list[float] = []
         tokens: dict[str, int] = {}
+        served: dict[str, int | None] = {}  # the computed tokens each server reported
         for trial in range(trials):
             order = ["kvtrace", "peer"] if trial % 2 == 0 else ["peer", "kvtrace"]
             for side in order:
@@ -78,12 +81,14 @@ def run_peer_bench(peer: str, *, model: str | None = None, peer_model: str | Non
                     with kvtrace_serve(root / f"serve-{trial}", model=model,
                                        cache_dir=default_cache_dir()) as url, \
                             RemoteBackend(url, model=engine.name) as client:
-                        seconds, tokens["kvtrace"] = timed_replay(client, schedule)
+                        seconds, tokens["kvtrace"], served["kvtrace"] = timed_replay(
+                            client, schedule)
                     kvtrace_s.append(seconds)
                 else:
                     with RemoteBackend(peer, model=peer_model) as client:
                         client.rebuild(_request(_COLD, None))  # a single slot now holds no prefix
-                        seconds, tokens["peer"] = timed_replay(client, schedule)
+                        seconds, tokens["peer"], served["peer"] = timed_replay(client,
+                                                                              schedule)
                     peer_s.append(seconds)
         store.close()
     return {
@@ -96,6 +101,7 @@ def run_peer_bench(peer: str, *, model: str | None = None, peer_model: str | Non
         "speedup": round(min(peer_s) / min(kvtrace_s), 3), "target_speedup": 3.0,
         "prompt_tokens": tokens,
         "computed_tokens": {"radix_tree": radix, "single_slot": single_slot},
+        "computed_tokens_reported": served,
     }
 
 
@@ -123,12 +129,15 @@ def interleaved(store: Store, runs: list[str]) -> list[Step]:
     return [c[i] for i in range(longest) for c in calls if i < len(c)]
 
 
-def timed_replay(client: RemoteBackend, schedule: list[Step]) -> tuple[float, int]:
-    """Seconds to send every step's prompt through `client`, and the prompt tokens counted."""
+def timed_replay(client: RemoteBackend, schedule: list[Step]) -> tuple[float, int, int | None]:
+    """Seconds to send every step's prompt through `client`, the prompt tokens counted, and
+    those the server says it computed (None when it does not report its cached tokens)."""
     started = time.perf_counter()
-    num_tokens = sum(client.rebuild(_request(step_messages(step), step)).prompt_tokens
-                     for step in schedule)
-    return time.perf_counter() - started, num_tokens
+    results = [client.rebuild(_request(step_messages(step), step)) for step in schedule]
+    seconds = time.perf_counter() - started
+    computed = [r.computed_tokens for r in results]
+    reported = None if None in computed else sum(c for c in computed if c is not None)
+    return seconds, sum(r.prompt_tokens for r in results), reported
 
 
 def computed_tokens(tokenizer: Tokenizer, schedule: list[Step]) -> tuple[int, int]:

@@ -25,4 +25,8 @@ def test_the_peer_bench_replays_a_run_and_its_forks_interleaved_through_both(
     # Interleaved forks: a single slot recomputes what a radix tree keeps.
     computed = figures["computed_tokens"]
     assert 0 < computed["radix_tree"] < computed["single_slot"]
+    # kvtrace serve, in its own process, computed what a radix tree must (the last token of
+    # every prompt is always computed, so up to one more per request).
+    reported = figures["computed_tokens_reported"]["kvtrace"]
+    assert computed["radix_tree"] <= reported <= computed["radix_tree"] + figures["requests"]
     assert len(figures["kvtrace_s_trials"]) == len(figures["peer_s_trials"]) == 1
