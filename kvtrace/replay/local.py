@@ -52,10 +52,12 @@ class LocalBackend:
     """The engine, with a KV cache (or none: every token computed)."""
 
     def __init__(self, engine: Engine, cache: KVCache | None, *,
-                 defer_output: bool = True, batcher: DecodeBatcher | None = None) -> None:
+                 defer_output: bool = True, batcher: DecodeBatcher | None = None,
+                 credit_owed: bool = True) -> None:
         self._engine = engine
         self._cache = cache
         self._defer_output = defer_output
+        self._credit_owed = defer_output and credit_owed
         self._batcher = batcher
 
     def batching(self, *, max_batch: int | None = None) -> LocalBackend:
@@ -71,7 +73,7 @@ class LocalBackend:
         batcher = DecodeBatcher(self._engine, self._cache,
                                 max_batch=max_batch or DEFAULT_MAX_BATCH)
         return LocalBackend(self._engine, self._cache, defer_output=self._defer_output,
-                            batcher=batcher)
+                            batcher=batcher, credit_owed=self._credit_owed)
 
     @property
     def batcher(self) -> DecodeBatcher | None:
@@ -112,6 +114,19 @@ class LocalBackend:
         """This backend with each generated output stored before `generate` returns."""
         return LocalBackend(self._engine, self._cache, defer_output=False, batcher=self._batcher)
 
+    def owing_output(self) -> LocalBackend:
+        """This backend with each generated output owed (module docstring) and never counted
+        as reused: a prompt that holds it computes it and reports it computed.
+
+        For a server: the answer goes back without the forward that would store
+        its output, a next request that holds the output computes it in its own
+        forward (no more work than storing it, in one forward less), and one that
+        does not (a fork, a retry, a rebuild's `max_tokens=1`) never pays for it;
+        `cached_tokens` still counts only KV the cache held.
+        """
+        return LocalBackend(self._engine, self._cache, defer_output=True, batcher=self._batcher,
+                            credit_owed=False)
+
     def settle(self) -> None:
         """Store owed outputs (module docstring), so a later process finds them on disk."""
         from kvtrace.engine import settle
@@ -123,7 +138,8 @@ class LocalBackend:
         return self._cache.take_disk_faults() if self._cache is not None else None
 
     def without_cache(self) -> Backend:
-        return LocalBackend(self._engine, None, defer_output=self._defer_output)
+        return LocalBackend(self._engine, None, defer_output=self._defer_output,
+                            credit_owed=self._credit_owed)
 
     def generate(self, request: CallRequest, *,
                  is_cancelled: Callable[[], bool] | None = None) -> CallResult:
@@ -148,9 +164,9 @@ class LocalBackend:
             is_cancelled=is_cancelled,
         )
         ids = list(out.token_ids)
-        # A backend that stores its output reports only KV the cache held,
-        # even on a cache another backend owes output to.
-        memory, disk = _prompt_reuse(out.prefill, len(prompt), credit_owed=self._defer_output)
+        # A backend that stores its output, or does not credit owed output, reports only
+        # KV the cache held, even on a cache another backend owes output to.
+        memory, disk = _prompt_reuse(out.prefill, len(prompt), credit_owed=self._credit_owed)
         return CallResult(
             prompt_tokens=len(prompt),
             reused_tokens=memory + disk,

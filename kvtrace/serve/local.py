@@ -37,7 +37,10 @@ and RSS grows for as long as the server runs). Each
 request goes through replay's `LocalBackend`, so the prefix cache (memory
 then disk) serves every prefix an earlier request or replay computed, in
 any of the three APIs: each answer's usage reports what it reused (the
-prompt's last token is always computed).
+prompt's last token is always computed). An answer's output is owed to the
+cache, not stored before the reply (`LocalBackend.owing_output`): a later
+prompt that holds it computes it in its own forward and reports it
+computed, and one that never does never pays for it.
 
 Rendering: `engine.chat_tokens(messages, tools=...)` (kvtrace/rendering.py:
 the model's template when it renders tools, else the documented fallback)
@@ -120,13 +123,13 @@ class LocalAnswerer:
                  strict_model: bool = False) -> None:
         if max_queue < 0:
             raise UsageError(f"max_queue must be >= 0, not {max_queue}")
-        # Each answer's output is stored before the reply: the next request
-        # may come from another client, or never, and `cached_tokens` must
-        # count only KV the cache held (no deferred output, see replay/local.py).
+        # Each answer's output is owed, not stored before the reply (owing_output:
+        # a forward less per answer; the next request that holds it computes it),
+        # and `cached_tokens` counts only KV the cache held.
         # A backend that batches already (shared with other servers) is used as
         # it is; else this answerer starts an engine thread of its own, and stops it.
         self._owns_batcher = backend.batcher is None
-        self._backend = backend.storing_output().batching()
+        self._backend = backend.owing_output().batching()
         self.is_model_strict = strict_model
         self._capacity = max_queue + 1  # decoded together, or waiting for a place
         self._in_flight = 0

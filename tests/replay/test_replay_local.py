@@ -78,6 +78,33 @@ def test_verify_without_drafts_decodes_and_agrees(
     assert backend.cache.memory.num_tokens == decoding.cache.memory.num_tokens
 
 
+def test_owing_output_answers_without_storing_it_and_never_counts_it_reused(
+    tiny_engine, local_backend_factory, tmp_path
+):
+    """The server's mode: an answer's output is owed, not stored; a next prompt that holds
+    it computes it and says so; the same tokens as storing it, one forward fewer."""
+    from kvtrace.replay.backend import CallRequest
+
+    prompt = tiny_engine.chat_tokens(START)
+    call = CallRequest(START, prompt, GREEDY)
+    figures = {}
+    for mode in ("storing_output", "owing_output"):
+        backend = getattr(local_backend_factory(tiny_engine, kv_dir=tmp_path / mode), mode)()
+        first = backend.generate(call)
+        held = backend.cache.memory.num_tokens
+        # The next turn holds the answer, then more.
+        longer = [*prompt, *first.output_ids, *tiny_engine.encode(" And the next one?")]
+        second = backend.generate(CallRequest(START, longer, GREEDY))
+        figures[mode] = (first.output_ids, held, second.reused_tokens, second.output_ids,
+                         backend.cache.owed())
+    stored, owing = figures["storing_output"], figures["owing_output"]
+    assert owing[0] == stored[0] and owing[3] == stored[3]  # the same answers
+    assert owing[1] == stored[1] - len(stored[0])  # the output was not stored with the answer
+    assert stored[2] == len(prompt) + len(stored[0])  # stored: the output reused
+    assert owing[2] == len(prompt)  # owed: computed by the next prompt, and counted computed
+    assert stored[4] == [] and len(owing[4]) == 1  # only the second answer is still owed
+
+
 def test_a_replay_in_a_fresh_process_hits_the_disk_tier(
     replay_store, tiny_engine, local_backend_factory, tmp_path
 ):
