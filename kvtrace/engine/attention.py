@@ -163,16 +163,17 @@ def _fold_tiles(partial: torch.Tensor) -> torch.Tensor:
     """
     num_tiles = partial.shape[2]
     span = 1 << (num_tiles - 1).bit_length()
+    # In place (`partial` is the caller's temporary): the same additions, no new tensors.
     if span > num_tiles:
         # The first fold against the zero padding, without materialising it:
         # tiles with no partner keep their value (x + 0 == x exactly).
         half = span // 2
-        head = partial[:, :, :half].clone()
-        head[:, :, : num_tiles - half] += partial[:, :, half:]
-        partial = head
+        partial[:, :, : num_tiles - half] += partial[:, :, half:]
+        partial = partial[:, :, :half]
     while partial.shape[2] > 1:
         half = partial.shape[2] // 2
-        partial = partial[:, :, :half] + partial[:, :, half:]
+        partial[:, :, :half] += partial[:, :, half:]
+        partial = partial[:, :, :half]
     return partial[:, :, 0]
 
 
