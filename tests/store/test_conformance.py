@@ -103,6 +103,47 @@ def test_step_addresses_resolve(store):
     assert store.resolve(steps[1].id[:9]) == steps[1].id
 
 
+def test_addresses_are_kept_as_their_32_raw_bytes(store):
+    _, steps = _linear(store, n=2)  # appends: the driver's own statements (backend.Prepared)
+    with store.batch():  # a batch: one insert of many rows (PostgreSQL: unnest)
+        batched = store.run("b").record_tool_call("t", {"i": 9}, 81)
+    store.note(steps[1].id, "n")
+    raw = {step.id: bytes.fromhex(step.id) for step in (*steps, batched)}
+    with store.engine.connect() as conn:
+        rows = conn.execute(sa.text("SELECT id, parent_id FROM steps")).all()
+        heads = conn.execute(sa.text("SELECT head FROM refs ORDER BY name")).scalars().all()
+        logged = conn.execute(sa.text("SELECT new_head FROM reflog ORDER BY id")).scalars().all()
+        noted = conn.execute(sa.text("SELECT step_id FROM notes")).scalars().all()
+        hashes = conn.execute(sa.text("SELECT hash FROM blobs")).scalars().all()
+    assert {bytes(i): p and bytes(p) for i, p in rows} == {
+        raw[steps[0].id]: None, raw[steps[1].id]: raw[steps[0].id], raw[batched.id]: None}
+    assert [bytes(h) for h in heads] == [raw[batched.id], raw[steps[1].id]]
+    assert [bytes(h) for h in logged if h is not None] == [
+        raw[steps[0].id], raw[steps[1].id], raw[batched.id]]
+    assert [bytes(n) for n in noted] == [raw[steps[1].id]]
+    assert {bytes(h) for h in hashes} == {
+        bytes.fromhex(a) for step in (*steps, batched) for a in step.payload.values()}
+
+
+def test_an_id_prefix_of_any_length_names_its_step(store):
+    _, steps = _linear(store, n=3)
+    for step in steps:
+        assert {store.resolve(step.id[:length]) for length in range(7, 65)} == {step.id}
+    with pytest.raises(StepNotFoundError):
+        store.resolve(steps[0].id + "0")  # longer than any id
+
+
+def test_an_odd_id_prefix_covers_both_halves_of_its_last_byte(store):
+    # Ids are kept as raw bytes: "abcdef0" is a range over the byte 0x0? after "abcdef".
+    ids = ["abcdef01" + "0" * 56, "abcdef0f" + "f" * 56, "abcdef10" + "0" * 56]
+    for step_id in ids:  # rows planted by SQL: resolving reads ids, not bodies
+        tamper(store, "INSERT INTO steps (id, parent_id, kind, depth, body, recorded_at) "
+               "VALUES (:i, NULL, 'note', 1, :b, 1.0)", i=bytes.fromhex(step_id), b=b"{}")
+    with pytest.raises(StepNotFoundError, match="ambiguous"):
+        store.resolve("abcdef0")
+    assert [store.resolve(p) for p in ("abcdef01", "abcdef0f", "abcdef1")] == ids
+
+
 @pytest.mark.parametrize("spec", ["main@6", "main~5", "nosuchrun", "deadbeef00"])
 def test_addresses_outside_the_store_are_clear_errors(store, spec):
     _linear(store, n=5)
