@@ -15,6 +15,8 @@ PostgreSQL `unnest` inserts) convert through the same type.
 
 from __future__ import annotations
 
+import re
+
 import sqlalchemy as sa
 from sqlalchemy import (
     Column,
@@ -43,10 +45,12 @@ PAUSE_CONDITION = "reason IN ('pause', 'resume')"
 class Address(TypeDecorator[str]):
     """A SHA-256 address kept as its 32 raw bytes, given and read as lowercase hex.
 
-    A bound value must be hex (a ValueError otherwise: no id has other
-    characters). A stored value that is not bytes can only have been written
-    behind kvtrace's back (SQLite keeps any type in any column): it is read
-    as it is, so that fsck reports it instead of failing on it.
+    A bound value must be lowercase hex (a ValueError otherwise: no address
+    has other characters; readers that take addresses from outside skip
+    those that are not, `is_address_text`). A stored value that is not
+    bytes can only have been written behind kvtrace's back (SQLite keeps any
+    type in any column): it is read as it is, so that fsck reports it
+    instead of failing on it.
     """
 
     impl = LargeBinary
@@ -63,10 +67,19 @@ class Address(TypeDecorator[str]):
         return str(value)
 
 
+_HEX = re.compile(r"(?:[0-9a-f]{2})*")
+
+
+def is_address_text(value: object) -> bool:
+    """Whether `value` spells bytes in lowercase hex, as every address is written."""
+    return isinstance(value, str) and _HEX.fullmatch(value) is not None
+
+
 def to_raw(address: str) -> bytes:
-    """The bytes a hex address is kept as; ValueError when it is not hex."""
-    if not isinstance(address, str):
-        raise ValueError(f"an address is a hex string, not {type(address).__name__}")
+    """The bytes a hex address is kept as; ValueError when it is not lowercase hex
+    (`bytes.fromhex` alone would take capitals and spaces)."""
+    if not is_address_text(address):
+        raise ValueError(f"not an address in lowercase hex: {str(address)[:80]!r}")
     return bytes.fromhex(address)
 
 

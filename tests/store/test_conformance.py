@@ -125,6 +125,15 @@ def test_addresses_are_kept_as_their_32_raw_bytes(store):
         bytes.fromhex(a) for step in (*steps, batched) for a in step.payload.values()}
 
 
+@pytest.mark.parametrize("spell", [str.upper, lambda a: a[:-1], lambda a: " ".join(a), repr])
+def test_an_address_not_in_lowercase_hex_names_nothing(store, spell):
+    step = store.run("main").record_tool_call("t", {}, 1)
+    store.note(step.id, "n")
+    with pytest.raises(StepNotFoundError):
+        store.read_blob(spell(step.payload["result"]))
+    assert store.notes_on([spell(step.id)]) == {}
+
+
 def test_an_id_prefix_of_any_length_names_its_step(store):
     _, steps = _linear(store, n=3)
     for step in steps:
