@@ -236,10 +236,11 @@ class Prepared:
             if fixed:  # a value built into the statement would be silently dropped
                 raise StoreError(f"a Prepared statement takes every parameter by name: {fixed}")
             names = tuple(compiled.positiontup or ()) if dialect.positional else None
-            converters = tuple(
-                (name, convert) for name, bind in compiled.binds.items()
-                if (convert := bind_converter(bind.type, dialect)) is not None)
-            found = self._compiled[key] = _Compiled(compiled.string, names, converters)
+            converters = {name: convert for name, bind in compiled.binds.items()
+                          if (convert := bind_converter(bind.type, dialect)) is not None}
+            found = self._compiled[key] = _Compiled(
+                compiled.string, names, tuple(converters.items()),
+                tuple((name, converters.get(name)) for name in names or ()))
         return found
 
     def _cursor(self, conn: Connection) -> tuple[Any, _Compiled]:
@@ -291,13 +292,18 @@ class _Compiled(NamedTuple):
     sql: str
     names: tuple[str, ...] | None  # the parameters in order (a positional driver), or None
     converters: tuple[tuple[str, Callable[[Any], Any]], ...]  # (parameter, its conversion)
+    # A positional driver's parameters in order, each with its conversion or None.
+    order: tuple[tuple[str, Callable[[Any], Any] | None], ...]
 
     def args(self, params: Mapping[str, Any]) -> Any:
         """What the driver is given for `params`."""
+        if self.names is not None:
+            return tuple([params[name] if convert is None else convert(params[name])
+                          for name, convert in self.order])
         if self.converters:
-            params = {**params, **{name: convert(params[name])
-                                   for name, convert in self.converters}}
-        return params if self.names is None else tuple([params[name] for name in self.names])
+            return {**params, **{name: convert(params[name])
+                                 for name, convert in self.converters}}
+        return params
 
 
 def bind_converter(type_: sa.types.TypeEngine[Any], dialect: sa.Dialect
@@ -306,7 +312,8 @@ def bind_converter(type_: sa.types.TypeEngine[Any], dialect: sa.Dialect
     address to its raw bytes), for the statements run without it; None: no conversion."""
     if not isinstance(type_, sa.TypeDecorator):
         return None
-    return functools.partial(type_.process_bind_param, dialect=dialect)
+    process = type_.process_bind_param
+    return lambda value: process(value, dialect)
 
 
 def _driver_error(conn: Connection, sql: str, args: Any, exc: Exception) -> sa.exc.StatementError:
