@@ -38,7 +38,7 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.sql.compiler import SQLCompiler
 
 from kvtrace.errors import RetryableError, StoreError
-from kvtrace.store.schema import SCHEMA_REVISION
+from kvtrace.store.schema import SCHEMA_REVISION, Address, raw_or_none
 
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
 _WRITE = "kvtrace_write"
@@ -310,6 +310,8 @@ def bind_converter(type_: sa.types.TypeEngine[Any], dialect: sa.Dialect
                    ) -> Callable[[Any], Any] | None:
     """How SQLAlchemy converts a value bound as `type_` before the driver sees it (an
     address to its raw bytes), for the statements run without it; None: no conversion."""
+    if isinstance(type_, Address):
+        return raw_or_none  # the same, one call less: every append converts ~10 addresses
     if not isinstance(type_, sa.TypeDecorator):
         return None
     process = type_.process_bind_param

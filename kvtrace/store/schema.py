@@ -57,7 +57,7 @@ class Address(TypeDecorator[str]):
     cache_ok = True
 
     def process_bind_param(self, value: str | None, dialect: sa.Dialect) -> bytes | None:
-        return None if value is None else to_raw(value)
+        return raw_or_none(value)
 
     def process_result_value(self, value: object, dialect: sa.Dialect) -> str | None:
         if value is None:
@@ -73,6 +73,11 @@ _HEX = re.compile(r"(?:[0-9a-f]{2})*")
 def is_address_text(value: object) -> bool:
     """Whether `value` spells bytes in lowercase hex, as every address is written."""
     return isinstance(value, str) and _HEX.fullmatch(value) is not None
+
+
+def raw_or_none(address: str | None) -> bytes | None:
+    """`to_raw` of an address, None of None: what an `Address` column is given."""
+    return None if address is None else to_raw(address)
 
 
 def to_raw(address: str) -> bytes:
