@@ -9,7 +9,9 @@ in one transaction, as `Store.append` writes them: BEGIN IMMEDIATE, the
 step's blobs as the store keeps them (INSERT ... ON CONFLICT DO NOTHING), its step row, the ref's
 compare-and-swap, its reflog row, COMMIT. What `Store.append` costs above
 that (encoding, hashing, the pause check, SQLAlchemy) is the store's
-overhead; `bench store` reports the ratio of the two medians.
+overhead; `bench store` reports the ratio of the two medians. Rows are
+copied as the store keeps them (addresses as their raw bytes), so the anchor
+writes the very bytes the store wrote.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ class SqliteAnchor:
         for entry_id, *row in self._source.execute(
             f"SELECT id, {', '.join(_REFLOG_COLUMNS)} FROM reflog WHERE ref = ? AND id > ? "
             "AND reason = 'append' ORDER BY id", (self._run, self._reflog_seen)):
-            reflog_rows[row[2]] = tuple(row)
+            reflog_rows[bytes(row[2]).hex()] = tuple(row)
             self._reflog_seen = entry_id
         writes = [(*self._rows(step_id), reflog_rows[step_id]) for step_id in step_ids]
         times = []
@@ -72,14 +74,15 @@ class SqliteAnchor:
     def _rows(self, step_id: str) -> tuple[list[tuple], tuple]:
         columns = ", ".join(_STEP_COLUMNS)
         step_row = self._source.execute(
-            f"SELECT {columns} FROM steps WHERE id = ?", (step_id,)).fetchone()
+            f"SELECT {columns} FROM steps WHERE id = ?", (bytes.fromhex(step_id),)).fetchone()
         body = json.loads(bodies.decode(step_row[4], step_row[8]))
         addresses = set(body["payload"].values())
         for entry in body.get("lists", {}).values():
             addresses.update(entry["items"])
         blob_rows = sorted(self._source.execute(
             f"SELECT {', '.join(self._blob_columns)} FROM blobs "
-            f"WHERE hash IN ({', '.join('?' * len(addresses))})", sorted(addresses)).fetchall())
+            f"WHERE hash IN ({', '.join('?' * len(addresses))})",
+            [bytes.fromhex(address) for address in sorted(addresses)]).fetchall())
         return blob_rows, step_row
 
     def _write(self, blob_rows: list[tuple], step_row: tuple, reflog_row: tuple) -> None:

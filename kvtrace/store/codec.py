@@ -27,7 +27,7 @@ import zstandard
 from sqlalchemy.engine import Connection
 
 from kvtrace.errors import IntegrityError
-from kvtrace.store.schema import blobs
+from kvtrace.store.schema import blobs, is_address_text
 
 ZSTD = "zstd"
 CODECS = (ZSTD,)
@@ -79,7 +79,7 @@ def row(address: str, content: bytes) -> dict[str, Any]:
 
 def read(conn: Connection, addresses: Iterable[str]) -> dict[str, bytes]:
     """The content of each of these blobs that the store holds, by address."""
-    wanted = sorted(set(addresses))
+    wanted = sorted(a for a in set(addresses) if is_address_text(a))  # others are never kept
     found: dict[str, bytes] = {}
     for start in range(0, len(wanted), _IN_CHUNK):
         query = sa.select(blobs.c.hash, blobs.c.size, blobs.c.codec, blobs.c.data).where(

@@ -38,7 +38,7 @@ from sqlalchemy.engine import Connection
 
 from kvtrace.errors import ConflictError, RunPausedError, UsageError
 from kvtrace.store.backend import Prepared
-from kvtrace.store.schema import PAUSE_CONDITION, reflog, refs
+from kvtrace.store.schema import PAUSE_CONDITION, Address, reflog, refs
 
 REASONS = ("create", "append", "batch", "fork", "revert", "reset", "import", "pause", "resume")
 NOTIFY_CHANNEL = "kvtrace_refs"
@@ -49,9 +49,9 @@ _SWAP = Prepared(
     sa.update(refs)
     .where(
         refs.c.name == sa.bindparam("ref_name", type_=sa.String),
-        refs.c.head.is_not_distinct_from(sa.bindparam("old_head", type_=sa.String)),
+        refs.c.head.is_not_distinct_from(sa.bindparam("old_head", type_=Address)),
     )
-    .values(head=sa.bindparam("new_head", type_=sa.String))
+    .values(head=sa.bindparam("new_head", type_=Address))
 )
 _LOG = Prepared(sa.insert(reflog).values(
     {column: sa.bindparam(column) for column in

@@ -3,8 +3,8 @@
 names.py parses an address; this module looks it up, in the caller's
 transaction. RUN@N and RUN~K use the skip pointers (`history.ancestor_at`),
 so resolving is O(log n) whatever the run's length; an id prefix is a range
-scan of the primary key. A run name wins over an id prefix that spells the
-same characters.
+scan of the primary key (of raw bytes: schema.Address). A run name wins over
+an id prefix that spells the same characters.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from kvtrace.errors import IntegrityError, RunNotFoundError, StepNotFoundError
 from kvtrace.store import history
 from kvtrace.store.names import Spec, normalize_run_name, parse_spec
 from kvtrace.store.schema import refs, steps
+
+ID_LENGTH = 64  # hex characters of a step id
 
 
 def ref_row(conn: Connection, name: str) -> Any:
@@ -70,14 +72,18 @@ def _position(conn: Connection, text: str, spec: Spec, head: str | None) -> str:
 
 
 def _by_prefix(conn: Connection, prefix: str) -> str:
-    # A range, not LIKE: both backends answer it from the primary-key index.
+    # A range, not LIKE: both backends answer it from the primary-key index. Ids are
+    # kept as raw bytes, so the range runs from the prefix padded with 0s to it padded
+    # with fs (an odd number of hex digits is half a byte: padding completes it).
     ids = (
         conn.execute(
-            sa.select(steps.c.id).where(steps.c.id >= prefix, steps.c.id < prefix + "g").limit(2)
+            sa.select(steps.c.id).where(
+                steps.c.id.between(prefix.ljust(ID_LENGTH, "0"), prefix.ljust(ID_LENGTH, "f"))
+            ).limit(2)
         )
         .scalars()
         .all()
-    )
+    ) if len(prefix) <= ID_LENGTH else []
     if not ids:
         raise StepNotFoundError(f"no step or run matches {prefix!r}")
     if len(ids) > 1:

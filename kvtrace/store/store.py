@@ -61,7 +61,15 @@ from kvtrace.store.refs import (
     pause_entry,
     set_paused,
 )
-from kvtrace.store.schema import PAUSE_REASONS, blobs, notes, reflog, refs, steps
+from kvtrace.store.schema import (
+    PAUSE_REASONS,
+    blobs,
+    is_address_text,
+    notes,
+    reflog,
+    refs,
+    steps,
+)
 
 if TYPE_CHECKING:
     from kvtrace.store.run import Run
@@ -624,6 +632,7 @@ class Store:
         """Notes on each of the steps `step_ids` (full ids), oldest first; one query per
         chunk of ids, where `notes` takes a query per step. A step without notes is absent."""
         found: dict[str, list[Note]] = {}
+        step_ids = [i for i in step_ids if is_address_text(i)]  # others are never kept
         with read_transaction(self._reader) as conn:
             for start in range(0, len(step_ids), _NOTES_CHUNK):
                 chunk = step_ids[start:start + _NOTES_CHUNK]

@@ -37,7 +37,7 @@ def test_an_append_on_sqlite_is_one_write_transaction_of_five_statements(tmp_pat
 
 def test_the_pause_check_probes_the_partial_index_of_pauses(store):
     store.run("r").record_tool_call("t", {}, 1)
-    sql, _ = _PAUSE._sql(store.engine.dialect)
+    sql = _PAUSE._sql(store.engine.dialect).sql
     with store.engine.begin() as conn:
         if conn.dialect.name == "sqlite":
             plan = " ".join(str(row[-1]) for row in conn.exec_driver_sql(

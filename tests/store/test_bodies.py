@@ -22,7 +22,7 @@ A, B = "ab" * 32, hashlib.sha256(b"b").hexdigest()
 def _kept(store, step_id: str) -> tuple[str | None, bytes]:
     with store.engine.connect() as conn:
         row = conn.execute(sa.text("SELECT body_codec, body FROM steps WHERE id = :i"),
-                           {"i": step_id}).one()
+                           {"i": bytes.fromhex(step_id)}).one()
     return row.body_codec, bytes(row.body)
 
 
@@ -84,9 +84,10 @@ def test_a_bundle_carries_canonical_bodies_and_keeps_every_id(store, store_urls)
 def test_fsck_reports_a_body_it_cannot_unpack(store, data, kept_as, problem):
     step = store.run("r").record_tool_call("t", {}, 1)
     if data is None:
-        tamper(store, "UPDATE steps SET body_codec = :c WHERE id = :i", c=kept_as, i=step.id)
+        tamper(store, "UPDATE steps SET body_codec = :c WHERE id = :i", c=kept_as,
+               i=bytes.fromhex(step.id))
     else:
-        tamper(store, "UPDATE steps SET body = :b WHERE id = :i", b=data, i=step.id)
+        tamper(store, "UPDATE steps SET body = :b WHERE id = :i", b=data, i=bytes.fromhex(step.id))
     assert any(problem in p and step.id[:12] in p for p in store.fsck().problems)
     with pytest.raises(IntegrityError):
         open_store(store.url).show(step.id)
@@ -98,7 +99,7 @@ def test_fsck_re_hashes_what_a_packed_body_unpacks_to(store):
     step = run.record_tool_call("t", {}, 2)
     forged, kept_as = bodies.encode(bodies.decode(*reversed(_kept(store, step.id))).replace(
         b'"tool_call"', b'"note"'))
-    tamper(store, "UPDATE steps SET body = :b WHERE id = :i", b=forged, i=step.id)
+    tamper(store, "UPDATE steps SET body = :b WHERE id = :i", b=forged, i=bytes.fromhex(step.id))
     assert kept_as == bodies.PACKED
     assert any(step.id[:12] in p and "does not hash" in p for p in store.fsck().problems)
 

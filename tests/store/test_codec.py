@@ -22,7 +22,7 @@ SMALL = {"text": "short"}
 def _kept(store, address: str) -> tuple[str | None, int, bytes]:
     with store.engine.connect() as conn:
         row = conn.execute(sa.text("SELECT codec, size, data FROM blobs WHERE hash = :h"),
-                           {"h": address}).one()
+                           {"h": bytes.fromhex(address)}).one()
     return row.codec, row.size, bytes(row.data)
 
 
@@ -68,7 +68,7 @@ def test_fsck_re_hashes_the_decompressed_content(store):
     address = store.run("r").record_tool_call("t", {}, LARGE).payload["result"]
     size = len(store.read_blob(address))
     forged = zstandard.ZstdCompressor().compress(b'{"text":"' + b"x" * (size - 11) + b'"}')
-    tamper(store, "UPDATE blobs SET data = :d WHERE hash = :h", d=forged, h=address)
+    tamper(store, "UPDATE blobs SET data = :d WHERE hash = :h", d=forged, h=bytes.fromhex(address))
     assert any("does not hash to its address" in p for p in store.fsck().problems)
 
 
@@ -79,9 +79,11 @@ def test_fsck_re_hashes_the_decompressed_content(store):
 def test_fsck_reports_a_blob_it_cannot_decode(store, data, kept_as, problem):
     address = store.run("r").record_tool_call("t", {}, LARGE).payload["result"]
     if data is None:
-        tamper(store, "UPDATE blobs SET codec = :c WHERE hash = :h", c=kept_as, h=address)
+        tamper(store, "UPDATE blobs SET codec = :c WHERE hash = :h", c=kept_as,
+               h=bytes.fromhex(address))
     else:
-        tamper(store, "UPDATE blobs SET data = :d WHERE hash = :h", d=data, h=address)
+        tamper(store, "UPDATE blobs SET data = :d WHERE hash = :h", d=data,
+               h=bytes.fromhex(address))
     assert any(problem in p for p in store.fsck().problems)
     with pytest.raises(IntegrityError):
         store.read_blob(address)

@@ -103,6 +103,56 @@ def test_step_addresses_resolve(store):
     assert store.resolve(steps[1].id[:9]) == steps[1].id
 
 
+def test_addresses_are_kept_as_their_32_raw_bytes(store):
+    _, steps = _linear(store, n=2)  # appends: the driver's own statements (backend.Prepared)
+    with store.batch():  # a batch: one insert of many rows (PostgreSQL: unnest)
+        batched = store.run("b").record_tool_call("t", {"i": 9}, 81)
+    store.note(steps[1].id, "n")
+    raw = {step.id: bytes.fromhex(step.id) for step in (*steps, batched)}
+    with store.engine.connect() as conn:
+        rows = conn.execute(sa.text("SELECT id, parent_id FROM steps")).all()
+        heads = conn.execute(sa.text("SELECT head FROM refs ORDER BY name")).scalars().all()
+        logged = conn.execute(sa.text("SELECT new_head FROM reflog ORDER BY id")).scalars().all()
+        noted = conn.execute(sa.text("SELECT step_id FROM notes")).scalars().all()
+        hashes = conn.execute(sa.text("SELECT hash FROM blobs")).scalars().all()
+    assert {bytes(i): p and bytes(p) for i, p in rows} == {
+        raw[steps[0].id]: None, raw[steps[1].id]: raw[steps[0].id], raw[batched.id]: None}
+    assert [bytes(h) for h in heads] == [raw[batched.id], raw[steps[1].id]]
+    assert [bytes(h) for h in logged if h is not None] == [
+        raw[steps[0].id], raw[steps[1].id], raw[batched.id]]
+    assert [bytes(n) for n in noted] == [raw[steps[1].id]]
+    assert {bytes(h) for h in hashes} == {
+        bytes.fromhex(a) for step in (*steps, batched) for a in step.payload.values()}
+
+
+@pytest.mark.parametrize("spell", [str.upper, lambda a: a[:-1], lambda a: " ".join(a), repr])
+def test_an_address_not_in_lowercase_hex_names_nothing(store, spell):
+    step = store.run("main").record_tool_call("t", {}, 1)
+    store.note(step.id, "n")
+    with pytest.raises(StepNotFoundError):
+        store.read_blob(spell(step.payload["result"]))
+    assert store.notes_on([spell(step.id)]) == {}
+
+
+def test_an_id_prefix_of_any_length_names_its_step(store):
+    _, steps = _linear(store, n=3)
+    for step in steps:
+        assert {store.resolve(step.id[:length]) for length in range(7, 65)} == {step.id}
+    with pytest.raises(StepNotFoundError):
+        store.resolve(steps[0].id + "0")  # longer than any id
+
+
+def test_an_odd_id_prefix_covers_both_halves_of_its_last_byte(store):
+    # Ids are kept as raw bytes: "abcdef0" is a range over the byte 0x0? after "abcdef".
+    ids = ["abcdef01" + "0" * 56, "abcdef0f" + "f" * 56, "abcdef10" + "0" * 56]
+    for step_id in ids:  # rows planted by SQL: resolving reads ids, not bodies
+        tamper(store, "INSERT INTO steps (id, parent_id, kind, depth, body, recorded_at) "
+               "VALUES (:i, NULL, 'note', 1, :b, 1.0)", i=bytes.fromhex(step_id), b=b"{}")
+    with pytest.raises(StepNotFoundError, match="ambiguous"):
+        store.resolve("abcdef0")
+    assert [store.resolve(p) for p in ("abcdef01", "abcdef0f", "abcdef1")] == ids
+
+
 @pytest.mark.parametrize("spec", ["main@6", "main~5", "nosuchrun", "deadbeef00"])
 def test_addresses_outside_the_store_are_clear_errors(store, spec):
     _linear(store, n=5)
@@ -269,20 +319,20 @@ def test_fsck_is_clean_on_a_sound_store(store):
 def test_fsck_detects_a_tampered_blob(store):
     _, steps = _linear(store, n=2)
     address = steps[0].payload["result"]
-    tamper(store, "UPDATE blobs SET data = :d WHERE hash = :h", d=b"99", h=address)
+    tamper(store, "UPDATE blobs SET data = :d WHERE hash = :h", d=b"99", h=bytes.fromhex(address))
     assert any("does not hash" in p for p in store.fsck().problems)
 
 
 def test_fsck_detects_a_tampered_step(store):
     _, steps = _linear(store, n=2)
     body = bytes(steps[1].id, "ascii")  # any other bytes
-    tamper(store, "UPDATE steps SET body = :b WHERE id = :i", b=body, i=steps[1].id)
+    tamper(store, "UPDATE steps SET body = :b WHERE id = :i", b=body, i=bytes.fromhex(steps[1].id))
     assert any(steps[1].id[:12] in p and "tampered" in p for p in store.fsck().problems)
 
 
 def test_fsck_detects_a_missing_parent(store):
     _, steps = _linear(store, n=3)
-    tamper(store, "DELETE FROM steps WHERE id = :i", i=steps[0].id)
+    tamper(store, "DELETE FROM steps WHERE id = :i", i=bytes.fromhex(steps[0].id))
     assert any("parent" in p and "missing" in p for p in store.fsck().problems)
 
 
@@ -585,13 +635,14 @@ def test_step_at_any_depth_resolves_through_skip_pointers(store):
 def test_fsck_detects_a_wrong_skip_pointer(store):
     _, steps = _linear(store, n=8)
     # depth 8 skips to depth 2; point it at depth 3 instead
-    tamper(store, "UPDATE steps SET skip_id = :s WHERE id = :i", s=steps[2].id, i=steps[7].id)
+    tamper(store, "UPDATE steps SET skip_id = :s WHERE id = :i",
+           s=bytes.fromhex(steps[2].id), i=bytes.fromhex(steps[7].id))
     assert any("skip pointer" in p for p in store.fsck().problems)
 
 
 def test_fsck_detects_a_depth_that_does_not_count_from_the_root(store):
     _, steps = _linear(store, n=3)
-    tamper(store, "UPDATE steps SET depth = 7 WHERE id = :i", i=steps[1].id)
+    tamper(store, "UPDATE steps SET depth = 7 WHERE id = :i", i=bytes.fromhex(steps[1].id))
     problems = store.fsck().problems
     assert any(steps[1].id[:12] in p and "parent's depth + 1" in p for p in problems)
 
@@ -599,21 +650,22 @@ def test_fsck_detects_a_depth_that_does_not_count_from_the_root(store):
 def test_fsck_stops_at_a_skip_pointer_that_points_down_its_own_run(store):
     _, steps = _linear(store, n=6)
     # depth 4 skips to depth 2; pointed at its child, depth 6's walk would go round for ever
-    tamper(store, "UPDATE steps SET skip_id = :s WHERE id = :i", s=steps[4].id, i=steps[3].id)
+    tamper(store, "UPDATE steps SET skip_id = :s WHERE id = :i",
+           s=bytes.fromhex(steps[4].id), i=bytes.fromhex(steps[3].id))
     problems = store.fsck().problems
     assert problems == [f"step {steps[3].id[:12]}: skip pointer is wrong"]
 
 
 def test_fsck_detects_a_run_whose_head_is_missing(store):
     _linear(store, n=2)
-    tamper(store, "UPDATE refs SET head = :h WHERE name = 'main'", h="f" * 64)
+    tamper(store, "UPDATE refs SET head = :h WHERE name = 'main'", h=b"\xff" * 32)
     assert f"run 'main': head {'f' * 12} is missing" in store.fsck().problems
 
 
 def test_fsck_detects_a_reflog_entry_whose_step_is_missing(store):
     _linear(store, n=2)
     first = store.reflog("main")[-1]
-    tamper(store, "UPDATE reflog SET new_head = :h WHERE id = :i", h="e" * 64, i=first.id)
+    tamper(store, "UPDATE reflog SET new_head = :h WHERE id = :i", h=b"\xee" * 32, i=first.id)
     assert f"reflog entry {first.id}: step {'e' * 12} is missing" in store.fsck().problems
 
 
@@ -622,11 +674,11 @@ def test_fsck_detects_a_note_whose_step_is_missing(store):
     insert = "INSERT INTO notes (step_id, author, text, created_at) VALUES (?, NULL, 'x', 1.0)"
     if store.engine.dialect.name == "sqlite":  # past the foreign key, which both enforce
         with contextlib.closing(sqlite3.connect(store.engine.url.database)) as conn, conn:
-            conn.execute(insert, ("d" * 64,))  # a plain connection: foreign keys off
+            conn.execute(insert, (b"\xdd" * 32,))  # a plain connection: foreign keys off
     else:
         with store.engine.begin() as conn:
             conn.execute(sa.text("SET LOCAL session_replication_role = replica"))
-            conn.exec_driver_sql(insert.replace("?", "%s"), ("d" * 64,))
+            conn.exec_driver_sql(insert.replace("?", "%s"), (b"\xdd" * 32,))
     (problem,) = store.fsck().problems
     assert problem.startswith("note ") and problem.endswith(f": step {'d' * 12} is missing")
 
@@ -634,7 +686,7 @@ def test_fsck_detects_a_note_whose_step_is_missing(store):
 def _plant_blob(store, content: bytes) -> str:
     address = hashlib.sha256(content).hexdigest()
     tamper(store, "INSERT INTO blobs (hash, size, data, codec) VALUES (:h, :s, :d, NULL)",
-           h=address, s=len(content), d=content)
+           h=bytes.fromhex(address), s=len(content), d=content)
     return address
 
 
@@ -645,7 +697,7 @@ def _plant_step(store, *, parent=None, depth=1, payload=None, raw=(), lists=None
     step_id = hashlib.sha256(body).hexdigest()
     tamper(store, "INSERT INTO steps (id, parent_id, kind, depth, body, recorded_at, skip_id, "
            "skip_depth, body_codec) VALUES (:i, :p, 'tool_call', :d, :b, 1.0, NULL, NULL, NULL)",
-           i=step_id, p=parent, d=depth, b=body)
+           i=bytes.fromhex(step_id), p=parent and bytes.fromhex(parent), d=depth, b=body)
     return step_id
 
 
@@ -719,7 +771,7 @@ def test_sqlite_replace_cannot_rewrite_history(tmp_path):
         )
         conn.execute(
             sa.text("REPLACE INTO blobs (hash, size, data) VALUES (:h, 1, :d)"),
-            {"h": steps[0].payload["result"], "d": b"x"},
+            {"h": bytes.fromhex(steps[0].payload["result"]), "d": b"x"},
         )
     assert store.reflog("main")[0] == entry
     assert store.fsck().is_ok

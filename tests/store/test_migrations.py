@@ -13,6 +13,16 @@ from alembic.script import ScriptDirectory
 from kvtrace import open_store
 from kvtrace.store.backend import MIGRATIONS_DIR, _upgrade, create_db_engine
 from kvtrace.store.schema import SCHEMA_REVISION, metadata
+from tests.store.old_stores import copy_as
+
+
+def _downgrade(conn: sa.Connection, target: str) -> None:
+    from alembic import command
+
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS_DIR))
+    config.attributes["connection"] = conn
+    command.downgrade(config, target)
 
 
 def _script() -> ScriptDirectory:
@@ -117,24 +127,127 @@ def test_a_run_paused_before_the_pause_index_stays_paused(store_url):
     store.close()
 
 
-def test_refs_head_index_is_built_over_the_runs_already_there(store_url, monkeypatch):
-    from kvtrace.store import bodies
-
-    # Runs recorded as 0005 wrote them (bodies as they are), then what 0006 and 0007 added
-    # dropped: as 0005 left a store.
-    monkeypatch.setattr(bodies, "encode", lambda body: (body, None))
-    old = open_store(store_url)
-    old.run("main").record_tool_call("t", {}, 1)
-    old.fork("main", "side")
-    monkeypatch.undo()
-    with old.engine.begin() as conn:
-        conn.execute(sa.text("DROP INDEX ix_refs_head"))
-        conn.execute(sa.text("ALTER TABLE steps DROP COLUMN body_codec"))
-        conn.execute(sa.text("UPDATE alembic_version SET version_num = '0005_blob_codecs'"))
-    old.close()
-    store = open_store(store_url)  # migrates 0005 -> head
+def test_refs_head_index_is_built_over_the_runs_already_there(store_urls):
+    recorded = open_store(store_urls())
+    recorded.run("main").record_tool_call("t", {}, 1)
+    recorded.fork("main", "side")
+    url = store_urls()
+    copy_as(recorded, url, "0005_blob_codecs")  # as 0005 left a store: no ix_refs_head
+    recorded.close()
+    store = open_store(url)  # migrates 0005 -> head
     with store.engine.connect() as conn:
         indexes = {index["name"] for index in sa.inspect(conn).get_indexes("refs")}
     assert "ix_refs_head" in indexes
     assert [row.heads for row in store.graph("main")] == [["main", "side"]]
     store.close()
+
+
+# -- 0008_binary_ids: addresses as raw bytes --------------------------------------------
+
+
+def _record_everything(store) -> None:
+    """A store with every kind of row: blobs (small, compressed, raw), steps with parents,
+    skip pointers and message lists, forks, a revert, a pause and a resume, notes."""
+    from kvtrace.bench.conversations import tool_calling_conversation
+
+    main = store.run("main")
+    for call in tool_calling_conversation(12):
+        main.record_model_call(call.messages, call.response, model="m", tools=call.tools)
+        main.record_tool_call("lookup", {"q": len(call.messages)}, {"found": "x" * 300})
+    main.record("http", {"response": {"status": 200}}, raw={"body": b"\x00raw bytes\xff"})
+    store.fork("main@5", "side")
+    store.run("side").record_note("a step of the fork")
+    store.revert("main", to="main@20")
+    store.pause("main", reason="look at it")
+    store.resume("main")
+    store.run("main").record_tool_call("t", {}, 1)
+    store.note("main@3", "looked at this", author="supervisor")
+    store.note("side", "and this")
+    store.run("empty")
+
+
+def _everything(store) -> dict:
+    """What a user reads back: every run, each step of it (content, messages and all),
+    every reflog entry, note and blob, and every row of every table as the API's types."""
+    runs = store.runs()
+    steps = {info.name: store.path(info.name) for info in runs if info.depth}
+    ids = sorted({step.id for path in steps.values() for step in path})
+    addresses = sorted({a for path in steps.values() for s in path for a in s.payload.values()})
+    with store.engine.connect() as conn:
+        rows = {name: [tuple(row) for row in conn.execute(
+            sa.select(table).order_by(*table.primary_key.columns))]
+            for name, table in metadata.tables.items()}
+    return {
+        "runs": runs, "steps": steps, "reflog": store.reflog(),
+        "notes": store.notes_on(ids), "blobs": {a: store.read_blob(a) for a in addresses},
+        "rows": rows,
+    }
+
+
+def test_binary_ids_migration_keeps_everything_recorded(store_urls):
+    recorded = open_store(store_urls())
+    _record_everything(recorded)
+    url = store_urls()
+    copy_as(recorded, url, "0007_step_body_codecs")  # addresses as 64 hex characters
+    with create_db_engine(url).connect() as conn:
+        head = conn.execute(sa.text("SELECT head FROM refs WHERE name = 'main'")).scalar_one()
+    assert head == recorded.resolve("main")  # text, as 0007 kept it
+    store = open_store(url)  # migrates 0007 -> 0008
+    try:
+        assert store.fsck().problems == []
+        assert _everything(store) == _everything(recorded)
+        with store.engine.connect() as conn:
+            kept = conn.execute(sa.text("SELECT head FROM refs WHERE name = 'main'")).scalar_one()
+            assert bytes(kept) == bytes.fromhex(head)  # its 32 raw bytes
+            ids = conn.execute(sa.text("SELECT id, parent_id, skip_id FROM steps")).all()
+        assert {len(value) for row in ids for value in row if value is not None} == {32}
+        # The tables still refuse changes, and a new step goes on from where the run was.
+        with pytest.raises(sa.exc.DBAPIError, match="append-only"), store.engine.begin() as conn:
+            conn.execute(sa.text("DELETE FROM notes"))
+        assert store.run("main").record_note("after").parent_id == recorded.resolve("main")
+        assert store.fsck().problems == []
+    finally:
+        store.close()
+        recorded.close()
+
+
+def test_binary_ids_migration_refuses_an_address_that_is_not_hex(store_urls):
+    from kvtrace.errors import StoreError
+
+    recorded = open_store(store_urls())
+    recorded.run("main").record_tool_call("t", {}, 1)
+    url = store_urls()
+    copy_as(recorded, url, "0007_step_body_codecs")
+    recorded.close()
+    engine = create_db_engine(url)
+    with engine.begin() as conn:  # behind kvtrace's back: refs is the one mutable table
+        conn.execute(sa.text("UPDATE refs SET head = 'NOT-HEX' WHERE name = 'main'"))
+    engine.dispose()
+    with pytest.raises(StoreError, match=r"refs\.head holds 'NOT-HEX'"):
+        open_store(url)
+    engine = create_db_engine(url)
+    with engine.connect() as conn:  # nothing was changed: the store is still at 0007
+        assert MigrationContext.configure(conn).get_current_revision() == "0007_step_body_codecs"
+        assert conn.execute(sa.text("SELECT head FROM refs")).scalar_one() == "NOT-HEX"
+    engine.dispose()
+
+
+def test_binary_ids_migration_goes_back_to_hex(store_urls):
+    recorded = open_store(store_urls())
+    _record_everything(recorded)
+    url = store_urls()
+    copy_as(recorded, url, "0007_step_body_codecs")
+    engine = create_db_engine(url)
+    with engine.connect() as conn:
+        before = {name: conn.execute(sa.text(f"SELECT * FROM {name} ORDER BY 1")).all()
+                  for name in metadata.tables}
+    with engine.begin() as conn:
+        _upgrade(conn, "0008_binary_ids")
+    with engine.begin() as conn:
+        _downgrade(conn, "0007_step_body_codecs")
+    with engine.connect() as conn:
+        after = {name: conn.execute(sa.text(f"SELECT * FROM {name} ORDER BY 1")).all()
+                 for name in metadata.tables}
+    engine.dispose()
+    recorded.close()
+    assert after == before

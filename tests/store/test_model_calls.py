@@ -25,7 +25,8 @@ OLD_STORE = Path(__file__).parent / "data" / "store_v1.db"
 def _blobs(store) -> dict[str, bytes]:
     """The content of every blob, by address."""
     with store.engine.connect() as conn:
-        return codec.read(conn, conn.execute(sa.text("SELECT hash FROM blobs")).scalars())
+        kept = conn.execute(sa.text("SELECT hash FROM blobs")).scalars()
+        return codec.read(conn, [bytes(address).hex() for address in kept])
 
 
 def _list_entries(store) -> list[dict]:
@@ -171,7 +172,7 @@ def test_fsck_finds_a_message_missing_from_a_list(store):
     _record(store.run("f"), calls, tool_steps=False)
     message = canonical_json(normalize_message(calls[2].messages[-1]))
     address = next(h for h, d in _blobs(store).items() if d == message)
-    tamper(store, "DELETE FROM blobs WHERE hash = :h", h=address)
+    tamper(store, "DELETE FROM blobs WHERE hash = :h", h=bytes.fromhex(address))
     problems = store.fsck().problems
     assert any(address[:12] in p and "missing" in p for p in problems)
 

@@ -27,7 +27,8 @@ def test_a_sound_store_has_no_ref_problems(store):
 
 def test_fsck_reports_a_ref_moved_behind_kvtraces_back(store):
     steps = _run(store)
-    tamper(store, "UPDATE refs SET head = :h WHERE name = 'main'", h=steps[0].id)
+    tamper(store, "UPDATE refs SET head = :h WHERE name = 'main'",
+           h=bytes.fromhex(steps[0].id))
     problems = store.fsck().problems
     assert len(problems) == 1 and "'main'" in problems[0] and "reflog" in problems[0]
 
@@ -50,7 +51,8 @@ def test_fsck_reports_a_deleted_ref_and_reset_restores_it(store):
 
 def test_reset_without_a_target_puts_a_moved_ref_back(store):
     steps = _run(store)
-    tamper(store, "UPDATE refs SET head = :h WHERE name = 'main'", h=steps[0].id)
+    tamper(store, "UPDATE refs SET head = :h WHERE name = 'main'",
+           h=bytes.fromhex(steps[0].id))
     assert store.reset("main").id == steps[-1].id
     assert store.fsck().problems == []
 
@@ -60,7 +62,7 @@ def test_fsck_reports_a_ref_created_without_a_reflog(store):
     tamper(
         store,
         "INSERT INTO refs (name, head, created_at) VALUES ('sneaky', :h, 1.0)",
-        h=steps[0].id,
+        h=bytes.fromhex(steps[0].id),
     )
     problems = store.fsck().problems
     assert problems == ["run 'sneaky' has no reflog: it was created behind kvtrace's back"]

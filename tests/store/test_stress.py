@@ -57,7 +57,7 @@ def test_a_postgresql_deadlock_is_a_retryable_error(store_url, store):
                 for key in (first, second):
                     conn.execute(
                         sa.text("INSERT INTO blobs (hash, size, data) VALUES (:h, 0, '')"),
-                        {"h": key},
+                        {"h": bytes.fromhex(key * 64)},
                     )
                     if key == first:
                         both_first.wait()

@@ -1,0 +1,65 @@
+"""Stores as an older kvtrace left them, for tests of the migrations.
+
+`copy_as(store, url, revision)` builds the schema of `revision` in the empty
+database at `url` (its own migrations, up to it) and copies every row of
+`store` into it as that revision kept it: addresses as hex text before
+0008_binary_ids, bodies as canonical JSON before 0007, blob content as it is
+before 0005. Rows go in the order the store holds them, reflog and note ids
+kept. The rows are read through the current schema, so the copy holds exactly
+what the store holds, in the older shape.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import sqlalchemy as sa
+
+from kvtrace.store import bodies, codec
+from kvtrace.store.backend import _upgrade, create_db_engine
+from kvtrace.store.schema import metadata
+
+TABLES = ("blobs", "steps", "refs", "reflog", "notes")
+_ORDER = {"blobs": None, "steps": "depth", "refs": "name", "reflog": "id", "notes": "id"}
+
+
+def copy_as(store: Any, url: str, revision: str) -> None:
+    """Write every row of `store` into the new database at `url`, at schema `revision`."""
+    engine = create_db_engine(url)
+    try:
+        with store.engine.connect() as source, engine.begin() as target:
+            _upgrade(target, revision)
+            inspector = sa.inspect(target)
+            for name in TABLES:
+                columns = {column["name"] for column in inspector.get_columns(name)}
+                table = metadata.tables[name]
+                query = sa.select(table)
+                if _ORDER[name] is not None:
+                    query = query.order_by(table.c[_ORDER[name]], *table.primary_key.columns)
+                rows = [_as_kept(name, dict(row._mapping), columns)
+                        for row in source.execute(query)]
+                if rows:
+                    names = sorted(rows[0])
+                    target.execute(sa.text(
+                        f"INSERT INTO {name} ({', '.join(names)}) "
+                        f"VALUES ({', '.join(':' + n for n in names)})"), rows)
+                if rows and name in ("reflog", "notes") and target.dialect.name == "postgresql":
+                    # The ids were given: the next one the store takes follows them.
+                    target.execute(sa.text(
+                        f"SELECT setval(pg_get_serial_sequence('{name}', 'id'), "
+                        f"(SELECT max(id) FROM {name}))"))
+    finally:
+        engine.dispose()
+
+
+def _as_kept(table: str, row: dict[str, Any], columns: set[str]) -> dict[str, Any]:
+    """`row` (read at the current revision: addresses as hex) as a revision whose table has
+    `columns` kept it. Addresses stay hex: every revision before 0008 kept them as text."""
+    if table == "steps" and "body_codec" not in columns:
+        row["body"] = bodies.decode(bytes(row["body"]), row.pop("body_codec"))
+    if table == "blobs" and "codec" not in columns:
+        row["data"] = codec.decode(bytes(row["data"]), row.pop("codec"), row["size"])
+    unknown = set(row) - columns
+    if unknown:
+        raise ValueError(f"{table} at this revision has no column for {sorted(unknown)}")
+    return row
