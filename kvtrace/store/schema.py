@@ -67,9 +67,10 @@ class Address(TypeDecorator[str]):
 def is_address_text(value: object) -> bool:
     """Whether `value` spells bytes in lowercase hex, as every address is written."""
     try:
-        return bytes.fromhex(value).hex() == value  # type: ignore[arg-type]
-    except (TypeError, ValueError):
+        to_raw(value)  # type: ignore[arg-type]
+    except ValueError:
         return False
+    return True
 
 
 def raw_or_none(address: str | None) -> bytes | None:
