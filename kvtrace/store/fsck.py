@@ -75,14 +75,25 @@ def _check_blobs(conn: Connection, problems: list[str]) -> tuple[int, dict[str, 
     num_blobs = 0
     not_json: dict[str, str] | None = {}
     query = sa.select(blobs.c.hash, blobs.c.size, blobs.c.codec, blobs.c.data)
+    page: dict[str, codec.Kept] = {}
     for address, size, kept_as, data in conn.execution_options(yield_per=_PAGE).execute(query):
         num_blobs += 1
-        try:
-            content = codec.decode(bytes(data), kept_as, size)
-        except IntegrityError as exc:
-            problems.append(f"blob {address[:12]}: {exc}")
+        page[address] = codec.Kept(size, kept_as, bytes(data))
+        if len(page) >= _PAGE:
+            not_json = _check_blob_page(conn, page, problems, not_json)
+            page = {}
+    not_json = _check_blob_page(conn, page, problems, not_json)
+    return num_blobs, not_json
+
+
+def _check_blob_page(conn: Connection, page: dict[str, codec.Kept], problems: list[str],
+                     not_json: dict[str, str] | None) -> dict[str, str] | None:
+    """Decode and re-hash a page of blobs (the bases of its deltas read as needed)."""
+    for address, content in codec.decode_rows(conn, page).items():
+        if isinstance(content, IntegrityError):
+            problems.append(f"blob {address[:12]}: {content}")
             continue
-        problem = _blob_problem(address, size, content)
+        problem = _blob_problem(address, page[address].size, content)
         if problem:
             problems.append(problem)
         elif not_json is not None:
@@ -92,7 +103,7 @@ def _check_blobs(conn: Connection, problems: list[str]) -> tuple[int, dict[str, 
                 not_json[address] = f"blob {address[:12]}: {exc}"
                 if len(not_json) > _MAX_NOT_JSON:
                     not_json = None
-    return num_blobs, not_json
+    return not_json
 
 
 class _StepPass:
@@ -290,19 +301,19 @@ class _StepPass:
         found: set[str] = set()
         query = sa.select(blobs.c.hash, blobs.c.size, blobs.c.codec, blobs.c.data)
         for part in chunks(addresses):
-            for address, size, kept_as, data in self._conn.execute(
-                    query.where(blobs.c.hash.in_(part))):
-                self._blobs[address] = True
-                found.add(address)
-                try:
-                    content = codec.decode(bytes(data), kept_as, size)
-                except IntegrityError:
+            page = {address: codec.Kept(size, kept_as, bytes(data))
+                    for address, size, kept_as, data in self._conn.execute(
+                        query.where(blobs.c.hash.in_(part)))}
+            found.update(page)
+            self._blobs.set_all(page, True)
+            for address, content in codec.decode_rows(self._conn, page).items():
+                if isinstance(content, IntegrityError):
                     continue  # reported by _check_blobs
                 try:
                     decode_json_blob(content)
                 except (IntegrityError, UsageError) as exc:  # UsageError: nested past the limit
                     # Hashed only now: a blob that is not what its address says has that problem.
-                    if _blob_problem(address, size, content) is None:
+                    if _blob_problem(address, page[address].size, content) is None:
                         self._report_json(address, f"blob {address[:12]}: {exc}")
         return found
 

@@ -31,7 +31,7 @@ from sqlalchemy import (
 )
 
 # The revision the code expects; a test checks it is the migrations' head.
-SCHEMA_REVISION = "0008_binary_ids"
+SCHEMA_REVISION = "0009_blob_deltas"
 APPEND_ONLY_TABLES = ("blobs", "steps", "reflog", "notes")
 PAUSE_REASONS = ("pause", "resume")  # the reflog entries that decide whether a run is paused
 # The condition of the partial index on those entries, as SQL: a query uses the
@@ -117,7 +117,8 @@ steps = Table(
     Column("skip_id", Address, nullable=True),  # see history.py
     Column("skip_depth", Integer, nullable=True),
     Column("body_codec", String(16), nullable=True),  # how `body` keeps it: see bodies.py
-    Index("ix_steps_parent_id", "parent_id"),
+    # A hash index on PostgreSQL: equality only, half a B-tree's size (migration 0009).
+    Index("ix_steps_parent_id", "parent_id", postgresql_using="hash"),
 )
 
 refs = Table(

@@ -30,7 +30,7 @@ from kvtrace.errors import (
     StepNotFoundError,
     UsageError,
 )
-from kvtrace.store import bodies, codec, encoding, history, resolve, validation, views
+from kvtrace.store import bodies, codec, deltas, encoding, history, resolve, validation, views
 from kvtrace.store import lists as store_lists
 from kvtrace.store.backend import (
     insert_ignore,
@@ -103,6 +103,7 @@ class Store:
         # Bounded by entries and by the addresses they hold (lists.ListCache); every
         # reader and writer takes it through `_lists_cache`, which keeps the bound.
         self._lists = store_lists.ListCache(max_entries=_MAX_LISTS, max_items=_MAX_LIST_ITEMS)
+        self._payloads = deltas.RecentPayloads()  # what a new message may be a delta of
         # (thread, its transaction, its appends' ref moves waiting for the batch's end)
         self._batch: tuple[int, Connection, DeferredMoves] | None = None
         # SQLite: one connection held for writes (see _write), and the lock
@@ -727,6 +728,7 @@ class Store:
             entries: dict[str, dict[str, Any]] = {}
             resolutions: dict[str, store_lists.Resolved] = {}
             blob_rows = {addresses[key]: value for key, value in data.items()}
+            new_item_addresses: list[str] = []
             for key, encoded in item_data.items():
                 item_addresses = [encoding.sha256_hex(item) for item in encoded]
                 entries[key], resolutions[key] = self._list_entry(
@@ -734,6 +736,7 @@ class Store:
                 # The base's items are stored already: only the new ones are written
                 # (and compressed), so a call costs what it adds, not its whole history.
                 new_items = min(len(entries[key]["items"]), len(encoded))
+                new_item_addresses += item_addresses[len(encoded) - new_items:]
                 blob_rows.update(zip(item_addresses[len(encoded) - new_items:],
                                      encoded[len(encoded) - new_items:], strict=True))
             clean_meta = {key: value for key, value in meta.items() if value is not None}
@@ -744,15 +747,8 @@ class Store:
             step_id = encoding.sha256_hex(body)
             kept, body_codec = bodies.encode(body)
             skip_id, skip_depth = history.skip_for(conn, parent_id, depth, self._known)
-            # Hash order: concurrent writers sharing blobs take row locks in one order.
-            insert_ignore(
-                conn,
-                blobs,
-                [  # in hash order: writers sharing blobs then never wait on each other in a cycle
-                    codec.row(address, value) for address, value in sorted(blob_rows.items())
-                ],
-                "hash",
-            )
+            blob_list = self._payloads.rows(blob_rows, new_item_addresses)
+            insert_ignore(conn, blobs, blob_list, "hash")
             insert_ignore(
                 conn,
                 steps,
@@ -781,6 +777,7 @@ class Store:
             self._known.clear()
             self._lists.clear()
         self._known[step_id] = (parent_id, depth, skip_id)
+        self._payloads.note(blob_list, {addresses[key]: data[key] for key in data})
         for key, resolved in resolutions.items():
             self._lists[(step_id, key)] = resolved
         # Decoded from the canonical bytes: the Step never shares the caller's objects.

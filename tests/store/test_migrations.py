@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import pytest
@@ -251,3 +252,47 @@ def test_binary_ids_migration_goes_back_to_hex(store_urls):
     engine.dispose()
     recorded.close()
     assert after == before
+
+
+# -- 0009_blob_deltas: deltas of quoted tool results; PostgreSQL's parent index as a hash -
+
+def _parent_index(conn: sa.Connection) -> str:
+    if conn.dialect.name == "postgresql":
+        return str(conn.execute(sa.text(
+            "SELECT indexdef FROM pg_indexes WHERE indexname = 'ix_steps_parent_id' "
+            "AND schemaname = current_schema()")).scalar_one())
+    return str(conn.execute(sa.text("SELECT sql FROM sqlite_master WHERE "
+                                    "name = 'ix_steps_parent_id'")).scalar_one())
+
+
+def test_blob_deltas_migration_keeps_everything_and_hashes_the_parent_index(store_urls):
+    recorded = open_store(store_urls())
+    _record_everything(recorded)
+    result = " ".join(hashlib.sha256(bytes([i])).hexdigest() for i in range(20))  # no repeats
+    recorded.run("main").record_tool_call("read", {}, result, call_id="c1")
+    recorded.run("main").record_model_call(
+        [{"role": "tool", "tool_call_id": "c1", "content": result}], "ok", model="m")
+    url = store_urls()
+    copy_as(recorded, url, "0008_binary_ids")  # every blob whole, a B-tree parent index
+    engine = create_db_engine(url)
+    with engine.connect() as conn:
+        assert "hash" not in _parent_index(conn).lower()
+    engine.dispose()
+    store = open_store(url)  # migrates 0008 -> 0009
+    try:
+        assert store.fsck().problems == []
+        mine, theirs = _everything(store), _everything(recorded)
+        assert mine.pop("rows").pop("blobs") != theirs.pop("rows").pop("blobs")  # kept apart
+        assert mine == theirs
+        with store.engine.connect() as conn:
+            index = _parent_index(conn)
+            assert ("USING hash" in index) == (conn.dialect.name == "postgresql"), index
+        # The forks of a run are found through it as before.
+        assert store.forks("main") == recorded.forks("main") != []
+        with engine.begin() as conn:
+            _downgrade(conn, "0008_binary_ids")
+            assert "hash" not in _parent_index(conn).lower()
+    finally:
+        store.close()
+        recorded.close()
+        engine.dispose()
