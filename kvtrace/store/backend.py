@@ -367,12 +367,16 @@ _UNNEST_ROWS = 1000  # rows per statement: a bundle's thousands of blobs go in a
 
 @functools.cache
 def _unnest_statement(table: sa.Table, columns: tuple[str, ...], key: str | None) -> Prepared:
-    """INSERT ... SELECT FROM unnest(one array per column) [ON CONFLICT (key) DO NOTHING]."""
+    """INSERT ... SELECT FROM unnest(one array per column) [ON CONFLICT DO NOTHING].
+
+    With no conflict target: `blobs` keeps its addresses unique by an exclusion
+    constraint (migration 0009), which a target naming a column cannot name.
+    """
     dialect = postgresql.dialect()
     arrays = ", ".join(
         f"CAST(:{column} AS {table.c[column].type.compile(dialect=dialect)}[])"
         for column in columns)
-    conflict = f" ON CONFLICT ({key}) DO NOTHING" if key else ""
+    conflict = " ON CONFLICT DO NOTHING" if key else ""
     return Prepared(postgresql=sa.text(
         f"INSERT INTO {table.name} ({', '.join(columns)}) SELECT * FROM unnest({arrays})"
         + conflict))
@@ -387,7 +391,7 @@ def _insert_statement(table: sa.Table, columns: tuple[str, ...]) -> Prepared:
 @functools.cache
 def _insert_ignore_statement(table: sa.Table, key: str) -> Prepared:
     return Prepared(
-        postgresql=postgresql.insert(table).on_conflict_do_nothing(index_elements=[key]),
+        postgresql=postgresql.insert(table).on_conflict_do_nothing(),  # see _unnest_statement
         sqlite=sqlite.insert(table).on_conflict_do_nothing(index_elements=[key]),
     )
 

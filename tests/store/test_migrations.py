@@ -265,6 +265,14 @@ def _parent_index(conn: sa.Connection) -> str:
                                     "name = 'ix_steps_parent_id'")).scalar_one())
 
 
+def _blob_key(conn: sa.Connection) -> tuple[str, str]:
+    """PostgreSQL: the constraint that keeps blob addresses unique, and its type."""
+    row = conn.execute(sa.text(
+        "SELECT conname, contype FROM pg_constraint WHERE conrelid = 'blobs'::regclass "
+        "AND contype IN ('p', 'x')")).one()
+    return str(row[0]), str(row[1])
+
+
 def test_blob_deltas_migration_keeps_everything_and_hashes_the_parent_index(store_urls):
     recorded = open_store(store_urls())
     _record_everything(recorded)
@@ -287,11 +295,19 @@ def test_blob_deltas_migration_keeps_everything_and_hashes_the_parent_index(stor
         with store.engine.connect() as conn:
             index = _parent_index(conn)
             assert ("USING hash" in index) == (conn.dialect.name == "postgresql"), index
+            if conn.dialect.name == "postgresql":  # blob addresses: a hash exclusion, no key
+                assert _blob_key(conn) == ("blobs_hash_once", "x")
+        # Addresses stay unique: the same content again adds no row.
+        recorded_blobs = len(_everything(store)["rows"]["blobs"])
+        store.run("again").record_tool_call("read", {}, result, call_id="c1")
+        assert len(_everything(store)["rows"]["blobs"]) == recorded_blobs
         # The forks of a run are found through it as before.
         assert store.forks("main") == recorded.forks("main") != []
         with engine.begin() as conn:
             _downgrade(conn, "0008_binary_ids")
             assert "hash" not in _parent_index(conn).lower()
+            if conn.dialect.name == "postgresql":
+                assert _blob_key(conn) == ("blobs_pkey", "p")
     finally:
         store.close()
         recorded.close()
