@@ -30,12 +30,11 @@ The parity tests in tests/engine hold this line.
 
 Cost: the same FLOPs as plain attention, plus a few temporary tensors of
 `kv_heads * tiles * rows * TILE` floats. Those are bounded: a forward whose
-scores would pass `SCORE_BYTES` (4 MiB, kept small for the caches' sake) is
-split into even blocks of query rows (a multiple of 16 each), each block
-attending to the keys up to its last row. That is the same computation as
-a prefill chunk ending there, which gives a row the same bits by the rules
-above (at 5k tokens of context a 430-row forward's scores alone would be
-~80 MB per layer call). Decode steps (one
+scores would pass `SCORE_BYTES` is split into blocks of query rows (a
+multiple of 16 each), each block attending to the keys up to its last row.
+That is the same computation as a prefill chunk ending there, which gives a
+row the same bits by the rules above (at 5k tokens of context a 430-row
+forward's scores alone would be ~80 MB per layer call). Decode steps (one
 query row per sequence, decode.py) go to `decode_attention.py` instead
 (torch's flash-attention kernel, a prompt's first part read once for the
 sequences that share it), each sequence's row over its own K/V, handed over
@@ -59,10 +58,7 @@ from kvtrace.engine.decode_attention import SequenceKV, decode_attention
 ATTN_IMPLEMENTATION = "kvtrace_canonical"
 TILE = 64
 ROUTER_KWARG = "kvtrace_rows"  # a decode step's per-sequence K/V (decode.py's RowRouter)
-# Scores per query block: a few MiB keep a block's scores near the cores' caches while they
-# are masked, exponentiated and multiplied again (32 MiB blocks were 25-35 % slower at
-# 3,000-6,000 keys; docs/benchmarks.md). The block never changes a bit (module docstring).
-SCORE_BYTES = 4 * 1024**2
+SCORE_BYTES = 32 * 1024**2
 _QUERY_BLOCK_MULTIPLE = 16  # prefill's ROW_MULTIPLE: blocks are row counts a forward may have
 
 _registered = False
@@ -127,19 +123,13 @@ def canonical_attention(
 
 def _query_block(q_len: int, num_tiles: int, num_kv_heads: int, groups: int,
                  element_size: int) -> int:
-    """Query rows per block: a multiple of 16 whose scores fit SCORE_BYTES, at least 16,
-    the blocks as even as that allows (128 rows that fit 112 go as 64 + 64, not 112 + 16).
+    """Query rows per block: a multiple of 16 whose scores fit SCORE_BYTES, at least 16.
 
     Prefill's forwards are multiples of 16 rows, so every block is too.
     """
     per_row = num_kv_heads * num_tiles * groups * TILE * element_size
-    fits = max(_QUERY_BLOCK_MULTIPLE,
-               SCORE_BYTES // per_row // _QUERY_BLOCK_MULTIPLE * _QUERY_BLOCK_MULTIPLE)
-    if fits >= q_len:
-        return q_len
-    num_blocks = -(-q_len // fits)
-    even = -(-q_len // num_blocks)
-    return -(-even // _QUERY_BLOCK_MULTIPLE) * _QUERY_BLOCK_MULTIPLE
+    fits = SCORE_BYTES // per_row // _QUERY_BLOCK_MULTIPLE * _QUERY_BLOCK_MULTIPLE
+    return min(q_len, max(_QUERY_BLOCK_MULTIPLE, fits))
 
 
 def _attend(rows: torch.Tensor, key_tiles: torch.Tensor, value_tiles: torch.Tensor,
