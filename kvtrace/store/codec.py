@@ -21,13 +21,15 @@ least MIN_SIZE bytes and compression saves at least an eighth of them;
 below that, reading it back would pay a decompression for next to nothing.
 A delta is kept when it also saves an eighth of what plain zstd keeps.
 
-Reading resolves bases in rounds (one query per round, MAX_CHAIN rounds at
-most: a writer makes chains of one, so only a store written behind
-kvtrace's back has longer ones). fsck decodes every blob and re-hashes the
-content; an unknown codec, a frame that does not decode to `size` bytes, a
-missing base or a chain past MAX_CHAIN is an IntegrityError, never wrong
-content. Every row written goes through `row` and every read through
-`read` (fsck, which reports instead of raising, through `decode_rows`).
+A read gets each delta's base in the same query (a self-join on the
+address the delta starts with); a base that is itself a delta costs one
+more query per link, MAX_CHAIN links at most (a writer makes chains of one,
+so only a store written behind kvtrace's back has longer ones). fsck
+decodes every blob and re-hashes the content; an unknown codec, a frame
+that does not decode to `size` bytes, a missing base or a chain past
+MAX_CHAIN is an IntegrityError, never wrong content. Every row written
+goes through `row` and every read through `read` (fsck, which reports
+instead of raising, through `decode_rows`).
 """
 
 from __future__ import annotations
