@@ -34,7 +34,9 @@ scores would pass `SCORE_BYTES` is split into blocks of query rows (a
 multiple of 16 each), each block attending to the keys up to its last row.
 That is the same computation as a prefill chunk ending there, which gives a
 row the same bits by the rules above (at 5k tokens of context a 430-row
-forward's scores alone would be ~80 MB per layer call). Decode steps (one
+forward's scores alone would be ~80 MB per layer call). The temporaries
+live in per-thread buffers kept from call to call (`scratch`), not in new
+allocations each layer. Decode steps (one
 query row per sequence, decode.py) go to `decode_attention.py` instead
 (torch's flash-attention kernel, a prompt's first part read once for the
 sequences that share it), each sequence's row over its own K/V, handed over
@@ -48,10 +50,11 @@ still match bit for bit.
 from __future__ import annotations
 
 import functools
+import math
+import threading
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from kvtrace.engine.decode_attention import SequenceKV, decode_attention
 
@@ -93,14 +96,17 @@ def canonical_attention(
     batch, num_heads = query.shape[0], query.shape[1]
     groups = num_heads // num_kv_heads
     num_tiles = -(-kv_len // TILE)
-    key_tiles = F.pad(key, (0, 0, 0, num_tiles * TILE - kv_len)).reshape(
-        batch, num_kv_heads, num_tiles, TILE, head_dim
-    )
+    padded = num_tiles * TILE
+    key_tiles = scratch("keys", (batch, num_kv_heads, padded, head_dim), key)
+    key_tiles[:, :, :kv_len] = key
+    key_tiles[:, :, kv_len:] = 0
+    key_tiles = key_tiles.view(batch, num_kv_heads, num_tiles, TILE, head_dim)
     # A ones column makes each tile's matmul return its softmax denominator
     # too, summed in the same fixed-shape GEMM as the numerator.
-    value_tiles = value.new_zeros(batch, num_kv_heads, num_tiles * TILE, head_dim + 1)
+    value_tiles = scratch("values", (batch, num_kv_heads, padded, head_dim + 1), value)
     value_tiles[:, :, :kv_len, :head_dim] = value
     value_tiles[:, :, :kv_len, head_dim] = 1
+    value_tiles[:, :, kv_len:] = 0
     value_tiles = value_tiles.view(batch, num_kv_heads, num_tiles, TILE, head_dim + 1)
     start = kv_len - q_len
     block = _query_block(q_len, num_tiles, num_kv_heads, groups, query.element_size())
@@ -139,14 +145,17 @@ def _attend(rows: torch.Tensor, key_tiles: torch.Tensor, value_tiles: torch.Tens
     `rows` hold the queries at absolute positions `first_query …` (times
     `groups`); the tiles cover every key up to the last of them.
     """
-    scores = torch.matmul(rows, key_tiles.transpose(-1, -2))  # [b, kvh, tiles, rows, TILE]
+    b, kvh, tiles = key_tiles.shape[:3]
+    scores = scratch("scores", (b, kvh, tiles, rows.shape[3], TILE), rows)
+    torch.matmul(rows, key_tiles.transpose(-1, -2), out=scores)  # [b, kvh, tiles, rows, TILE]
     # Keys after a query can only lie in the tiles from the first query's own on.
     first = first_query // TILE
     mask = _causal_mask(first_query, q_len, key_tiles.shape[2], groups, rows.device)
     scores[:, :, first:].masked_fill_(mask, float("-inf"))
     row_max = scores.amax(dim=-1).amax(dim=2)  # max is exact in any order
     probs = scores.sub_(row_max[:, :, None, :, None]).exp_()
-    partial = torch.matmul(probs, value_tiles)  # [b, kvh, tiles, rows, dim + 1]
+    partial = scratch("partial", (*probs.shape[:-1], value_tiles.shape[-1]), probs)
+    torch.matmul(probs, value_tiles, out=partial)  # [b, kvh, tiles, rows, dim + 1]
     return _fold_tiles(partial)
 
 
@@ -175,6 +184,36 @@ def _fold_tiles(partial: torch.Tensor) -> torch.Tensor:
         partial[:, :, :half] += partial[:, :, half:]
         partial = partial[:, :, :half]
     return partial[:, :, 0]
+
+
+class _Scratch(threading.local):
+    """This thread's temporaries, kept from call to call (see `scratch`)."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[str, torch.Tensor] = {}
+
+
+_scratch = _Scratch()
+
+
+def scratch(name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor of `shape` (contents undefined) over this thread's buffer `name`.
+
+    Why: the tiles and scores of one layer are megabytes, allocated and freed
+    30 times a forward. On a thread other than the process's first, glibc
+    serves such blocks from fresh mappings each time (its per-thread arenas
+    give them back at once), and the page faults and unmaps doubled the
+    cost of a prefill in `kvtrace serve` (docs/benchmarks.md). Buffers grow
+    by a quarter past the need, so a growing context reallocates rarely; one
+    set per thread, as the engine thread is the only one that prefills.
+    """
+    numel = math.prod(shape)
+    buffer = _scratch.buffers.get(name)
+    if (buffer is None or buffer.numel() < numel or buffer.dtype != like.dtype
+            or buffer.device != like.device):
+        buffer = torch.empty(numel + numel // 4, dtype=like.dtype, device=like.device)
+        _scratch.buffers[name] = buffer
+    return buffer[:numel].view(shape)
 
 
 @functools.lru_cache(maxsize=32)
