@@ -143,19 +143,26 @@ def _attend(rows: torch.Tensor, key_tiles: torch.Tensor, value_tiles: torch.Tens
     """Sum over tiles of softmax numerators, with the denominator last: `[b, kvh, rows, dim+1]`.
 
     `rows` hold the queries at absolute positions `first_query …` (times
-    `groups`); the tiles cover every key up to the last of them.
+    `groups`); the tiles cover every key up to the last of them. The scores
+    are computed keys by queries, `[b, kvh, tiles, TILE, rows]`, in one
+    product per KV head (no copy of the queries per tile), and each tile's
+    are read transposed by the value product: the same bits as queries by
+    keys (each score is one 64-term dot product either way; tests/engine).
     """
-    b, kvh, tiles = key_tiles.shape[:3]
-    scores = scratch("scores", (b, kvh, tiles, rows.shape[3], TILE), rows)
-    torch.matmul(rows, key_tiles.transpose(-1, -2), out=scores)  # [b, kvh, tiles, rows, TILE]
+    b, kvh, tiles, _, dim = key_tiles.shape
+    count = rows.shape[3]
+    scores = scratch("scores", (b, kvh, tiles, TILE, count), rows)
+    torch.matmul(key_tiles.view(b, kvh, tiles * TILE, dim),
+                 rows.view(b, kvh, count, dim).transpose(-1, -2),
+                 out=scores.view(b, kvh, tiles * TILE, count))
     # Keys after a query can only lie in the tiles from the first query's own on.
     first = first_query // TILE
-    mask = _causal_mask(first_query, q_len, key_tiles.shape[2], groups, rows.device)
+    mask = _causal_mask(first_query, q_len, tiles, groups, rows.device)
     scores[:, :, first:].masked_fill_(mask, float("-inf"))
-    row_max = scores.amax(dim=-1).amax(dim=2)  # max is exact in any order
-    probs = scores.sub_(row_max[:, :, None, :, None]).exp_()
-    partial = scratch("partial", (*probs.shape[:-1], value_tiles.shape[-1]), probs)
-    torch.matmul(probs, value_tiles, out=partial)  # [b, kvh, tiles, rows, dim + 1]
+    row_max = scores.amax(dim=-2).amax(dim=2)  # max is exact in any order
+    probs = scores.sub_(row_max[:, :, None, None, :]).exp_()
+    partial = scratch("partial", (b, kvh, tiles, count, value_tiles.shape[-1]), probs)
+    torch.matmul(probs.transpose(-1, -2), value_tiles, out=partial)  # [b, kvh, tiles, rows, dim + 1]
     return _fold_tiles(partial)
 
 
@@ -222,13 +229,14 @@ def _causal_mask(
 ) -> torch.Tensor:
     """True where a key lies after the query, over the tiles from the first query's on.
 
-    `[num_tiles - first_query // TILE, groups * q_len, TILE]`; small (a few
-    tiles), and cached: every layer of one forward asks for the same masks.
+    `[num_tiles - first_query // TILE, TILE, groups * q_len]` (keys by
+    queries, as `_attend` lays out its scores); small (a few tiles), and
+    cached: every layer of one forward asks for the same masks.
     """
     first = first_query // TILE
     query_pos = (torch.arange(q_len, device=device) + first_query).repeat(groups)
     key_pos = torch.arange(first * TILE, num_tiles * TILE, device=device).view(-1, TILE)
-    return key_pos[:, None, :] > query_pos[None, :, None]
+    return key_pos[:, :, None] > query_pos[None, None, :]
 
 
 def register_canonical_attention() -> str:
