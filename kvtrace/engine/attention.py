@@ -162,7 +162,8 @@ def _attend(rows: torch.Tensor, key_tiles: torch.Tensor, value_tiles: torch.Tens
     row_max = scores.amax(dim=-2).amax(dim=2)  # max is exact in any order
     probs = scores.sub_(row_max[:, :, None, None, :]).exp_()
     partial = scratch("partial", (b, kvh, tiles, count, value_tiles.shape[-1]), probs)
-    torch.matmul(probs.transpose(-1, -2), value_tiles, out=partial)  # [b, kvh, tiles, rows, dim + 1]
+    # [b, kvh, tiles, rows, dim + 1]
+    torch.matmul(probs.transpose(-1, -2), value_tiles, out=partial)
     return _fold_tiles(partial)
 
 
