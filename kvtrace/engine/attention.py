@@ -210,10 +210,11 @@ def scratch(name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tens
     Why: the tiles and scores of one layer are megabytes, allocated and freed
     30 times a forward. On a thread other than the process's first, glibc
     serves such blocks from fresh mappings each time (its per-thread arenas
-    give them back at once), and the page faults and unmaps doubled the
-    cost of a prefill in `kvtrace serve` (docs/benchmarks.md). Buffers grow
-    by a quarter past the need, so a growing context reallocates rarely; one
-    set per thread, as the engine thread is the only one that prefills.
+    give them back at once), and the page faults and unmaps made a prefill
+    in `kvtrace serve` ~1.4x slower (docs/benchmarks.md). Buffers grow by a
+    quarter past the need, so a growing context reallocates rarely; one set
+    per thread (the engine thread is the only one that prefills), kept
+    until the thread ends: tens of MB at 5k tokens of context.
     """
     numel = math.prod(shape)
     buffer = _scratch.buffers.get(name)
