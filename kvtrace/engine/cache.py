@@ -20,6 +20,14 @@ repaid (copied into the tree) first. It changes no accounting: the hit is
 what the tiers hold, and a loan counts in the memory budget as the copy it
 stands for.
 
+Last logits (`remember_logits`, `last_logits`): the last-position logits of
+the `LAST_LOGITS` most recent sequences prefill computed. Canonical logits are
+a function of the tokens alone (prefill.py), so a prompt that repeats one of
+them exactly (a fork's calls before it parts, a retried request) needs no
+forward at all: its KV is all cached and its logits are these. They stay in
+memory only (~200 KB each for the default model); a sequence whose logits
+were let go computes its last token again, as any other.
+
 Deferred output (`defer`, owed.py): a generation's decoded output that the
 next prompt's prefill stores; a lookup reports it (`num_deferred_tokens`).
 
@@ -35,6 +43,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +62,7 @@ from kvtrace.errors import CacheError, UsageError
 DEFAULT_BLOCK_SIZE = 64
 DEFAULT_MEMORY_BYTES = 2 * 1024**3
 MIN_BLOCK_SIZE = 16
+LAST_LOGITS = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +151,7 @@ class KVCache:
         self._live: LiveSequence | None = None
         self._lent: tuple[KVBuffer, ...] | None = None  # the buffers the tree borrows from
         self._owed = OwedOutputs()
+        self._logits: OrderedDict[tuple[int, ...], torch.Tensor] = OrderedDict()
         self._lock = threading.RLock()
 
     @property
@@ -251,6 +262,26 @@ class KVCache:
         with self._lock:
             return self._owed.sequences()
 
+    def remember_logits(self, tokens: Sequence[int], logits: torch.Tensor) -> None:
+        """Keep the canonical last-position logits of `tokens` (the oldest of
+        `LAST_LOGITS` is let go)."""
+        key = tuple(tokens)
+        with self._lock:
+            self._logits[key] = logits.detach().clone()
+            self._logits.move_to_end(key)
+            while len(self._logits) > LAST_LOGITS:
+                self._logits.popitem(last=False)
+
+    def last_logits(self, tokens: Sequence[int]) -> torch.Tensor | None:
+        """A copy of the logits `remember_logits` kept for exactly `tokens`, or None."""
+        key = tuple(tokens)
+        with self._lock:
+            logits = self._logits.get(key)
+            if logits is None:
+                return None
+            self._logits.move_to_end(key)
+            return logits.clone()
+
     def drop_live(self) -> None:
         """Forget the live sequence (its KV stays in the tiers: the tree copies its loans)."""
         with self._lock:
@@ -303,9 +334,11 @@ class KVCache:
     # -- inventory --------------------------------------------------------------
 
     def clear_memory(self) -> None:
-        """Drop the memory tier, the live sequence and owed output (the disk tier is untouched)."""
+        """Drop the memory tier, the live sequence, owed output and kept logits (the disk
+        tier is untouched)."""
         with self._lock:
             self.memory.clear()
+            self._logits.clear()
             self._live = None
             self._lent = None
             self._owed.clear()

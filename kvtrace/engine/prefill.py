@@ -26,9 +26,10 @@ no copy (kvbuffer.py); else each layer's buffer is filled from the tree's
 pieces and disk blocks.
 
 Rules kept here for every caller:
-- never reuse the whole sequence: the last token is always computed, since
-  its logits are the output (transformers 5.x silently misbehaves given a
-  cache that covers the whole prompt);
+- reuse the whole sequence only when the cache kept its last logits
+  (`KVCache.last_logits`: an exact repeat computes nothing); else the last
+  token is always computed, since its logits are the output (transformers
+  5.x silently misbehaves given a cache that covers the whole prompt);
 - only canonical KV is stored (a decoded output is re-prefilled, at once or,
   deferred, by the next prompt's prefill: generate.py);
 - everything computed is stored: the new tail in memory (borrowed from the
@@ -128,7 +129,12 @@ def prefill(
     started = time.perf_counter()
     kv = growing_cache(engine.model.config)
     layers = growing_layers(kv)
-    hit = cache.lookup(tokens, max_tokens=keep_from) if cache is not None else None
+    # Only the plain last-position logits are kept; a repeat of a sequence whose
+    # logits the cache kept may reuse every token.
+    plain = logits_from is None and reduce_logits is None
+    known = cache.last_logits(tokens) if cache is not None and plain else None
+    limit = len(tokens) if known is not None else keep_from
+    hit = cache.lookup(tokens, max_tokens=limit) if cache is not None else None
     try:
         reused = hit.num_tokens if hit is not None else 0
         if hit is not None and hit.live is not None:
@@ -145,8 +151,13 @@ def prefill(
             # the buffers, the live ones taken over (the tree still borrows
             # their rows below `reused`, which nothing overwrites).
             hit = replace(hit, live=None, pieces=())
-        span = logits_from is not None
-        logits = _compute(engine, kv, tokens, reused, keep_from, span, reduce_logits)
+        if known is not None and reused == len(tokens):
+            logits = known.unsqueeze(0)
+        else:
+            span = logits_from is not None
+            logits = _compute(engine, kv, tokens, reused, keep_from, span, reduce_logits)
+            if cache is not None and plain:
+                cache.remember_logits(tokens, logits[-1])
         if cache is not None and hit is not None:
             cache.store(tokens, layers, num_disk_blocks=hit.num_disk_blocks)
     finally:

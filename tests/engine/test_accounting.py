@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvtrace.engine import KVCache, prefill
+from kvtrace.engine.cache import LAST_LOGITS
 from kvtrace.errors import UsageError
 
 
@@ -30,14 +32,41 @@ def test_shared_prefix_from_disk_only_rounds_down_to_the_block(tiny_engine, toke
     assert second.num_computed_tokens == 260 - 128
 
 
-def test_the_whole_prompt_is_never_reused_from_memory(tiny_engine, tokens):
+def test_an_exact_repeat_computes_nothing_and_gives_the_same_logits(tiny_engine, tokens):
     prompt = tokens(90, seed=26)
     cache = KVCache(tiny_engine)
-    prefill(tiny_engine, cache, prompt)
+    first = prefill(tiny_engine, cache, prompt)
+    again = prefill(tiny_engine, cache, prompt)
+
+    assert (again.num_memory_tokens, again.num_computed_tokens) == (90, 0)
+    assert torch.equal(again.logits, first.logits)
+    assert torch.equal(again.logits, prefill(tiny_engine, None, prompt).logits)
+
+
+def test_a_repeat_whose_logits_were_let_go_computes_its_last_token(tiny_engine, tokens):
+    prompt = tokens(90, seed=26)
+    cache = KVCache(tiny_engine)
+    first = prefill(tiny_engine, cache, prompt)
+    for i in range(LAST_LOGITS):  # each a sequence of its own, sharing the prompt
+        prefill(tiny_engine, cache, [*prompt, i + 1])
     again = prefill(tiny_engine, cache, prompt)
 
     assert again.num_memory_tokens == 89
     assert again.num_computed_tokens == 1
+    assert torch.equal(again.logits, first.logits)
+
+
+def test_a_decode_after_an_exact_repeat_matches_one_after_a_cold_prefill(tiny_engine, tokens):
+    from kvtrace.engine import generate
+
+    prompt = tokens(70, seed=30)
+    cache = KVCache(tiny_engine)
+    cold = generate(tiny_engine, None, prompt, max_new_tokens=8)
+    generate(tiny_engine, cache, prompt, max_new_tokens=8)
+    warm = generate(tiny_engine, cache, prompt, max_new_tokens=8)
+
+    assert warm.prefill.num_computed_tokens == 0
+    assert warm.token_ids == cold.token_ids
 
 
 def test_the_whole_prompt_is_never_reused_from_disk(tiny_engine, tokens, make_cache):
