@@ -190,6 +190,14 @@ _BAD_VALUES = {  # (command, option): a command line with a bad value for it
     ("export", "--format"): ["export", "main", "--format", "csv"],
     ("import", "--format"): ["import", "main.kvtrace", "--format", "csv"],
     ("mcp", "--transport"): ["mcp", "--transport", "carrier-pigeon"],
+    ("replay", "--dtype"): ["replay", "main", "--dtype", "int4"],
+    ("checkout", "--dtype"): ["checkout", "main", "--dtype", "float64"],
+    ("continue", "--dtype"): ["continue", "main", "--steps", "1", "--dtype", "half"],
+    ("branch", "--dtype"): ["branch", "main", "--n", "2", "--dtype", "fp8"],
+    ("serve", "--dtype"): ["serve", "--dtype", "int8"],
+    ("record", "--dtype"): ["record", "--dtype", "int8", "--", "true"],
+    ("bench fork", "--dtype"): ["bench", "fork", "--peer", "http://127.0.0.1:9/v1",
+                               "--dtype", "float16"],
 }
 
 

@@ -55,7 +55,7 @@ _COLD = [{"role": "user", "content": "Unrelated: say one word."}]
 
 def run_peer_bench(peer: str, *, model: str | None = None, peer_model: str | None = None,
                    calls: int = 10, fork_steps: tuple[int, ...] = FORK_STEPS,
-                   trials: int = 2) -> dict[str, Any]:
+                   trials: int = 2, dtype: str = "float32") -> dict[str, Any]:
     """Time the interleaved replay through kvtrace and through `peer` (module docstring)."""
     from kvtrace.engine import KVCache, load_engine
     from kvtrace.replay.local import LocalBackend
@@ -79,7 +79,7 @@ def run_peer_bench(peer: str, *, model: str | None = None, peer_model: str | Non
             for side in order:
                 if side == "kvtrace":
                     with kvtrace_serve(root / f"serve-{trial}", model=model,
-                                       cache_dir=default_cache_dir()) as url, \
+                                       cache_dir=default_cache_dir(), dtype=dtype) as url, \
                             RemoteBackend(url, model=engine.name) as client:
                         seconds, tokens["kvtrace"], served["kvtrace"] = timed_replay(
                             client, schedule)
@@ -92,7 +92,8 @@ def run_peer_bench(peer: str, *, model: str | None = None, peer_model: str | Non
                     peer_s.append(seconds)
         store.close()
     return {
-        "model": engine.name, "peer": peer, "calls": calls, "fork_steps": list(fork_steps),
+        "model": engine.name, "dtype": dtype, "peer": peer, "calls": calls,
+        "fork_steps": list(fork_steps),
         "requests": len(schedule), "trials": trials,
         "forks": {name: run for name, run in runs.items() if run},
         "kvtrace_s": round(min(kvtrace_s), 3), "peer_s": round(min(peer_s), 3),

@@ -26,15 +26,17 @@ START_TIMEOUT_S = 300.0  # a model load on a busy 2-core machine
 
 
 @contextmanager
-def kvtrace_serve(folder: Path, *, model: str | None, cache_dir: Path) -> Iterator[str]:
-    """`kvtrace serve` on the local model with an empty KV cache and a store in `folder`;
-    yields its base URL (…/v1)."""
+def kvtrace_serve(folder: Path, *, model: str | None, cache_dir: Path,
+                  dtype: str = "float32") -> Iterator[str]:
+    """`kvtrace serve` on the local model (in `dtype`) with an empty KV cache and a store in
+    `folder`; yields its base URL (…/v1)."""
     from kvtrace.engine.folders import model_folder
 
     folder.mkdir(parents=True, exist_ok=True)
     port = free_port()
     command = [sys.executable, "-m", "kvtrace", "--store", f"sqlite:///{folder}/serve.db",
-               "serve", "--port", str(port), "--model", str(model_folder(model, cache_dir))]
+               "serve", "--port", str(port), "--model", str(model_folder(model, cache_dir)),
+               "--dtype", dtype]
     env = {**os.environ, "KVTRACE_CACHE": str(folder / "cache")}
     with _process(command, env, port, folder / "server.log") as url:
         yield url

@@ -19,6 +19,7 @@ import json
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -73,6 +74,20 @@ app.add_typer(bench_app, name="bench")
 Json = Annotated[
     bool, typer.Option("--json", help="Print one JSON document (for programs) instead of text.")
 ]
+
+
+class Precision(StrEnum):
+    """The local engine's number formats whose prefill is canonical (docs/cache.md)."""
+
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+
+
+Dtype = Annotated[Precision, typer.Option(
+    "--dtype",
+    help="Local mode: the engine's number format. bfloat16 computes about twice as fast on "
+    "CPUs with AVX-512 BF16 or AMX (and is slower without); its KV is its own, never mixed "
+    "with float32's.")]
 
 
 @app.callback()

@@ -12,7 +12,7 @@ from typing import Annotated, Any
 
 import typer
 
-from kvtrace.cli.app import Json, bench_app, print_json, store_url
+from kvtrace.cli.app import Json, Precision, bench_app, print_json, store_url
 from kvtrace.errors import UsageError
 
 Model = Annotated[str | None, typer.Option(
@@ -189,6 +189,9 @@ def bench_fork(
     fork_steps: Annotated[str, typer.Option(
         "--fork-steps", help="With --peer: the steps the forks are taken at, "
         "comma-separated.")] = "2,4,6,8",
+    dtype: Annotated[Precision, typer.Option(
+        "--dtype", help="With --peer: the number format of the kvtrace serve timed (the "
+        "workload is recorded in float32 either way).")] = Precision.FLOAT32,
     as_json: Json = False,
 ) -> None:
     """An agent forked at step K (--from) against re-running it whole, on the local engine;
@@ -206,7 +209,8 @@ def bench_fork(
             raise typer.BadParameter(f"fork steps must be in 1..{calls - 1}",
                                      param_hint="--fork-steps")
         _print_figures(run_peer_bench(peer, model=model, peer_model=peer_model, calls=calls,
-                                      fork_steps=fork_at, trials=trials), as_json)
+                                      fork_steps=fork_at, trials=trials, dtype=dtype.value),
+                       as_json)
         return
     if k >= calls:
         raise typer.BadParameter(f"--k must be below --calls ({calls})", param_hint="--k")

@@ -20,7 +20,9 @@ from typing import TYPE_CHECKING, Annotated, Any, cast
 import typer
 
 from kvtrace.cli.app import (
+    Dtype,
     Json,
+    Precision,
     announce_conversion,
     app,
     print_json,
@@ -104,7 +106,7 @@ class _Lazy:
 def _backend(
     backend: str, model: str | None, *, no_cache: bool = False,
     tokenizer: str | None = None, api_key: str | None = None, retries: int | None = None,
-    batching: bool = False,
+    batching: bool = False, dtype: Precision = Precision.FLOAT32,
 ) -> Backend:
     """The backend the options name, loaded when the API first uses it; `batching`: a local
     one loaded on the engine thread that decodes generations together (for `branch`)."""
@@ -112,6 +114,8 @@ def _backend(
         raise UsageError("--tokenizer is for remote backends: the local engine has its own")
     if backend == "local" and retries is not None:
         raise UsageError("--retries is for remote backends: the local engine sends no requests")
+    if backend != "local" and dtype is not Precision.FLOAT32:
+        raise UsageError("--dtype is for the local backend: a remote server computes as it does")
     if backend != "local" and no_cache:
         raise UsageError("--no-cache works with the local backend only")
 
@@ -122,7 +126,7 @@ def _backend(
         if backend == "local":
             return open_local_backend(model, cache_dir=default_cache_dir(),
                                       use_cache=not no_cache, on_convert=announce_conversion,
-                                      batching=batching)
+                                      batching=batching, dtype=dtype.value)
         local_tokenizer = None
         if tokenizer is not None:
             name = None if tokenizer == "default" else tokenizer
@@ -170,6 +174,7 @@ def replay_command(
         "--to", help="Stop at this step (RUN@N, RUN~K, id prefix); default: the head.")] = None,
     backend: BackendOption = "local",
     model: Model = None,
+    dtype: Dtype = Precision.FLOAT32,
     tokenizer: TokenizerOption = None,
     api_key: ApiKey = None,
     no_cache: Annotated[bool, typer.Option(
@@ -198,26 +203,28 @@ def replay_command(
         raise UsageError("name a run to replay (or several, a glob such as 'eval-*', or --all)")
     if every or len(names) > 1 or is_glob(names[0]):
         _replay_many(ctx, names, every=every, concurrency=concurrency, retries=retries,
-                     mode=mode, to=to, backend=backend, model=model, tokenizer=tokenizer,
+                     mode=mode, to=to, backend=backend, model=model, dtype=dtype,
+                     tokenizer=tokenizer,
                      api_key=api_key, no_cache=no_cache, compare_uncached=compare_uncached,
                      use_drafts=not no_draft, as_json=as_json)
         return
     _replay_one(ctx, names[0], retries=retries, mode=mode, to=to, backend=backend, model=model,
-                tokenizer=tokenizer, api_key=api_key, no_cache=no_cache,
+                dtype=dtype, tokenizer=tokenizer, api_key=api_key, no_cache=no_cache,
                 compare_uncached=compare_uncached, use_drafts=not no_draft, as_json=as_json)
 
 
 def _replay_one(
     ctx: typer.Context, run: str, *, retries: int | None, mode: ReplayMode, to: str | None,
-    backend: str, model: str | None, tokenizer: str | None, api_key: str | None,
-    no_cache: bool, compare_uncached: bool, use_drafts: bool, as_json: bool,
+    backend: str, model: str | None, dtype: Precision, tokenizer: str | None,
+    api_key: str | None, no_cache: bool, compare_uncached: bool, use_drafts: bool,
+    as_json: bool,
 ) -> None:
     """`replay RUN`: one run, its table of steps (`kvtrace.replay.replay`)."""
     from kvtrace.cli.render import progress_bar, render_replay
     from kvtrace.replay import replay
 
     chosen = _backend(backend, model, no_cache=no_cache, tokenizer=tokenizer, api_key=api_key,
-                      retries=retries)
+                      retries=retries, dtype=dtype)
     with _closing(chosen), open_store(store_url(ctx), create=False) as store:
         if as_json:
             report = replay(store, run, chosen, to=to, mode=mode,
@@ -238,8 +245,8 @@ def _replay_one(
 def _replay_many(
     ctx: typer.Context, names: list[str], *, every: bool, concurrency: int,
     retries: int | None, mode: ReplayMode, to: str | None, backend: str, model: str | None,
-    tokenizer: str | None, api_key: str | None, no_cache: bool, compare_uncached: bool,
-    use_drafts: bool, as_json: bool,
+    dtype: Precision, tokenizer: str | None, api_key: str | None, no_cache: bool,
+    compare_uncached: bool, use_drafts: bool, as_json: bool,
 ) -> None:
     """`replay RUN RUN ...`, a glob or `--all`: one report of every run
     (`kvtrace.replay.replay_runs`); exit 1 when a run failed or differs."""
@@ -254,7 +261,7 @@ def _replay_many(
         raise UsageError("--concurrency above 1 needs a remote --backend URL: the local "
                          "engine answers one call at a time")
     chosen = _backend(backend, model, no_cache=no_cache, tokenizer=tokenizer, api_key=api_key,
-                      retries=retries)
+                      retries=retries, dtype=dtype)
     with _closing(chosen), open_store(store_url(ctx), create=False) as store:
         selected = select_runs(store, names, every=every)
         if as_json:
@@ -279,6 +286,7 @@ def checkout_command(
     spec: Annotated[str, typer.Argument(
         help="The step whose KV state to rebuild (RUN, RUN@N, ...).")],
     model: Model = None,
+    dtype: Dtype = Precision.FLOAT32,
     as_json: Json = False,
 ) -> None:
     """Rebuild a step's KV state into the local cache so a later continue starts warm."""
@@ -287,7 +295,7 @@ def checkout_command(
     from kvtrace.engine.maintenance import default_kv_dir
     from kvtrace.replay import checkout
 
-    chosen = _backend("local", model)
+    chosen = _backend("local", model, dtype=dtype)
     with open_store(store_url(ctx), create=False) as store:
         if as_json:
             print_json(checkout(store, spec, chosen).to_dict())
@@ -308,6 +316,7 @@ def continue_command(
     tools: Tools = ToolSet.NONE,
     backend: BackendOption = "local",
     model: Model = None,
+    dtype: Dtype = Precision.FLOAT32,
     api_key: ApiKey = None,
     max_new_tokens: MaxNewTokens = 96,
     temperature: Annotated[float, typer.Option(
@@ -321,7 +330,7 @@ def continue_command(
     from kvtrace.replay.report import Totals
 
     params = SamplingParams(temperature=temperature, seed=seed, max_new_tokens=max_new_tokens)
-    chosen = _backend(backend, model, api_key=api_key)
+    chosen = _backend(backend, model, api_key=api_key, dtype=dtype)
     with _closing(chosen), open_store(store_url(ctx), create=False) as store:
         result = continue_run(store, run, chosen, steps=steps, tools=tools.tools(),
                               params=params)
@@ -361,6 +370,7 @@ def branch_command(
         "--prefix", help="Branch runs are named PREFIX-1, ...")] = None,
     tools: Tools = ToolSet.NONE,
     model: Model = None,
+    dtype: Dtype = Precision.FLOAT32,
     max_new_tokens: MaxNewTokens = 96,
     as_json: Json = False,
 ) -> None:
@@ -371,7 +381,7 @@ def branch_command(
 
     changes = read_edit(edit) if edit is not None else None
     params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens)
-    chosen = _backend("local", model, batching=True)
+    chosen = _backend("local", model, batching=True, dtype=dtype)
     with _closing(chosen), open_store(store_url(ctx), create=False) as store:
         report = branch_out(store, spec, chosen, n=n, prefix=prefix, steps=steps,
                             tools=tools.tools(), params=params, seed=seed, edit=changes)

@@ -13,7 +13,16 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from kvtrace.cli.app import Json, app, print_json, read_edit, say, store_url
+from kvtrace.cli.app import (
+    Dtype,
+    Json,
+    Precision,
+    app,
+    print_json,
+    read_edit,
+    say,
+    store_url,
+)
 from kvtrace.errors import UsageError
 from kvtrace.paths import default_cache_dir
 from kvtrace.store import Store, open_store, validate_run_name
@@ -82,7 +91,8 @@ def _chat_server(store: Store, *, upstream: str | None, model: str | None, run: 
                  redact_headers: list[str], max_queue: int, max_body_bytes: int,
                  upstream_timeout: float, strict_model: bool, from_run: str | None = None,
                  edit: str | None = None, command: str = "serve", num_agents: int | None = None,
-                 seed: int | None = None, workdir: str | None = None) -> ChatServer:
+                 seed: int | None = None, workdir: str | None = None,
+                 dtype: Precision = Precision.FLOAT32) -> ChatServer:
     """Check the options (before any model loads), then build the server; with `from_run`,
     warm the local engine's KV with the recorded prefix first (fromrun.py); with
     `num_agents`, for that many copies of the agent (agents.py)."""
@@ -92,6 +102,8 @@ def _chat_server(store: Store, *, upstream: str | None, model: str | None, run: 
 
     if upstream is not None and model is not None:
         raise UsageError("--model is for local mode: with --upstream the upstream's model answers")
+    if upstream is not None and dtype is not Precision.FLOAT32:
+        raise UsageError("--dtype is for local mode: with --upstream the upstream computes")
     if upstream is not None and strict_model:
         raise UsageError("--strict-model is for local mode: with --upstream the upstream "
                          "decides which model names it answers")
@@ -130,7 +142,8 @@ def _chat_server(store: Store, *, upstream: str | None, model: str | None, run: 
         from kvtrace.replay import open_local_backend
 
         # Loaded on the engine thread that will decode (DecodeBatcher.loading).
-        backend = open_local_backend(model, cache_dir=default_cache_dir(), batching=True)
+        backend = open_local_backend(model, cache_dir=default_cache_dir(), batching=True,
+                                     dtype=dtype.value)
     server = make_server(backend=backend, upstream=upstream, store=store, run=run,
                          api_key=api_key, upstream_api_key=upstream_api_key,
                          redact_headers=redact_headers, max_queue=max_queue,
@@ -165,6 +178,7 @@ def serve_command(
     ctx: typer.Context,
     upstream: Upstream = None,
     model: Model = None,
+    dtype: Dtype = Precision.FLOAT32,
     host: Annotated[str, typer.Option(
         "--host", help="Address to listen on (loopback only by default; 0.0.0.0 exposes the "
         "server to the network).")] = "127.0.0.1",
@@ -199,7 +213,8 @@ def serve_command(
                               api_key=api_key, upstream_api_key=upstream_api_key,
                               redact_headers=redact_header or [], max_queue=max_queue,
                               max_body_bytes=max_body_bytes, upstream_timeout=upstream_timeout,
-                              strict_model=strict_model, from_run=from_run, edit=edit)
+                              strict_model=strict_model, from_run=from_run, edit=edit,
+                              dtype=dtype)
         running = BackgroundServer(server.app, host=host, port=port).start()
         say(f"kvtrace serve: {running.url} ({server.answerer.description}), recording into run "
             f"'{server.default_run}' of {store.display_url}; Ctrl-C stops", err=True)
@@ -233,6 +248,7 @@ def record_command(
     command: Annotated[list[str], typer.Argument(help="The program to run, after '--'.")],
     upstream: Upstream = None,
     model: Model = None,
+    dtype: Dtype = Precision.FLOAT32,
     run: Run = None,
     upstream_api_key: UpstreamKey = None,
     redact_header: Redact = None,
@@ -263,7 +279,7 @@ def record_command(
                               max_body_bytes=MAX_BODY_BYTES, upstream_timeout=upstream_timeout,
                               strict_model=strict_model, from_run=from_run, edit=edit,
                               command="record", num_agents=num_agents, seed=seed,
-                              workdir=workdir)
+                              workdir=workdir, dtype=dtype)
         if server.agents and from_run is not None:
             _record_agents(store, server, from_run, command, as_json=as_json)
             return

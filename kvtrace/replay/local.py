@@ -231,6 +231,7 @@ def open_local_backend(
     memory_bytes: int | None = None,
     on_convert: Callable[[str], None] | None = None,
     batching: bool = False,
+    dtype: str | None = None,
 ) -> LocalBackend:
     """Load the engine and a two-tier KV cache.
 
@@ -244,14 +245,15 @@ def open_local_backend(
     loaded on its engine thread (`DecodeBatcher.loading`: on another thread
     than the loading one, every decode step costs a third more); its `close`
     stops that thread. For a server, or anything else that generates from
-    many threads.
+    many threads. `dtype`: the engine's number format (`load_engine`; None:
+    float32).
     """
     from kvtrace.engine import KVCache, load_engine
     from kvtrace.engine.batch import DecodeBatcher
     from kvtrace.engine.maintenance import default_kv_dir
 
     def load() -> tuple[Engine, KVCache | None]:
-        engine = load_engine(model, cache_dir=cache_dir, on_convert=on_convert)
+        engine = load_engine(model, cache_dir=cache_dir, on_convert=on_convert, dtype=dtype)
         if not use_cache:
             return engine, None
         options: dict[str, Any] = {}

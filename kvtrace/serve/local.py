@@ -151,8 +151,13 @@ class LocalAnswerer:
         return self.model if self.is_model_strict else None
 
     @property
+    def dtype(self) -> str:
+        """The engine's number format ("float32", "bfloat16")."""
+        return str(self._backend.engine.dtype).removeprefix("torch.")
+
+    @property
     def description(self) -> str:
-        return f"local model {self.model}"
+        return f"local model {self.model}, {self.dtype}"
 
     @property
     def queue(self) -> dict[str, int]:
@@ -173,7 +178,8 @@ class LocalAnswerer:
                 "decode_s": round(batcher.decode_seconds, 3)}
 
     def health(self) -> dict[str, Any]:
-        return {"mode": "local", "model": self.model, "queue": self.queue, "batch": self.batch}
+        return {"mode": "local", "model": self.model, "dtype": self.dtype, "queue": self.queue,
+                "batch": self.batch}
 
     async def close(self) -> None:
         self._preparer.shutdown(wait=True)

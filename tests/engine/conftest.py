@@ -51,6 +51,12 @@ def tiny_engine(tiny_folder, engine_root) -> Engine:
 
 
 @pytest.fixture(scope="session")
+def bf16_engine(tiny_folder, engine_root) -> Engine:
+    """`tiny_engine`'s model in bfloat16 (`--dtype bfloat16`)."""
+    return load_engine(tiny_folder, cache_dir=engine_root / "cache", dtype="bfloat16")
+
+
+@pytest.fixture(scope="session")
 def other_engine(engine_root, tokenizer_dir) -> Engine:
     """Another config (3 layers) — must never share KV with `tiny_engine`."""
     folder = build_tiny_model(

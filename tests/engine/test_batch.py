@@ -57,6 +57,20 @@ def test_batched_logits_equal_alone_at_batch_sizes_1_to_12(tiny_engine, tokens):
     assert_batch_sizes_match_alone(tiny_engine, _prompts(tokens, 12), num_steps=6)
 
 
+def test_bfloat16_batched_logits_equal_alone_at_batch_sizes_1_to_8(bf16_engine, tokens):
+    assert_batch_sizes_match_alone(bf16_engine, _prompts(tokens, 8), num_steps=4)
+
+
+@pytest.mark.slow
+def test_default_model_in_bfloat16_batched_logits_equal_alone(tokens):
+    from kvtrace.engine import load_engine
+    from kvtrace.paths import default_cache_dir
+
+    engine = load_engine(None, cache_dir=default_cache_dir(), dtype="bfloat16")
+    prompts = _prompts(tokens, 8, shared=SPLIT_BLOCK + 60)
+    assert_batch_sizes_match_alone(engine, prompts, num_steps=4, cache=KVCache(engine))
+
+
 @pytest.mark.slow
 def test_default_model_batched_logits_equal_alone_at_batch_sizes_1_to_8(default_engine, tokens):
     # Past a split block, so the prompts' shared part is read once (decode_attention.py);

@@ -136,6 +136,46 @@ def test_default_model_hits_are_bit_identical_to_cold(default_engine, make_cache
     assert from_memory.token_ids == cold.token_ids == from_disk.token_ids
 
 
+@pytest.mark.parametrize("offset", [1, 37, 64, 129, 257, 298])
+def test_bfloat16_hits_are_bit_identical_to_cold(bf16_engine, tokens, make_cache, kv_equal,
+                                                  offset):
+    """`--dtype bfloat16` is canonical too: a hit from memory or disk gives a cold run's bits."""
+    prompt = tokens(300, seed=14)
+    cache = make_cache(bf16_engine)
+    prefill(bf16_engine, cache, prompt[:offset] + tokens(30, seed=15))
+
+    hot = prefill(bf16_engine, cache, prompt)
+    from_disk = prefill(bf16_engine, make_cache(bf16_engine), prompt)
+    cold = prefill(bf16_engine, None, prompt)
+
+    assert hot.num_memory_tokens == offset
+    assert from_disk.num_disk_tokens == len(prompt) // 64 * 64  # the hot run stored it all
+    assert hot.logits.dtype == torch.float32  # logits are widened; the KV stays bfloat16
+    for result in (hot, from_disk):
+        assert torch.equal(result.logits, cold.logits)
+        assert kv_equal(result, cold)
+
+
+@pytest.mark.slow
+def test_default_model_in_bfloat16_hits_are_bit_identical_to_cold(make_cache):
+    from kvtrace.engine import load_engine
+    from kvtrace.paths import default_cache_dir
+
+    engine = load_engine(None, cache_dir=default_cache_dir(), dtype="bfloat16")
+    prompt = engine.chat_tokens([
+        {"role": "system", "content": "You are a terse assistant. " * 25},
+        {"role": "user", "content": "List three prime numbers and explain why they are prime."},
+    ])
+    cold = generate(engine, None, prompt, max_new_tokens=8, stop_ids=[])
+    cache = make_cache(engine)
+    prefill(engine, cache, prompt[:101] + engine.encode(" something else"))
+    hot = generate(engine, cache, prompt, max_new_tokens=8, stop_ids=[])
+
+    assert hot.prefill.num_memory_tokens == 101
+    assert torch.equal(hot.prefill.logits, cold.prefill.logits)
+    assert hot.token_ids == cold.token_ids
+
+
 @pytest.mark.parametrize("score_bytes", [1, 300_000, 400_000])  # 400k: blocks of 48, last 32
 def test_attention_split_into_query_blocks_is_bit_identical(
     tiny_engine, tokens, kv_equal, monkeypatch, score_bytes

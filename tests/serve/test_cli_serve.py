@@ -159,6 +159,9 @@ def test_record_with_json_prints_what_it_recorded_after_the_commands_output(
     (["serve", "--model", "m", "--upstream", "http://127.0.0.1:9/v1"], "--model is for local"),
     (["record", "--strict-model", "--upstream", "http://127.0.0.1:9/v1", "--", "true"],
      "--strict-model is for local mode"),
+    (["serve", "--dtype", "bfloat16", "--upstream", "http://127.0.0.1:9/v1"],
+     "--dtype is for local mode"),
+    (["record", "--dtype", "int8", "--", "true"], "'int8' is not one of 'float32', 'bfloat16'"),
 ])
 def test_bad_options_print_one_error_line_and_exit_2(home, capfd, argv, message):
     code, _, err = kv(capfd, *argv)
@@ -187,6 +190,28 @@ def test_serve_runs_until_interrupted_and_prints_what_it_recorded(home, canned_u
     assert "recorded run 'served': 1 model call" in rest
     with open_store() as store:
         assert store.show("served").kind == "model_call"
+
+
+def test_serve_in_bfloat16_says_so_and_answers(home, tiny_model_folder):
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kvtrace", "serve", "--port", "0", "--run", "half",
+         "--model", str(tiny_model_folder), "--dtype", "bfloat16"],
+        stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+    try:
+        assert process.stderr is not None
+        banner = process.stderr.readline()
+        url = banner.split()[2]
+        assert "bfloat16" in banner
+        health = httpx.get(url.removesuffix("/v1") + "/health").json()
+        assert health["dtype"] == "bfloat16"
+        reply = httpx.post(f"{url}/chat/completions", timeout=120, json={
+            "model": "any", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
+        assert reply.status_code == 200
+        assert reply.json()["usage"]["completion_tokens"] >= 1
+    finally:
+        process.send_signal(signal.SIGINT)
+        process.communicate(timeout=60)
+    assert process.returncode == 0
 
 
 # -- authentication options (issue 23, item 7) -------------------------------------------------

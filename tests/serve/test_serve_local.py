@@ -250,6 +250,7 @@ def test_health_and_models(sqlite_store, serve_local, tiny_engine):
     server = serve_local(sqlite_store, run="h")
     health = httpx.get(server.url.removesuffix("/v1") + "/health").json()
     assert health["status"] == "ok" and health["mode"] == "local" and health["run"] == "h"
+    assert health["dtype"] == "float32"
     models = httpx.get(f"{server.url}/models").json()
     assert [m["id"] for m in models["data"]] == [tiny_engine.name]
     missing = httpx.get(f"{server.url}/embeddings")
