@@ -19,17 +19,23 @@ machines (torch 2.13, transformers 5.24, SmolLM2-135M):
 This module registers an attention function (`ATTN_IMPLEMENTATION`) whose
 every floating-point reduction has a fixed shape or a fixed order: keys are
 cut into tiles of `TILE` tokens at absolute positions 0, TILE, 2·TILE …;
-scores and values are multiplied tile by tile (batched matmuls of fixed
-shape; a ones column appended to V yields each tile's softmax denominator
-from the same matmul); the softmax uses a global row max (exact in any
-order); tile partial sums are combined by a fixed fold over a power-of-two
-number of tiles (see `_fold_tiles`). Masked keys contribute
-exact zeros, so a query row gets the same bits whether its chunk holds 1 or 64
-real rows, and whether the kv length ends just after it or a tile later.
-The parity tests in tests/engine hold this line.
+the scores of a query row over all its tiles come from one product (each
+score one 64-term dot product); a row's softmax runs in one fused pass
+(torch's last-dimension kernel: the row max, exact in any order, then one
+running vector sum whose lane and order depend on a key's index only, so
+the masked keys after the row add exact zeros wherever the row ends); the
+normalised probabilities are multiplied with the values tile by tile
+(batched matmuls of fixed shape), and the tile partial sums combined by a
+fixed fold over a power-of-two number of tiles (see `_fold_tiles`). Masked
+keys contribute exact zeros, so a query row gets the same bits whether its
+chunk holds 1 or 64 real rows, and whether the kv length ends just after it
+or a tile later. The parity tests in tests/engine hold this line.
 
 Cost: the same FLOPs as plain attention, plus a few temporary tensors of
-`kv_heads * tiles * rows * TILE` floats. Those are bounded: a forward whose
+`kv_heads * tiles * rows * TILE` floats, read by four passes (the score
+product, the softmax, the value product, the fold); the softmax's one pass
+replaced separate max, subtract, exp and denominator passes, ~10-30 % of an
+attention call in bfloat16 (docs/benchmarks.md, session 16). Those are bounded: a forward whose
 scores would pass `SCORE_BYTES` is split into blocks of query rows (a
 multiple of 16 each), each block attending to the keys up to its last row.
 That is the same computation as a prefill chunk ending there, which gives a
@@ -100,31 +106,26 @@ def canonical_attention(
     key_tiles = scratch("keys", (batch, num_kv_heads, padded, head_dim), key)
     key_tiles[:, :, :kv_len] = key
     key_tiles[:, :, kv_len:] = 0
-    key_tiles = key_tiles.view(batch, num_kv_heads, num_tiles, TILE, head_dim)
-    # A ones column makes each tile's matmul return its softmax denominator
-    # too, summed in the same fixed-shape GEMM as the numerator.
-    value_tiles = scratch("values", (batch, num_kv_heads, padded, head_dim + 1), value)
-    value_tiles[:, :, :kv_len, :head_dim] = value
-    value_tiles[:, :, :kv_len, head_dim] = 1
+    value_tiles = scratch("values", (batch, num_kv_heads, padded, head_dim), value)
+    value_tiles[:, :, :kv_len] = value
     value_tiles[:, :, kv_len:] = 0
-    value_tiles = value_tiles.view(batch, num_kv_heads, num_tiles, TILE, head_dim + 1)
     start = kv_len - q_len
     block = _query_block(q_len, num_tiles, num_kv_heads, groups, query.element_size())
-    outs = []
+    # [b, q, heads, dim], as transformers expects; each block's result is a view
+    # of the scratch buffers, so it is copied out before the next block.
+    out = query.new_empty(batch, q_len, num_heads, head_dim)
     for lo in range(0, q_len, block):
         # Queries lo..hi see keys up to start + hi: the tiles holding them.
         # Keys a tile holds past that are masked, contributing exact zeros.
         hi = min(q_len, lo + block)
-        tiles = -(-(start + hi) // TILE)
+        keys = -(-(start + hi) // TILE) * TILE
         rows = (query[:, :, lo:hi] * scale).reshape(
-            batch, num_kv_heads, 1, groups * (hi - lo), head_dim
+            batch, num_kv_heads, groups * (hi - lo), head_dim
         )
-        total = _attend(rows, key_tiles[:, :, :tiles], value_tiles[:, :, :tiles],
+        total = _attend(rows, key_tiles[:, :, :keys], value_tiles[:, :, :keys],
                         start + lo, hi - lo, groups)
-        outs.append((total[..., :head_dim] / total[..., head_dim:]).reshape(
-            batch, num_heads, hi - lo, head_dim))
-    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
-    return out.transpose(1, 2).contiguous(), None
+        out[:, lo:hi] = total.reshape(batch, num_heads, hi - lo, head_dim).transpose(1, 2)
+    return out, None
 
 
 def _query_block(q_len: int, num_tiles: int, num_kv_heads: int, groups: int,
@@ -138,32 +139,30 @@ def _query_block(q_len: int, num_tiles: int, num_kv_heads: int, groups: int,
     return min(q_len, max(_QUERY_BLOCK_MULTIPLE, fits))
 
 
-def _attend(rows: torch.Tensor, key_tiles: torch.Tensor, value_tiles: torch.Tensor,
+def _attend(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
             first_query: int, q_len: int, groups: int) -> torch.Tensor:
-    """Sum over tiles of softmax numerators, with the denominator last: `[b, kvh, rows, dim+1]`.
+    """Attention of `rows` over the keys, summed tile by tile: `[b, kvh, rows, dim]`.
 
-    `rows` hold the queries at absolute positions `first_query …` (times
-    `groups`); the tiles cover every key up to the last of them. The scores
-    are computed keys by queries, `[b, kvh, tiles, TILE, rows]`, in one
-    product per KV head (no copy of the queries per tile), and each tile's
-    are read transposed by the value product: the same bits as queries by
-    keys (each score is one 64-term dot product either way; tests/engine).
+    `rows` `[b, kvh, groups * q_len, dim]` hold the queries at absolute
+    positions `first_query …` (times `groups`); `keys` and `values`
+    `[b, kvh, tiles * TILE, dim]` cover every key up to the last of them,
+    zero-padded. Scores are laid out queries by keys, so each row's softmax
+    is one contiguous pass (in place), and the value product reads each
+    tile's probabilities as a `[rows, TILE]` block of them.
     """
-    b, kvh, tiles, _, dim = key_tiles.shape
-    count = rows.shape[3]
-    scores = scratch("scores", (b, kvh, tiles, TILE, count), rows)
-    torch.matmul(key_tiles.view(b, kvh, tiles * TILE, dim),
-                 rows.view(b, kvh, count, dim).transpose(-1, -2),
-                 out=scores.view(b, kvh, tiles * TILE, count))
+    b, kvh, count, dim = rows.shape
+    num_keys = keys.shape[2]
+    tiles = num_keys // TILE
+    scores = scratch("scores", (b, kvh, count, num_keys), rows)
+    torch.matmul(rows, keys.transpose(-1, -2), out=scores)
     # Keys after a query can only lie in the tiles from the first query's own on.
-    first = first_query // TILE
-    mask = _causal_mask(first_query, q_len, tiles, groups, rows.device)
-    scores[:, :, first:].masked_fill_(mask, float("-inf"))
-    row_max = scores.amax(dim=-2).amax(dim=2)  # max is exact in any order
-    probs = scores.sub_(row_max[:, :, None, None, :]).exp_()
-    partial = scratch("partial", (b, kvh, tiles, count, value_tiles.shape[-1]), probs)
-    # [b, kvh, tiles, rows, dim + 1]
-    torch.matmul(probs.transpose(-1, -2), value_tiles, out=partial)
+    first = first_query // TILE * TILE
+    scores[..., first:].masked_fill_(
+        _causal_mask(first_query, q_len, tiles, groups, rows.device), float("-inf"))
+    probs = torch._softmax(scores, -1, False, out=scores)
+    partial = scratch("partial", (b, kvh, tiles, count, dim), probs)
+    torch.matmul(probs.view(b, kvh, count, tiles, TILE).transpose(2, 3),
+                 values.view(b, kvh, tiles, TILE, dim), out=partial)
     return _fold_tiles(partial)
 
 
@@ -231,14 +230,14 @@ def _causal_mask(
 ) -> torch.Tensor:
     """True where a key lies after the query, over the tiles from the first query's on.
 
-    `[num_tiles - first_query // TILE, TILE, groups * q_len]` (keys by
-    queries, as `_attend` lays out its scores); small (a few tiles), and
+    `[groups * q_len, (num_tiles - first_query // TILE) * TILE]` (queries
+    by keys, as `_attend` lays out its scores); small (a few tiles), and
     cached: every layer of one forward asks for the same masks.
     """
     first = first_query // TILE
     query_pos = (torch.arange(q_len, device=device) + first_query).repeat(groups)
-    key_pos = torch.arange(first * TILE, num_tiles * TILE, device=device).view(-1, TILE)
-    return key_pos[:, :, None] > query_pos[None, None, :]
+    key_pos = torch.arange(first * TILE, num_tiles * TILE, device=device)
+    return key_pos[None, :] > query_pos[:, None]
 
 
 def register_canonical_attention() -> str:

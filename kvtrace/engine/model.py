@@ -41,8 +41,9 @@ from kvtrace.numerics import MKL_SETTING, rows_are_invariant
 # the KV it computes: old KV on disk then stops matching instead of being
 # silently reused. (Chunks padded to 16 rows instead of 64, starting at any
 # offset, give the same bits as before, so blocks written by either reuse
-# alike: tests/engine/test_live.py.)
-PREFILL_SCHEME = "kvtrace-prefill-v1:padded-block-chunks:tiled-attention-64"
+# alike: tests/engine/test_live.py.) v2: the softmax normalises before the value
+# product (attention.py), so v1 blocks no longer match.
+PREFILL_SCHEME = "kvtrace-prefill-v2:padded-block-chunks:tiled-attention-64:row-softmax"
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
 
