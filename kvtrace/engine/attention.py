@@ -34,9 +34,9 @@ or a tile later. The parity tests in tests/engine hold this line.
 Cost: the same FLOPs as plain attention, plus a few temporary tensors of
 `kv_heads * tiles * rows * TILE` floats, read by four passes (the score
 product, the softmax, the value product, the fold); the softmax's one pass
-replaced separate max, subtract, exp and denominator passes, ~10-30 % of an
-attention call in bfloat16 (docs/benchmarks.md, session 16). Those are bounded: a forward whose
-scores would pass `SCORE_BYTES` is split into blocks of query rows (a
+replaced separate max, subtract, exp and denominator passes: an attention
+call 7-15 % faster (docs/benchmarks.md, session 16). Those temporaries are
+bounded: a forward whose scores would pass `SCORE_BYTES` is split into blocks of query rows (a
 multiple of 16 each), each block attending to the keys up to its last row.
 That is the same computation as a prefill chunk ending there, which gives a
 row the same bits by the rules above (at 5k tokens of context a 430-row
@@ -159,6 +159,7 @@ def _attend(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     first = first_query // TILE * TILE
     scores[..., first:].masked_fill_(
         _causal_mask(first_query, q_len, tiles, groups, rows.device), float("-inf"))
+    # In place (`_softmax`'s out= form): no new scores-sized tensor each layer call.
     probs = torch._softmax(scores, -1, False, out=scores)
     partial = scratch("partial", (b, kvh, tiles, count, dim), probs)
     torch.matmul(probs.view(b, kvh, count, tiles, TILE).transpose(2, 3),
