@@ -36,8 +36,9 @@ Cost: the same FLOPs as plain attention, plus a few temporary tensors of
 product, the softmax, the value product, the fold); the softmax's one pass
 replaced separate max, subtract, exp and denominator passes: an attention
 call 7-15 % faster (docs/benchmarks.md, session 16). Those temporaries are
-bounded: a forward whose scores would pass `SCORE_BYTES` is split into blocks of query rows (a
-multiple of 16 each), each block attending to the keys up to its last row.
+bounded: a forward whose scores would pass `SCORE_BYTES` is split into
+blocks of query rows (a multiple of 16 each), each block attending to the
+keys up to its last row.
 That is the same computation as a prefill chunk ending there, which gives a
 row the same bits by the rules above (at 5k tokens of context a 430-row
 forward's scores alone would be ~80 MB per layer call). The temporaries
