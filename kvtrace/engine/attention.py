@@ -163,8 +163,13 @@ def _attend(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     # In place (`_softmax`'s out= form): no new scores-sized tensor each layer call.
     probs = torch._softmax(scores, -1, False, out=scores)
     partial = scratch("partial", (b, kvh, tiles, count, dim), probs)
-    torch.matmul(probs.view(b, kvh, count, tiles, TILE).transpose(2, 3),
-                 values.view(b, kvh, tiles, TILE, dim), out=partial)
+    # One batched product per sequence and kv head, each tile's `[rows, TILE]` block read
+    # where it lies: a single product over every head would first copy all the scores
+    # (the heads and tiles of a row-major score tensor do not merge into one batch axis).
+    for i in range(b):
+        for h in range(kvh):
+            torch.bmm(probs[i, h].view(count, tiles, TILE).transpose(0, 1),
+                      values[i, h].view(tiles, TILE, dim), out=partial[i, h])
     return _fold_tiles(partial)
 
 

@@ -66,12 +66,13 @@ class Decoding:
         prompt_ids: Sequence[int] = (),
     ) -> None:
         """`prompt_ids`: the tokens `kv` holds, when known: their first part may then be
-        read once with other sequences that start alike (decode_attention.py)."""
-        if not isinstance(kv, DynamicCache):
+        read once with other sequences that start alike (decode_attention.py). `kv`
+        None: a generation of one token, chosen from `logits`, that never steps."""
+        if kv is not None and not isinstance(kv, DynamicCache):
             raise CacheError("decoding needs a prefill's DynamicCache")
         self.kv = kv
-        self.layers = growing_layers(kv)
-        if prompt_ids and len(prompt_ids) != self.num_kv_rows:
+        self.layers = growing_layers(kv) if kv is not None else []
+        if kv is not None and prompt_ids and len(prompt_ids) != self.num_kv_rows:
             raise CacheError(f"{len(prompt_ids)} prompt ids for {self.num_kv_rows} KV rows")
         self.prefix = SharedPrefix.of(prompt_ids)
         self.logits = logits

@@ -215,7 +215,10 @@ def begin(
                 draft=DraftVerdict.ACCEPTED,
             )
         checked = replace(checked, kv=None)  # decoding below builds its own
-    pre = prefill(engine, cache, prompt_ids, block_size=block_size)
+    # A generation of one token reads the prompt's logits only: an exact repeat then
+    # needs no KV (prefill's `need_kv`).
+    pre = prefill(engine, cache, prompt_ids, block_size=block_size,
+                  need_kv=max_new_tokens > 1)
     used_seed: int | None = None
     generator: torch.Generator | None = None
     if temperature > 0:

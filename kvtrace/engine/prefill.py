@@ -47,7 +47,7 @@ from dataclasses import dataclass, replace
 import torch
 from transformers import DynamicCache
 
-from kvtrace.engine.cache import DEFAULT_BLOCK_SIZE, KVCache, check_block_size
+from kvtrace.engine.cache import DEFAULT_BLOCK_SIZE, KVCache, PrefixHit, check_block_size
 from kvtrace.engine.kvbuffer import buffer_rows, growing_cache, growing_layers
 from kvtrace.engine.model import Engine
 from kvtrace.engine.radix import KVSource
@@ -65,7 +65,8 @@ class PrefillResult:
     `kv` is a transformers `DynamicCache` covering all `num_tokens` tokens,
     ready for decoding; its rows are views of buffers the cache shares, valid
     until the next prefill on the same cache (kvbuffer.py). `kv` is None in
-    a result kept only for its counts (a rejected draft's).
+    a result kept only for its counts (a rejected draft's), and when the caller asked
+    for none (`need_kv`).
     `num_memory_tokens + num_disk_tokens + num_computed_tokens ==
     num_tokens`. `logits` is the last position's logits, or with
     `logits_from` one row per position from there to the end (each passed
@@ -97,6 +98,7 @@ def prefill(
     block_size: int | None = None,
     logits_from: int | None = None,
     reduce_logits: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    need_kv: bool = True,
 ) -> PrefillResult:
     """Compute (or reuse) the KV of `token_ids` and the logits after the last one.
 
@@ -106,6 +108,9 @@ def prefill(
     of every position from that index on (reuse stops there, so they are
     computed), one row each; `reduce_logits` maps each chunk's rows as they
     are computed, so a long span never holds vocabulary-wide rows in full.
+    `need_kv=False` says the caller reads only the logits (a generation of one
+    token): an exact repeat then assembles no KV either, and `kv` is None
+    (copying a 3,000-token prefix out of the tree costs ~50 ms on CPU).
     """
     tokens = [int(t) for t in token_ids]
     if not tokens:
@@ -137,6 +142,10 @@ def prefill(
     hit = cache.lookup(tokens, max_tokens=limit) if cache is not None else None
     try:
         reused = hit.num_tokens if hit is not None else 0
+        if hit is not None and known is not None and reused == len(tokens) and not need_kv:
+            # Nothing to compute, nothing to store, and no KV asked for.
+            hit = replace(hit, live=None, pieces=())
+            return _result(known.unsqueeze(0), None, hit, len(tokens), started, logits_from)
         if hit is not None and hit.live is not None:
             for layer, buffer in zip(layers, hit.live, strict=True):
                 layer.adopt(buffer, reused)
@@ -163,13 +172,19 @@ def prefill(
     finally:
         if cache is not None and hit is not None:
             cache.release(hit)
+    return _result(logits, kv, hit, len(tokens), started, logits_from)
+
+
+def _result(logits: torch.Tensor, kv: object, hit: PrefixHit | None, num_tokens: int,
+            started: float, logits_from: int | None) -> PrefillResult:
+    reused = hit.num_tokens if hit is not None else 0
     return PrefillResult(
         logits=logits if logits_from is not None else logits[-1],
         kv=kv,
-        num_tokens=len(tokens),
+        num_tokens=num_tokens,
         num_memory_tokens=hit.num_memory_tokens if hit is not None else 0,
         num_disk_tokens=hit.num_disk_tokens if hit is not None else 0,
-        num_computed_tokens=len(tokens) - reused,
+        num_computed_tokens=num_tokens - reused,
         seconds=time.perf_counter() - started,
         num_deferred_tokens=hit.num_deferred_tokens if hit is not None else 0,
     )

@@ -69,6 +69,28 @@ def test_a_decode_after_an_exact_repeat_matches_one_after_a_cold_prefill(tiny_en
     assert warm.token_ids == cold.token_ids
 
 
+def test_a_one_token_generation_of_a_repeat_assembles_no_kv(tiny_engine, tokens):
+    """Asked for logits only (`need_kv=False`), an exact repeat copies no KV out of the
+    cache; a prompt with anything to compute still gets its KV, and a longer generation
+    after the repeat decodes as after a cold prefill."""
+    from kvtrace.engine import generate
+
+    prompt = tokens(70, seed=31)
+    other = tokens(70, seed=32)
+    cache = KVCache(tiny_engine)
+    first = generate(tiny_engine, cache, prompt, max_new_tokens=1)
+    generate(tiny_engine, cache, other, max_new_tokens=1)  # the live sequence is another's
+    again = generate(tiny_engine, cache, prompt, max_new_tokens=1)
+    fresh = prefill(tiny_engine, cache, tokens(40, seed=33), need_kv=False)
+
+    assert (again.prefill.num_computed_tokens, again.prefill.kv) == (0, None)
+    assert again.token_ids == first.token_ids
+    assert fresh.kv is not None and fresh.num_computed_tokens == 40
+    longer = generate(tiny_engine, cache, prompt, max_new_tokens=6)
+    assert longer.prefill.kv is not None
+    assert longer.token_ids == generate(tiny_engine, None, prompt, max_new_tokens=6).token_ids
+
+
 def test_the_whole_prompt_is_never_reused_from_disk(tiny_engine, tokens, make_cache):
     prompt = tokens(128, seed=27)  # exactly two blocks, both on disk
     prefill(tiny_engine, make_cache(tiny_engine), prompt)
