@@ -38,6 +38,24 @@ _CHECKED_ROWS = (16, 48, 64, 128, 192, 208)
 _REFERENCE_ROWS = 256
 
 
+def native_bfloat16() -> bool | None:
+    """Whether this CPU multiplies bfloat16 natively: True or False on x86, None elsewhere.
+
+    Why: on x86 without AVX-512 BF16 or AMX, torch converts bfloat16 GEMMs
+    the slow way. Measured on an AVX2 AMD EPYC (2026-12-03, torch 2.13): the
+    default model's prefill ~14x slower than in float32 (35 s against 2.4 s
+    for 512 tokens after 2,000), where AVX-512 BF16 made it ~2x faster.
+    torch reports the x86 features only; other CPUs are not judged.
+    """
+    import platform
+
+    import torch
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
 def request_reproducible_gemm() -> None:
     """Ask MKL for strict reproducibility, unless the user's environment says otherwise."""
     os.environ.setdefault(*MKL_SETTING)

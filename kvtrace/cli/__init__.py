@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
+from typing import TextIO
 
 import typer
 
@@ -36,6 +38,7 @@ from kvtrace.inert import inert
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point."""
     state = CliState()
+    warnings.showwarning = _warning
     try:
         result = app(args=argv, standalone_mode=False, obj=state)
     except KvtraceError as exc:
@@ -62,6 +65,19 @@ def main(argv: list[str] | None = None) -> None:
                "report it; KVTRACE_DEBUG=1 shows the traceback)")
         sys.exit(1)
     sys.exit(result if isinstance(result, int) else 0)
+
+
+def _warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+             file: TextIO | None = None, line: str | None = None) -> None:
+    """kvtrace's own warnings as one `warning:` line (the default adds a path and a source line);
+    other libraries' keep the default form."""
+    if f"{os.sep}kvtrace{os.sep}" not in filename:
+        _show_warning(message, category, filename, lineno, file, line)
+        return
+    print(f"warning: {inert(str(message), keep_newlines=False)}", file=file or sys.stderr)
+
+
+_show_warning = warnings.showwarning
 
 
 def _error(message: str) -> None:

@@ -86,8 +86,8 @@ class Precision(StrEnum):
 Dtype = Annotated[Precision, typer.Option(
     "--dtype",
     help="Local mode: the engine's number format. bfloat16 computes about twice as fast on "
-    "CPUs with AVX-512 BF16 or AMX (and is slower without); its KV is its own, never mixed "
-    "with float32's.")]
+    "CPUs with AVX-512 BF16 or AMX (and ~10x slower without: kvtrace warns); its KV is its "
+    "own, never mixed with float32's.")]
 
 
 @app.callback()

@@ -35,7 +35,7 @@ from kvtrace.engine.attention import register_canonical_attention
 from kvtrace.engine.folders import OnConvert, cache_root, model_folder
 from kvtrace.engine.tokenizer import ChatTemplating, context_length, stop_token_ids
 from kvtrace.errors import ModelNotFoundError, UsageError
-from kvtrace.numerics import MKL_SETTING, rows_are_invariant
+from kvtrace.numerics import MKL_SETTING, native_bfloat16, rows_are_invariant
 
 # Bump when a change to prefill or the attention function changes the bits of
 # the KV it computes: old KV on disk then stops matching instead of being
@@ -130,6 +130,12 @@ def _load_folder(folder: Path, cache_dir: Path, device: torch.device, dtype: tor
             f"{folder.name}: matrix products here give a row other bits depending on how many "
             f"rows share it, so cache hits may differ from cold runs in the last bits; set "
             f"{MKL_SETTING[0]}={MKL_SETTING[1]} before anything uses torch (kvtrace/numerics.py)",
+            stacklevel=3,
+        )
+    if dtype == torch.bfloat16 and device.type == "cpu" and native_bfloat16() is False:
+        warnings.warn(
+            "this CPU has no native bfloat16 (AVX-512 BF16 or AMX): bfloat16 computes ~10x "
+            "slower than float32 here (--dtype float32; kvtrace/numerics.py)",
             stacklevel=3,
         )
     config = model.config
