@@ -20,7 +20,7 @@ This module registers an attention function (`ATTN_IMPLEMENTATION`) whose
 every floating-point reduction has a fixed shape or a fixed order: keys are
 cut into tiles of `TILE` tokens at absolute positions 0, TILE, 2·TILE …;
 the scores of a query row over all its tiles come from one product (each
-score one 64-term dot product); a row's softmax runs in one fused pass
+score one `head_dim`-term dot product); a row's softmax runs in one fused pass
 (torch's last-dimension kernel: the row max, exact in any order, then one
 running vector sum whose lane and order depend on a key's index only, so
 the masked keys after the row add exact zeros wherever the row ends); the
@@ -66,7 +66,9 @@ import torch
 from kvtrace.engine.decode_attention import SequenceKV, decode_attention
 
 ATTN_IMPLEMENTATION = "kvtrace_canonical"
-TILE = 64
+# 128 keys: the value product's batched matmuls and the tile fold halve against 64 (an
+# extension prefill ~6 % faster in bfloat16, docs/benchmarks.md, session 18); 256 pads too far.
+TILE = 128
 ROUTER_KWARG = "kvtrace_rows"  # a decode step's per-sequence K/V (decode.py's RowRouter)
 SCORE_BYTES = 32 * 1024**2
 _QUERY_BLOCK_MULTIPLE = 16  # prefill's ROW_MULTIPLE: blocks are row counts a forward may have

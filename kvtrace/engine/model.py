@@ -42,8 +42,8 @@ from kvtrace.numerics import MKL_SETTING, native_bfloat16, rows_are_invariant
 # silently reused. (Chunks padded to 16 rows instead of 64, starting at any
 # offset, give the same bits as before, so blocks written by either reuse
 # alike: tests/engine/test_live.py.) v2: the softmax normalises before the value
-# product (attention.py), so v1 blocks no longer match.
-PREFILL_SCHEME = "kvtrace-prefill-v2:padded-block-chunks:tiled-attention-64:row-softmax"
+# product (attention.py), so v1 blocks no longer match. v3: value tiles of 128 keys.
+PREFILL_SCHEME = "kvtrace-prefill-v3:padded-block-chunks:tiled-attention-128:row-softmax"
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
 
