@@ -33,12 +33,16 @@ its rows), so only concurrent generations pay for it; one after another
 none does.
 
 Which thread loads the engine matters on the CPU: the first thread in the
-process to run MKL's threaded calls (torch's `exp` and kin) keeps them cheap,
-and every later one pays tens of microseconds a call, a few hundred times a
-decode step (a padded step 62-65 ms on the first thread, 97-124 on another;
-docs/benchmarks.md, "where the regression is"). `DecodeBatcher.loading`
-therefore loads the engine on the engine thread itself, before anything
-else in the process runs MKL; a server uses it.
+process to run torch's parallel operations keeps them cheap, and every
+later one pays tens of microseconds a call, a few hundred times a decode
+step (a padded step 62-65 ms on the first thread, 97-124 on another;
+docs/benchmarks.md, "where the regression is"): each thread gets its own
+OpenMP team, and once libgomp manages more threads than there are CPUs it
+stops spinning, so every parallel region waits for a woken worker (a
+bfloat16 `mul` of 96 x 1536: 27 µs alone, 93 µs on a second thread;
+session 18). `DecodeBatcher.loading` therefore loads the engine on the
+engine thread itself, before anything else in the process computes; a
+server uses it.
 
 `close` lets every queued job finish, then ends the thread.
 """
