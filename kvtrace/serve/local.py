@@ -73,6 +73,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from kvtrace.allocator import steady_heap
 from kvtrace.errors import GenerationCancelledError, UsageError
 from kvtrace.replay.backend import CallRequest, SamplingParams
 from kvtrace.serve.agents import agent_of
@@ -137,11 +138,9 @@ class LocalAnswerer:
         self._preparer = ThreadPoolExecutor(1, thread_name_prefix="kvtrace-prepare")
         # One thread per request held, each waiting for its generation in the batcher.
         self._waiters = ThreadPoolExecutor(self._capacity, thread_name_prefix="kvtrace-wait")
-        # A server lives for hours: the transient tensors' freed pages go back to the
-        # kernel between its work, or they would keep the heap growing (kvtrace/allocator.py).
-        batcher = self._backend.batcher
-        if batcher is not None:
-            batcher.keep_heap_trimmed()
+        # A server lives for hours: transient tensors must not fragment the heap the
+        # long-lived KV and caches share (kvtrace/allocator.py).
+        steady_heap()
 
     @property
     def model(self) -> str:
