@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from kvtrace.engine.attention import register_canonical_attention
+from kvtrace.engine.attention import TILE, register_canonical_attention
 from kvtrace.engine.folders import OnConvert, cache_root, model_folder
 from kvtrace.engine.tokenizer import ChatTemplating, context_length, stop_token_ids
 from kvtrace.errors import ModelNotFoundError, UsageError
@@ -43,7 +43,7 @@ from kvtrace.numerics import MKL_SETTING, native_bfloat16, rows_are_invariant
 # offset, give the same bits as before, so blocks written by either reuse
 # alike: tests/engine/test_live.py.) v2: the softmax normalises before the value
 # product (attention.py), so v1 blocks no longer match. v3: value tiles of 128 keys.
-PREFILL_SCHEME = "kvtrace-prefill-v3:padded-block-chunks:tiled-attention-128:row-softmax"
+PREFILL_SCHEME = f"kvtrace-prefill-v3:padded-block-chunks:tiled-attention-{TILE}:row-softmax"
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
 
