@@ -1,32 +1,32 @@
-"""The C allocator's setting a long-lived engine process needs: a fixed mmap threshold.
+"""Give a long-lived engine's freed heap pages back: `HeapTrimmer`, and glibc's counts.
 
-Why: glibc's malloc serves a request of 128 KiB or more with a mapping of
-its own, which `free` gives back to the kernel. But when it frees such a
-chunk, glibc raises the threshold to that chunk's size (up to 32 MiB, its
-"dynamic mmap threshold"), and from then on requests up to that size come
-from the heap arenas. torch's CPU tensors are plain malloc: in `kvtrace
-serve`, transient ones (the logits of each decoding step, 192 KiB for a
-49,152-token vocabulary, and a forward's activations) are then carved from
-the same arenas as the long-lived ones (the memory tier's KV segments, the
-store's caches, Python objects). A freed transient chunk is split to serve
-small long-lived requests, the next transient one no longer fits in what is
-left and extends the heap, and the pages around each long-lived chunk stay
-resident: freed, but never returned. RSS then grows for as long as the
-server keeps new things (docs/reliability.md, "Where the soak's RSS went":
-+166-172 MiB in 180 s on the tiny model, 103-110 MiB of it free bytes
-glibc kept; with the threshold fixed, +3 MiB of those).
+Why: torch's CPU tensors are plain malloc. glibc serves a request of 128
+KiB or more with a mapping of its own at first, but when it frees such a
+chunk it raises that threshold to the chunk's size (up to 32 MiB, its
+"dynamic mmap threshold"), so a forward's activations soon come from the
+heap arenas, reused from call to call with no page faults. In `kvtrace
+serve` those transient chunks share the arenas with long-lived ones (the
+memory tier's KV segments, the store's caches, Python objects): a freed
+transient chunk is split for small long-lived requests, the next one no
+longer fits and extends the heap, and the freed pages around each
+long-lived chunk stay resident. RSS then grows for as long as the server
+keeps new things (+166-172 MiB in 180 s of the soak on the tiny model,
+~110 MiB of it free bytes glibc kept: docs/reliability.md, "Where the
+soak's RSS went"), though `malloc_trim(0)` gives those pages back.
 
-`steady_heap()` fixes the threshold at glibc's own starting value with
-`mallopt(M_MMAP_THRESHOLD, ...)`, which also stops the raising, so every
-tensor of 128 KiB or more is mapped and unmapped on its own again. It does
-nothing when the environment already chose (`MALLOC_MMAP_THRESHOLD_`, which
-glibc reads at start) or off glibc. The server calls it when it serves a
-local engine; one-shot commands (replay, analyze) keep glibc's default,
-whose reuse of freed heap chunks saves the page faults of fresh mappings
-and whose fragmentation ends with the process. `heap_stats()` reads
-glibc's counts (`mallinfo2`), for the soak's probe and the tests.
+Two ways out, measured. Fixing the threshold at 128 KiB (what the server
+did before, `mallopt(M_MMAP_THRESHOLD)`) maps and unmaps every transient
+tensor of that size, and the page faults made the server's prefill
+1.3-1.6x slower than the same work in one process (docs/benchmarks.md,
+session 18). Keeping glibc's default and trimming instead costs a
+`malloc_trim(0)` now and then: `HeapTrimmer` tells the engine thread when,
+after `IDLE_TRIM_S` without work and every `BUSY_TRIM_S` of continuous
+work, between forwards (never during one). One-shot commands (replay,
+analyze) do not trim: their fragmentation ends with the process.
 
-Importing this module loads no library: `ctypes` finds glibc when called.
+`heap_stats()` reads glibc's counts (`mallinfo2`), for the soak's probe
+and the tests. Importing this module loads no library: `ctypes` finds glibc
+when called; off glibc, trimming does nothing.
 """
 
 from __future__ import annotations
@@ -34,13 +34,13 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import time
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
-MMAP_THRESHOLD_BYTES = 128 * 1024  # glibc's starting value (DEFAULT_MMAP_THRESHOLD_MIN)
-ENV_THRESHOLD = "MALLOC_MMAP_THRESHOLD_"
-_M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
+IDLE_TRIM_S = 1.0  # an engine thread this long without work trims what its work left
+BUSY_TRIM_S = 5.0  # and trims at least this often while it works
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,14 +74,6 @@ def _glibc() -> Any:
     return libc
 
 
-def steady_heap(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
-    """Fix glibc's mmap threshold (module docstring); whether this call set it."""
-    libc = _glibc()
-    if libc is None or ENV_THRESHOLD in os.environ:
-        return False
-    return bool(libc.mallopt(_M_MMAP_THRESHOLD, threshold))
-
-
 def heap_stats() -> HeapStats | None:
     """glibc's counts now (None off glibc)."""
     libc = _glibc()
@@ -96,3 +88,34 @@ def trim_heap() -> bool:
     """Give the arenas' free pages back to the kernel (`malloc_trim(0)`); whether any were."""
     libc = _glibc()
     return bool(libc is not None and libc.malloc_trim(0))
+
+
+class HeapTrimmer:
+    """When an engine thread gives the heap's free pages back (module docstring).
+
+    The thread calls `worked()` after each unit of work (a trim when
+    `busy_s` passed since the last one), waits at most `idle_wait()`
+    seconds for the next (None: nothing to trim, wait as long as it takes),
+    and calls `trim()` when that wait ran out. One thread's object.
+    """
+
+    def __init__(self, *, idle_s: float = IDLE_TRIM_S, busy_s: float = BUSY_TRIM_S) -> None:
+        self.idle_s = idle_s
+        self.busy_s = busy_s
+        self.num_trims = 0
+        self._last = time.monotonic()
+        self._is_owed = False  # work was done since the last trim
+
+    def worked(self) -> None:
+        self._is_owed = True
+        if time.monotonic() - self._last >= self.busy_s:
+            self.trim()
+
+    def idle_wait(self) -> float | None:
+        return self.idle_s if self._is_owed else None
+
+    def trim(self) -> None:
+        trim_heap()
+        self.num_trims += 1
+        self._last = time.monotonic()
+        self._is_owed = False

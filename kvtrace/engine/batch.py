@@ -55,6 +55,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
+from kvtrace.allocator import HeapTrimmer
 from kvtrace.engine.cache import KVCache
 from kvtrace.engine.decode import decode_step
 from kvtrace.engine.generate import GenerateResult, Generation, begin
@@ -116,6 +117,7 @@ class DecodeBatcher:
         self._live: Generation | None = None  # the generation whose KV the cache holds live
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._trimmer: HeapTrimmer | None = None
         self.num_steps = 0  # decode forwards run
         self.num_step_rows = 0  # generations they decoded, summed
         self.max_step_rows = 0  # the most generations one forward decoded
@@ -246,17 +248,36 @@ class DecodeBatcher:
             raise job.error
         return job.result
 
+    def keep_heap_trimmed(self, trimmer: HeapTrimmer | None = None) -> HeapTrimmer:
+        """From now on the engine thread gives the heap's free pages back between its work
+        (kvtrace/allocator.py): what a long-lived server wants, not a one-shot command."""
+        with self._cond:
+            if self._trimmer is None:
+                self._trimmer = trimmer or HeapTrimmer()
+                self._cond.notify_all()
+            return self._trimmer
+
     def _loop(self) -> None:
         while True:
             with self._cond:
+                is_idle = False
                 while not self._queue and not self._running and not self._closed:
-                    self._cond.wait()
-                if not self._queue and not self._running:
+                    wait = self._trimmer.idle_wait() if self._trimmer is not None else None
+                    if not self._cond.wait(wait):
+                        is_idle = True
+                        break
+                if not is_idle and not self._queue and not self._running:
                     return  # closed, and nothing left to do
-                jobs = self._take()
+                jobs = [] if is_idle else self._take()
+                trimmer = self._trimmer
+            if is_idle and trimmer is not None:
+                trimmer.trim()  # idle after work: its transient pages go back
+                continue
             for job in jobs:
                 self._admit(job)
             self._step()
+            if trimmer is not None:
+                trimmer.worked()
 
     def _take(self) -> list[_Job]:
         """Queued calls, and generations while the batch has room, in queue order."""

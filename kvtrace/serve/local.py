@@ -31,9 +31,10 @@ request whose client leaves is cancelled (disconnect.py): the engine skips
 it if it has not started, or stops at its next decode step, and nothing is
 recorded (`/health` counts them: `queue.cancelled`). It stays counted until
 the engine has let it go, so the server never holds more work than it says.
-The answerer fixes glibc's mmap threshold when it is made (allocator.py:
-otherwise transient tensors fragment the heap the memory tier's KV lives in,
-and RSS grows for as long as the server runs). Each
+The answerer has the engine thread give the heap's freed pages back between
+its work (allocator.py's `HeapTrimmer`: otherwise the freed pages transient
+tensors leave around the memory tier's KV stay resident, and RSS grows for
+as long as the server runs). Each
 request goes through replay's `LocalBackend`, so the prefix cache (memory
 then disk) serves every prefix an earlier request or replay computed, in
 any of the three APIs: each answer's usage reports what it reused (the
@@ -73,7 +74,6 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from kvtrace.allocator import steady_heap
 from kvtrace.errors import GenerationCancelledError, UsageError
 from kvtrace.replay.backend import CallRequest, SamplingParams
 from kvtrace.serve.agents import agent_of
@@ -138,9 +138,11 @@ class LocalAnswerer:
         self._preparer = ThreadPoolExecutor(1, thread_name_prefix="kvtrace-prepare")
         # One thread per request held, each waiting for its generation in the batcher.
         self._waiters = ThreadPoolExecutor(self._capacity, thread_name_prefix="kvtrace-wait")
-        # A server lives for hours: transient tensors must not fragment the heap the
-        # long-lived KV and caches share (kvtrace/allocator.py).
-        steady_heap()
+        # A server lives for hours: the transient tensors' freed pages go back to the
+        # kernel between its work, or they would keep the heap growing (kvtrace/allocator.py).
+        batcher = self._backend.batcher
+        if batcher is not None:
+            batcher.keep_heap_trimmed()
 
     @property
     def model(self) -> str:

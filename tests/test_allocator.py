@@ -1,0 +1,24 @@
+"""When an engine thread trims its heap (kvtrace/allocator.py's HeapTrimmer)."""
+
+from __future__ import annotations
+
+from kvtrace.allocator import HeapTrimmer
+
+
+def test_nothing_is_owed_before_work_and_an_idle_wait_is_owed_after():
+    trimmer = HeapTrimmer(idle_s=0.25, busy_s=60.0)
+    assert trimmer.idle_wait() is None  # an idle thread with nothing done waits for work
+    trimmer.worked()
+    assert trimmer.num_trims == 0  # busy for less than busy_s: no trim between forwards
+    assert trimmer.idle_wait() == 0.25
+    trimmer.trim()
+    assert trimmer.num_trims == 1
+    assert trimmer.idle_wait() is None  # the trim paid what the work owed
+
+
+def test_continuous_work_trims_every_busy_interval():
+    trimmer = HeapTrimmer(idle_s=1.0, busy_s=0.0)
+    for _ in range(3):
+        trimmer.worked()
+    assert trimmer.num_trims == 3
+    assert trimmer.idle_wait() is None
