@@ -36,12 +36,15 @@ Cost: the same FLOPs as plain attention, plus a few temporary tensors of
 product, the softmax, the value product, the fold); the softmax's one pass
 replaced separate max, subtract, exp and denominator passes: an attention
 call 7-15 % faster (docs/benchmarks.md, session 16). Those temporaries are
-bounded: a forward whose scores would pass `SCORE_BYTES` is split into
-blocks of query rows (a multiple of 16 each), each block attending to the
-keys up to its last row.
+bounded: a forward of more than `QUERY_BLOCK_ROWS` rows, or whose scores
+would pass `SCORE_BYTES`, is split into blocks of query rows (a multiple of
+16 each), each block attending to the keys up to its last row.
 That is the same computation as a prefill chunk ending there, which gives a
 row the same bits by the rules above (at 5k tokens of context a 430-row
-forward's scores alone would be ~80 MB per layer call). The temporaries
+forward's scores alone would be ~80 MB per layer call). The row bound is
+for speed: a block's early rows no longer score the keys only its later
+rows see (a cold prefill's chunks of 512 rows attend ~20 % faster in
+blocks of 256, docs/benchmarks.md, session 19). The temporaries
 live in per-thread buffers kept from call to call (`scratch`), not in new
 allocations each layer. Decode steps (one
 query row per sequence, decode.py) go to `decode_attention.py` instead
@@ -71,6 +74,7 @@ ATTN_IMPLEMENTATION = "kvtrace_canonical"
 TILE = 128
 ROUTER_KWARG = "kvtrace_rows"  # a decode step's per-sequence K/V (decode.py's RowRouter)
 SCORE_BYTES = 32 * 1024**2
+QUERY_BLOCK_ROWS = 256  # the most query rows one block scores (module docstring)
 _QUERY_BLOCK_MULTIPLE = 16  # prefill's ROW_MULTIPLE: blocks are row counts a forward may have
 
 _registered = False
@@ -133,13 +137,14 @@ def canonical_attention(
 
 def _query_block(q_len: int, num_tiles: int, num_kv_heads: int, groups: int,
                  element_size: int) -> int:
-    """Query rows per block: a multiple of 16 whose scores fit SCORE_BYTES, at least 16.
+    """Query rows per block: a multiple of 16 whose scores fit SCORE_BYTES, at least 16
+    and at most QUERY_BLOCK_ROWS.
 
     Prefill's forwards are multiples of 16 rows, so every block is too.
     """
     per_row = num_kv_heads * num_tiles * groups * TILE * element_size
     fits = SCORE_BYTES // per_row // _QUERY_BLOCK_MULTIPLE * _QUERY_BLOCK_MULTIPLE
-    return min(q_len, max(_QUERY_BLOCK_MULTIPLE, fits))
+    return min(q_len, QUERY_BLOCK_ROWS, max(_QUERY_BLOCK_MULTIPLE, fits))
 
 
 def _attend(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,

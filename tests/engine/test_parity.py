@@ -176,15 +176,19 @@ def test_default_model_in_bfloat16_hits_are_bit_identical_to_cold(make_cache):
     assert hot.token_ids == cold.token_ids
 
 
-@pytest.mark.parametrize("score_bytes", [1, 300_000, 400_000])  # 400k: blocks of 48, last 32
+@pytest.mark.parametrize("score_bytes", [1, 300_000, 400_000, 2**40])  # 400k: blocks of 48,
+# last 32; 2**40: blocks of QUERY_BLOCK_ROWS
 def test_attention_split_into_query_blocks_is_bit_identical(
     tiny_engine, tokens, kv_equal, monkeypatch, score_bytes
 ):
-    """Bounding the attention temporaries (blocks of 16, or of a few dozen rows) changes no bit."""
+    """Splitting a forward into query blocks (of 16 rows, a few dozen, or the default bound
+    of 256) changes no bit."""
     from kvtrace.engine import attention
 
     prompt = tokens(700, seed=13)
+    monkeypatch.setattr(attention, "QUERY_BLOCK_ROWS", 4096)  # a 512-row chunk: one block
     whole = prefill(tiny_engine, None, prompt, logits_from=600)
+    monkeypatch.undo()
     monkeypatch.setattr(attention, "SCORE_BYTES", score_bytes)
     assert attention._query_block(512, 11, 2, 2, 4) < 512  # 512 rows over 700 keys: split
     split = prefill(tiny_engine, None, prompt, logits_from=600)
