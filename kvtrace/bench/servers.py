@@ -7,6 +7,11 @@ model already, could not give it; kvtrace/engine/batch.py), or llama.cpp's
 server from the integration build. Each is started with nothing cached
 (kvtrace: a new KV cache folder, the converted model reused) and stopped
 when the case is over.
+
+`kvtrace serve` runs the kvtrace this process imported, wherever it was
+started: `python -m kvtrace` would import the working directory's first,
+so a bench of a worktree's code run from the main checkout once timed the
+worktree's client against main's server (docs/benchmarks.md, session 19).
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from pathlib import Path
 
 import httpx
 
+import kvtrace
+
 START_TIMEOUT_S = 300.0  # a model load on a busy 2-core machine
 
 
@@ -32,13 +39,17 @@ def kvtrace_serve(folder: Path, *, model: str | None, cache_dir: Path,
     `folder`; yields its base URL (…/v1)."""
     from kvtrace.engine.folders import model_folder
 
+    folder = folder.resolve()
     folder.mkdir(parents=True, exist_ok=True)
     port = free_port()
     command = [sys.executable, "-m", "kvtrace", "--store", f"sqlite:///{folder}/serve.db",
-               "serve", "--port", str(port), "--model", str(model_folder(model, cache_dir)),
-               "--dtype", dtype]
-    env = {**os.environ, "KVTRACE_CACHE": str(folder / "cache")}
-    with _process(command, env, port, folder / "server.log") as url:
+               "serve", "--port", str(port),
+               "--model", str(model_folder(model, cache_dir).resolve()), "--dtype", dtype]
+    # This process's kvtrace first, and a working directory with no other (module docstring).
+    ours = str(Path(kvtrace.__file__).resolve().parents[1])
+    path = os.pathsep.join(p for p in (ours, os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "KVTRACE_CACHE": str(folder / "cache"), "PYTHONPATH": path}
+    with _process(command, env, port, folder / "server.log", cwd=folder) as url:
         yield url
 
 
@@ -70,10 +81,12 @@ def free_port() -> int:
 
 
 @contextmanager
-def _process(command: list[str], env: dict[str, str], port: int, log: Path) -> Iterator[str]:
+def _process(command: list[str], env: dict[str, str], port: int, log: Path,
+             cwd: Path | None = None) -> Iterator[str]:
     url = f"http://127.0.0.1:{port}/v1"
     with log.open("w") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                   cwd=cwd)
         try:
             _wait_listening(url, process, log)
             yield url
