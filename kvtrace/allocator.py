@@ -68,7 +68,7 @@ def _glibc() -> Any:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     except OSError:
         return None
-    if not hasattr(libc, "mallinfo2") or not hasattr(libc, "mallopt"):
+    if not hasattr(libc, "mallinfo2") or not hasattr(libc, "malloc_trim"):
         return None  # not glibc, or older than 2.33
     libc.mallinfo2.restype = _MallInfo2
     return libc
@@ -93,8 +93,9 @@ def trim_heap() -> bool:
 class HeapTrimmer:
     """When an engine thread gives the heap's free pages back (module docstring).
 
-    The thread calls `worked()` after each unit of work (a trim when
-    `busy_s` passed since the last one), waits at most `idle_wait()`
+    The thread calls `worked()` after each unit of work (a trim when it has
+    worked `busy_s` since its first work after the last trim: a request
+    after a pause is not trimmed in the middle), waits at most `idle_wait()`
     seconds for the next (None: nothing to trim, wait as long as it takes),
     and calls `trim()` when that wait ran out. One thread's object.
     """
@@ -103,12 +104,15 @@ class HeapTrimmer:
         self.idle_s = idle_s
         self.busy_s = busy_s
         self.num_trims = 0
-        self._last = time.monotonic()
+        self._busy_since = 0.0  # the first work after the last trim
         self._is_owed = False  # work was done since the last trim
 
     def worked(self) -> None:
-        self._is_owed = True
-        if time.monotonic() - self._last >= self.busy_s:
+        now = time.monotonic()
+        if not self._is_owed:
+            self._busy_since = now
+            self._is_owed = True
+        if now - self._busy_since >= self.busy_s:
             self.trim()
 
     def idle_wait(self) -> float | None:
@@ -117,5 +121,4 @@ class HeapTrimmer:
     def trim(self) -> None:
         trim_heap()
         self.num_trims += 1
-        self._last = time.monotonic()
         self._is_owed = False

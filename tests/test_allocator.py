@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from kvtrace.allocator import HeapTrimmer
 
 
@@ -22,3 +24,14 @@ def test_continuous_work_trims_every_busy_interval():
         trimmer.worked()
     assert trimmer.num_trims == 3
     assert trimmer.idle_wait() is None
+
+
+def test_the_busy_interval_counts_from_the_first_work_after_a_trim():
+    # a request after a long pause is not trimmed at its first forward
+    trimmer = HeapTrimmer(idle_s=1.0, busy_s=0.2)
+    time.sleep(0.3)
+    trimmer.worked()
+    assert trimmer.num_trims == 0
+    time.sleep(0.3)
+    trimmer.worked()  # busy for 0.3 s since its first work: trimmed
+    assert trimmer.num_trims == 1

@@ -45,10 +45,8 @@ def kvtrace_serve(folder: Path, *, model: str | None, cache_dir: Path,
     command = [sys.executable, "-m", "kvtrace", "--store", f"sqlite:///{folder}/serve.db",
                "serve", "--port", str(port),
                "--model", str(model_folder(model, cache_dir).resolve()), "--dtype", dtype]
-    # This process's kvtrace first, and a working directory with no other (module docstring).
-    ours = str(Path(kvtrace.__file__).resolve().parents[1])
-    path = os.pathsep.join(p for p in (ours, os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "KVTRACE_CACHE": str(folder / "cache"), "PYTHONPATH": path}
+    env = {**os.environ, "KVTRACE_CACHE": str(folder / "cache"),
+           "PYTHONPATH": server_pythonpath(os.environ.get("PYTHONPATH", ""))}
     with _process(command, env, port, folder / "server.log", cwd=folder) as url:
         yield url
 
@@ -72,6 +70,17 @@ def llama_cpp_server(folder: Path, *, model: str | None, alias: str, n_ctx: int 
                "--n_threads", str(os.cpu_count() or 1), "--model_alias", alias]
     with _process(command, dict(os.environ), port, folder / "server.log") as url:
         yield url
+
+
+def server_pythonpath(inherited: str) -> str:
+    """The PYTHONPATH a bench's `kvtrace serve` gets: this process's kvtrace first (unless it
+    is an installed one, which the server finds anyway), then `inherited`, made absolute (the
+    server runs in its own folder)."""
+    ours = Path(kvtrace.__file__).resolve().parents[1]
+    entries = [os.path.abspath(p) for p in inherited.split(os.pathsep) if p]
+    if ours.name != "site-packages":
+        entries.insert(0, str(ours))
+    return os.pathsep.join(entries)
 
 
 def free_port() -> int:

@@ -263,8 +263,9 @@ class DecodeBatcher:
                 is_idle = False
                 while not self._queue and not self._running and not self._closed:
                     wait = self._trimmer.idle_wait() if self._trimmer is not None else None
-                    if not self._cond.wait(wait):
-                        is_idle = True
+                    if (not self._cond.wait(wait) and not self._queue and not self._running
+                            and not self._closed):
+                        is_idle = True  # the wait ran out with nothing new: trim
                         break
                 if not is_idle and not self._queue and not self._running:
                     return  # closed, and nothing left to do

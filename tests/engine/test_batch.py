@@ -10,6 +10,7 @@ those of `generate` run one after another.
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -282,3 +283,23 @@ def test_open_local_backend_batching_loads_on_its_engine_thread(tiny_folder, eng
     assert list(backend.generate(call).output_ids) == list(alone.token_ids)
     backend.close()
     assert not engine_thread.is_alive()
+
+
+def test_an_engine_thread_kept_trimmed_trims_once_idle_after_work_and_still_closes(
+        tiny_engine):
+    from kvtrace.allocator import HeapTrimmer
+
+    with DecodeBatcher(tiny_engine, None) as batcher:
+        trimmer = batcher.keep_heap_trimmed(HeapTrimmer(idle_s=0.05, busy_s=1e9))
+        assert batcher.keep_heap_trimmed() is trimmer  # one trimmer per engine thread
+        time.sleep(0.3)
+        assert trimmer.num_trims == 0  # idle with nothing done: nothing to trim
+        assert batcher.call(lambda: 7) == 7
+        deadline = time.monotonic() + 10
+        while trimmer.num_trims == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert trimmer.num_trims == 1
+        time.sleep(0.3)
+        assert trimmer.num_trims == 1  # once per idle spell, not every idle_s
+        started = time.monotonic()
+    assert time.monotonic() - started < 5  # close() did not wait on the trimmer

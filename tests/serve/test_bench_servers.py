@@ -3,9 +3,13 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import httpx
 
-from kvtrace.bench.servers import kvtrace_serve
+import kvtrace
+from kvtrace.bench.servers import kvtrace_serve, server_pythonpath
 
 
 def test_the_bench_server_runs_this_kvtrace_not_the_working_directorys(
@@ -21,3 +25,11 @@ def test_the_bench_server_runs_this_kvtrace_not_the_working_directorys(
             "model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
     assert answer.status_code == 200, answer.text
     assert answer.json()["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_the_bench_server_path_puts_this_kvtrace_first_and_makes_the_rest_absolute(tmp_path,
+                                                                                  monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    entries = server_pythonpath(os.pathsep.join(["extra", "", "/opt/lib"])).split(os.pathsep)
+    assert entries == [str(Path(kvtrace.__file__).resolve().parents[1]),
+                       str(tmp_path / "extra"), "/opt/lib"]
