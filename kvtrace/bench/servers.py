@@ -27,8 +27,6 @@ from pathlib import Path
 
 import httpx
 
-import kvtrace
-
 START_TIMEOUT_S = 300.0  # a model load on a busy 2-core machine
 
 
@@ -76,7 +74,7 @@ def server_pythonpath(inherited: str) -> str:
     """The PYTHONPATH a bench's `kvtrace serve` gets: this process's kvtrace first (unless it
     is an installed one, which the server finds anyway), then `inherited`, made absolute (the
     server runs in its own folder)."""
-    ours = Path(kvtrace.__file__).resolve().parents[1]
+    ours = Path(__file__).resolve().parents[2]  # the folder holding this kvtrace package
     entries = [os.path.abspath(p) for p in inherited.split(os.pathsep) if p]
     if ours.name != "site-packages":
         entries.insert(0, str(ours))

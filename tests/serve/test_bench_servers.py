@@ -31,5 +31,5 @@ def test_the_bench_server_path_puts_this_kvtrace_first_and_makes_the_rest_absolu
                                                                                   monkeypatch):
     monkeypatch.chdir(tmp_path)
     entries = server_pythonpath(os.pathsep.join(["extra", "", "/opt/lib"])).split(os.pathsep)
-    assert entries == [str(Path(kvtrace.__file__).resolve().parents[1]),
+    assert entries == [str(Path(kvtrace.__file__).resolve().parents[1]),  # kvtrace's parent
                        str(tmp_path / "extra"), "/opt/lib"]
