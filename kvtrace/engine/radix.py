@@ -48,6 +48,7 @@ class Loan:
     source: KVSource
     start: int
     bytes_per_token: int
+    lender: object = None  # who holds the rows (the cache's live buffers): repaid together
 
 
 class RadixNode:
@@ -155,12 +156,14 @@ class RadixTree:
         return RadixMatch(num_tokens=pos, node=node, path=tuple(path))
 
     def insert(
-        self, tokens: Sequence[int], source: KVSource, *, loan_bytes: int | None = None
+        self, tokens: Sequence[int], source: KVSource, *, loan_bytes: int | None = None,
+        lender: object = None,
     ) -> int:
         """Make all of `tokens` cached, asking `source` only for the missing rows.
 
         With `loan_bytes` (bytes per token) the new leaf borrows its rows
-        from `source` instead of copying them (module docstring). Returns the
+        from `source` instead of copying them (module docstring), on behalf
+        of `lender` (`repay` names it). Returns the
         number of tokens newly stored. May evict other leaves to stay under
         the budget (never pinned nodes, never the new leaf's path while it is
         referenced by a pin).
@@ -181,7 +184,7 @@ class RadixTree:
         added = 0
         if pos < n:
             if loan_bytes is not None:
-                loan = Loan(source, pos, loan_bytes)
+                loan = Loan(source, pos, loan_bytes, lender)
                 leaf = RadixNode(node, tuple(tokens[pos:]), None, None, loan)
                 self._loans.add(leaf)
             else:
@@ -216,12 +219,14 @@ class RadixTree:
             walk.num_pins -= 1
             walk = walk.parent
 
-    def repay(self, from_row: int = 0) -> None:
-        """Copy the rows of every loan reaching row `from_row` or past it (all by default).
+    def repay(self, from_row: int = 0, *, lender: object = None) -> None:
+        """Copy the rows of every loan reaching row `from_row` or past it (all by default),
+        only `lender`'s when one is named.
 
         For the lender, before it overwrites those rows or lets them go.
         """
-        for node in [n for n in self._loans if n.loan and n.loan.start + len(n.tokens) > from_row]:
+        for node in [n for n in self._loans if n.loan and n.loan.start + len(n.tokens) > from_row
+                     and (lender is None or n.loan.lender is lender)]:
             if node.loan is not None and node.loan.start < from_row:
                 # Rows below `from_row` stay borrowed: split there (no copy), repay the rest.
                 self._split(node, from_row - node.loan.start)
@@ -290,7 +295,7 @@ class RadixTree:
         if child.loan is not None:  # both halves borrow: no copy
             loan = child.loan
             upper = RadixNode(parent, child.tokens[:at], None, None, loan)
-            child.loan = Loan(loan.source, loan.start + at, loan.bytes_per_token)
+            child.loan = Loan(loan.source, loan.start + at, loan.bytes_per_token, loan.lender)
             self._loans.add(upper)
         elif child.keys is None or child.values is None:
             raise RuntimeError("radix node without KV")

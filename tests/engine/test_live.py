@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from kvtrace.engine import KVCache, generate, prefill
+from kvtrace.engine.cache import LIVE_SEQUENCES
+from kvtrace.engine.kvbuffer import growing_layers
 from kvtrace.engine.prefill import MAX_CHUNK_ROWS
 
 
@@ -39,7 +41,8 @@ def test_a_prompt_on_another_branch_is_assembled_from_the_tree(tiny_engine, toke
     shared = tokens(100, seed=43)
     cache = KVCache(tiny_engine)
     prefill(tiny_engine, cache, shared + tokens(50, seed=44))
-    prefill(tiny_engine, cache, tokens(80, seed=45))  # the live sequence moves elsewhere
+    for seed in range(LIVE_SEQUENCES):  # the sequence is no longer live
+        prefill(tiny_engine, cache, tokens(20, seed=100 + seed))
     prompt = shared + tokens(30, seed=46)
 
     hit = cache.lookup(prompt)
@@ -50,6 +53,47 @@ def test_a_prompt_on_another_branch_is_assembled_from_the_tree(tiny_engine, toke
     assert hit.live is None and hit.num_memory_tokens == 100
     assert torch.equal(hot.logits, cold.logits)
     assert kv_equal(hot, cold)
+
+
+def test_a_fork_takes_over_the_live_kv_it_parts_from(tiny_engine, tokens, kv_equal):
+    shared = tokens(100, seed=43)
+    parted_from = shared + tokens(50, seed=44)
+    cache = KVCache(tiny_engine)
+    buffers = _buffers(prefill(tiny_engine, cache, parted_from))
+    prefill(tiny_engine, cache, tokens(80, seed=45))  # another sequence is the newest
+    prompt = shared + tokens(30, seed=46)
+
+    hot = prefill(tiny_engine, cache, prompt)
+    again = prefill(tiny_engine, cache, parted_from)  # its rows past the fork were kept
+
+    assert hot.num_memory_tokens == 100 and _buffers(hot) == buffers
+    assert kv_equal(hot, prefill(tiny_engine, None, prompt))
+    assert again.num_computed_tokens == 0  # an exact repeat (its logits were kept)
+    assert kv_equal(again, prefill(tiny_engine, None, parted_from))
+
+
+def test_runs_taking_turns_each_extend_their_own_live_kv(tiny_engine, tokens, kv_equal):
+    """Interleaved runs (forks of one run, agents sharing a server) copy no prefix once
+    they have parted."""
+    shared = tokens(90, seed=50)
+    runs = [shared + tokens(40, seed=51 + i) for i in range(3)]
+    cache = KVCache(tiny_engine)
+    for run in runs:
+        prefill(tiny_engine, cache, run)
+    buffers: list[list[int]] = []
+    for turn in range(3):
+        for i, run in enumerate(runs):
+            run += tokens(25, seed=60 + 3 * turn + i)
+            hot = prefill(tiny_engine, cache, run)
+            cold = prefill(tiny_engine, None, run)
+
+            assert hot.num_memory_tokens == 130 + 25 * turn
+            assert torch.equal(hot.logits, cold.logits)
+            assert kv_equal(hot, cold)
+            if turn == 0:
+                buffers.append(_buffers(hot))
+            else:  # extended in place, in the run's own buffers
+                assert _buffers(hot) == buffers[i]
 
 
 def test_decoding_on_a_prefill_leaves_the_live_kv_canonical(tiny_engine, tokens, kv_equal):
@@ -139,3 +183,7 @@ def test_default_model_attention_in_query_blocks_is_bit_identical(
     split = prefill(default_engine, None, sequence, logits_from=380)
     assert torch.equal(whole.logits, split.logits)
     assert kv_equal(whole, split)
+
+
+def _buffers(result):
+    return [id(layer.buffer) for layer in growing_layers(result.kv)]
