@@ -74,9 +74,6 @@ ATTN_IMPLEMENTATION = "kvtrace_canonical"
 TILE = 128
 ROUTER_KWARG = "kvtrace_rows"  # a decode step's per-sequence K/V (decode.py's RowRouter)
 SCORE_BYTES = 32 * 1024**2
-# Set on a KV view whose buffer rows after it, up to the next multiple of TILE, are
-# spare: attention may overwrite them with its zero padding instead of copying the view.
-SPARE_TO_TILE = "kvtrace_spare_to_tile"
 QUERY_BLOCK_ROWS = 256  # the most query rows one block scores (module docstring)
 _QUERY_BLOCK_MULTIPLE = 16  # prefill's ROW_MULTIPLE: blocks are row counts a forward may have
 
@@ -113,8 +110,12 @@ def canonical_attention(
     groups = num_heads // num_kv_heads
     num_tiles = -(-kv_len // TILE)
     padded = num_tiles * TILE
-    key_tiles = _tiles(key, padded, "keys")
-    value_tiles = _tiles(value, padded, "values")
+    key_tiles = scratch("keys", (batch, num_kv_heads, padded, head_dim), key)
+    key_tiles[:, :, :kv_len] = key
+    key_tiles[:, :, kv_len:] = 0
+    value_tiles = scratch("values", (batch, num_kv_heads, padded, head_dim), value)
+    value_tiles[:, :, :kv_len] = value
+    value_tiles[:, :, kv_len:] = 0
     start = kv_len - q_len
     block = _query_block(q_len, num_tiles, num_kv_heads, groups, query.element_size())
     # [b, q, heads, dim], as transformers expects; each block's result is a view
@@ -132,24 +133,6 @@ def canonical_attention(
                         start + lo, hi - lo, groups)
         out[:, lo:hi] = total.reshape(batch, num_heads, hi - lo, head_dim).transpose(1, 2)
     return out, None
-
-
-def _tiles(rows: torch.Tensor, padded: int, name: str) -> torch.Tensor:
-    """`rows` `[b, kv_heads, kv, dim]` followed by zeros up to `padded` rows (a tile boundary).
-
-    A KV layer's view whose spare rows reach the boundary (`SPARE_TO_TILE`, set by
-    kvbuffer.py's `update`) is extended in place: the spare rows are zeroed and read
-    where they lie. Anything else is copied into this thread's scratch buffer.
-    """
-    kv_len = rows.shape[2]
-    if getattr(rows, SPARE_TO_TILE, False):
-        tiles = rows.as_strided((*rows.shape[:2], padded, rows.shape[3]), rows.stride(),
-                                rows.storage_offset())
-    else:
-        tiles = scratch(name, (*rows.shape[:2], padded, rows.shape[3]), rows)
-        tiles[:, :, :kv_len] = rows
-    tiles[:, :, kv_len:] = 0
-    return tiles
 
 
 def _query_block(q_len: int, num_tiles: int, num_kv_heads: int, groups: int,
@@ -186,13 +169,14 @@ def _attend(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
         _causal_mask(first_query, q_len, tiles, groups, rows.device), float("-inf"))
     # In place (`_softmax`'s out= form): no new scores-sized tensor each layer call.
     probs = torch._softmax(scores, -1, False, out=scores)
-    # The value product reads each tile's `[rows, TILE]` block as one matrix of a batch:
-    # copied tile-major first (one strided copy), then one product over every head and
-    # tile. bmm would copy a strided block itself, head by head, at twice the cost.
-    blocks = scratch("blocks", (b, kvh, tiles, count, TILE), probs)
-    blocks.copy_(probs.view(b, kvh, count, tiles, TILE).transpose(2, 3))
     partial = scratch("partial", (b, kvh, tiles, count, dim), probs)
-    torch.matmul(blocks, values.view(b, kvh, tiles, TILE, dim), out=partial)
+    # One batched product per sequence and kv head, each tile's `[rows, TILE]` block read
+    # where it lies: a single product over every head would first copy all the scores
+    # (the heads and tiles of a row-major score tensor do not merge into one batch axis).
+    for i in range(b):
+        for h in range(kvh):
+            torch.bmm(probs[i, h].view(count, tiles, TILE).transpose(0, 1),
+                      values[i, h].view(tiles, TILE, dim), out=partial[i, h])
     return _fold_tiles(partial)
 
 

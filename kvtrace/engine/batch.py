@@ -27,10 +27,11 @@ order.
 
 KV that must outlive a prefill: a prefill may take over the buffers of one
 of the cache's live sequences, the last ones prefilled (cache.py), and write
-over rows past the prefix it reuses. A generation still decoding in buffers
-it shares with the cache first moves its KV into buffers of its own
-(`Decoding.detach`, one copy of its rows, once), so only concurrent
-generations pay for it; one after another none does.
+over rows past the prefix it reuses. Before every prefill, the generation
+begun last, if it is still decoding, moves its KV into buffers of its own
+(`Decoding.detach`, one copy of its rows): so no running generation ever
+decodes in buffers the cache may hand out, only concurrent generations pay
+for it, and one after another none does.
 
 Which thread loads the engine matters on the CPU: the first thread in the
 process to run torch's parallel operations keeps them cheap, and every
@@ -114,8 +115,7 @@ class DecodeBatcher:
         self._cond = threading.Condition()
         self._queue: deque[_Job] = deque()
         self._running: list[tuple[_Job, Generation]] = []
-        # Generations begun whose KV buffers the cache still holds live (not yet detached).
-        self._shared: list[Generation] = []
+        self._live: Generation | None = None  # the generation whose KV the cache holds live
         self._thread: threading.Thread | None = None
         self._closed = False
         self._trimmer: HeapTrimmer | None = None
@@ -312,7 +312,7 @@ class DecodeBatcher:
         if isinstance(begun, GenerateResult):
             job.succeed(begun)  # an accepted draft: nothing to decode
             return
-        self._shared.append(begun)
+        self._live = begun
         self._running.append((job, begun))
 
     def _step(self) -> None:
@@ -347,11 +347,12 @@ class DecodeBatcher:
         self.max_step_rows = max(self.max_step_rows, len(stepping))
 
     def _protect(self, finishing: Generation | None) -> None:
-        """Before a prefill: running generations whose buffers the cache holds live keep
-        their KV (the finishing one's prefill extends its own)."""
-        shared, self._shared = self._shared, []
-        for live in shared:
-            if live is not finishing and any(g is live for _, g in self._running):
-                started = time.perf_counter()
-                live.decoding.detach()
-                self.decode_seconds += time.perf_counter() - started
+        """Before a prefill: the running generation the cache holds live keeps its KV."""
+        live = self._live
+        if live is None or live is finishing:
+            return
+        self._live = None
+        if any(generation is live for _, generation in self._running):
+            started = time.perf_counter()
+            live.decoding.detach()
+            self.decode_seconds += time.perf_counter() - started

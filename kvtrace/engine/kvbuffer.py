@@ -34,13 +34,12 @@ from collections.abc import Sequence
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from kvtrace.engine.attention import SPARE_TO_TILE, TILE
 from kvtrace.engine.radix import KVSource
 from kvtrace.errors import CacheError
 
 MIN_SPARE_ROWS = 256
 _SERIALS = itertools.count(1)
-ROW_ALIGN = TILE  # capacities are whole attention tiles: rows up to a tile boundary fit
+ROW_ALIGN = 64
 
 
 class KVBuffer:
@@ -95,14 +94,7 @@ class GrowingLayer(DynamicLayer):
                 self._grow(buffer, end)
             buffer.keys[:, :, self._length : end].copy_(key_states)
             buffer.values[:, :, self._length : end].copy_(value_states)
-        self._set_length(end)
-        # Views for this forward's attention only: this layer owns the buffer, nobody reads
-        # past `end` (at least `frozen`) and the capacity is whole tiles, so attention may
-        # pad them in place (attention.py). The layer's own views are not marked.
-        keys, values = buffer.keys[:, :, :end], buffer.values[:, :, :end]
-        setattr(keys, SPARE_TO_TILE, True)
-        setattr(values, SPARE_TO_TILE, True)
-        return keys, values
+        return self._set_length(end)
 
     def crop(self, tokens_to_remove: int) -> None:
         """Forget the last `-tokens_to_remove` rows (their space is written next)."""

@@ -111,7 +111,7 @@ def test_pins_survive_a_split_of_the_pinned_node():
     assert tree.num_bytes == 0 and tree.num_nodes == 0
 
 
-def _lend(tree, tokens, calls):
+def _lend(tree, tokens, calls, lender=None):
     """Insert `tokens` as a loan from a source that counts the rows it is asked for."""
     inner = _source(tokens)
 
@@ -119,7 +119,7 @@ def _lend(tree, tokens, calls):
         calls.append((start, end))
         return inner(start, end)
 
-    return tree.insert(tokens, source, loan_bytes=BYTES_PER_TOKEN)
+    return tree.insert(tokens, source, loan_bytes=BYTES_PER_TOKEN, lender=lender)
 
 
 def test_a_borrowed_leaf_reads_its_rows_only_when_asked_and_splits_without_copying():
@@ -150,3 +150,17 @@ def test_repay_copies_only_the_rows_from_the_given_one():
     calls.clear()
     tree.match([1, 2, 3, 4, 5, 6, 7]).pieces()
     assert calls == [] and tree.num_bytes == _recount(tree) == 7 * BYTES_PER_TOKEN
+
+
+def test_repay_of_one_lender_copies_only_its_loans():
+    tree, calls = RadixTree(max_bytes=10**9), []
+    first, second = object(), object()
+    _lend(tree, [1, 2, 3, 4], calls, lender=first)
+    _lend(tree, [1, 2, 7, 8, 9], calls, lender=second)  # splits the first's leaf: it keeps 3..4
+
+    tree.repay(from_row=1, lender=second)
+    assert calls == [(2, 5)]  # the second's own rows from 2: the shared ones are the first's
+    calls.clear()
+    assert _rows(tree.match([1, 2, 3, 4])) == [1, 2, 3, 4]
+    assert calls == [(0, 2), (2, 4)]  # the first's loans are still borrowed
+    assert tree.num_bytes == _recount(tree) == 7 * BYTES_PER_TOKEN
