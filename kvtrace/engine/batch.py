@@ -29,9 +29,10 @@ KV that must outlive a prefill: a prefill may take over the buffers of one
 of the cache's live sequences, the last ones prefilled (cache.py), and write
 over rows past the prefix it reuses. Before every prefill, the generation
 begun last, if it is still decoding, moves its KV into buffers of its own
-(`Decoding.detach`, one copy of its rows): so no running generation ever
-decodes in buffers the cache may hand out, only concurrent generations pay
-for it, and one after another none does.
+(`Decoding.detach`, one copy of its rows): only that one can still decode in
+buffers the cache holds live (every earlier one was moved at the prefill
+after its own), so no prefill writes where a running generation reads; only
+concurrent generations pay for it, and one after another none does.
 
 Which thread loads the engine matters on the CPU: the first thread in the
 process to run torch's parallel operations keeps them cheap, and every

@@ -74,7 +74,7 @@ LIVE_SEQUENCES = 8  # computed sequences whose buffers the next prefills may ext
 class PrefixHit:
     """The reusable prefix of a sequence; release it with `KVCache.release`.
 
-    Either `live` holds the live sequence's per-layer buffers, handed over to
+    Either `live` holds a live sequence's per-layer buffers, handed over to
     the caller, who takes them over from row `num_tokens` (`pieces` is then
     empty), or `pieces` are KV tensors `[layers, kv_heads, n, head_dim]`
     covering tokens `0 … num_tokens` in order. `num_disk_blocks` counts the
@@ -177,8 +177,12 @@ class KVCache:
 
     # -- lookup ---------------------------------------------------------------
 
-    def lookup(self, tokens: Sequence[int], *, max_tokens: int | None = None) -> PrefixHit:
+    def lookup(self, tokens: Sequence[int], *, max_tokens: int | None = None,
+               kv: bool = True) -> PrefixHit:
         """Longest cached prefix of `tokens`, reusing at most `max_tokens` of them.
+
+        `kv=False` counts the hit without its KV (no pieces, no live buffers
+        taken): for a caller that computes nothing when it covers everything.
 
         The hit is pinned in memory; pass it to `release` when done. When a
         live sequence covers it, the hit takes that sequence's buffers out
@@ -196,9 +200,10 @@ class KVCache:
             disk_end = min(num_disk_blocks * self.block_size, limit)
             num_disk = disk_end - num_memory if disk_end > num_memory and disk_pieces else 0
             num_tokens = num_memory + num_disk
-            covering = self._live_covering(tokens, num_tokens)
+            covering = self._live_covering(tokens, num_tokens) if kv else None
             from_live = covering is not None
-            pieces = [] if from_live else list(match.pieces())  # before an insert splits nodes
+            # Before an insert splits nodes.
+            pieces = list(match.pieces()) if kv and not from_live else []
             node = match.node
             if num_disk:
                 keys = torch.cat([k for k, _ in disk_pieces], dim=2)
@@ -206,7 +211,7 @@ class KVCache:
                 base = (num_memory // self.block_size) * self.block_size
                 lo, hi = num_memory - base, disk_end - base
                 keys, values = keys[:, :, lo:hi], values[:, :, lo:hi]
-                if not from_live:
+                if kv and not from_live:
                     pieces.append((keys, values))
 
                 def source(start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -221,7 +226,8 @@ class KVCache:
             pinned = node if node is not self.memory.root else None
             if pinned is not None:
                 self.memory.pin(pinned)
-            deferred = self._owed.take(tokens, num_tokens, limit)
+            # Counting only settles nothing: the prefill that follows a short count does.
+            deferred = self._owed.take(tokens, num_tokens, limit) if kv else 0
             return PrefixHit(
                 num_deferred_tokens=deferred,
                 num_tokens=num_tokens,
@@ -372,7 +378,7 @@ class KVCache:
     # -- inventory --------------------------------------------------------------
 
     def clear_memory(self) -> None:
-        """Drop the memory tier, the live sequence, owed output and kept logits (the disk
+        """Drop the memory tier, the live sequences, owed output and kept logits (the disk
         tier is untouched)."""
         with self._lock:
             self.memory.clear()

@@ -7,8 +7,8 @@ into spare capacity of its buffer and reallocates only when that runs out,
 by 256 rows or a sixteenth more at least (a dozen times over a 5k-token
 run). Decoding appends in place as well.
 
-Sharing without copies: the cache's live sequence (cache.py) keeps its
-layers' buffers; the memory tree borrows the rows of that sequence from them
+Sharing without copies: each of the cache's live sequences (cache.py) keeps
+its layers' buffers; the memory tree borrows the rows of that sequence from them
 instead of copying (radix.py, `Loan`), and the next prefill that extends it
 takes them over (`adopt`), writing after the reused rows in place. So an
 agent run's growing prompt exists once in memory, not twice. Rules that

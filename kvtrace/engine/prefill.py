@@ -20,10 +20,11 @@ recomputing them, and a hit costs the rows it computes (at most 15 padding
 rows per forward). Logits come from the last real row (or, with
 `logits_from`, from every row from there on: how generate.py checks a draft).
 
-Reused KV is assembled once per prefill: when the live sequence (the last
-one computed, see cache.py) covers the hit, its buffers are taken over with
-no copy (kvbuffer.py); else each layer's buffer is filled from the tree's
-pieces and disk blocks.
+Reused KV is assembled once per prefill: when one of the cache's live
+sequences (the last ones computed, see cache.py) covers the hit, its buffers
+are taken over with no copy (kvbuffer.py); else each layer's buffer is
+filled from the tree's pieces and disk blocks. An exact repeat that asks for
+no KV only counts its hit, and leaves the live buffers to their run.
 
 Rules kept here for every caller:
 - reuse the whole sequence only when the cache kept its last logits
@@ -34,7 +35,7 @@ Rules kept here for every caller:
   deferred, by the next prompt's prefill: generate.py);
 - everything computed is stored: the new tail in memory (borrowed from the
   live buffers, radix.py), every full block not yet on disk; the sequence
-  becomes the cache's live one. "Feeding" recorded
+  becomes the cache's newest live one. "Feeding" recorded
   output (replay's rebuild) is `prefill(engine, cache, prompt_ids + output_ids)`.
 """
 
@@ -139,13 +140,16 @@ def prefill(
     plain = logits_from is None and reduce_logits is None
     known = cache.last_logits(tokens) if cache is not None and plain else None
     limit = len(tokens) if known is not None else keep_from
+    if cache is not None and known is not None and not need_kv:
+        # Likely nothing to compute, nothing to store, and no KV asked for: counted
+        # without taking the KV (a live sequence stays live for its run's next call).
+        counted = cache.lookup(tokens, max_tokens=limit, kv=False)
+        cache.release(counted)
+        if counted.num_tokens == len(tokens):
+            return _result(known.unsqueeze(0), None, counted, len(tokens), started, logits_from)
     hit = cache.lookup(tokens, max_tokens=limit) if cache is not None else None
     try:
         reused = hit.num_tokens if hit is not None else 0
-        if hit is not None and known is not None and reused == len(tokens) and not need_kv:
-            # Nothing to compute, nothing to store, and no KV asked for.
-            hit = replace(hit, live=None, pieces=())
-            return _result(known.unsqueeze(0), None, hit, len(tokens), started, logits_from)
         if hit is not None and hit.live is not None:
             for layer, buffer in zip(layers, hit.live, strict=True):
                 layer.adopt(buffer, reused)

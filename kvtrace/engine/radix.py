@@ -16,9 +16,10 @@ the concatenation of the segments along the path. Invariants:
 - `num_bytes` is the exact sum of the KV tensor sizes held (a loan counts
   as the copy it stands for).
 
-Loans: a node may borrow its rows from the cache's live sequence instead of
-holding a copy (`insert(..., loan_bytes=...)`): the rows of the sequence an
-agent run keeps extending then exist once, in the live buffers
+Loans: a node may borrow its rows from one of the cache's live sequences (its
+lender) instead of holding a copy (`insert(..., loan_bytes=..., lender=...)`):
+the rows of the sequence an agent run keeps extending then exist once, in the
+live buffers
 (kvbuffer.py). Its rows are rows `start … start + n` of the sequence, read
 through the lender (`Loan.source`) when someone needs them as tensors. The
 owner of the buffers tells the tree, before it overwrites rows or lets them

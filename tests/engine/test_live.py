@@ -66,7 +66,7 @@ def test_a_fork_takes_over_the_live_kv_it_parts_from(tiny_engine, tokens, kv_equ
     hot = prefill(tiny_engine, cache, prompt)
     again = prefill(tiny_engine, cache, parted_from)  # its rows past the fork were kept
 
-    assert hot.num_memory_tokens == 100 and _buffers(hot) == buffers
+    assert hot.num_memory_tokens == 100 and _same(_buffers(hot), buffers)
     assert kv_equal(hot, prefill(tiny_engine, None, prompt))
     assert again.num_computed_tokens == 0  # an exact repeat (its logits were kept)
     assert kv_equal(again, prefill(tiny_engine, None, parted_from))
@@ -80,7 +80,7 @@ def test_runs_taking_turns_each_extend_their_own_live_kv(tiny_engine, tokens, kv
     cache = KVCache(tiny_engine)
     for run in runs:
         prefill(tiny_engine, cache, run)
-    buffers: list[list[int]] = []
+    buffers: list[list] = []
     for turn in range(3):
         for i, run in enumerate(runs):
             run += tokens(25, seed=60 + 3 * turn + i)
@@ -93,7 +93,20 @@ def test_runs_taking_turns_each_extend_their_own_live_kv(tiny_engine, tokens, kv
             if turn == 0:
                 buffers.append(_buffers(hot))
             else:  # extended in place, in the run's own buffers
-                assert _buffers(hot) == buffers[i]
+                assert _same(_buffers(hot), buffers[i])
+
+
+def test_an_exact_repeat_asking_no_kv_leaves_the_live_kv_to_its_run(tiny_engine, tokens):
+    """A fork's calls before it parts repeat the run's: counted, not taken over."""
+    run = tokens(120, seed=52)
+    cache = KVCache(tiny_engine)
+    buffers = _buffers(prefill(tiny_engine, cache, run))
+
+    repeat = prefill(tiny_engine, cache, run, need_kv=False)
+    onward = prefill(tiny_engine, cache, run + tokens(20, seed=53))
+
+    assert repeat.kv is None and repeat.num_computed_tokens == 0
+    assert onward.num_memory_tokens == 120 and _same(_buffers(onward), buffers)
 
 
 def test_decoding_on_a_prefill_leaves_the_live_kv_canonical(tiny_engine, tokens, kv_equal):
@@ -186,4 +199,9 @@ def test_default_model_attention_in_query_blocks_is_bit_identical(
 
 
 def _buffers(result):
-    return [id(layer.buffer) for layer in growing_layers(result.kv)]
+    """The result's per-layer KV buffers, compared by identity (`_same`)."""
+    return [layer.buffer for layer in growing_layers(result.kv)]
+
+
+def _same(a, b):
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))

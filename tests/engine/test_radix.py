@@ -164,3 +164,6 @@ def test_repay_of_one_lender_copies_only_its_loans():
     assert _rows(tree.match([1, 2, 3, 4])) == [1, 2, 3, 4]
     assert calls == [(0, 2), (2, 4)]  # the first's loans are still borrowed
     assert tree.num_bytes == _recount(tree) == 7 * BYTES_PER_TOKEN
+    calls.clear()
+    tree.repay(from_row=3, lender=first)  # both halves of its split leaf are still its own
+    assert calls == [(3, 4)]
