@@ -20,8 +20,11 @@ importing `kvtrace.engine` sets it (unless the environment already does;
 this module imports no torch, and `import kvtrace` alone, e.g. to trace an
 agent, leaves the process's MKL as it was) before the engine computes
 anything, and `load_engine` checks the property on the model's own layer
-shapes (`rows_are_invariant`), warning when it does not hold (e.g. when
-torch computed something before `kvtrace.engine` was imported).
+shapes (`rows_are_invariant`). bfloat16 products go to oneDNN, which strict
+mode does not reach, and on CPUs with AMX they are not row-invariant: there
+the engine multiplies in products of a fixed row count instead
+(kvtrace/engine/rowblocks.py), and warns only where that fails too (e.g.
+when torch computed something before `kvtrace.engine` was imported).
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ import torch
 
 from kvtrace.engine.attention import TILE, register_canonical_attention
 from kvtrace.engine.folders import OnConvert, cache_root, model_folder
+from kvtrace.engine.rowblocks import ROWS, pin_rows, pinned_rows_hold
 from kvtrace.engine.tokenizer import ChatTemplating, context_length, stop_token_ids
 from kvtrace.errors import ModelNotFoundError, UsageError
 from kvtrace.numerics import MKL_SETTING, native_bfloat16, rows_are_invariant
@@ -67,6 +68,9 @@ class Engine(ChatTemplating):
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     max_context_tokens: int | None = None
+    # Rows per linear product in prefill's forwards, where the GEMM is not row-invariant
+    # (rowblocks.py); None: products of any row count.
+    pinned_rows: int | None = None
 
 
 def load_engine(
@@ -125,7 +129,13 @@ def _load_folder(folder: Path, cache_dir: Path, device: torch.device, dtype: tor
     model.to(device)  # type: ignore[arg-type]
     model.eval()
     model.requires_grad_(False)
-    if not rows_are_invariant(model):
+    pinned_rows = None
+    if rows_are_invariant(model):
+        pass
+    elif pinned_rows_hold(model):
+        pin_rows(model)  # bfloat16 with AMX, for one (kvtrace/engine/rowblocks.py)
+        pinned_rows = ROWS
+    else:
         warnings.warn(
             f"{folder.name}: matrix products here give a row other bits depending on how many "
             f"rows share it, so cache hits may differ from cold runs in the last bits; set "
@@ -148,7 +158,8 @@ def _load_folder(folder: Path, cache_dir: Path, device: torch.device, dtype: tor
     num_kv_heads = int(getattr(config, "num_key_value_heads", None) or num_heads)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // num_heads)
     element_size = torch.empty((), dtype=dtype).element_size()
-    fingerprint = _fingerprint(folder, cache_dir, model, tokenizer, device, dtype, attn)
+    fingerprint = _fingerprint(folder, cache_dir, model, tokenizer, device, dtype, attn,
+                               pinned_rows)
     return Engine(
         name=folder.name,
         path=folder,
@@ -165,6 +176,7 @@ def _load_folder(folder: Path, cache_dir: Path, device: torch.device, dtype: tor
         vocab_size=_vocab_size(model),
         eos_token_ids=stop_token_ids(model.generation_config, tokenizer),
         max_context_tokens=context_length(config),
+        pinned_rows=pinned_rows,
     )
 
 
@@ -181,6 +193,7 @@ def _fingerprint(
     device: torch.device,
     dtype: torch.dtype,
     attn: str,
+    pinned_rows: int | None,
 ) -> str:
     import transformers
 
@@ -193,7 +206,7 @@ def _fingerprint(
     tokenizer_digest = hashlib.sha256(
         json.dumps([vocab, tokenizer.chat_template, tokenizer.all_special_tokens]).encode()
     ).hexdigest()
-    parts = {
+    parts: dict[str, Any] = {
         "scheme": PREFILL_SCHEME,
         "weights": _weights_digest(folder, cache_dir),
         "config": config,
@@ -204,6 +217,8 @@ def _fingerprint(
         "transformers": transformers.__version__,
         "attn": attn,
     }
+    if pinned_rows is not None:  # other bits than unpinned products (rowblocks.py)
+        parts["linear_rows"] = pinned_rows
     blob = json.dumps(parts, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()
 

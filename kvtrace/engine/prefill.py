@@ -52,6 +52,7 @@ from kvtrace.engine.cache import DEFAULT_BLOCK_SIZE, KVCache, PrefixHit, check_b
 from kvtrace.engine.kvbuffer import buffer_rows, growing_cache, growing_layers
 from kvtrace.engine.model import Engine
 from kvtrace.engine.radix import KVSource
+from kvtrace.engine.rowblocks import canonical_products
 from kvtrace.errors import CacheError, UsageError
 
 _PAD_TOKEN = 0
@@ -216,7 +217,7 @@ def _compute(
     rows: list[torch.Tensor] = []
     device = engine.device
     try:
-        with torch.inference_mode():
+        with torch.inference_mode(), canonical_products():
             while pos < n:
                 end = min(n, pos + MAX_CHUNK_ROWS)
                 real = end - pos

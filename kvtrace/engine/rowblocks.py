@@ -1,0 +1,113 @@
+"""Linear layers in products of one fixed row count, where the CPU's GEMM is not row-invariant.
+
+Why this exists: canonical prefill (prefill.py) needs a matrix product to
+give a row the same bits however many rows it multiplies at once
+(numerics.py). MKL's strict mode gives that for float32. bfloat16 goes to
+oneDNN instead, and on CPUs with AMX (Intel Xeon, Sapphire Rapids and
+later) oneDNN chooses its kernel and its blocking by the row count: on a
+2-core Xeon with AMX (2026-12-03, torch 2.13), a `[m, 1536] x [1536, 576]`
+product gives a few rows other bits for every m from 48 to 512 than for
+m = 1024, with one thread or two, and a 96-token extension of a cached
+prefix no longer matched its cold run. Capping oneDNN below AMX
+(`ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16`) restores the property and costs
+~10x: AMX multiplies these shapes at ~1,900 GFLOPS there, AVX-512 BF16 at
+~200.
+
+A product of exactly `ROWS` rows gives a row the same bits wherever it
+sits among them (probed at load, `pinned_rows_hold`). So where
+`rows_are_invariant` fails, the engine pins its linear layers
+(`pin_rows`): inside `canonical_products()`, which prefill's forwards
+enter, every linear layer multiplies in products of `ROWS` rows, the last
+one padded with zero rows. Decode steps stay outside it and multiply as
+they are: their KV is never stored (generate.py), and cached and uncached
+runs decode from the same bits.
+
+The cost is the padding: a 96-row extension multiplies 128 rows, a
+one-row output layer 128 (at AMX's rate a few milliseconds a forward).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+
+ROWS = 128  # rows per pinned product (module docstring; docs/benchmarks.md, session 21)
+_PROBE_OFFSETS = (1, 16, 57)
+
+
+class _State(threading.local):
+    """Whether this thread is inside a canonical forward (prefill's, not a decode step's)."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+
+
+_state = _State()
+
+
+@contextmanager
+def canonical_products() -> Iterator[None]:
+    """Pinned linear layers multiply in `ROWS`-row products on this thread while inside."""
+    _state.depth += 1
+    try:
+        yield
+    finally:
+        _state.depth -= 1
+
+
+class PinnedLinear(torch.nn.Linear):
+    """A linear layer that, inside `canonical_products()`, multiplies `ROWS` rows at a time."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if not _state.depth:
+            return F.linear(input, self.weight, self.bias)
+        return pinned_linear(input, self.weight, self.bias)
+
+
+def pinned_linear(x: torch.Tensor, weight: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` as products of exactly `ROWS` rows (zero rows padding
+    the last)."""
+    rows = x.reshape(-1, x.shape[-1])
+    count = rows.shape[0]
+    padded = -(-count // ROWS) * ROWS
+    if padded != count:
+        rows = F.pad(rows, (0, 0, 0, padded - count))
+    parts = [F.linear(rows[i:i + ROWS], weight, bias) for i in range(0, padded, ROWS)]
+    out = torch.cat(parts) if len(parts) > 1 else parts[0]
+    return out[:count].reshape(*x.shape[:-1], weight.shape[0])
+
+
+def pin_rows(model: torch.nn.Module) -> int:
+    """Make every plain linear layer of `model` a `PinnedLinear`; return how many."""
+    count = 0
+    for module in model.modules():
+        if type(module) is torch.nn.Linear:
+            module.__class__ = PinnedLinear
+            count += 1
+    return count
+
+
+def pinned_rows_hold(model: torch.nn.Module) -> bool:
+    """Whether a `ROWS`-row product gives a row the same bits wherever it sits among them,
+    for each distinct linear shape of `model` (random rows, a few offsets)."""
+    generator = torch.Generator().manual_seed(0)
+    shapes: dict[tuple[int, ...], torch.Tensor] = {}
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            shapes.setdefault(tuple(module.weight.shape), module.weight)
+    with torch.inference_mode():
+        for weight in shapes.values():
+            rows = torch.randn(2 * ROWS, weight.shape[1], generator=generator)
+            rows = rows.to(device=weight.device, dtype=weight.dtype)
+            reference = F.linear(rows[:ROWS], weight)
+            for offset in _PROBE_OFFSETS:
+                moved = F.linear(torch.cat([rows[ROWS:ROWS + offset], rows[:ROWS - offset]]),
+                                 weight)
+                if not torch.equal(moved[offset:], reference[:ROWS - offset]):
+                    return False
+    return True
