@@ -22,8 +22,12 @@ one padded with zero rows. Decode steps stay outside it and multiply as
 they are: their KV is never stored (generate.py), and cached and uncached
 runs decode from the same bits.
 
-The cost is the padding: a 96-row extension multiplies 128 rows, a
-one-row output layer 128 (at AMX's rate a few milliseconds a forward).
+A product of one row is a fixed shape too, so it multiplies as it is: the
+output layer on a prefill's last position (one row on every path,
+prefill.py), ~4 ms a request at 128 rows. The cost is the padding and the
+smaller products: a 96-row extension multiplies 128 rows, a 512-row chunk
+four products of 128 (docs/benchmarks.md, session 21: the default model's
+cold prefill ~20 % slower than unpinned in bfloat16, an extension ~12 %).
 """
 
 from __future__ import annotations
@@ -71,9 +75,11 @@ class PinnedLinear(torch.nn.Linear):
 def pinned_linear(x: torch.Tensor, weight: torch.Tensor,
                   bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` as products of exactly `ROWS` rows (zero rows padding
-    the last)."""
+    the last), or of one row if `x` has one."""
     rows = x.reshape(-1, x.shape[-1])
     count = rows.shape[0]
+    if count == 1:  # one row is a fixed shape too: prefill's output layer on its last position
+        return F.linear(x, weight, bias)
     padded = -(-count // ROWS) * ROWS
     if padded != count:
         rows = F.pad(rows, (0, 0, 0, padded - count))

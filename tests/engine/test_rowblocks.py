@@ -31,6 +31,7 @@ def test_a_pinned_product_gives_a_row_the_same_bits_at_any_count_and_offset(dtyp
         assert torch.equal(pinned_linear(rows[start:end], weight), reference[start:end])
     batched = pinned_linear(rows[:96].view(2, 48, 576), weight)  # [batch, rows, features] too
     assert torch.equal(batched.reshape(96, 1536), reference[:96])
+    assert torch.equal(pinned_linear(rows[7:8], weight), F.linear(rows[7:8], weight))  # one row
 
 
 def test_pinned_layers_pin_only_inside_canonical_products(tiny_folder, engine_root):
