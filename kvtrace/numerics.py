@@ -36,9 +36,10 @@ if TYPE_CHECKING:  # torch-free at import: `import kvtrace` loads this module fi
     import torch
 
 MKL_SETTING = ("MKL_CBWR", "AUTO,STRICT")
-# Row counts (multiples of 16) checked against the same rows of a larger product.
-_CHECKED_ROWS = (16, 48, 64, 128, 192, 208)
-_REFERENCE_ROWS = 256
+# Row counts (multiples of 16) checked against the same rows of a product of prefill's
+# largest forward (MAX_CHUNK_ROWS); 336 and 496 differed from 512 under AMX.
+_CHECKED_ROWS = (16, 48, 64, 128, 192, 208, 336, 496)
+_REFERENCE_ROWS = 512
 
 
 def native_bfloat16() -> bool | None:
@@ -69,7 +70,7 @@ def rows_are_invariant(model: torch.nn.Module) -> bool:
 
     Random inputs, `_CHECKED_ROWS` against the first rows of a
     `_REFERENCE_ROWS`-row product (past the 64-192-row band seen to differ),
-    per distinct weight shape: ~4 GFLOP, tens of milliseconds, for the
+    per distinct weight shape: ~9 GFLOP, tens of milliseconds, for the
     default model; it grows with the layer width (seconds for a 7B model).
     """
     import torch

@@ -129,13 +129,12 @@ def _load_folder(folder: Path, cache_dir: Path, device: torch.device, dtype: tor
     model.to(device)  # type: ignore[arg-type]
     model.eval()
     model.requires_grad_(False)
+    invariant = rows_are_invariant(model)
     pinned_rows = None
-    if rows_are_invariant(model):
-        pass
-    elif pinned_rows_hold(model):
+    if not invariant and dtype != torch.float32 and pinned_rows_hold(model):
         pin_rows(model)  # bfloat16 with AMX, for one (kvtrace/engine/rowblocks.py)
         pinned_rows = ROWS
-    else:
+    elif not invariant:
         warnings.warn(
             f"{folder.name}: matrix products here give a row other bits depending on how many "
             f"rows share it, so cache hits may differ from cold runs in the last bits; set "

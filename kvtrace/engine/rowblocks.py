@@ -15,16 +15,22 @@ prefix no longer matched its cold run. Capping oneDNN below AMX
 
 A product of exactly `ROWS` rows gives a row the same bits wherever it
 sits among them (probed at load, `pinned_rows_hold`). So where
-`rows_are_invariant` fails, the engine pins its linear layers
+`rows_are_invariant` fails for a dtype MKL's strict mode does not cover
+(bfloat16; float32's failure means strict mode was not set in time, and
+stays a warning), the engine pins its linear layers
 (`pin_rows`): inside `canonical_products()`, which prefill's forwards
 enter, every linear layer multiplies in products of `ROWS` rows, the last
 one padded with zero rows. Decode steps stay outside it and multiply as
 they are: their KV is never stored (generate.py), and cached and uncached
-runs decode from the same bits.
+runs decode from the same bits. Attention's products (attention.py) have
+fixed tile shapes in the key and head dimensions and are not probed here;
+the bfloat16 parity tests (tests/engine/test_parity.py) hold them on such a
+machine.
 
 A product of one row is a fixed shape too, so it multiplies as it is: the
-output layer on a prefill's last position (one row on every path,
-prefill.py), ~4 ms a request at 128 rows. The cost is the padding and the
+output layer on a prefill's last position (one row unless a span of
+logits is asked for, prefill.py; the two are never compared bit for bit),
+~4 ms a request at 128 rows. The cost is the padding and the
 smaller products: a 96-row extension multiplies 128 rows, a 512-row chunk
 four products of 128 (docs/benchmarks.md, session 21: the default model's
 cold prefill ~20 % slower than unpinned in bfloat16, an extension ~12 %).
@@ -78,7 +84,7 @@ def pinned_linear(x: torch.Tensor, weight: torch.Tensor,
     the last), or of one row if `x` has one."""
     rows = x.reshape(-1, x.shape[-1])
     count = rows.shape[0]
-    if count == 1:  # one row is a fixed shape too: prefill's output layer on its last position
+    if count <= 1:  # one row is a fixed shape too: prefill's output layer on its last position
         return F.linear(x, weight, bias)
     padded = -(-count // ROWS) * ROWS
     if padded != count:
@@ -90,30 +96,35 @@ def pinned_linear(x: torch.Tensor, weight: torch.Tensor,
 
 def pin_rows(model: torch.nn.Module) -> int:
     """Make every plain linear layer of `model` a `PinnedLinear`; return how many."""
-    count = 0
-    for module in model.modules():
-        if type(module) is torch.nn.Linear:
-            module.__class__ = PinnedLinear
-            count += 1
-    return count
+    layers = _plain_linears(model)
+    for module in layers:
+        module.__class__ = PinnedLinear
+    return len(layers)
 
 
 def pinned_rows_hold(model: torch.nn.Module) -> bool:
     """Whether a `ROWS`-row product gives a row the same bits wherever it sits among them,
-    for each distinct linear shape of `model` (random rows, a few offsets)."""
+    for each distinct linear layer shape `pin_rows` would pin (random rows, bias included,
+    a few offsets); False if there is none."""
     generator = torch.Generator().manual_seed(0)
-    shapes: dict[tuple[int, ...], torch.Tensor] = {}
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear):
-            shapes.setdefault(tuple(module.weight.shape), module.weight)
+    shapes: dict[tuple[object, ...], torch.nn.Linear] = {}
+    for module in _plain_linears(model):
+        shapes.setdefault((tuple(module.weight.shape), module.bias is None), module)
     with torch.inference_mode():
-        for weight in shapes.values():
+        for layer in shapes.values():
+            weight, bias = layer.weight, layer.bias
             rows = torch.randn(2 * ROWS, weight.shape[1], generator=generator)
             rows = rows.to(device=weight.device, dtype=weight.dtype)
-            reference = F.linear(rows[:ROWS], weight)
+            reference = F.linear(rows[:ROWS], weight, bias)
             for offset in _PROBE_OFFSETS:
                 moved = F.linear(torch.cat([rows[ROWS:ROWS + offset], rows[:ROWS - offset]]),
-                                 weight)
+                                 weight, bias)
                 if not torch.equal(moved[offset:], reference[:ROWS - offset]):
                     return False
-    return True
+    return bool(shapes)
+
+
+def _plain_linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
+    """The model's `torch.nn.Linear` layers, not subclasses (whose forward may differ)."""
+    return [m for m in model.modules()
+            if isinstance(m, torch.nn.Linear) and type(m) in (torch.nn.Linear, PinnedLinear)]

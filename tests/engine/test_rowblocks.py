@@ -14,9 +14,7 @@ from kvtrace.engine.rowblocks import (
     canonical_products,
     pin_rows,
     pinned_linear,
-    pinned_rows_hold,
 )
-from kvtrace.numerics import rows_are_invariant
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -27,25 +25,54 @@ def test_a_pinned_product_gives_a_row_the_same_bits_at_any_count_and_offset(dtyp
     reference = pinned_linear(rows, weight)
     assert reference.shape == (600, 1536)
     assert torch.allclose(reference.float(), F.linear(rows, weight).float(), rtol=2e-2, atol=0.5)
-    for start, end in [(0, 16), (0, 48), (5, 101), (127, 129), (100, 600), (590, 600)]:
+    for start, end in [(0, 16), (0, 48), (5, 101), (127, 129), (100, 600), (590, 600), (3, 303)]:
         assert torch.equal(pinned_linear(rows[start:end], weight), reference[start:end])
     batched = pinned_linear(rows[:96].view(2, 48, 576), weight)  # [batch, rows, features] too
     assert torch.equal(batched.reshape(96, 1536), reference[:96])
     assert torch.equal(pinned_linear(rows[7:8], weight), F.linear(rows[7:8], weight))  # one row
 
 
-def test_pinned_layers_pin_only_inside_canonical_products(tiny_folder, engine_root):
+def test_prefill_multiplies_in_pinned_products_and_decode_as_it_is(tiny_folder, engine_root,
+                                                                  tokens, monkeypatch):
+    """The row count of every linear product, seen by a spy on `F.linear`: 128 (or one row,
+    the output layer) in prefill's forwards, the plain count in decode steps."""
     engine = load_engine(tiny_folder, cache_dir=engine_root / "cache", dtype="bfloat16")
-    model = engine.model
     if engine.pinned_rows is None:
-        assert pin_rows(model) > 0
-    layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        pin_rows(engine.model)
+    layers = [m for m in engine.model.modules() if isinstance(m, torch.nn.Linear)]
     assert layers and all(type(m) is PinnedLinear for m in layers)
-    layer = layers[0]
-    x = torch.randn(3, 40, layer.in_features).to(torch.bfloat16)
+    seen: list[int] = []
+    real = F.linear
+
+    def spy(x, weight, bias=None):
+        seen.append(x.reshape(-1, x.shape[-1]).shape[0])
+        return real(x, weight, bias)
+
+    monkeypatch.setattr(F, "linear", spy)
+    prefill(engine, None, tokens(300, seed=6))  # chunks of 300 rows padded to 304
+    assert seen and set(seen) == {ROWS, 1}
+    seen.clear()
+    generate(engine, None, tokens(40, seed=7), max_new_tokens=4, stop_ids=[])
+    # The prompt's one forward (48 rows: one product per layer but the output layer's
+    # one row), then decode steps of one row each.
+    assert seen.count(ROWS) == len(layers) - 1
+    assert set(seen) == {ROWS, 1} and len(seen) > len(layers)
+
+
+def test_the_flag_is_per_thread_and_survives_an_exception():
+    import threading
+
+    from kvtrace.engine import rowblocks
+
+    with pytest.raises(ValueError), canonical_products():
+        raise ValueError("a forward failed")
+    assert rowblocks._state.depth == 0
+    inside: list[int] = []
     with canonical_products():
-        assert torch.equal(layer(x), pinned_linear(x, layer.weight, layer.bias))
-    assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))  # a decode step's
+        worker = threading.Thread(target=lambda: inside.append(rowblocks._state.depth))
+        worker.start()
+        worker.join()
+    assert inside == [0]
 
 
 def test_a_pinned_bfloat16_model_reuses_bit_identically(tiny_folder, engine_root, tokens,
@@ -69,16 +96,24 @@ def test_a_pinned_bfloat16_model_reuses_bit_identically(tiny_folder, engine_root
                         stop_ids=[]).token_ids == tokens_cold
 
 
-def test_the_engine_pins_exactly_where_rows_are_not_invariant(tiny_folder, engine_root):
-    """float32 (MKL's strict mode) is never pinned; bfloat16 is where oneDNN picks kernels
-    by row count (AMX), and then its fingerprint differs from float32's and says so."""
-    f32 = load_engine(tiny_folder, cache_dir=engine_root / "cache", dtype="float32")
+def test_the_engine_pins_bfloat16_where_rows_are_not_invariant(tiny_folder, engine_root,
+                                                                monkeypatch):
+    """As where oneDNN picks kernels by row count (AMX): the check fails, bfloat16 is pinned
+    with a fingerprint of its own, float32 (strict mode set too late) only warns, and so
+    does bfloat16 where a pinned product does not hold either."""
+    from kvtrace.engine import model as model_module
+
+    def load(dtype):
+        return load_engine(tiny_folder, cache_dir=engine_root / "cache", dtype=dtype)
+
+    plain = load("bfloat16")
+    monkeypatch.setattr(model_module, "rows_are_invariant", lambda model: False)
+    pinned = load("bfloat16")
+    assert pinned.pinned_rows == ROWS
+    assert plain.pinned_rows is not None or plain.fingerprint != pinned.fingerprint
+    with pytest.warns(UserWarning, match="other bits depending on how many rows"):
+        f32 = load("float32")
     assert f32.pinned_rows is None
-    bf16 = load_engine(tiny_folder, cache_dir=engine_root / "cache", dtype="bfloat16")
-    probe = load_engine(tiny_folder, cache_dir=engine_root / "cache", dtype="float32")
-    probe.model.to(torch.bfloat16)
-    invariant = rows_are_invariant(probe.model)
-    assert (bf16.pinned_rows is None) == invariant
-    if not invariant:
-        assert bf16.pinned_rows == ROWS
-        assert pinned_rows_hold(bf16.model)
+    monkeypatch.setattr(model_module, "pinned_rows_hold", lambda model: False)
+    with pytest.warns(UserWarning, match="other bits depending on how many rows"):
+        assert load("bfloat16").pinned_rows is None
