@@ -30,6 +30,7 @@ when torch computed something before `kvtrace.engine` was imported).
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # torch-free at import: `import kvtrace` loads this module first
@@ -80,17 +81,53 @@ def rows_are_invariant(model: torch.nn.Module) -> bool:
     if first is None:
         return True
     generator = torch.Generator().manual_seed(0)
-    shapes: dict[tuple[int, ...], torch.nn.Linear] = {}
-    for module in first.modules():
-        if isinstance(module, torch.nn.Linear):
-            shapes.setdefault(tuple(module.weight.shape), module)
+    layers = [m for m in first.modules() if isinstance(m, torch.nn.Linear)]
     with torch.inference_mode():
-        for linear in shapes.values():
+        for linear in _distinct(layers, with_bias=False):
             weight = linear.weight
-            rows = torch.randn(_REFERENCE_ROWS, weight.shape[1], generator=generator)
-            rows = rows.to(device=weight.device, dtype=weight.dtype)
+            rows = _random_rows(weight, _REFERENCE_ROWS, generator)
             reference = F.linear(rows, weight)
             for m in _CHECKED_ROWS:
                 if not torch.equal(F.linear(rows[:m], weight), reference[:m]):
                     return False
     return True
+
+
+def fixed_count_rows_hold(layers: Sequence[torch.nn.Linear], count: int,
+                          offsets: Sequence[int]) -> bool:
+    """Whether a product of exactly `count` rows gives a row the same bits wherever it sits
+    among them, for each distinct shape of `layers` (bias included; random rows moved down
+    by each of `offsets`); False if there are no layers."""
+    import torch
+    import torch.nn.functional as F
+
+    generator = torch.Generator().manual_seed(0)
+    distinct = _distinct(layers, with_bias=True)
+    with torch.inference_mode():
+        for layer in distinct:
+            weight, bias = layer.weight, layer.bias
+            rows = _random_rows(weight, 2 * count, generator)
+            reference = F.linear(rows[:count], weight, bias)
+            for offset in offsets:
+                moved = F.linear(torch.cat([rows[count:count + offset], rows[:count - offset]]),
+                                 weight, bias)
+                if not torch.equal(moved[offset:], reference[:count - offset]):
+                    return False
+    return bool(distinct)
+
+
+def _distinct(layers: Sequence[torch.nn.Linear], *, with_bias: bool) -> list[torch.nn.Linear]:
+    """One layer per weight shape (and, `with_bias`, per whether it has a bias)."""
+    shapes: dict[tuple[object, ...], torch.nn.Linear] = {}
+    for layer in layers:
+        key = (tuple(layer.weight.shape), with_bias and layer.bias is not None)
+        shapes.setdefault(key, layer)
+    return list(shapes.values())
+
+
+def _random_rows(weight: torch.Tensor, count: int, generator: torch.Generator) -> torch.Tensor:
+    """`count` random rows for a product with `weight`, on its device and in its dtype."""
+    import torch
+
+    rows = torch.randn(count, weight.shape[1], generator=generator)
+    return rows.to(device=weight.device, dtype=weight.dtype)

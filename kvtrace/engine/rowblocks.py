@@ -45,6 +45,8 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
+from kvtrace.numerics import fixed_count_rows_hold
+
 ROWS = 128  # rows per pinned product (module docstring; docs/benchmarks.md, session 21)
 _PROBE_OFFSETS = (1, 16, 57)
 
@@ -104,24 +106,8 @@ def pin_rows(model: torch.nn.Module) -> int:
 
 def pinned_rows_hold(model: torch.nn.Module) -> bool:
     """Whether a `ROWS`-row product gives a row the same bits wherever it sits among them,
-    for each distinct linear layer shape `pin_rows` would pin (random rows, bias included,
-    a few offsets); False if there is none."""
-    generator = torch.Generator().manual_seed(0)
-    shapes: dict[tuple[object, ...], torch.nn.Linear] = {}
-    for module in _plain_linears(model):
-        shapes.setdefault((tuple(module.weight.shape), module.bias is None), module)
-    with torch.inference_mode():
-        for layer in shapes.values():
-            weight, bias = layer.weight, layer.bias
-            rows = torch.randn(2 * ROWS, weight.shape[1], generator=generator)
-            rows = rows.to(device=weight.device, dtype=weight.dtype)
-            reference = F.linear(rows[:ROWS], weight, bias)
-            for offset in _PROBE_OFFSETS:
-                moved = F.linear(torch.cat([rows[ROWS:ROWS + offset], rows[:ROWS - offset]]),
-                                 weight, bias)
-                if not torch.equal(moved[offset:], reference[:ROWS - offset]):
-                    return False
-    return bool(shapes)
+    for each distinct linear layer shape `pin_rows` would pin (numerics.py's probe)."""
+    return fixed_count_rows_hold(_plain_linears(model), ROWS, _PROBE_OFFSETS)
 
 
 def _plain_linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
