@@ -66,6 +66,10 @@ class InvalidSpecError(UsageError):
     """A step address is malformed."""
 
 
+class UnsupportedModelError(UsageError):
+    """A model whose cache kvtrace cannot keep; the message names the config field."""
+
+
 class NotFoundError(KvtraceError):
     """Something the caller named does not exist."""
 

@@ -24,13 +24,9 @@ go, are repaid (copied into the tree) first. It changes no accounting: the
 hit is what the tiers hold, and a loan counts in the memory budget as the
 copy it stands for; the buffers' earlier rows are the bound's to limit.
 
-Last logits (`remember_logits`, `last_logits`): the last-position logits of
-the `LAST_LOGITS` most recent sequences prefill computed. Canonical logits are
-a function of the tokens alone (prefill.py), so a prompt that repeats one of
-them exactly (a fork's calls before it parts, a retried request) needs no
-forward at all: its KV is all cached and its logits are these. They stay in
-memory only (~200 KB each for the default model); a sequence whose logits
-were let go computes its last token again, as any other.
+Last logits (`remember_logits`, `last_logits`, lastlogits.py): the
+last-position logits of the most recent sequences prefill computed, so an
+exact repeat needs no forward at all.
 
 Deferred output (`defer`, owed.py): a generation's decoded output that the
 next prompt's prefill stores; a lookup reports it (`num_deferred_tokens`).
@@ -47,7 +43,6 @@ from __future__ import annotations
 
 import os
 import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +53,7 @@ from kvtrace.engine.disk import BlockLayout, BlockStore
 from kvtrace.engine.disktier import DiskTier
 from kvtrace.engine.faults import DiskFaults
 from kvtrace.engine.kvbuffer import GrowingLayer, KVBuffer, buffer_rows
+from kvtrace.engine.lastlogits import LastLogits
 from kvtrace.engine.model import Engine
 from kvtrace.engine.owed import OwedOutputs
 from kvtrace.engine.radix import RadixNode, RadixTree, common_prefix
@@ -66,7 +62,6 @@ from kvtrace.errors import CacheError, UsageError
 DEFAULT_BLOCK_SIZE = 64
 DEFAULT_MEMORY_BYTES = 2 * 1024**3
 MIN_BLOCK_SIZE = 16
-LAST_LOGITS = 32
 LIVE_SEQUENCES = 8  # computed sequences whose buffers the next prefills may extend in place
 
 
@@ -162,7 +157,7 @@ class KVCache:
         # The buffers the tree borrows from, one tuple per lender (its loans name it).
         self._lenders: list[tuple[KVBuffer, ...]] = []
         self._owed = OwedOutputs()
-        self._logits: OrderedDict[tuple[int, ...], torch.Tensor] = OrderedDict()
+        self._logits = LastLogits()
         self._lock = threading.RLock()
 
     @property
@@ -284,24 +279,14 @@ class KVCache:
             return self._owed.sequences()
 
     def remember_logits(self, tokens: Sequence[int], logits: torch.Tensor) -> None:
-        """Keep the canonical last-position logits of `tokens` (the oldest of
-        `LAST_LOGITS` is let go)."""
-        key = tuple(tokens)
+        """Keep the canonical last-position logits of `tokens` (lastlogits.py)."""
         with self._lock:
-            self._logits[key] = logits.detach().clone()
-            self._logits.move_to_end(key)
-            while len(self._logits) > LAST_LOGITS:
-                self._logits.popitem(last=False)
+            self._logits.remember(tokens, logits)
 
     def last_logits(self, tokens: Sequence[int]) -> torch.Tensor | None:
         """A copy of the logits `remember_logits` kept for exactly `tokens`, or None."""
-        key = tuple(tokens)
         with self._lock:
-            logits = self._logits.get(key)
-            if logits is None:
-                return None
-            self._logits.move_to_end(key)
-            return logits.clone()
+            return self._logits.get(tokens)
 
     def drop_live(self) -> None:
         """Forget the live sequences (their KV stays in the tiers: the tree copies its loans)."""

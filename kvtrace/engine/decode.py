@@ -23,6 +23,9 @@ the sequences whose prompts start alike (a fork point's), and gives padding
 rows zeros. Sequences of different lengths thus share every other layer
 with no mask and no padding of their KV.
 
+Models with window or state layers (layers.py) decode each sequence in a
+one-row forward of its own (`_step_alone`), on its `ModelState`.
+
 Decoded KV is not canonical (one query row through `sdpa`, not the tiled
 attention): it is never stored (generate.py re-prefills the output).
 """
@@ -40,6 +43,7 @@ from kvtrace.engine.attention import ROUTER_KWARG
 from kvtrace.engine.decode_attention import SequenceKV, SharedPrefix, sharing_groups
 from kvtrace.engine.kvbuffer import GrowingLayer, growing_layers
 from kvtrace.engine.model import Engine
+from kvtrace.engine.modelstate import ModelState
 from kvtrace.engine.prefill import ROW_MULTIPLE, prefill
 from kvtrace.errors import CacheError
 
@@ -68,10 +72,10 @@ class Decoding:
         """`prompt_ids`: the tokens `kv` holds, when known: their first part may then be
         read once with other sequences that start alike (decode_attention.py). `kv`
         None: a generation of one token, chosen from `logits`, that never steps."""
-        if kv is not None and not isinstance(kv, DynamicCache):
-            raise CacheError("decoding needs a prefill's DynamicCache")
+        if kv is not None and not isinstance(kv, DynamicCache | ModelState):
+            raise CacheError("decoding needs a prefill's DynamicCache or ModelState")
         self.kv = kv
-        self.layers = growing_layers(kv) if kv is not None else []
+        self.layers = growing_layers(kv) if isinstance(kv, DynamicCache) else []
         if kv is not None and prompt_ids and len(prompt_ids) != self.num_kv_rows:
             raise CacheError(f"{len(prompt_ids)} prompt ids for {self.num_kv_rows} KV rows")
         self.prefix = SharedPrefix.of(prompt_ids)
@@ -89,10 +93,15 @@ class Decoding:
 
     @property
     def num_kv_rows(self) -> int:
+        if isinstance(self.kv, ModelState):
+            return self.kv.num_tokens
         return self.layers[0].get_seq_length()
 
     def detach(self) -> None:
-        """Move this sequence's KV into buffers of its own, so a prefill may take the old ones."""
+        """Move this sequence's KV into buffers of its own, so a prefill may take the old ones.
+
+        A `ModelState` already holds tensors of its own (modelstate.py): nothing to move.
+        """
         for layer in self.layers:
             layer.detach()
 
@@ -184,6 +193,10 @@ def decode_step(engine: Engine, sequences: Sequence[Decoding], *, padded: bool =
     """
     if not sequences:
         return
+    if not engine.layout.is_plain:
+        for sequence in sequences:
+            _step_alone(engine, sequence)
+        return
     width = decode_rows(len(sequences), row_multiple(engine)) if padded else len(sequences)
     decode_forward(engine, sequences, width)
 
@@ -212,6 +225,20 @@ def decode_forward(engine: Engine, sequences: Sequence[Decoding], width: int) ->
     logits = result.logits[0].float()
     for i, sequence in enumerate(sequences):
         sequence.logits = logits[i]
+
+
+def _step_alone(engine: Engine, sequence: Decoding) -> None:
+    """A one-row forward on a sequence's own `ModelState` (window or state layers).
+
+    Each sequence steps alone, so batching cannot change its bits: the rows
+    of a batched forward would go through its recurrent layers together.
+    """
+    state = sequence.kv
+    if not isinstance(state, ModelState) or not sequence.tokens:
+        raise CacheError("a sequence must choose a token before its decode step")
+    ids = torch.tensor([[sequence.tokens[-1]]], dtype=torch.long, device=engine.device)
+    with torch.inference_mode():
+        sequence.logits = state.forward(engine.model, ids, start=state.num_tokens)[-1].float()
 
 
 def choose_token(

@@ -38,6 +38,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -45,8 +46,10 @@ from kvtrace.engine.faults import FaultLog, count_failed_write
 from kvtrace.errors import BlockWriteError
 
 BLOCK_FORMAT = "kvtrace-kv-block-v1"
+STATE_FORMAT = "kvtrace-state-block-v1"  # a model's resume state per block (statecache.py)
 SUFFIX = ".safetensors"
 _STALE_TMP_SECONDS = 3600.0
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,20 +110,11 @@ class BlockStore:
 
     def root_key(self, fingerprint: str) -> str:
         """The chain seed for one model fingerprint and block size."""
-        seed = f"{BLOCK_FORMAT}\0{fingerprint}\0{self.block_size}".encode()
-        return hashlib.sha256(seed).hexdigest()
+        return root_key(fingerprint, self.block_size)
 
     def chain_keys(self, fingerprint: str, tokens: Sequence[int]) -> list[str]:
         """Keys of every full block of `tokens`, in order."""
-        keys: list[str] = []
-        parent = self.root_key(fingerprint)
-        b = self.block_size
-        for start in range(0, len(tokens) - b + 1, b):
-            digest = hashlib.sha256(bytes.fromhex(parent))
-            digest.update(_token_bytes(tokens[start : start + b]))
-            parent = digest.hexdigest()
-            keys.append(parent)
-        return keys
+        return chain_keys(fingerprint, self.block_size, tokens)
 
     def path(self, key: str) -> Path:
         return self.root / key[:2] / f"{key[2:]}{SUFFIX}"
@@ -139,21 +133,10 @@ class BlockStore:
         `num_corrupt`, logged in `faults`) so that the recomputed block can
         replace it.
         """
-        path = self.path(key)
-        try:
-            raw = path.read_bytes()
-        except FileNotFoundError:
+        raw = self._read_bytes(key)
+        if raw is None:
             return None
-        except OSError as exc:
-            self._discard(path, key, f"unreadable: {exc.strerror or exc}")
-            return None
-        block = _parse_block(raw, key, tokens, layout)
-        if isinstance(block, str):
-            self._discard(path, key, block)
-            return None
-        with contextlib.suppress(OSError):
-            os.utime(path)  # LRU clock for gc
-        return block
+        return self._checked(key, _parse_block(raw, key, tokens, layout))
 
     def write(
         self,
@@ -169,14 +152,7 @@ class BlockStore:
         A write that fails (`OSError`, or safetensors' own error for the same
         causes) leaves no temporary file, is logged and counted (module
         docstring) and raises `BlockWriteError`.
-
-        `save_file` writes the tensors' memory straight to the file: building
-        the file's bytes in memory first (`save`) then writing them cost ~6 ms
-        more per 2.95 MB block (allocating and faulting in the copy).
         """
-        from safetensors import SafetensorError
-        from safetensors.torch import save_file
-
         path = self.path(key)
         if path.is_file():
             return False
@@ -191,13 +167,80 @@ class BlockStore:
             "block_size": str(self.block_size),
             "checksum": _checksum(token_ids, keys, values),
         }
+        self._write_file(path, key, {"keys": keys, "values": values, "token_ids": token_ids},
+                         metadata)
+        return True
+
+    def write_state(self, key: str, parent: str, fingerprint: str, tokens: Sequence[int],
+                    tensors: dict[str, torch.Tensor]) -> bool:
+        """Store one block of a model's resume state (statecache.py) atomically, as `write`.
+
+        `tensors` are named as `modelstate.BlockState` names them; the
+        checksum covers the token ids and every tensor, in name order.
+        """
+        path = self.path(key)
+        if path.is_file():
+            return False
+        token_ids = torch.tensor(list(tokens), dtype=torch.int64)
+        named = {name: t.detach().to("cpu").contiguous() for name, t in sorted(tensors.items())}
+        metadata = {
+            "format": STATE_FORMAT,
+            "key": key,
+            "parent": parent,
+            "fingerprint": fingerprint,
+            "block_size": str(self.block_size),
+            "checksum": _checksum(token_ids, *named.values()),
+        }
+        self._write_file(path, key, {**named, "token_ids": token_ids}, metadata)
+        return True
+
+    def read_state(self, key: str, tokens: Sequence[int], fingerprint: str
+                   ) -> dict[str, torch.Tensor] | None:
+        """The state block at `key` if it holds exactly `tokens` for `fingerprint` and checks
+        out (a damaged one is deleted and reported, as `read` does)."""
+        raw = self._read_bytes(key)
+        if raw is None:
+            return None
+        return self._checked(key, _parse_state_block(raw, key, tokens, fingerprint))
+
+    def _read_bytes(self, key: str) -> bytes | None:
+        """A block file's bytes; None when it is missing or unreadable (then discarded)."""
+        path = self.path(key)
+        try:
+            return path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            self._discard(path, key, f"unreadable: {exc.strerror or exc}")
+            return None
+
+    def _checked(self, key: str, parsed: _T | str) -> _T | None:
+        """A parsed block, its file's LRU clock refreshed; a refusal (a reason) discards it."""
+        if isinstance(parsed, str):
+            self._discard(self.path(key), key, parsed)
+            return None
+        with contextlib.suppress(OSError):
+            os.utime(self.path(key))  # LRU clock for gc
+        return parsed
+
+    def _write_file(self, path: Path, key: str, tensors: dict[str, torch.Tensor],
+                    metadata: dict[str, str]) -> None:
+        """Write a block file atomically; a failure leaves no temporary file, is logged and
+        counted, and raises `BlockWriteError`.
+
+        `save_file` writes the tensors' memory straight to the file: building
+        the file's bytes in memory first (`save`) then writing them cost ~6 ms
+        more per 2.95 MB block (allocating and faulting in the copy).
+        """
+        from safetensors import SafetensorError
+        from safetensors.torch import save_file
+
         tmp: str | None = None
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=SUFFIX, dir=path.parent)
             os.close(fd)
-            save_file({"keys": keys, "values": values, "token_ids": token_ids}, tmp,
-                      metadata=metadata)
+            save_file(tensors, tmp, metadata=metadata)
             os.replace(tmp, path)
         except BaseException as exc:
             if tmp is not None:
@@ -211,7 +254,6 @@ class BlockStore:
             raise BlockWriteError(
                 f"cannot write KV block {key[:16]} under {self.root}: {reason}"
             ) from exc
-        return True
 
     # -- inventory, gc ------------------------------------------------------
 
@@ -300,13 +342,30 @@ class BlockStore:
                 continue
 
 
+def root_key(fingerprint: str, block_size: int) -> str:
+    """The chain seed for one model fingerprint and block size."""
+    return hashlib.sha256(f"{BLOCK_FORMAT}\0{fingerprint}\0{block_size}".encode()).hexdigest()
+
+
+def chain_keys(fingerprint: str, block_size: int, tokens: Sequence[int]) -> list[str]:
+    """Keys of every full block of `tokens`, in order (the module docstring's chain)."""
+    keys: list[str] = []
+    parent = root_key(fingerprint, block_size)
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        digest = hashlib.sha256(bytes.fromhex(parent))
+        digest.update(_token_bytes(tokens[start : start + block_size]))
+        parent = digest.hexdigest()
+        keys.append(parent)
+    return keys
+
+
 def _token_bytes(tokens: Sequence[int]) -> bytes:
     return struct.pack(f"<{len(tokens)}q", *tokens)
 
 
-def _checksum(token_ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> str:
+def _checksum(*tensors: torch.Tensor) -> str:
     digest = hashlib.sha256()
-    for tensor in (token_ids, keys, values):
+    for tensor in tensors:
         digest.update(tensor.contiguous().view(torch.uint8).numpy().data)
     return digest.hexdigest()
 
@@ -344,6 +403,33 @@ def _parse_block(
     if meta.get("checksum") != _checksum(token_ids, keys, values):
         return "checksum mismatch: its bytes changed after it was written"
     return DiskBlock(key=key, keys=keys, values=values)
+
+
+def _parse_state_block(
+    raw: bytes, key: str, tokens: Sequence[int], fingerprint: str
+) -> dict[str, torch.Tensor] | str:
+    """Decode and check a state block's bytes; on any mismatch or damage, why it is refused."""
+    from safetensors.torch import load
+
+    try:
+        header_len = struct.unpack("<Q", raw[:8])[0]
+        meta = json.loads(raw[8 : 8 + header_len]).get("__metadata__", {})
+        tensors = load(raw)
+    except Exception:  # safetensors raises its own error types on damage
+        return "not a readable block file: truncated or damaged" if raw else "empty file"
+    token_ids = tensors.pop("token_ids", None)
+    if token_ids is None:
+        return "a tensor is missing"
+    if meta.get("format") != STATE_FORMAT or meta.get("key") != key:
+        return "its header names another block or format"
+    if token_ids.tolist() != list(tokens):
+        return "its token ids differ from the prompt's"
+    if meta.get("fingerprint") != fingerprint:
+        return "written by another model: its fingerprint differs"
+    named = dict(sorted(tensors.items()))
+    if meta.get("checksum") != _checksum(token_ids, *named.values()):
+        return "checksum mismatch: its bytes changed after it was written"
+    return named
 
 
 def _write_failure_reason(exc: BaseException) -> str:

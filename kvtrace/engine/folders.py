@@ -233,7 +233,7 @@ def build_tiny_model(
     tokenizer is copied from `tokenizer_dir` (e.g. the default model's
     converted folder), so no hub access is needed.
     """
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoTokenizer, LlamaConfig
 
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
     config = LlamaConfig(
@@ -250,9 +250,23 @@ def build_tiny_model(
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
+    return build_model_from_config(path, config, tokenizer_dir=tokenizer_dir, seed=seed)
+
+
+def build_model_from_config(
+    path: str | os.PathLike[str], config: Any, *, tokenizer_dir: str | os.PathLike[str],
+    seed: int = 0,
+) -> Path:
+    """Write a randomly initialised model of any causal-LM `config` (families.py's tiny ones).
+
+    Seeded as `build_tiny_model`; the tokenizer is copied from `tokenizer_dir`.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
+        model = AutoModelForCausalLM.from_config(config)
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     _save_folder(model, tokenizer, out)

@@ -25,7 +25,7 @@ import os
 import tempfile
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,14 @@ import torch
 
 from kvtrace.engine.attention import TILE, register_canonical_attention
 from kvtrace.engine.folders import OnConvert, cache_root, model_folder
+from kvtrace.engine.layers import (
+    LayerKind,
+    ModelLayout,
+    check_supported,
+    kinds_from_config,
+    measure_layout,
+    plain_layout,
+)
 from kvtrace.engine.rowblocks import ROWS, pin_rows, pinned_rows_hold
 from kvtrace.engine.tokenizer import ChatTemplating, context_length, stop_token_ids
 from kvtrace.errors import ModelNotFoundError, UsageError
@@ -45,6 +53,9 @@ from kvtrace.numerics import MKL_SETTING, native_bfloat16, rows_are_invariant
 # alike: tests/engine/test_live.py.) v2: the softmax normalises before the value
 # product (attention.py), so v1 blocks no longer match. v3: value tiles of 128 keys.
 PREFILL_SCHEME = f"kvtrace-prefill-v3:padded-block-chunks:tiled-attention-{TILE}:row-softmax"
+# Models with window or state layers (stateprefill.py): the model's own attention,
+# block-aligned unpadded chunks, a state per block.
+STATE_PREFILL_SCHEME = "kvtrace-state-prefill-v1:block-aligned-chunks"
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
 
@@ -71,6 +82,8 @@ class Engine(ChatTemplating):
     # Rows per linear product in prefill's forwards, where the GEMM is not row-invariant
     # (rowblocks.py); None: products of any row count.
     pinned_rows: int | None = None
+    # What each layer keeps (layers.py): all full attention, or the block-state path.
+    layout: ModelLayout = field(default_factory=lambda: ModelLayout(()))
 
 
 def load_engine(
@@ -114,22 +127,32 @@ def _resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype:
 
 
 def _load_folder(folder: Path, cache_dir: Path, device: torch.device, dtype: torch.dtype) -> Engine:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # a per-load bar on stderr is noise in a CLI
-    attn = register_canonical_attention()
+    try:
+        config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ModelNotFoundError(f"cannot load the model in {folder}: {exc}") from exc
+    check_supported(config, str(folder))
+    kinds = kinds_from_config(getattr(config, "text_config", None) or config, str(folder))
+    is_plain = kinds is not None and all(kind is LayerKind.FULL for kind, _ in kinds)
+    # Full attention everywhere: canonical attention, any resume offset (prefill.py). Else
+    # the model's own attention, in block-aligned chunks (stateprefill.py).
+    attn = register_canonical_attention() if is_plain else None
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(
-            str(folder), dtype=dtype, attn_implementation=attn, local_files_only=True
+            str(folder), dtype=dtype, local_files_only=True,
+            **({"attn_implementation": attn} if attn is not None else {}),
         )
     except OSError as exc:
         raise ModelNotFoundError(f"cannot load the model in {folder}: {exc}") from exc
     model.to(device)  # type: ignore[arg-type]
     model.eval()
     model.requires_grad_(False)
-    invariant = rows_are_invariant(model)
+    invariant = rows_are_invariant(model) if is_plain else True
     pinned_rows = None
     if not invariant and dtype != torch.float32 and pinned_rows_hold(model):
         pin_rows(model)  # bfloat16 with AMX, for one (kvtrace/engine/rowblocks.py)
@@ -148,17 +171,24 @@ def _load_folder(folder: Path, cache_dir: Path, device: torch.device, dtype: tor
             stacklevel=3,
         )
     config = model.config
-    if getattr(config, "sliding_window", None) or getattr(config, "is_encoder_decoder", False):
-        raise UsageError(
-            f"{folder}: only decoder-only models with full attention can share KV prefixes"
-        )
-    num_layers = int(config.num_hidden_layers)
-    num_heads = int(config.num_attention_heads)
-    num_kv_heads = int(getattr(config, "num_key_value_heads", None) or num_heads)
-    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // num_heads)
+    text_config = getattr(config, "text_config", None) or config
     element_size = torch.empty((), dtype=dtype).element_size()
-    fingerprint = _fingerprint(folder, cache_dir, model, tokenizer, device, dtype, attn,
-                               pinned_rows)
+    if is_plain:
+        num_layers = int(text_config.num_hidden_layers)
+        num_heads = int(text_config.num_attention_heads)
+        num_kv_heads = int(getattr(text_config, "num_key_value_heads", None) or num_heads)
+        head_dim = int(getattr(text_config, "head_dim", None)
+                       or text_config.hidden_size // num_heads)
+        kv_bytes_per_token = 2 * num_layers * num_kv_heads * head_dim * element_size
+        layout = plain_layout(num_layers, kv_bytes_per_token)
+    else:
+        layout = measure_layout(model, str(folder))
+        num_layers = len(layout.layers)
+        num_kv_heads = int(getattr(text_config, "num_key_value_heads", 0) or 0)
+        head_dim = int(getattr(text_config, "head_dim", 0) or 0)
+        kv_bytes_per_token = sum(layer.kv_bytes_per_token for layer in layout.layers)
+    fingerprint = _fingerprint(folder, cache_dir, model, tokenizer, device, dtype,
+                               attn or "model-default", pinned_rows, layout)
     return Engine(
         name=folder.name,
         path=folder,
@@ -167,15 +197,16 @@ def _load_folder(folder: Path, cache_dir: Path, device: torch.device, dtype: tor
         device=device,
         dtype=dtype,
         fingerprint=fingerprint,
-        attn_implementation=attn,
+        attn_implementation=attn or str(getattr(config, "_attn_implementation", "default")),
         num_layers=num_layers,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
-        kv_bytes_per_token=2 * num_layers * num_kv_heads * head_dim * element_size,
+        kv_bytes_per_token=kv_bytes_per_token,
         vocab_size=_vocab_size(model),
         eos_token_ids=stop_token_ids(model.generation_config, tokenizer),
         max_context_tokens=context_length(config),
         pinned_rows=pinned_rows,
+        layout=layout,
     )
 
 
@@ -193,6 +224,7 @@ def _fingerprint(
     dtype: torch.dtype,
     attn: str,
     pinned_rows: int | None,
+    layout: ModelLayout,
 ) -> str:
     import transformers
 
@@ -206,7 +238,7 @@ def _fingerprint(
         json.dumps([vocab, tokenizer.chat_template, tokenizer.all_special_tokens]).encode()
     ).hexdigest()
     parts: dict[str, Any] = {
-        "scheme": PREFILL_SCHEME,
+        "scheme": PREFILL_SCHEME if layout.is_plain else STATE_PREFILL_SCHEME,
         "weights": _weights_digest(folder, cache_dir),
         "config": config,
         "dtype": str(dtype),
@@ -216,6 +248,8 @@ def _fingerprint(
         "transformers": transformers.__version__,
         "attn": attn,
     }
+    if layout.steps_one_token:  # other forwards, so other bits (layers.py)
+        parts["steps_one_token"] = True
     if pinned_rows is not None:  # other bits than unpinned products (rowblocks.py)
         parts["linear_rows"] = pinned_rows
     blob = json.dumps(parts, sort_keys=True, default=str).encode()

@@ -37,6 +37,10 @@ Rules kept here for every caller:
   live buffers, radix.py), every full block not yet on disk; the sequence
   becomes the cache's newest live one. "Feeding" recorded
   output (replay's rebuild) is `prefill(engine, cache, prompt_ids + output_ids)`.
+
+Models with sliding-window or recurrent layers (layers.py) take the other
+path, given a `StateCache`: block-aligned chunks and a state per block
+(stateprefill.py), the same result type, with `kv` a `ModelState`.
 """
 
 from __future__ import annotations
@@ -53,6 +57,8 @@ from kvtrace.engine.kvbuffer import buffer_rows, growing_cache, growing_layers
 from kvtrace.engine.model import Engine
 from kvtrace.engine.radix import KVSource
 from kvtrace.engine.rowblocks import canonical_products
+from kvtrace.engine.statecache import StateCache
+from kvtrace.engine.stateprefill import prefill_states
 from kvtrace.errors import CacheError, UsageError
 
 _PAD_TOKEN = 0
@@ -94,7 +100,7 @@ class PrefillResult:
 
 def prefill(
     engine: Engine,
-    cache: KVCache | None,
+    cache: KVCache | StateCache | None,
     token_ids: Sequence[int],
     *,
     block_size: int | None = None,
@@ -123,6 +129,9 @@ def prefill(
             f"token id {bad} is outside the vocabulary of {engine.name} "
             f"(0..{engine.vocab_size - 1})"
         )
+    if isinstance(cache, KVCache) and not engine.layout.is_plain:
+        raise UsageError(f"{engine.name} has {engine.layout.describe()}: give it a StateCache "
+                         f"(open_cache picks the cache a model needs)")
     if cache is not None:
         if block_size is not None and block_size != cache.block_size:
             raise UsageError(f"block_size {block_size} differs from the cache's {cache.block_size}")
@@ -134,6 +143,21 @@ def prefill(
     if not 0 <= keep_from < len(tokens):
         raise UsageError(f"logits_from {logits_from} is outside the {len(tokens)} tokens")
     started = time.perf_counter()
+    if isinstance(cache, StateCache) or (cache is None and not engine.layout.is_plain):
+        size = cache.block_size if cache is not None else block_size or DEFAULT_BLOCK_SIZE
+        logits, state, found = prefill_states(
+            engine, cache, tokens, block_size=size, keep_from=keep_from,
+            plain=logits_from is None and reduce_logits is None, reduce_logits=reduce_logits)
+        return PrefillResult(
+            logits=logits if logits_from is not None else logits[-1],
+            kv=state if need_kv else None,
+            num_tokens=len(tokens),
+            num_memory_tokens=found.num_memory_tokens if found is not None else 0,
+            num_disk_tokens=found.num_disk_tokens if found is not None else 0,
+            num_computed_tokens=len(tokens) - (found.num_tokens if found is not None else 0),
+            seconds=time.perf_counter() - started,
+            num_deferred_tokens=found.num_deferred_tokens if found is not None else 0,
+        )
     kv = growing_cache(engine.model.config)
     layers = growing_layers(kv)
     # Only the plain last-position logits are kept; a repeat of a sequence whose

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvtrace.engine import KVCache, prefill
-from kvtrace.engine.cache import LAST_LOGITS
+from kvtrace.engine.lastlogits import LAST_LOGITS
 from kvtrace.errors import UsageError
 
 
