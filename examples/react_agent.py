@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
 
         console.rule("4. replay both on an empty cache")
         engine = backend.engine  # the same loaded model, with a new and empty cache
-        fresh = LocalBackend(engine, KVCache(engine, disk_dir=kv_root / "kv-replay"))
+        fresh = LocalBackend(engine, open_cache(engine, disk_dir=kv_root / "kv-replay"))
         render_replay(replay(store, name, fresh, mode="rebuild", compare_uncached=True), console)
         console.print(f"The fork shares its first steps with {name!r}, whose KV the cache now "
                       "holds: they compute one token each, and the step after the edit only "

@@ -42,7 +42,7 @@ def run_cache_bench(
     """Measure cold vs memory-hit vs disk-hit prefill; return one JSON-able dict."""
     import torch
 
-    from kvtrace.engine import KVCache, load_engine, prefill
+    from kvtrace.engine import load_engine, open_cache, prefill
 
     engine = load_engine(model, cache_dir=cache_dir)
     generator = torch.Generator().manual_seed(seed)
@@ -58,7 +58,7 @@ def run_cache_bench(
         cold = [result.seconds for result in colds]
         live_kv = colds[-1].kv
         del colds
-        warm = KVCache(engine, disk_dir=disk_dir)
+        warm = open_cache(engine, disk_dir=disk_dir)
         started = time.perf_counter()
         first = prefill(engine, warm, prompt)  # a miss: computes and stores both tiers
         populate_s = time.perf_counter() - started
@@ -77,13 +77,13 @@ def run_cache_bench(
         del live_kv
         disk = []
         for tail in tails[repeats : 2 * repeats]:
-            fresh = KVCache(engine, disk_dir=disk_dir)
+            fresh = open_cache(engine, disk_dir=disk_dir)
             result = prefill(engine, fresh, prompt + tail)
             _expect(result.num_disk_tokens == num_tokens, "disk hit", result)
             disk.append(result.seconds)
         # Parity: the same sequence through memory and through disk.
         same = prompt + tails[0]
-        via_disk = prefill(engine, KVCache(engine, disk_dir=disk_dir), same).logits
+        via_disk = prefill(engine, open_cache(engine, disk_dir=disk_dir), same).logits
         via_memory = prefill(engine, warm, same).logits
         blocks = list(disk_dir.rglob("*.safetensors"))
         stored = sum(p.stat().st_size for p in blocks)

@@ -51,7 +51,7 @@ def run_experiments_bench(*, model: str | None = None, n: int = 8, calls: int = 
                           cases: tuple[str, ...] = CASES) -> dict[str, Any]:
     """N agents and N branches from one fork point, together against one after another
     (`cases`: either or both)."""
-    from kvtrace.engine import KVCache, load_engine
+    from kvtrace.engine import load_engine, open_cache
     from kvtrace.replay.local import LocalBackend
 
     if not 1 <= k < calls:
@@ -64,13 +64,13 @@ def run_experiments_bench(*, model: str | None = None, n: int = 8, calls: int = 
                                "branch_steps": steps, "trials": trials}
 
     def fresh() -> LocalBackend:
-        return LocalBackend(engine, KVCache(engine)).batching()
+        return LocalBackend(engine, open_cache(engine)).batching()
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         store = open_store(f"sqlite:///{root / 'bench.db'}")
         if "agents" in cases:
-            server = make_server(backend=LocalBackend(engine, KVCache(engine)), store=store,
+            server = make_server(backend=LocalBackend(engine, open_cache(engine)), store=store,
                                  run="base")
             (root / "base").mkdir()
             with BackgroundServer(server.app) as running:

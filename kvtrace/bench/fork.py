@@ -42,7 +42,7 @@ def record_agent(store: Any, backend: Any, folder: Path, name: str, *, calls: in
 def run_fork_bench(*, model: str | None = None, calls: int = 10, k: int = 6,
                    trials: int = 2) -> dict[str, Any]:
     """Time re-running the agent against `--from base@K` (see the module docstring)."""
-    from kvtrace.engine import KVCache, load_engine
+    from kvtrace.engine import PrefixCache, load_engine, open_cache
     from kvtrace.replay.local import LocalBackend
     from kvtrace.serve.fromrun import warm
 
@@ -54,19 +54,19 @@ def run_fork_bench(*, model: str | None = None, calls: int = 10, k: int = 6,
         store = open_store(f"sqlite:///{root / 'bench.db'}")
         disk = root / "kv"
 
-        def serve_once(name: str, cache: KVCache, **options: Any) -> tuple[float, Any]:
+        def serve_once(name: str, cache: PrefixCache, **options: Any) -> tuple[float, Any]:
             return record_agent(store, LocalBackend(engine, cache), root / name, name,
                                 calls=calls, **options)
 
-        serve_once("base", KVCache(engine, disk_dir=disk))
+        serve_once("base", open_cache(engine, disk_dir=disk))
         full: list[float] = []
         forked: list[float] = []
         summary: dict[str, Any] = {}
         for trial in range(trials):
-            seconds, _ = serve_once(f"rerun-{trial}", KVCache(engine))
+            seconds, _ = serve_once(f"rerun-{trial}", open_cache(engine))
             full.append(seconds)
             started = time.perf_counter()
-            cache = KVCache(engine, disk_dir=disk)
+            cache = open_cache(engine, disk_dir=disk)
             warmed = warm(store, f"base@{k}", LocalBackend(engine, cache))
             warm_s = time.perf_counter() - started
             seconds, server = serve_once(f"from-{trial}", cache, from_run=f"base@{k}")

@@ -57,7 +57,7 @@ def run_peer_bench(peer: str, *, model: str | None = None, peer_model: str | Non
                    calls: int = 10, fork_steps: tuple[int, ...] = FORK_STEPS,
                    trials: int = 2, dtype: str = "float32") -> dict[str, Any]:
     """Time the interleaved replay through kvtrace and through `peer` (module docstring)."""
-    from kvtrace.engine import KVCache, load_engine
+    from kvtrace.engine import load_engine, open_cache
     from kvtrace.replay.local import LocalBackend
 
     if not fork_steps or any(not 1 <= s < calls for s in fork_steps):
@@ -66,7 +66,7 @@ def run_peer_bench(peer: str, *, model: str | None = None, peer_model: str | Non
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         store = open_store(f"sqlite:///{root / 'bench.db'}")
-        recording = LocalBackend(engine, KVCache(engine))  # warm across the recordings
+        recording = LocalBackend(engine, open_cache(engine))  # warm across the recordings
         runs = record_forks(store, recording, root, calls=calls, fork_steps=fork_steps)
         schedule = interleaved(store, list(runs))
         single_slot, radix = computed_tokens(engine, schedule)

@@ -155,7 +155,7 @@ def run_replay_bench(*, cache_dir: Path, model: str | None = None, fresh: bool =
     never speed one up. The uncached rebuild, by far the slowest case, runs
     once on the agent shape and on a given run.
     """
-    from kvtrace.engine import KVCache, load_engine
+    from kvtrace.engine import load_engine, open_cache
 
     if shape not in SHAPES:
         from kvtrace.errors import UsageError
@@ -179,7 +179,7 @@ def run_replay_bench(*, cache_dir: Path, model: str | None = None, fresh: bool =
             name = f"{AGENT_RECIPE}-{calls or NUM_CALLS}-{engine.fingerprint[:12]}"
             if name not in {r.name for r in store.runs()}:
                 with tempfile.TemporaryDirectory(prefix="kvtrace-bench-") as tmp:
-                    recording = KVCache(engine, disk_dir=Path(tmp) / "kv")
+                    recording = open_cache(engine, disk_dir=Path(tmp) / "kv")
                     started = time.perf_counter()
                     record_agent_run(store, name, LocalBackend(engine, recording),
                                      num_calls=calls or NUM_CALLS)
@@ -189,7 +189,7 @@ def run_replay_bench(*, cache_dir: Path, model: str | None = None, fresh: bool =
         else:
             name = f"session-{RECIPE}-{engine.fingerprint[:12]}"
             recorded_now = name not in {r.name for r in store.runs()}
-            recorder = LocalBackend(engine, KVCache(engine, disk_dir=root / "kv-recording"))
+            recorder = LocalBackend(engine, open_cache(engine, disk_dir=root / "kv-recording"))
             if recorded_now:
                 started = time.perf_counter()
                 record_session(store, name, recorder)
@@ -211,7 +211,7 @@ def run_replay_bench(*, cache_dir: Path, model: str | None = None, fresh: bool =
 def _measure(store: Store, name: str, engine: Any, *, trials: int, warm: ReplayReport | None,
              uncached_trials: int, with_verify: bool) -> dict[str, Any]:
     """Every case on run `name`, interleaved trials; the figures of the fastest."""
-    from kvtrace.engine import KVCache
+    from kvtrace.engine import open_cache
 
     cases: dict[str, list[Any]] = {
         "cold": [], "uncached": [], "verify": [], "verify_decode": [], "bound": [],
@@ -227,13 +227,13 @@ def _measure(store: Store, name: str, engine: Any, *, trials: int, warm: ReplayR
     lower_bound_seconds(store, name, engine, decode=False)
     for trial in range(max(1, trials)):
         with tempfile.TemporaryDirectory(prefix="kvtrace-bench-") as tmp:
-            cache = KVCache(engine, disk_dir=Path(tmp) / "rebuild")
+            cache = open_cache(engine, disk_dir=Path(tmp) / "rebuild")
             with PeakRss() as peak:
                 cases["cold"].append(replay(store, name, LocalBackend(engine, cache),
                                             mode="rebuild"))
             rss.append((peak.mb, peak.start_mb))
             memory_peak = max(memory_peak, cache.memory_stats().num_bytes)
-            budget = cache.memory.max_bytes
+            budget = cache.memory_stats().max_bytes or 0
             if warm is None:
                 cases["warm"].append(replay(store, name, LocalBackend(engine, cache),
                                             mode="rebuild"))
@@ -243,10 +243,10 @@ def _measure(store: Store, name: str, engine: Any, *, trials: int, warm: ReplayR
                 cases["uncached"].append(
                     replay(store, name, LocalBackend(engine, None), mode="rebuild"))
             if with_verify:
-                checking = KVCache(engine, disk_dir=Path(tmp) / "verify")
+                checking = open_cache(engine, disk_dir=Path(tmp) / "verify")
                 cases["verify"].append(replay(store, name, LocalBackend(engine, checking),
                                               mode="verify"))
-                decoding = KVCache(engine, disk_dir=Path(tmp) / "decode")
+                decoding = open_cache(engine, disk_dir=Path(tmp) / "decode")
                 cases["verify_decode"].append(replay(store, name, LocalBackend(engine, decoding),
                                                      mode="verify", use_drafts=False))
                 checking.flush()

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from kvtrace.cli.app import Json, cache_app, print_json, say
+from kvtrace.cli.app import Dtype, Json, Precision, cache_app, print_json, say
 from kvtrace.errors import UsageError
 
 if TYPE_CHECKING:
@@ -110,6 +110,40 @@ def _disk_health(result: CacheStats) -> str:
         return (f"  ({result.disk_free_bytes:,} B free, less than one block of "
                 f"{block_bytes:,} B: no block can be written)")
     return ""
+
+
+@cache_app.command("size")
+def size(
+    model: Annotated[str | None, typer.Argument(
+        help="Model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct).")] = None,
+    tokens: Annotated[int, typer.Option(
+        "--tokens", help="Tokens in the sequence (its prompt and output).")] = 4096,
+    dtype: Dtype = Precision.FLOAT32,
+    cache_dir: CacheDir = None,
+    as_json: Json = False,
+) -> None:
+    """Bytes one sequence's cache holds, per layer kind: full, window, state."""
+    from kvtrace.engine import load_engine
+    from kvtrace.engine.maintenance import cache_size
+
+    if tokens < 0:
+        raise UsageError(f"--tokens {tokens}: must be >= 0")
+    engine = load_engine(model, cache_dir=_cache_dir(cache_dir), dtype=dtype.value)
+    result = cache_size(engine, tokens)
+    if as_json:
+        print_json(dataclasses.asdict(result))
+        return
+    say(f"model   {result.model} ({result.dtype}), {result.num_tokens:,} tokens")
+    for kind in result.kinds:
+        formula = []
+        if kind.kv_bytes_per_token:
+            rows = f"min({tokens:,}, {kind.window:,})" if kind.window else f"{tokens:,}"
+            formula.append(f"{kind.kv_bytes_per_token:,} B/token x {rows} tokens")
+        if kind.state_bytes:
+            formula.append(f"{kind.state_bytes:,} B of state (constant)")
+        say(f"{kind.kind:34s} {kind.num_layers:3d} layers  {kind.num_bytes:>16,} B  "
+            f"({' + '.join(formula) or 'nothing'})")
+    say(f"{'total':34s} {'':10s}  {result.num_bytes:>16,} B")
 
 
 @cache_app.command("gc")

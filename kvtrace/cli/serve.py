@@ -144,6 +144,10 @@ def _chat_server(store: Store, *, upstream: str | None, model: str | None, run: 
         # Loaded on the engine thread that will decode (DecodeBatcher.loading).
         backend = open_local_backend(model, cache_dir=default_cache_dir(), batching=True,
                                      dtype=dtype.value)
+        layout = backend.engine.layout
+        if not layout.is_plain:  # which cache each layer keeps, and where hits can resume
+            say(f"kvtrace {command}: {backend.engine.name}: {layout.describe()}; cache hits "
+                f"resume at block boundaries", err=True)
     server = make_server(backend=backend, upstream=upstream, store=store, run=run,
                          api_key=api_key, upstream_api_key=upstream_api_key,
                          redact_headers=redact_headers, max_queue=max_queue,

@@ -58,11 +58,11 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 from kvtrace.allocator import HeapTrimmer
-from kvtrace.engine.cache import KVCache
 from kvtrace.engine.decode import decode_step
 from kvtrace.engine.generate import GenerateResult, Generation, begin
 from kvtrace.engine.model import Engine
 from kvtrace.engine.prefill import ROW_MULTIPLE
+from kvtrace.engine.statecache import PrefixCache
 from kvtrace.errors import GenerationCancelledError, UsageError
 
 T = TypeVar("T")
@@ -106,7 +106,7 @@ class DecodeBatcher:
     """The engine and its cache behind one thread that decodes generations together."""
 
     def __init__(
-        self, engine: Engine, cache: KVCache | None, *, max_batch: int = DEFAULT_MAX_BATCH
+        self, engine: Engine, cache: PrefixCache | None, *, max_batch: int = DEFAULT_MAX_BATCH
     ) -> None:
         if max_batch < 1:
             raise UsageError(f"max_batch={max_batch}: at least 1 generation", param="max_batch")
@@ -130,7 +130,7 @@ class DecodeBatcher:
     @classmethod
     def loading(
         cls,
-        load: Callable[[], tuple[Engine, KVCache | None]],
+        load: Callable[[], tuple[Engine, PrefixCache | None]],
         *,
         max_batch: int = DEFAULT_MAX_BATCH,
     ) -> DecodeBatcher:

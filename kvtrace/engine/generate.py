@@ -49,10 +49,10 @@ from enum import StrEnum
 
 import torch
 
-from kvtrace.engine.cache import KVCache
 from kvtrace.engine.decode import Decoding, decode_step
 from kvtrace.engine.model import Engine
 from kvtrace.engine.prefill import PrefillResult, prefill
+from kvtrace.engine.statecache import PrefixCache
 from kvtrace.errors import GenerationCancelledError, UsageError
 
 
@@ -105,7 +105,7 @@ def draft_margin(dtype: torch.dtype) -> float | None:
 
 def generate(
     engine: Engine,
-    cache: KVCache | None,
+    cache: PrefixCache | None,
     prompt_ids: Sequence[int],
     *,
     max_new_tokens: int,
@@ -163,7 +163,7 @@ def generate(
 
 def begin(
     engine: Engine,
-    cache: KVCache | None,
+    cache: PrefixCache | None,
     prompt_ids: Sequence[int],
     *,
     max_new_tokens: int,
@@ -263,7 +263,7 @@ class Generation:
     def __init__(
         self,
         engine: Engine,
-        cache: KVCache | None,
+        cache: PrefixCache | None,
         prompt_ids: list[int],
         decoding: Decoding,
         *,
@@ -336,7 +336,7 @@ class Generation:
         )
 
 
-def settle(engine: Engine, cache: KVCache | None) -> None:
+def settle(engine: Engine, cache: PrefixCache | None) -> None:
     """Store every output the cache is owed (`defer_output`).
 
     For the end of a session whose next prompt may come from another process
@@ -360,7 +360,7 @@ def _could_end_as(engine: Engine, draft: list[int], stops: frozenset[int], limit
 
 def _check_draft(
     engine: Engine,
-    cache: KVCache | None,
+    cache: PrefixCache | None,
     prompt_ids: Sequence[int],
     draft: list[int],
     block_size: int | None,

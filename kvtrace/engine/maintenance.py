@@ -13,6 +13,7 @@ import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -21,6 +22,7 @@ from kvtrace.engine.disk import BlockInfo, BlockStore, GcResult
 from kvtrace.engine.faults import read_failed_writes
 from kvtrace.engine.model import Engine
 from kvtrace.engine.prefill import kv_rows, prefill
+from kvtrace.engine.statecache import StateCache
 from kvtrace.errors import UsageError
 
 KV_DIRNAME = "kv"
@@ -165,29 +167,25 @@ def verify_blocks(
         if chain is None:
             orphaned.append(key)
             continue
+        is_state = not engine.layout.is_plain
         tokens: list[int] = []
-        blocks = []
+        blocks: list[Any] = []
         for info in chain:
             block_tokens = _stored_tokens(info)
-            block = store.read(info.key, block_tokens) if block_tokens is not None else None
-            if block is None or block_tokens is None:
+            if block_tokens is None:
+                break
+            block = (store.read_state(info.key, block_tokens, engine.fingerprint) if is_state
+                     else store.read(info.key, block_tokens))
+            if block is None:
                 break
             tokens.extend(block_tokens)
             blocks.append(block)
         if len(blocks) != len(chain):
             unreadable.append(key)
             continue
-        # cache=None: a cold, canonical computation of the whole prefix.
-        result = prefill(engine, None, tokens, block_size=block_size)
-        start = (len(chain) - 1) * block_size
-        stop = start + block_size
-        recomputed_k, recomputed_v = kv_rows(result.kv)(start, stop)
-        target = blocks[-1]
         checked += 1
-        if not (
-            torch.equal(recomputed_k.cpu(), target.keys)
-            and torch.equal(recomputed_v.cpu(), target.values)
-        ):
+        if not (_state_matches(engine, tokens, blocks[-1], block_size) if is_state
+                else _kv_matches(engine, tokens, blocks[-1], block_size)):
             mismatched.append(key)
     return VerifyReport(
         num_blocks=len(mine),
@@ -196,6 +194,28 @@ def verify_blocks(
         unreadable=tuple(unreadable),
         orphaned=tuple(orphaned),
     )
+
+
+def _kv_matches(engine: Engine, tokens: list[int], target: Any, block_size: int) -> bool:
+    """Whether a cold, canonical computation of `tokens` gives the last block's KV."""
+    result = prefill(engine, None, tokens, block_size=block_size)
+    start = len(tokens) - block_size
+    recomputed_k, recomputed_v = kv_rows(result.kv)(start, len(tokens))
+    return torch.equal(recomputed_k.cpu(), target.keys) and torch.equal(
+        recomputed_v.cpu(), target.values)
+
+
+def _state_matches(engine: Engine, tokens: list[int], target: dict[str, torch.Tensor],
+                   block_size: int) -> bool:
+    """Whether computing `tokens` cold leaves the state the last state block holds."""
+    fresh = StateCache(engine, block_size=block_size)  # memory only: nothing read back
+    prefill(engine, fresh, tokens)
+    hit = fresh.lookup(tokens)
+    if hit.num_tokens != len(tokens):
+        return False
+    mine = hit.blocks[-1].tensors
+    return mine.keys() == target.keys() and all(
+        torch.equal(mine[name].cpu(), target[name]) for name in mine)
 
 
 def _chain_to_root(blocks: dict[str, BlockInfo], key: str, root: str) -> list[BlockInfo] | None:
@@ -221,3 +241,50 @@ def _stored_tokens(info: BlockInfo) -> list[int] | None:
             return [int(t) for t in fh.get_tensor("token_ids").tolist()]
     except Exception:  # damaged file: safetensors raises assorted error types
         return None
+
+
+@dataclass(frozen=True, slots=True)
+class KindSize:
+    """What the layers of one kind hold after some tokens."""
+
+    kind: str
+    num_layers: int
+    window: int | None  # the largest window among them (window kinds)
+    kv_bytes_per_token: int  # summed over the layers (0: no KV)
+    state_bytes: int  # summed over the layers (0: no state)
+    num_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class CacheSize:
+    """`cache_size`: bytes per layer kind for a number of tokens, one sequence."""
+
+    model: str
+    dtype: str
+    num_tokens: int
+    kinds: tuple[KindSize, ...]
+    num_bytes: int
+
+
+def cache_size(engine: Engine, num_tokens: int) -> CacheSize:
+    """Bytes the cache of one `num_tokens`-token sequence holds, per layer kind (layers.py).
+
+    Full layers: 2 x KV heads x head dim x tokens x element size each;
+    window layers the same for min(tokens, window); state layers constant.
+    """
+    if num_tokens < 0:
+        raise UsageError(f"tokens={num_tokens}: must be >= 0", param="tokens")
+    rows = []
+    for kind, indices in engine.layout.kinds().items():
+        layers = [engine.layout.layers[i] for i in indices]
+        windows = [layer.window for layer in layers if layer.window is not None]
+        rows.append(KindSize(
+            kind=str(kind),
+            num_layers=len(layers),
+            window=max(windows) if windows else None,
+            kv_bytes_per_token=sum(layer.kv_bytes_per_token for layer in layers),
+            state_bytes=sum(layer.state_bytes for layer in layers),
+            num_bytes=sum(layer.num_bytes(num_tokens) for layer in layers),
+        ))
+    return CacheSize(engine.name, str(engine.dtype).removeprefix("torch."), num_tokens,
+                     tuple(rows), sum(row.num_bytes for row in rows))

@@ -57,7 +57,7 @@ from kvtrace.engine.kvbuffer import buffer_rows, growing_cache, growing_layers
 from kvtrace.engine.model import Engine
 from kvtrace.engine.radix import KVSource
 from kvtrace.engine.rowblocks import canonical_products
-from kvtrace.engine.statecache import StateCache
+from kvtrace.engine.statecache import PrefixCache, StateCache
 from kvtrace.engine.stateprefill import prefill_states
 from kvtrace.errors import CacheError, UsageError
 
@@ -100,7 +100,7 @@ class PrefillResult:
 
 def prefill(
     engine: Engine,
-    cache: KVCache | StateCache | None,
+    cache: PrefixCache | None,
     token_ids: Sequence[int],
     *,
     block_size: int | None = None,

@@ -253,7 +253,10 @@ class StateCache:
             self.disk.gc(self.disk_bytes)
 
 
-def open_cache(engine: Engine, **options: object) -> KVCache | StateCache:
+PrefixCache = KVCache | StateCache  # what `open_cache` gives, and prefill and generate take
+
+
+def open_cache(engine: Engine, **options: object) -> PrefixCache:
     """The prefix cache `engine`'s layers need: the radix tree for full attention
     everywhere, block states for window or state layers. `options` as `KVCache`'s."""
     cls = KVCache if engine.layout.is_plain else StateCache

@@ -43,7 +43,7 @@ from kvtrace.replay.recording import output_text
 T = TypeVar("T")
 
 if TYPE_CHECKING:  # the engine imports torch: load it only when a backend is built
-    from kvtrace.engine import Engine, KVCache, PrefillResult
+    from kvtrace.engine import Engine, PrefillResult, PrefixCache
     from kvtrace.engine.batch import DecodeBatcher
     from kvtrace.engine.faults import DiskFaults
 
@@ -51,7 +51,7 @@ if TYPE_CHECKING:  # the engine imports torch: load it only when a backend is bu
 class LocalBackend:
     """The engine, with a KV cache (or none: every token computed)."""
 
-    def __init__(self, engine: Engine, cache: KVCache | None, *,
+    def __init__(self, engine: Engine, cache: PrefixCache | None, *,
                  defer_output: bool = True, batcher: DecodeBatcher | None = None,
                  credit_owed: bool = True) -> None:
         self._engine = engine
@@ -107,7 +107,7 @@ class LocalBackend:
         return self._engine
 
     @property
-    def cache(self) -> KVCache | None:
+    def cache(self) -> PrefixCache | None:
         return self._cache
 
     def storing_output(self) -> LocalBackend:
@@ -248,11 +248,11 @@ def open_local_backend(
     many threads. `dtype`: the engine's number format (`load_engine`; None:
     float32).
     """
-    from kvtrace.engine import KVCache, load_engine
+    from kvtrace.engine import load_engine, open_cache
     from kvtrace.engine.batch import DecodeBatcher
     from kvtrace.engine.maintenance import default_kv_dir
 
-    def load() -> tuple[Engine, KVCache | None]:
+    def load() -> tuple[Engine, PrefixCache | None]:
         engine = load_engine(model, cache_dir=cache_dir, on_convert=on_convert, dtype=dtype)
         if not use_cache:
             return engine, None
@@ -262,7 +262,7 @@ def open_local_backend(
         disk_dir = kv_dir or default_kv_dir(cache_dir)
         # Blocks are written inline: write-behind measured 17-22 % slower on the
         # 2-core machines (its thread competes with torch's; docs/benchmarks.md).
-        return engine, KVCache(engine, disk_dir=disk_dir, **options)
+        return engine, open_cache(engine, disk_dir=disk_dir, **options)
 
     if not batching:
         return LocalBackend(*load())

@@ -1,0 +1,244 @@
+"""Every model family: window, recurrent, convolution, hybrid and expert layers.
+
+Tiny random models of each family's real transformers config (families.py),
+through the real engine: the kinds read from the config, cold against hit
+bit for bit at odd offsets, the disk tier in another process, batched
+decoding against alone, and a fork continuing warm.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtrace.engine import (
+    DecodeBatcher,
+    Engine,
+    KVCache,
+    LayerKind,
+    StateCache,
+    generate,
+    load_engine,
+    open_cache,
+    prefill,
+)
+from kvtrace.engine.families import FAMILIES, write_family
+from kvtrace.errors import UnsupportedModelError, UsageError
+
+BLOCK = 16
+STATE_FAMILIES = [name for name in FAMILIES if name not in ("qwen3_moe", "olmoe")]
+# The kinds each family's config gives (layers.py), in layer order.
+EXPECTED_KINDS = {
+    "gemma3": {LayerKind.WINDOW, LayerKind.FULL},
+    "gpt_oss": {LayerKind.WINDOW, LayerKind.FULL},
+    "mistral": {LayerKind.WINDOW},
+    "jamba": {LayerKind.STATE, LayerKind.FULL},
+    "bamba": {LayerKind.STATE, LayerKind.FULL},
+    "falcon_h1": {LayerKind.FULL_STATE},
+    "granite_moe_hybrid": {LayerKind.STATE, LayerKind.FULL},
+    "qwen3_next": {LayerKind.STATE, LayerKind.FULL},
+    "lfm2": {LayerKind.STATE, LayerKind.FULL},
+    "mamba2": {LayerKind.STATE},
+    "mamba": {LayerKind.STATE},
+    "rwkv": {LayerKind.STATE},
+    "qwen3_moe": {LayerKind.FULL},
+    "olmoe": {LayerKind.FULL},
+}
+
+
+@pytest.fixture(scope="session")
+def family_root(engine_root) -> Path:
+    return engine_root / "families"
+
+
+@pytest.fixture(scope="session")
+def family_engine(family_root, tokenizer_dir):
+    engines: dict[str, Engine] = {}
+
+    def get(name: str) -> Engine:
+        if name not in engines:
+            folder = write_family(name, family_root / name, tokenizer_dir=tokenizer_dir, seed=3)
+            engines[name] = load_engine(folder, cache_dir=family_root / "cache")
+        return engines[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_layer_kinds_come_from_the_config(family_engine, name):
+    engine = family_engine(name)
+    assert set(engine.layout.kinds()) == EXPECTED_KINDS[name]
+    assert isinstance(open_cache(engine), KVCache if engine.layout.is_plain else StateCache)
+    for layer in engine.layout.layers:
+        assert (layer.window is not None) == layer.kind.is_windowed
+        assert (layer.state_bytes > 0) == layer.kind.has_state
+        assert (layer.kv_bytes_per_token > 0) == layer.kind.has_kv
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+@pytest.mark.parametrize("offset", [17, 63, 64, 100])
+def test_hit_is_bit_identical_to_cold(family_engine, tokens, name, offset):
+    engine = family_engine(name)
+    prompt = tokens(150, seed=1)
+    cache = open_cache(engine, block_size=BLOCK)
+    prefill(engine, cache, prompt[:offset] + tokens(30, seed=2))
+
+    hot = prefill(engine, cache, prompt)
+    cold = prefill(engine, None, prompt, block_size=BLOCK)
+
+    resume = offset if engine.layout.is_plain else offset - offset % BLOCK
+    assert hot.num_cached_tokens == resume
+    assert hot.num_computed_tokens == len(prompt) - resume
+    assert torch.equal(hot.logits, cold.logits)
+
+
+@pytest.mark.parametrize("name", STATE_FAMILIES)
+def test_decoding_after_a_hit_gives_the_cold_tokens(family_engine, tokens, name):
+    engine = family_engine(name)
+    prompt = tokens(90, seed=4)
+    cache = open_cache(engine, block_size=BLOCK)
+    prefill(engine, cache, prompt[:70])
+    warm = generate(engine, cache, prompt, max_new_tokens=6, stop_ids=())
+    cold = generate(engine, None, prompt, max_new_tokens=6, stop_ids=())
+    assert warm.prefill.num_cached_tokens == 64
+    assert warm.token_ids == cold.token_ids
+
+
+def test_a_window_cache_keeps_only_the_window(family_engine, tokens):
+    engine = family_engine("mistral")  # every layer a 48-token window
+    window = engine.layout.layers[0].window
+    assert window is not None
+    result = prefill(engine, None, tokens(200, seed=5), block_size=BLOCK)
+    for layer in result.kv.cache.layers:  # type: ignore[union-attr]
+        assert layer.keys.shape[2] == window - 1
+
+
+def test_state_layers_hold_the_same_bytes_at_any_length(family_engine, tokens):
+    engine = family_engine("mamba2")
+    short = prefill(engine, None, tokens(20, seed=6), block_size=BLOCK).kv
+    long = prefill(engine, None, tokens(300, seed=6), block_size=BLOCK).kv
+    assert short is not None and long is not None
+    small = [t.numel() for layer in short.cache.layers for t in layer.recurrent_states.values()]
+    large = [t.numel() for layer in long.cache.layers for t in layer.recurrent_states.values()]
+    assert small == large and all(small)
+
+
+@pytest.mark.parametrize("name", ["jamba", "rwkv", "gemma3", "qwen3_next"])
+def test_disk_tier_serves_another_process_bit_identically(family_engine, family_root, tmp_path,
+                                                           tokens, name):
+    engine = family_engine(name)
+    prompt = tokens(120, seed=7)
+    disk = tmp_path / "kv"
+    prefill(engine, open_cache(engine, disk_dir=disk, block_size=BLOCK), prompt[:100])
+    script = textwrap.dedent(f"""
+        import json, torch
+        from kvtrace.engine import load_engine, open_cache, prefill
+        engine = load_engine({str(engine.path)!r}, cache_dir={str(family_root / "cache")!r})
+        hot = prefill(engine, open_cache(engine, disk_dir={str(disk)!r}, block_size={BLOCK}),
+                      {prompt!r})
+        torch.save(hot.logits, {str(tmp_path / "logits.pt")!r})
+        print(json.dumps([hot.num_memory_tokens, hot.num_disk_tokens]))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         check=True, env={**_env(), "HF_HUB_OFFLINE": "1"})
+    memory, disk_tokens = json.loads(out.stdout.strip().splitlines()[-1])
+    cold = prefill(engine, None, prompt, block_size=BLOCK)
+    assert (memory, disk_tokens) == (0, 96)
+    assert torch.equal(torch.load(tmp_path / "logits.pt"), cold.logits)
+
+
+def test_a_damaged_state_block_is_recomputed_not_used(family_engine, tmp_path, tokens):
+    engine = family_engine("bamba")
+    prompt = tokens(80, seed=8)
+    disk = tmp_path / "kv"
+    prefill(engine, open_cache(engine, disk_dir=disk, block_size=BLOCK), prompt)
+    files = sorted(disk.glob("*/*.safetensors"))
+    assert len(files) == 5
+    for path in files:
+        raw = bytearray(path.read_bytes())
+        raw[-3] ^= 0xFF  # a flipped bit in the last tensor
+        path.write_bytes(bytes(raw))
+    fresh = open_cache(engine, disk_dir=disk, block_size=BLOCK)
+    hot = prefill(engine, fresh, prompt)
+    assert hot.num_cached_tokens == 0
+    assert fresh.take_disk_faults().num_damaged >= 1
+    assert torch.equal(hot.logits, prefill(engine, None, prompt, block_size=BLOCK).logits)
+
+
+@pytest.mark.parametrize("name", ["jamba", "gpt_oss", "qwen3_moe"])
+def test_batched_decoding_gives_each_request_what_it_gets_alone(family_engine, tokens, name):
+    engine = family_engine(name)
+    prompts = [tokens(40 + 9 * i, seed=20 + i) for i in range(3)]
+    alone = [generate(engine, open_cache(engine), p, max_new_tokens=5, stop_ids=(),
+                      padded_decode=True) for p in prompts]
+    batcher = DecodeBatcher(engine, open_cache(engine))
+    try:
+        import concurrent.futures
+
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            together = list(pool.map(
+                lambda p: batcher.generate(p, max_new_tokens=5, stop_ids=()), prompts))
+    finally:
+        batcher.close()
+    assert [r.token_ids for r in together] == [r.token_ids for r in alone]
+
+
+def test_a_fork_continues_warm_from_its_parent(family_engine, tokens):
+    """An agent's run, then a fork that edits its last message: the fork resumes the shared
+    prefix at its last block boundary and decodes what a cold run decodes."""
+    engine = family_engine("granite_moe_hybrid")
+    cache = open_cache(engine, block_size=BLOCK)
+    base = tokens(130, seed=30)
+    first = generate(engine, cache, base, max_new_tokens=4, stop_ids=())
+    fork = [*base[:110], *tokens(25, seed=31)]
+    warm = generate(engine, cache, fork, max_new_tokens=4, stop_ids=())
+    assert warm.prefill.num_cached_tokens == 96
+    assert warm.token_ids == generate(engine, None, fork, max_new_tokens=4, stop_ids=()).token_ids
+    assert first.token_ids
+
+
+def test_a_state_model_refuses_the_radix_cache(family_engine):
+    engine = family_engine("lfm2")
+    with pytest.raises(UsageError, match="StateCache"):
+        prefill(engine, KVCache(engine), [5, 6, 7])
+
+
+def test_an_encoder_decoder_model_is_refused_in_one_line_naming_the_field(tmp_path,
+                                                                           tokenizer_dir):
+    from transformers import AutoTokenizer, T5Config
+
+    folder = tmp_path / "t5"
+    folder.mkdir()
+    T5Config(vocab_size=128, d_model=32, d_ff=64, num_layers=1, num_heads=2,
+             d_kv=16).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(folder)
+    with pytest.raises(UnsupportedModelError) as caught:
+        load_engine(folder, cache_dir=tmp_path / "cache")
+    message = str(caught.value)
+    assert "is_encoder_decoder" in message and "\n" not in message
+
+
+def test_cache_size_per_kind_follows_the_formula(family_engine):
+    from kvtrace.engine.maintenance import cache_size
+
+    engine = family_engine("gemma3")
+    small, large = cache_size(engine, 1_000), cache_size(engine, 32_768)
+    by_kind = {k.kind: k for k in large.kinds}
+    full, window = by_kind[str(LayerKind.FULL)], by_kind[str(LayerKind.WINDOW)]
+    assert full.num_bytes == full.kv_bytes_per_token * 32_768
+    assert window.num_bytes == window.kv_bytes_per_token * window.window
+    assert {k.kind: k.num_bytes for k in small.kinds}[str(LayerKind.WINDOW)] == window.num_bytes
+    mamba = family_engine("mamba2")
+    assert cache_size(mamba, 10).num_bytes == cache_size(mamba, 100_000).num_bytes > 0
+
+
+def _env() -> dict[str, str]:
+    import os
+
+    return dict(os.environ)
