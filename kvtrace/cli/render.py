@@ -64,6 +64,11 @@ def render_replay(report: ReplayReport, console: Console | None = None) -> None:
     if report.uncached is not None:
         summary += f"; uncached {report.uncached.wall_s:.2f} s, speed-up {report.speedup:.1f}x"
     console.print(summary)
+    if t.oracle_resume_tokens is not None and t.oracle_resume_tokens != t.oracle_tokens:
+        console.print(
+            f"oracle at the model's resume points (block boundaries of its window or state "
+            f"layers): {_pct(t.oracle_resume_hit_rate)}; the token-exact oracle: "
+            f"{_pct(t.oracle_hit_rate)} (the gap is what the model forces, not the cache)")
     drafts = [s.draft for s in report.steps if s.draft is not None]
     if drafts:
         # Verdicts come from the local engine: kvtrace.engine (and torch) is loaded already.

@@ -154,6 +154,12 @@ class Backend(Protocol):
         """Whether calls may come from several threads at once (`replay_runs` concurrency)."""
         ...
 
+    @property
+    def resume_every(self) -> int:
+        """Where a cache hit can end: every token (1), or block boundaries of this many
+        tokens (a model with window or state layers, kvtrace/engine/layers.py)."""
+        ...
+
     def generate(self, request: CallRequest) -> CallResult:
         """Generate a response to the prompt with `request.params`.
 

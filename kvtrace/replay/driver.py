@@ -216,7 +216,7 @@ def _replay_path(
         step_report = StepReport.of(
             index, step, result, oracle_tokens=oracle_tokens,
             output_tokens=len(fed) if fed is not None else 0, is_match=is_match,
-            mismatch=mismatch,
+            mismatch=mismatch, resume_every=backend.resume_every,
         )
         reports.append(step_report)
         notes.extend(faults.add(backend.take_cache_faults(), f"step @{step.depth}"))

@@ -133,6 +133,13 @@ class LocalBackend:
 
         self._run(lambda: settle(self._engine, self._cache))
 
+    @property
+    def resume_every(self) -> int:
+        """1 for full-attention models (any token); the block size for window/state layers."""
+        if self._cache is None or self._engine.layout.is_plain:
+            return 1
+        return self._cache.block_size
+
     def take_cache_faults(self) -> DiskFaults | None:
         """The disk tier's faults since last asked (see `KVCache.take_disk_faults`)."""
         return self._cache.take_disk_faults() if self._cache is not None else None

@@ -114,6 +114,11 @@ class RemoteBackend:
     def settle(self) -> None:
         """Nothing to do: the server keeps its own cache."""
 
+    @property
+    def resume_every(self) -> int:
+        """Unknown for a remote server: its cache is counted against the token-exact bound."""
+        return 1
+
     def take_cache_faults(self) -> None:
         """None: the server's cache is its own business (and its own log's)."""
 

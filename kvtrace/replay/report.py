@@ -79,6 +79,9 @@ class StepReport:
     is_match: bool | None = None  # verify only
     mismatch: Mismatch | None = None
     draft: DraftVerdict | None = None  # verify: the verdict when the recording was checked
+    # The oracle at the model's resume points: the token-exact bound cut back to the last
+    # block boundary where a window or state model can resume (= oracle_tokens otherwise).
+    oracle_resume_tokens: int | None = None
 
     @classmethod
     def of(
@@ -91,6 +94,7 @@ class StepReport:
         output_tokens: int,
         is_match: bool | None = None,
         mismatch: Mismatch | None = None,
+        resume_every: int = 1,
     ) -> StepReport:
         """The report of model call `step`, answered by a backend as `result`."""
         return cls(
@@ -109,6 +113,7 @@ class StepReport:
             is_match=is_match,
             mismatch=mismatch,
             draft=result.draft,
+            oracle_resume_tokens=_at_resume(oracle_tokens, resume_every),
         )
 
     @property
@@ -132,6 +137,7 @@ class StepReport:
             "hit_rate": _round(self.hit_rate),
             "oracle_tokens": self.oracle_tokens,
             "oracle_hit_rate": _round(self.oracle_hit_rate),
+            "oracle_resume_tokens": self.oracle_resume_tokens,
             "output_tokens": self.output_tokens,
             "prefill_s": round(self.prefill_s, 4),
             "decode_s": round(self.decode_s, 4),
@@ -157,6 +163,7 @@ class Totals:
     decode_s: float
     matching_steps: int | None
     first_mismatch: int | None  # index of the first step that differs (verify)
+    oracle_resume_tokens: int | None = None  # StepReport's, summed
 
     @classmethod
     def of(cls, steps: Sequence[StepReport]) -> Totals:
@@ -175,6 +182,7 @@ class Totals:
             decode_s=sum(s.decode_s for s in steps),
             matching_steps=sum(1 for s in verified if s.is_match) if verified else None,
             first_mismatch=first,
+            oracle_resume_tokens=_sum(s.oracle_resume_tokens for s in steps),
         )
 
     @property
@@ -184,6 +192,10 @@ class Totals:
     @property
     def oracle_hit_rate(self) -> float | None:
         return _rate(self.oracle_tokens, self.prompt_tokens)
+
+    @property
+    def oracle_resume_hit_rate(self) -> float | None:
+        return _rate(self.oracle_resume_tokens, self.prompt_tokens)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -196,6 +208,8 @@ class Totals:
             "hit_rate": _round(self.hit_rate),
             "oracle_tokens": self.oracle_tokens,
             "oracle_hit_rate": _round(self.oracle_hit_rate),
+            "oracle_resume_tokens": self.oracle_resume_tokens,
+            "oracle_resume_hit_rate": _round(self.oracle_resume_hit_rate),
             "output_tokens": self.output_tokens,
             "prefill_s": round(self.prefill_s, 4),
             "decode_s": round(self.decode_s, 4),
@@ -274,3 +288,8 @@ def _sum(values: Iterable[int | None]) -> int | None:
             return None
         total += value
     return total
+
+
+def _at_resume(tokens: int | None, every: int) -> int | None:
+    """`tokens` cut back to a multiple of `every` (the last point a cache can resume at)."""
+    return None if tokens is None else tokens - tokens % max(1, every)

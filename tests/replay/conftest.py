@@ -281,11 +281,12 @@ def default_engine(default_model_folder):
 @pytest.fixture
 def local_backend_factory(tmp_path):
     """`make(engine, kv_dir=None, memory_bytes=...)`: a LocalBackend on a fresh KV cache."""
-    from kvtrace.engine import KVCache
+    from kvtrace.engine import open_cache
     from kvtrace.replay.local import LocalBackend
 
     def make(engine, kv_dir=None, **options):
-        return LocalBackend(engine, KVCache(engine, disk_dir=kv_dir or tmp_path / "kv", **options))
+        return LocalBackend(engine, open_cache(engine, disk_dir=kv_dir or tmp_path / "kv",
+                                               **options))
 
     return make
 
