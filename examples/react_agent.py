@@ -30,7 +30,7 @@ from rich.console import Console
 
 from kvtrace import Store, open_store
 from kvtrace.cli.render import render_analysis, render_replay
-from kvtrace.engine import KVCache
+from kvtrace.engine import open_cache
 from kvtrace.paths import default_cache_dir
 from kvtrace.replay import SamplingParams, analyze, continue_run, replay
 from kvtrace.replay.local import LocalBackend, open_local_backend

@@ -38,13 +38,30 @@ def run_cache_bench(
     num_new: int = 32,
     repeats: int = 3,
     seed: int = 0,
+    family: str | None = None,
 ) -> dict[str, Any]:
-    """Measure cold vs memory-hit vs disk-hit prefill; return one JSON-able dict."""
+    """Measure cold vs memory-hit vs disk-hit prefill; return one JSON-able dict.
+
+    `family`: a tiny random model of that family (families.py), written under
+    `cache_dir/families/`; a model with window or state layers is measured by
+    `run_state_cache_bench`.
+    """
     import torch
 
     from kvtrace.engine import load_engine, open_cache, prefill
 
+    if family is not None:
+        from kvtrace.engine import default_model_dir
+        from kvtrace.engine.families import write_family
+
+        model = str(write_family(family, Path(cache_dir) / "families" / family,
+                                 tokenizer_dir=default_model_dir(Path(cache_dir))))
     engine = load_engine(model, cache_dir=cache_dir)
+    if not engine.layout.is_plain:
+        from kvtrace.bench.statecache import run_state_cache_bench
+
+        return run_state_cache_bench(engine, num_tokens=num_tokens, num_new=num_new,
+                                     repeats=repeats, seed=seed)
     generator = torch.Generator().manual_seed(seed)
     vocab = engine.vocab_size
     prompt = torch.randint(100, vocab, (num_tokens,), generator=generator).tolist()

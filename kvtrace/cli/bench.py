@@ -115,12 +115,18 @@ def bench_cache(
         "--new", help="New tokens after the cached prefix.")] = 32,
     repeats: Annotated[int, typer.Option(
         "--repeats", help="Runs per case (the median is reported).")] = 3,
+    family: Annotated[str | None, typer.Option(
+        "--family", help="A tiny random model of this family instead of --model (gemma3, "
+        "gpt_oss, mistral, jamba, bamba, falcon_h1, granite_moe_hybrid, qwen3_next, lfm2, "
+        "mamba2, mamba, rwkv, qwen3_moe, olmoe).")] = None,
     as_json: Json = False,
 ) -> None:
-    """Prefill: cold vs prefix from memory vs from disk, KV bytes per token."""
+    """Prefill: cold vs prefix from memory vs from disk, cache bytes per token or per kind."""
     from kvtrace.bench.cache import run_cache_bench
     from kvtrace.paths import default_cache_dir
 
+    if family is not None and model is not None:
+        raise UsageError("--family builds its own model: give --family or --model, not both")
     _print_figures(
         run_cache_bench(
             cache_dir=default_cache_dir(),
@@ -128,6 +134,7 @@ def bench_cache(
             num_tokens=num_tokens,
             num_new=num_new,
             repeats=repeats,
+            family=family,
         ),
         as_json,
     )

@@ -196,6 +196,11 @@ class StateCache:
             self._logits.clear()
             self._owed.clear()
 
+    def block_states(self) -> list[BlockState]:
+        """The memory tier's block states, oldest first (what `bench cache` sizes)."""
+        with self._lock:
+            return [entry.state for entry in self._blocks.values()]
+
     def memory_stats(self) -> TierStats:
         with self._lock:
             return TierStats(len(self._blocks), len(self._blocks) * self.block_size,
