@@ -191,6 +191,7 @@ _BAD_VALUES = {  # (command, option): a command line with a bad value for it
     ("import", "--format"): ["import", "main.kvtrace", "--format", "csv"],
     ("mcp", "--transport"): ["mcp", "--transport", "carrier-pigeon"],
     ("replay", "--dtype"): ["replay", "main", "--dtype", "int4"],
+    ("cache size", "--dtype"): ["cache", "size", "--tokens", "10", "--dtype", "int8"],
     ("checkout", "--dtype"): ["checkout", "main", "--dtype", "float64"],
     ("continue", "--dtype"): ["continue", "main", "--steps", "1", "--dtype", "half"],
     ("branch", "--dtype"): ["branch", "main", "--n", "2", "--dtype", "fp8"],
