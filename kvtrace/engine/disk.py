@@ -83,6 +83,8 @@ class BlockInfo:
     num_bytes: int
     mtime: float
     is_readable: bool
+    # A state block's part (statecache.py): "rows", or "resume" (a child of its rows block).
+    part: str = "rows"
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,7 +174,7 @@ class BlockStore:
         return True
 
     def write_state(self, key: str, parent: str, fingerprint: str, tokens: Sequence[int],
-                    tensors: dict[str, torch.Tensor]) -> bool:
+                    tensors: dict[str, torch.Tensor], *, part: str = "rows") -> bool:
         """Store one block of a model's resume state (statecache.py) atomically, as `write`.
 
         `tensors` are named as `modelstate.BlockState` names them; the
@@ -185,6 +187,7 @@ class BlockStore:
         named = {name: t.detach().to("cpu").contiguous() for name, t in sorted(tensors.items())}
         metadata = {
             "format": STATE_FORMAT,
+            "part": part,
             "key": key,
             "parent": parent,
             "fingerprint": fingerprint,
@@ -282,6 +285,7 @@ class BlockStore:
                     num_bytes=stat.st_size,
                     mtime=stat.st_mtime,
                     is_readable=is_readable,
+                    part=(meta or {}).get("part", "rows"),
                 )
 
     def gc(self, max_bytes: int) -> GcResult:

@@ -3,38 +3,55 @@
 A model whose every layer attends to the whole context keeps its KV in the
 radix tree (cache.py) and resumes at any token. A model with sliding-window
 or recurrent layers (layers.py) cannot: a recurrent layer resumes only where
-a snapshot of its state was taken, and a window layer needs the last W rows
-before the point. So this cache keeps, at every block boundary (every
-`block_size` tokens, 64 by default) that prefill passes, a `BlockState`
-(modelstate.py): the block's own K/V rows for attention layers and a copy of
-every recurrent and convolution state at its end. A hit is the longest
-prefix that ends at a boundary whose blocks are all cached (the model's
-resume points): `lookup` walks the chain from the root.
+a snapshot of its state was taken, and a window layer needs the last W - 1
+rows before the point. So this cache keeps, per block of `block_size` tokens
+(64 by default) that prefill passes, two parts (modelstate.py names the
+tensors, `split_state` sorts them):
+
+- **rows**: the block's K/V rows of the full-attention layers, kept for every
+  block: every later resume point needs them;
+- **resume**: what resuming *at this block's end* needs beyond the rows: a
+  copy of every recurrent and convolution state there, and the block's rows
+  of the window layers (at most W - 1). Kept only where a sequence prefill
+  stored ends (its last block boundary), and in the blocks within a window
+  before it: the points where an agent's next call, a fork at step K or a
+  repeated request resumes. A block a prompt merely passes through keeps its
+  rows alone. (Marconi's finding, kept simply: most states are never resumed
+  from, and a real hybrid model's state is large, ~2 MB per DeltaNet layer
+  for Qwen3-Next, so one per 64 tokens would outweigh its KV.) A later
+  prefill that ends there adds the resume part then.
+
+A hit is the longest prefix that ends at a block boundary whose resume part
+is cached and whose window rows reach back W - 1 tokens: the model's resume
+points that this cache kept. `lookup` walks the chain from the root.
 
 Blocks are keyed as the disk tier keys KV blocks (disk.py): a chain hash
 seeded with the engine fingerprint, and every read compares the block's
 token ids. Memory: an LRU of blocks under a byte budget; a lookup touches a
 hit's blocks deepest first, so a prefix's ancestors are always fresher than
 its tail and eviction takes tails first (a block whose ancestor was evicted
-could never be reached). Disk: one safetensors file per block
+could never be reached). Disk: one safetensors file per part
 (`BlockStore.write_state`), written inline, verified on read, found again
-after a restart; `disk_bytes` bounds the folder as for KV blocks.
+after a restart; a resume part is its rows block's child in the chain (its
+key hashes the block's), so `gc` evicts it before the block, and
+`disk_bytes` bounds the folder as for KV blocks.
 
-Fidelity, by construction (statecache's `prefill_states`): every forward is
-one block-aligned chunk, on the cold path and after a hit alike, so a
-resumed prompt runs exactly the forwards a cold one runs from the same
-boundary, on the same cached tensors: the same bits, at any dtype, with any
-attention implementation. A model whose multi-token forward forgets its
-state (`ModelLayout.steps_one_token`) runs one token per forward after its
-first block, on both paths.
+Fidelity, by construction (stateprefill.py): every forward is one
+block-aligned chunk, on the cold path and after a hit alike, so a resumed
+prompt runs exactly the forwards a cold one runs from the same boundary, on
+the same cached tensors: the same bits, at any dtype, with any attention
+implementation. A model whose multi-token forward forgets its state
+(`ModelLayout.steps_one_token`) runs one token per forward after its first
+block, on both paths.
 
-Sizes: a full layer's rows cost what they cost in the radix tree; a window
-layer keeps at most `window - 1` rows per block (what it can still read);
-state layers one snapshot per block, constant in the context length.
+Sizes: full layers cost what they cost in the radix tree; window layers at
+most W - 1 rows per kept resume point (a 32k-token prompt keeps W of them,
+not 32k); state layers one snapshot per kept resume point.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 from collections import OrderedDict
@@ -74,7 +91,12 @@ class StateHit:
 @dataclass(slots=True)
 class _Entry:
     tokens: tuple[int, ...]
-    state: BlockState
+    rows: BlockState
+    resume: BlockState | None  # None: a block prompts only passed through (module docstring)
+
+    @property
+    def num_bytes(self) -> int:
+        return self.rows.num_bytes + (self.resume.num_bytes if self.resume is not None else 0)
 
 
 class StateCache:
@@ -103,6 +125,11 @@ class StateCache:
         self.max_memory_bytes = memory_bytes
         self.disk_bytes = disk_bytes
         self.disk = BlockStore(disk_dir, block_size=block_size) if disk_dir is not None else None
+        windows = [layer.window for layer in engine.layout.layers if layer.window is not None]
+        # Blocks before a resume point whose window rows it needs.
+        self._window_blocks = -(-(max(windows) - 1) // block_size) if windows else 0
+        self._window_layers = frozenset(i for i, layer in enumerate(engine.layout.layers)
+                                        if layer.kind.is_windowed)
         self._blocks: OrderedDict[str, _Entry] = OrderedDict()  # oldest first
         self._num_bytes = 0
         self._written = 0  # disk bytes written since the last budget check
@@ -113,46 +140,71 @@ class StateCache:
     # -- lookup and store --------------------------------------------------------
 
     def lookup(self, tokens: Sequence[int], *, max_tokens: int | None = None) -> StateHit:
-        """The longest prefix of `tokens` (at most `max_tokens`) ending at a cached boundary."""
+        """The longest prefix of `tokens` (at most `max_tokens`) ending at a kept resume point."""
         limit = len(tokens) if max_tokens is None else max(0, min(max_tokens, len(tokens)))
         b = self.block_size
         keys = self._chain(tokens[: limit - limit % b])
-        found: list[BlockState] = []
-        num_memory = 0
         with self._lock:
+            rows: list[tuple[BlockState, bool]] = []  # (rows, from memory)
+            has_resume: list[bool] = []
             for j, key in enumerate(keys):
                 block = tuple(tokens[j * b : (j + 1) * b])
                 entry = self._blocks.get(key)
                 if entry is not None and entry.tokens == block:
-                    found.append(entry.state)
-                    num_memory += b
+                    rows.append((entry.rows, True))
+                    has_resume.append(entry.resume is not None or self._resume_on_disk(key))
                     continue
-                state = self._read_disk(key, block)
-                if state is None:
+                found = self._read_disk(key, block)
+                if found is None:
                     break
-                found.append(state)
-                self._keep(key, block, state)  # promoted into memory
-            for key in reversed(keys[: len(found)]):  # deepest first: ancestors stay fresher
+                rows.append((found, False))
+                has_resume.append(self._resume_on_disk(key))
+            end = self._deepest_resume(has_resume)
+            blocks: list[BlockState] = []
+            for j in range(end):
+                resume = None
+                if j >= end - max(1, self._window_blocks):
+                    resume = self._resume_of(keys[j], tuple(tokens[j * b : (j + 1) * b]))
+                    if resume is None:  # unreadable after all: resume at an earlier point
+                        return self._miss_from(tokens, keys, j, limit)
+                blocks.append(merge_states(rows[j][0], resume))
+            for j in range(end):
+                if not rows[j][1]:  # promoted into memory
+                    self._keep(keys[j], tuple(tokens[j * b : (j + 1) * b]), rows[j][0], None)
+            for key in reversed(keys[:end]):  # deepest first: ancestors stay fresher
                 if key in self._blocks:
                     self._blocks.move_to_end(key)
-            num_tokens = len(found) * b
+            num_memory = sum(b for j in range(end) if rows[j][1])
+            num_tokens = end * b
             deferred = self._owed.take(tokens, num_tokens, limit)
-        return StateHit(num_tokens, num_memory, num_tokens - num_memory, tuple(found), deferred)
+        return StateHit(num_tokens, num_memory, num_tokens - num_memory, tuple(blocks), deferred)
 
     def store(self, tokens: Sequence[int], states: Sequence[tuple[int, BlockState]]) -> None:
-        """Keep the states prefill took at boundaries `end` of `tokens` (memory and disk)."""
+        """Keep the states prefill took at boundaries `end` of `tokens` (memory and disk).
+
+        Every block keeps its rows; the resume parts of the blocks that end
+        within a window of the sequence's last boundary are kept too (module
+        docstring), the rest let go.
+        """
         if not states:
             return
         b = self.block_size
+        last = len(tokens) - len(tokens) % b
         keys = self._chain(tokens[: states[-1][0]])
         with self._lock:
             for end, state in states:
                 j = end // b - 1
                 block = tuple(tokens[end - b : end])
-                self._keep(keys[j], block, state)
+                rows, resume = split_state(state, self._window_layers)
+                keeps_resume = end == last or (
+                    end < last and (last - end) // b < self._window_blocks)
+                kept = resume if keeps_resume else None
+                self._keep(keys[j], block, rows, kept)
                 if self.disk is not None:
                     parent = keys[j - 1] if j else self.disk.root_key(self.fingerprint)
-                    self._write_disk(keys[j], parent, block, state)
+                    self._write_disk(keys[j], parent, block, rows, "rows")
+                    if kept is not None:
+                        self._write_disk(resume_key(keys[j]), keys[j], block, kept, "resume")
             self._enforce_disk_budget()
 
     def release(self, hit: StateHit) -> None:
@@ -197,9 +249,11 @@ class StateCache:
             self._owed.clear()
 
     def block_states(self) -> list[BlockState]:
-        """The memory tier's block states, oldest first (what `bench cache` sizes)."""
+        """The memory tier's block states, rows and resume parts, oldest first (what
+        `bench cache` sizes)."""
         with self._lock:
-            return [entry.state for entry in self._blocks.values()]
+            return [part for entry in self._blocks.values()
+                    for part in (entry.rows, entry.resume) if part is not None]
 
     def memory_stats(self) -> TierStats:
         with self._lock:
@@ -210,7 +264,8 @@ class StateCache:
         if self.disk is None:
             return TierStats(0, 0, 0, self.disk_bytes)
         mine = [info for info in self.disk.scan() if info.fingerprint == self.fingerprint]
-        return TierStats(len(mine), len(mine) * self.block_size,
+        blocks = sum(1 for info in mine if info.part == "rows")
+        return TierStats(blocks, blocks * self.block_size,
                          sum(info.num_bytes for info in mine), self.disk_bytes)
 
     @property
@@ -222,14 +277,46 @@ class StateCache:
     def _chain(self, tokens: Sequence[int]) -> list[str]:
         return chain_keys(self.fingerprint, self.block_size, tokens)
 
-    def _keep(self, key: str, block: tuple[int, ...], state: BlockState) -> None:
-        if key in self._blocks:
-            return
-        self._blocks[key] = _Entry(block, state)
-        self._num_bytes += state.num_bytes
+    def _deepest_resume(self, has_resume: list[bool]) -> int:
+        """Blocks before the deepest boundary whose resume part, and the window rows of the
+        blocks before it, are cached (0: none)."""
+        w = self._window_blocks
+        for end in range(len(has_resume), 0, -1):
+            if has_resume[end - 1] and all(has_resume[max(0, end - w) : end]):
+                return end
+        return 0
+
+    def _miss_from(self, tokens: Sequence[int], keys: list[str], j: int,
+                   limit: int) -> StateHit:
+        """A lookup again, capped before block `j` (whose resume part would not read)."""
+        return self.lookup(tokens, max_tokens=min(limit, j * self.block_size))
+
+    def _resume_of(self, key: str, block: tuple[int, ...]) -> BlockState | None:
+        entry = self._blocks.get(key)
+        if entry is not None and entry.resume is not None:
+            return entry.resume
+        resume = self._read_disk(resume_key(key), block)
+        if resume is not None and entry is not None:  # promoted into memory
+            self._num_bytes += resume.num_bytes
+            entry.resume = resume
+        return resume
+
+    def _resume_on_disk(self, key: str) -> bool:
+        return self.disk is not None and self.disk.contains(resume_key(key))
+
+    def _keep(self, key: str, block: tuple[int, ...], rows: BlockState,
+              resume: BlockState | None) -> None:
+        entry = self._blocks.get(key)
+        if entry is not None:
+            if entry.resume is None and resume is not None:  # a sequence ends here now
+                entry.resume = resume
+                self._num_bytes += resume.num_bytes
+        else:
+            entry = self._blocks[key] = _Entry(block, rows, resume)
+            self._num_bytes += entry.num_bytes
         while self._num_bytes > self.max_memory_bytes and self._blocks:
             _, evicted = self._blocks.popitem(last=False)
-            self._num_bytes -= evicted.state.num_bytes
+            self._num_bytes -= evicted.num_bytes
 
     def _read_disk(self, key: str, block: tuple[int, ...]) -> BlockState | None:
         if self.disk is None:
@@ -241,10 +328,11 @@ class StateCache:
         return BlockState({name: t.to(device) for name, t in tensors.items()})
 
     def _write_disk(self, key: str, parent: str, block: tuple[int, ...],
-                    state: BlockState) -> None:
+                    state: BlockState, part: str) -> None:
         assert self.disk is not None
         try:
-            if self.disk.write_state(key, parent, self.fingerprint, block, state.tensors):
+            if self.disk.write_state(key, parent, self.fingerprint, block, state.tensors,
+                                     part=part):
                 self._written += state.num_bytes
         except BlockWriteError:
             pass  # logged in the store's faults; `take_disk_faults` hands them on
@@ -259,6 +347,26 @@ class StateCache:
 
 
 PrefixCache = KVCache | StateCache  # what `open_cache` gives, and prefill and generate take
+
+
+def split_state(state: BlockState, window_layers: frozenset[int]) -> tuple[BlockState,
+                                                                            BlockState]:
+    """A block state's rows part (full-attention K/V) and resume part (the rest)."""
+    rows: dict[str, torch.Tensor] = {}
+    resume: dict[str, torch.Tensor] = {}
+    for name, tensor in state.tensors.items():
+        is_rows = name[0] in "kv" and int(name[1:]) not in window_layers
+        (rows if is_rows else resume)[name] = tensor
+    return BlockState(rows), BlockState(resume)
+
+
+def merge_states(rows: BlockState, resume: BlockState | None) -> BlockState:
+    return BlockState({**rows.tensors, **(resume.tensors if resume is not None else {})})
+
+
+def resume_key(key: str) -> str:
+    """The disk key of a block's resume part: a child of the block in the chain."""
+    return hashlib.sha256(bytes.fromhex(key) + b"resume").hexdigest()
 
 
 def open_cache(engine: Engine, **options: object) -> PrefixCache:

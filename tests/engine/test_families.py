@@ -87,6 +87,8 @@ def test_hit_is_bit_identical_to_cold(family_engine, tokens, name, offset):
     engine = family_engine(name)
     prompt = tokens(150, seed=1)
     cache = open_cache(engine, block_size=BLOCK)
+    # An earlier call whose prompt was the first `offset` tokens, and a sibling parting there.
+    prefill(engine, cache, prompt[:offset])
     prefill(engine, cache, prompt[:offset] + tokens(30, seed=2))
 
     hot = prefill(engine, cache, prompt)
@@ -108,6 +110,23 @@ def test_decoding_after_a_hit_gives_the_cold_tokens(family_engine, tokens, name)
     cold = generate(engine, None, prompt, max_new_tokens=6, stop_ids=())
     assert warm.prefill.num_cached_tokens == 64
     assert warm.token_ids == cold.token_ids
+
+
+def test_resume_parts_are_kept_where_sequences_end_not_where_prompts_pass(family_engine,
+                                                                         tokens):
+    """A boundary a prompt passes through keeps its rows only; the last boundary of each
+    stored sequence keeps its states (and the window rows before it)."""
+    engine = family_engine("qwen3_next")
+    cache = open_cache(engine, block_size=BLOCK)
+    prompt = tokens(100, seed=9)  # last boundary: 96
+    prefill(engine, cache, prompt)
+    parted_at_40 = [*prompt[:40], *tokens(20, seed=10)]
+    assert prefill(engine, cache, parted_at_40).num_cached_tokens == 0  # 32 was passed
+    longer = [*prompt, *tokens(20, seed=11)]
+    assert prefill(engine, cache, longer).num_cached_tokens == 96
+    assert isinstance(cache, StateCache)
+    resume_parts = len(cache.block_states()) - cache.memory_stats().num_entries
+    assert resume_parts == 3  # 96, and 48 and 112 (60 and 120 tokens' last boundaries)
 
 
 def test_a_window_cache_keeps_only_the_window(family_engine, tokens):
@@ -159,7 +178,7 @@ def test_a_damaged_state_block_is_recomputed_not_used(family_engine, tmp_path, t
     disk = tmp_path / "kv"
     prefill(engine, open_cache(engine, disk_dir=disk, block_size=BLOCK), prompt)
     files = sorted(disk.glob("*/*.safetensors"))
-    assert len(files) == 5
+    assert len(files) == 6  # five blocks of rows, the resume part where the prompt ends
     for path in files:
         raw = bytearray(path.read_bytes())
         raw[-3] ^= 0xFF  # a flipped bit in the last tensor
@@ -190,17 +209,19 @@ def test_batched_decoding_gives_each_request_what_it_gets_alone(family_engine, t
 
 
 def test_a_fork_continues_warm_from_its_parent(family_engine, tokens):
-    """An agent's run, then a fork that edits its last message: the fork resumes the shared
-    prefix at its last block boundary and decodes what a cold run decodes."""
+    """An agent's two calls, then a fork of the second with its last message edited: the
+    fork resumes where the first call's sequence ended (a kept resume point) and decodes
+    what a cold run decodes."""
     engine = family_engine("granite_moe_hybrid")
     cache = open_cache(engine, block_size=BLOCK)
-    base = tokens(130, seed=30)
-    first = generate(engine, cache, base, max_new_tokens=4, stop_ids=())
-    fork = [*base[:110], *tokens(25, seed=31)]
+    first_prompt = tokens(100, seed=30)
+    first = generate(engine, cache, first_prompt, max_new_tokens=4, stop_ids=())
+    history = [*first_prompt, *first.token_ids]  # 104 tokens: resumable at 96
+    generate(engine, cache, [*history, *tokens(30, seed=31)], max_new_tokens=4, stop_ids=())
+    fork = [*history, *tokens(25, seed=32)]
     warm = generate(engine, cache, fork, max_new_tokens=4, stop_ids=())
     assert warm.prefill.num_cached_tokens == 96
     assert warm.token_ids == generate(engine, None, fork, max_new_tokens=4, stop_ids=()).token_ids
-    assert first.token_ids
 
 
 def test_a_state_model_refuses_the_radix_cache(family_engine):
