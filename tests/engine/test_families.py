@@ -275,3 +275,18 @@ def test_block_chunks_compute_what_one_forward_computes(family_engine, tokens, n
     with torch.inference_mode():
         whole = engine.model(input_ids=torch.tensor([prompt])).logits[0, -1].float()
     assert torch.allclose(ours, whole, rtol=1e-4, atol=1e-4 * float(whole.abs().max()))
+
+
+def test_a_long_prompt_costs_window_and_state_layers_what_they_hold(family_engine, tokens):
+    """4,096 tokens through a window model and a recurrent model: the tiers keep each
+    block's full-attention rows, but window rows and states only where the prompt ends."""
+    for name in ("mistral", "mamba2"):
+        engine = family_engine(name)
+        cache = open_cache(engine)  # 64-token blocks
+        prefill(engine, cache, tokens(4096, seed=50))
+        assert isinstance(cache, StateCache)
+        held = sum(state.num_bytes for state in cache.block_states())
+        window = max((layer.window or 0) for layer in engine.layout.layers)
+        bound = sum(layer.kv_bytes_per_token * (window + 64) + layer.state_bytes
+                    for layer in engine.layout.layers)
+        assert 0 < held <= bound  # not 4,096 tokens' worth

@@ -187,3 +187,34 @@ def test_record_from_on_the_command_line(tmp_path, monkeypatch, capfd, tiny_mode
     code, err = kv("record", "--model", str(tiny_model_folder), "--from", "base@2", "--",
                    sys.executable, "-c", "pass")
     assert code == 0 and "0 of 2 recorded calls answered from the recording, no live call" in err
+
+
+def test_a_hybrid_model_records_and_forks_an_unchanged_agent_warm(store, serve_started,
+                                                                  tmp_path):
+    """Jamba (Mamba + attention + experts): the agent recorded, then forked at step 6 with
+    the recorded prefix warm: the first live call resumes at a block boundary past step 6's
+    prompt (what a window or state model can resume at)."""
+    from kvtrace.engine import default_model_dir, load_engine, open_cache
+    from kvtrace.engine.families import write_family
+    from kvtrace.paths import default_cache_dir
+    from kvtrace.replay.local import LocalBackend
+    from kvtrace.serve.fromrun import warm
+
+    tokenizer_dir = default_model_dir(default_cache_dir())
+    engine = load_engine(write_family("jamba", tmp_path / "jamba", tokenizer_dir=tokenizer_dir),
+                         cache_dir=tmp_path / "cache")
+    server = serve_started(backend=LocalBackend(engine, open_cache(engine)), store=store,
+                           run="base")
+    run_agent(server.url, tmp_path / "base", model=engine.name)
+    server.stop()
+    backend = LocalBackend(engine, open_cache(engine, disk_dir=tmp_path / "kv"))
+    assert warm(store, "base@6", backend) > 0
+    server = serve_started(backend=backend, store=store, run="fork", from_run="base@6")
+    run_agent(server.url, tmp_path / "fork", model=engine.name)
+    summary = server.server.answerer.summary
+    assert (summary.num_recorded, summary.num_served, summary.first_live_step) == (6, 6, 7)
+    base, fork = model_calls(store, "base"), model_calls(store, "fork")
+    assert [s.id for s in fork[:6]] == [s.id for s in base[:6]]
+    cached = ModelCall(fork[6]).usage.cached_tokens
+    step6 = ModelCall(base[5]).usage.prompt_tokens
+    assert cached is not None and cached % 64 == 0 and cached >= step6 - 63
