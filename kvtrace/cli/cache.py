@@ -79,11 +79,16 @@ def stats(
         return
     per_token = result.disk_bytes_per_token
     say(f"model            {result.model}  (fingerprint {result.fingerprint[:16]})")
-    say(
-        f"KV per token     {result.kv_bytes_per_token:,} B  "
-        f"(2 x {engine.num_layers} layers x {engine.num_kv_heads} kv heads x "
-        f"{engine.head_dim} dims x {engine.dtype.itemsize} B)"
-    )
+    if engine.layout.is_plain:
+        say(
+            f"KV per token     {result.kv_bytes_per_token:,} B  "
+            f"(2 x {engine.num_layers} layers x {engine.num_kv_heads} kv heads x "
+            f"{engine.head_dim} dims x {engine.dtype.itemsize} B)"
+        )
+    else:  # window and state layers: `cache size` gives bytes per kind
+        say(f"layers           {engine.layout.describe()}")
+        say(f"KV per token     {result.kv_bytes_per_token:,} B while every window fills "
+            f"(kvtrace cache size: bytes per layer kind)")
     say(
         f"disk tier        {result.disk_blocks:,} blocks, {result.disk_bytes:,} B for this model"
         + (f" ({per_token:,.0f} B/token)" if per_token else "")

@@ -290,3 +290,27 @@ def test_a_long_prompt_costs_window_and_state_layers_what_they_hold(family_engin
         bound = sum(layer.kv_bytes_per_token * (window + 64) + layer.state_bytes
                     for layer in engine.layout.layers)
         assert 0 < held <= bound  # not 4,096 tokens' worth
+
+
+def test_cache_size_on_the_command_line(family_engine):
+    engine = family_engine("gemma3")
+    ok = subprocess.run([sys.executable, "-m", "kvtrace", "cache", "size", str(engine.path),
+                         "--tokens", "32768", "--json"], capture_output=True, text=True,
+                        env={**_env(), "HF_HUB_OFFLINE": "1"}, timeout=300)
+    assert ok.returncode == 0, ok.stderr
+    sizes = json.loads(ok.stdout)
+    window = next(k for k in sizes["kinds"] if k["kind"] == str(LayerKind.WINDOW))
+    assert window["num_bytes"] == window["kv_bytes_per_token"] * window["window"]
+    bad = subprocess.run([sys.executable, "-m", "kvtrace", "cache", "size", str(engine.path),
+                          "--tokens", "-5"], capture_output=True, text=True,
+                         env={**_env(), "HF_HUB_OFFLINE": "1"}, timeout=300)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--tokens" in bad.stderr
+
+
+def test_cache_verify_recomputes_state_blocks(family_engine, tmp_path, tokens):
+    from kvtrace.engine.maintenance import verify_blocks
+
+    engine = family_engine("lfm2")
+    prefill(engine, open_cache(engine, disk_dir=tmp_path / "kv"), tokens(200, seed=60))
+    report = verify_blocks(engine, tmp_path / "kv", sample=None)
+    assert (report.num_checked, report.mismatched, report.unreadable) == (3, (), ())
