@@ -374,10 +374,8 @@ def _checksum(*tensors: torch.Tensor) -> str:
     return digest.hexdigest()
 
 
-def _parse_block(
-    raw: bytes, key: str, tokens: Sequence[int], layout: BlockLayout | None = None
-) -> DiskBlock | str:
-    """Decode and check a block file's bytes; on any mismatch or damage, why it is refused."""
+def _load(raw: bytes) -> tuple[dict[str, str], dict[str, torch.Tensor]] | str:
+    """A block file's metadata and tensors; why not, when its bytes do not parse."""
     from safetensors.torch import load
 
     try:
@@ -386,6 +384,17 @@ def _parse_block(
         tensors = load(raw)
     except Exception:  # safetensors raises its own error types on damage
         return "not a readable block file: truncated or damaged" if raw else "empty file"
+    return meta, tensors
+
+
+def _parse_block(
+    raw: bytes, key: str, tokens: Sequence[int], layout: BlockLayout | None = None
+) -> DiskBlock | str:
+    """Decode and check a block file's bytes; on any mismatch or damage, why it is refused."""
+    loaded = _load(raw)
+    if isinstance(loaded, str):
+        return loaded
+    meta, tensors = loaded
     token_ids, keys, values = tensors.get("token_ids"), tensors.get("keys"), tensors.get("values")
     if token_ids is None or keys is None or values is None:
         return "a tensor is missing"
@@ -413,14 +422,10 @@ def _parse_state_block(
     raw: bytes, key: str, tokens: Sequence[int], fingerprint: str
 ) -> dict[str, torch.Tensor] | str:
     """Decode and check a state block's bytes; on any mismatch or damage, why it is refused."""
-    from safetensors.torch import load
-
-    try:
-        header_len = struct.unpack("<Q", raw[:8])[0]
-        meta = json.loads(raw[8 : 8 + header_len]).get("__metadata__", {})
-        tensors = load(raw)
-    except Exception:  # safetensors raises its own error types on damage
-        return "not a readable block file: truncated or damaged" if raw else "empty file"
+    loaded = _load(raw)
+    if isinstance(loaded, str):
+        return loaded
+    meta, tensors = loaded
     token_ids = tensors.pop("token_ids", None)
     if token_ids is None:
         return "a tensor is missing"
