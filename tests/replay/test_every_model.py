@@ -84,3 +84,44 @@ def test_the_local_server_answers_with_a_window_model(family_engines, local_back
     first, second = usages
     cached = second["prompt_tokens_details"]["cached_tokens"]
     assert cached % 64 == 0 and cached >= first["prompt_tokens"] - 64 > 0
+
+
+def test_a_fork_with_an_edited_tool_result_continues_warm(store, family_engines,
+                                                          local_backend_factory, tmp_path):
+    """The Claude Code session rebuilt on a hybrid model, forked at a tool result with an edit,
+    then continued: the continued call resumes at a kept resume point before the edit."""
+    from kvtrace.replay import SamplingParams, continue_run
+    from kvtrace.replay.oracle import common_prefix_length
+    from kvtrace.replay.recording import prompt_ids
+    from kvtrace.store import kinds
+
+    engine = family_engines["jamba"]
+    _import(store, "claude-code", SESSION, "cc")
+    backend = local_backend_factory(engine, kv_dir=tmp_path / "kv")
+    replay(store, "cc", backend, mode="rebuild")
+    path = store.path("cc")
+    tool = next(t for t in kinds.tool_calls(path) if t.tool == "Bash"
+                and t.arguments["command"] == "python -m pytest -q tests")
+    after = next(kinds.ModelCall(s) for s in path[tool.step.depth:]
+                 if s.kind == kinds.StepKind.MODEL_CALL)
+    store.fork(f"cc@{tool.step.depth}", "cc-edit", edit={"result": "F.\n1 failed in 0.04s\n"})
+    result = continue_run(store, "cc-edit", backend, steps=1, tools={},
+                          params=SamplingParams(max_new_tokens=4))
+    (report,) = result.reports
+    sent = engine.chat_tokens(kinds.ModelCall(result.new_steps[0]).messages)
+    edit_at = common_prefix_length(sent, prompt_ids(engine, after.step))
+    assert 0 < report.reused_tokens <= edit_at and report.reused_tokens % 64 == 0
+    assert report.computed_tokens == len(sent) - report.reused_tokens
+
+
+def test_branches_run_together_on_a_window_model(store, family_engines, local_backend_factory,
+                                                 tmp_path):
+    from kvtrace.replay import SamplingParams, branch_out
+
+    engine = family_engines["gemma3"]
+    _import(store, "codex", ROLLOUT, "cx")
+    backend = local_backend_factory(engine, kv_dir=tmp_path / "kv")
+    report = branch_out(store, "cx", backend, n=3, steps=1, tools={},
+                        params=SamplingParams(max_new_tokens=3, temperature=0.7), seed=1)
+    assert len(report.branches) == 3
+    assert all(len(store.path(b.run)) == len(store.path("cx")) + 1 for b in report.branches)
