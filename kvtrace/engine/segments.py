@@ -109,9 +109,8 @@ def _build(tokenizer: Any) -> SegmentEncoder | None:
     split = {token.content: int(token_id) for token_id, token in added
              if token.special and not token.normalized and not token.lstrip
              and not token.rstrip and not token.single_word}
-    texts = [token.content for _, token in added]
-    split = {text: token_id for text, token_id in split.items()
-             if not any(_overlaps(text, other) for other in texts if other != text)}
+    clashing = _overlapping([token.content for _, token in added], split)
+    split = {text: token_id for text, token_id in split.items() if text not in clashing}
     return SegmentEncoder(tokenizer, split) if split else None
 
 
@@ -120,8 +119,29 @@ def _state(component: Any) -> str:
     return "" if component is None else component.__getstate__().decode()
 
 
-def _overlaps(a: str, b: str) -> bool:
-    """Whether `b` contains `a`, `a` contains `b`, or one's end is the other's start."""
-    if a in b or b in a:
-        return True
-    return any(a.endswith(b[:k]) or b.endswith(a[:k]) for k in range(1, min(len(a), len(b))))
+def _overlapping(texts: list[str], candidates: dict[str, int]) -> set[str]:
+    """The candidates that another added token's text contains, is contained in, or
+    overlaps at an end (one's end is the other's start).
+
+    By sets of substrings, prefixes and suffixes rather than pair by pair: Gemma 3's
+    tokenizer has ~6,300 added tokens, and comparing every pair took ~2 minutes.
+    """
+    distinct = set(texts)
+    prefixes: dict[str, set[str]] = {}  # proper prefix -> the texts it starts
+    suffixes: dict[str, set[str]] = {}  # proper suffix -> the texts it ends
+    for text in distinct:
+        for k in range(1, len(text)):
+            prefixes.setdefault(text[:k], set()).add(text)
+            suffixes.setdefault(text[-k:], set()).add(text)
+    lengths = sorted({len(text) for text in distinct})
+    joined = "\0".join(distinct)  # no token text holds NUL
+    clashing: set[str] = set()
+    for a in candidates:
+        contained = joined.count(a) > 1  # a itself once, any more inside another text
+        contains = any(a[i : i + n] in distinct for n in lengths if n < len(a)
+                       for i in range(len(a) - n + 1))
+        ends = any(prefixes.get(a[-k:], set()) - {a} or suffixes.get(a[:k], set()) - {a}
+                   for k in range(1, len(a)))
+        if contained or contains or ends:
+            clashing.add(a)
+    return clashing

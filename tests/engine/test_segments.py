@@ -105,3 +105,23 @@ def test_a_special_token_that_strips_spaces_does_not_split():
     assert {"<s>", "<y>"} <= set(encoder.split_tokens)
     for text in ("a <x> b<y>a", "<y><x>  a", "b", "a<s> b <y>"):
         assert encoder.encode(text) == tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_split_tokens_that_clash_are_found_as_pair_by_pair_would():
+    """`_overlapping` (by sets, for tokenizers with thousands of added tokens) against the
+    definition: another token contains it, it contains another, or their ends overlap."""
+    import random
+
+    from kvtrace.engine.segments import _overlapping
+
+    def clash(a: str, b: str) -> bool:
+        return a in b or b in a or any(a.endswith(b[:k]) or b.endswith(a[:k])
+                                       for k in range(1, min(len(a), len(b))))
+
+    rng = random.Random(0)
+    for _ in range(300):
+        texts = list({"".join(rng.choice("<>|ab_") for _ in range(rng.randint(1, 7)))
+                      for _ in range(rng.randint(2, 25))})
+        candidates = {t: i for i, t in enumerate(texts) if rng.random() < 0.7}
+        expected = {a for a in candidates if any(clash(a, b) for b in texts if b != a)}
+        assert _overlapping(texts, candidates) == expected
