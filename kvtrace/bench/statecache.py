@@ -21,6 +21,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from kvtrace.engine.modelstate import ModelState, is_state_name, kv_layer
+
 
 def run_state_cache_bench(engine: Any, *, num_tokens: int, num_new: int, repeats: int,
                           seed: int) -> dict[str, Any]:
@@ -94,8 +96,6 @@ def run_state_cache_bench(engine: Any, *, num_tokens: int, num_new: int, repeats
 
 def _live_bytes(engine: Any, state: Any) -> dict[str, int]:
     """Bytes of one sequence's cache after prefill, per layer kind (the tensors themselves)."""
-    from kvtrace.engine.modelstate import ModelState
-
     sizes: dict[str, int] = {}
     if state.cache is None:  # a state list: every layer a state layer
         tensors = state.state_tensors_per_layer()
@@ -117,13 +117,16 @@ def _stored_bytes(engine: Any, cache: Any) -> dict[str, int]:
     sizes: dict[str, int] = {}
     for state in cache.block_states():
         for name, tensor in state.tensors.items():
-            index = int(name[1:].split(".")[0])
-            if name.startswith("s"):  # a state list's tensor covers every layer
-                kind = str(engine.layout.layers[0].kind)
-            else:
-                kind = str(engine.layout.layers[index].kind)
+            # A state list's tensor covers every layer (all state layers): layer 0's kind.
+            index = kv_layer(name) if not is_state_name(name) else state_layer(name)
+            kind = str(engine.layout.layers[index].kind)
             sizes[kind] = sizes.get(kind, 0) + tensor.numel() * tensor.element_size()
     return sizes
+
+
+def state_layer(name: str) -> int:
+    """The layer of a state tensor: `c3.0`, `r3.0` -> 3; a state list's `s0` -> 0."""
+    return 0 if name.startswith("s") else int(name[1:].split(".")[0])
 
 
 def _expect(ok: bool, case: str, got: int) -> None:

@@ -237,8 +237,12 @@ def _step_alone(engine: Engine, sequence: Decoding) -> None:
     if not isinstance(state, ModelState) or not sequence.tokens:
         raise CacheError("a sequence must choose a token before its decode step")
     ids = torch.tensor([[sequence.tokens[-1]]], dtype=torch.long, device=engine.device)
-    with torch.inference_mode():
-        sequence.logits = state.forward(engine.model, ids, start=state.num_tokens)[-1].float()
+    try:
+        with torch.inference_mode():
+            logits = state.forward(engine.model, ids, start=state.num_tokens)
+    except RuntimeError as exc:  # torch errors: out of memory, bad ids …
+        raise CacheError(f"the model failed during decoding: {exc}") from exc
+    sequence.logits = logits[-1].float()
 
 
 def choose_token(

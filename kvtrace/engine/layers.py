@@ -19,7 +19,7 @@ Sizes are measured, not guessed from config fields that differ per family:
 `measure_layout` runs a few tokens through the loaded model and reads each
 cache layer's tensors, so KV heads, head dims and state shapes are the
 model's own. Bytes for N tokens: full layers 2 x KV heads x head dim x N x
-element size; window layers the same with min(N, window); state layers
+element size; window layers the same with min(N, window - 1); state layers
 constant.
 
 `steps_one_token`: some transformers implementations (Mamba 1's mixer, and
@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from kvtrace.engine.modelstate import ModelState, is_state_name
 from kvtrace.errors import UnsupportedModelError
 
 _PROBE_TOKENS = 8
@@ -80,8 +81,10 @@ class LayerCache:
     state_bytes: int = 0
 
     def num_bytes(self, num_tokens: int) -> int:
-        """What this layer holds after `num_tokens` tokens."""
-        rows = min(num_tokens, self.window) if self.window is not None else num_tokens
+        """What this layer holds after `num_tokens` tokens (a window layer keeps the last
+        W - 1 rows, as transformers' `DynamicSlidingWindowLayer` does: the next token's
+        query brings its own)."""
+        rows = min(num_tokens, self.window - 1) if self.window is not None else num_tokens
         return (rows * self.kv_bytes_per_token if self.kind.has_kv else 0) + self.state_bytes
 
 
@@ -198,11 +201,15 @@ def measure_layout(model: Any, where: str) -> ModelLayout:
     uses_state_list = kinds is None
     ids = torch.arange(1, _PROBE_TOKENS + 1, device=model.device).unsqueeze(0) % max(
         2, int(model.get_input_embeddings().weight.shape[0]))
-    from kvtrace.engine.modelstate import ModelState
-
     state = ModelState.empty(model, uses_state_list=uses_state_list)
-    with torch.inference_mode():
-        state.forward(model, ids, start=0)
+    try:
+        with torch.inference_mode():
+            state.forward(model, ids, start=0)
+    except (RuntimeError, TypeError, ValueError, AttributeError) as exc:
+        raise UnsupportedModelError(
+            f"{where}: a forward with kvtrace's cache failed ({type(exc).__name__}: "
+            f"{' '.join(str(exc).split())[:200]}); kvtrace cannot keep this model's cache"
+        ) from exc
     if uses_state_list:
         tensors = state.state_tensors_per_layer()
         layers = tuple(LayerCache(LayerKind.STATE, state_bytes=_bytes(t)) for t in tensors)
@@ -230,22 +237,17 @@ def _forgets_state(model: Any, ids: torch.Tensor, uses_state_list: bool) -> bool
     tiny probe. One forward of the probe's tokens against the same tokens in
     two forwards: a state more than 1e-3 (relative) away is a forgotten one.
     """
-    from kvtrace.engine.modelstate import ModelState
-
     half = ids.shape[1] // 2
 
-    def states(splits: Iterable[int]) -> list[torch.Tensor]:
+    def states(splits: list[int]) -> list[torch.Tensor]:
         state = ModelState.empty(model, uses_state_list=uses_state_list)
         pos = 0
         with torch.inference_mode():
             for n in splits:
                 state.forward(model, ids[:, pos : pos + n], start=pos)
                 pos += n
-        snapshot = state.snapshot(pos - splits_last(splits), pos).tensors
-        return [t.float() for name, t in sorted(snapshot.items()) if name[0] in "crs"]
-
-    def splits_last(splits: Iterable[int]) -> int:
-        return list(splits)[-1]
+        snapshot = state.snapshot(pos - splits[-1], pos).tensors
+        return [t.float() for name, t in sorted(snapshot.items()) if is_state_name(name)]
 
     whole = states([ids.shape[1]])
     chunked = states([half, ids.shape[1] - half])

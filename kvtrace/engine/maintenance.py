@@ -21,8 +21,9 @@ from kvtrace.engine.cache import DEFAULT_BLOCK_SIZE, DEFAULT_MEMORY_BYTES
 from kvtrace.engine.disk import BlockInfo, BlockStore, GcResult
 from kvtrace.engine.faults import read_failed_writes
 from kvtrace.engine.model import Engine
+from kvtrace.engine.modelstate import ModelState
 from kvtrace.engine.prefill import kv_rows, prefill
-from kvtrace.engine.statecache import StateCache
+from kvtrace.engine.statecache import resume_key
 from kvtrace.errors import UsageError
 
 KV_DIRNAME = "kv"
@@ -95,9 +96,10 @@ def cache_stats(
     empty: this command's.
     """
     store = BlockStore(disk_dir, block_size=block_size)
-    every = list(store.scan())
+    files = list(store.scan())  # a state block's resume part is a file, not a block of its own
+    every = [info for info in files if info.part == "rows"]
     mine = [info for info in every if info.fingerprint == engine.fingerprint]
-    mine_bytes = sum(info.num_bytes for info in mine)
+    mine_bytes = sum(info.num_bytes for info in files if info.fingerprint == engine.fingerprint)
     failures = read_failed_writes(Path(disk_dir))
     is_writable, free = folder_space(Path(disk_dir))
     return CacheStats(
@@ -109,7 +111,7 @@ def cache_stats(
         disk_blocks=len(mine),
         disk_bytes=mine_bytes,
         disk_blocks_all_models=len(every),
-        disk_bytes_all_models=sum(info.num_bytes for info in every),
+        disk_bytes_all_models=sum(info.num_bytes for info in files),
         disk_bytes_per_token=mine_bytes / (len(mine) * block_size) if mine else None,
         memory_entries=0,
         memory_bytes=0,
@@ -185,9 +187,19 @@ def verify_blocks(
         if len(blocks) != len(chain):
             unreadable.append(key)
             continue
+        resume = None
+        if is_state and store.contains(resume_key(key)):
+            resume = store.read_state(resume_key(key), tokens[-block_size:],
+                                      engine.fingerprint)
+            if resume is None:  # damaged: read_state removed it (a miss from now on)
+                unreadable.append(resume_key(key))
+                continue
+        matches = (_state_matches(engine, tokens, blocks[-1], resume, block_size)
+                   if is_state else _kv_matches(engine, tokens, blocks[-1], block_size))
+        if matches is None:
+            continue
         checked += 1
-        if not (_state_matches(engine, tokens, blocks[-1], block_size) if is_state
-                else _kv_matches(engine, tokens, blocks[-1], block_size)):
+        if not matches:
             mismatched.append(key)
     return VerifyReport(
         num_blocks=len(mine),
@@ -208,16 +220,19 @@ def _kv_matches(engine: Engine, tokens: list[int], target: Any, block_size: int)
 
 
 def _state_matches(engine: Engine, tokens: list[int], target: dict[str, torch.Tensor],
-                   block_size: int) -> bool:
-    """Whether computing `tokens` cold leaves the state the last state block holds."""
-    fresh = StateCache(engine, block_size=block_size)  # memory only: nothing read back
-    prefill(engine, fresh, tokens)
-    hit = fresh.lookup(tokens)
-    if hit.num_tokens != len(tokens):
+                   resume: dict[str, torch.Tensor] | None, block_size: int) -> bool | None:
+    """Whether computing `tokens` cold leaves what the last block's files hold: its rows,
+    and its resume part (states, window rows) when one was kept; None when they hold no
+    tensor (a recurrent model's block a prompt passed through: nothing to compare)."""
+    wanted = {**target, **(resume or {})}
+    if not wanted:
+        return None
+    result = prefill(engine, None, tokens, block_size=block_size)
+    if not isinstance(result.kv, ModelState):
         return False
-    mine = hit.blocks[-1].tensors  # the rows part, and the resume part kept at the end
-    return target.keys() <= mine.keys() and all(
-        torch.equal(mine[name].cpu(), target[name]) for name in target)
+    cold = result.kv.snapshot(len(tokens) - block_size, len(tokens)).tensors
+    return wanted.keys() <= cold.keys() and all(
+        torch.equal(cold[name].cpu(), tensor) for name, tensor in wanted.items())
 
 
 def _chain_to_root(blocks: dict[str, BlockInfo], key: str, root: str) -> list[BlockInfo] | None:

@@ -43,7 +43,7 @@ from kvtrace.engine.layers import (
 )
 from kvtrace.engine.rowblocks import ROWS, pin_rows, pinned_rows_hold
 from kvtrace.engine.tokenizer import ChatTemplating, context_length, stop_token_ids
-from kvtrace.errors import ModelNotFoundError, UsageError
+from kvtrace.errors import ModelNotFoundError, UnsupportedModelError, UsageError
 from kvtrace.numerics import MKL_SETTING, native_bfloat16, rows_are_invariant
 
 # Bump when a change to prefill or the attention function changes the bits of
@@ -149,6 +149,10 @@ def _load_folder(folder: Path, cache_dir: Path, device: torch.device, dtype: tor
         )
     except OSError as exc:
         raise ModelNotFoundError(f"cannot load the model in {folder}: {exc}") from exc
+    except ValueError as exc:  # no causal-LM class for this config, and the like
+        raise UnsupportedModelError(
+            f"{folder}: transformers cannot load it as a causal language model: "
+            f"{' '.join(str(exc).split())}") from exc
     model.to(device)  # type: ignore[arg-type]
     model.eval()
     model.requires_grad_(False)
@@ -248,12 +252,34 @@ def _fingerprint(
         "transformers": transformers.__version__,
         "attn": attn,
     }
+    if not layout.is_plain:  # the model's own kernels compute it: name what chose them
+        parts["attn"] = str(getattr(model.config, "_attn_implementation", None))
+        parts["kernels"] = _kernel_packages()
     if layout.steps_one_token:  # other forwards, so other bits (layers.py)
         parts["steps_one_token"] = True
     if pinned_rows is not None:  # other bits than unpinned products (rowblocks.py)
         parts["linear_rows"] = pinned_rows
     blob = json.dumps(parts, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()
+
+
+# Packages whose presence makes transformers run a window or state layer with other kernels
+# than its reference PyTorch code (it says "falling back to its reference ... implementation").
+_KERNEL_PACKAGES = ("causal-conv1d", "mamba-ssm", "flash-linear-attention", "kernels", "flash-attn")
+
+
+def _kernel_packages() -> dict[str, str]:
+    """The installed versions of `_KERNEL_PACKAGES` (a block computed with other kernels has
+    other bits, so it must not be reused across an install)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for name in _KERNEL_PACKAGES:
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            continue
+    return found
 
 
 def _weights_digest(folder: Path, cache_dir: Path) -> str:

@@ -33,6 +33,17 @@ from kvtrace.errors import CacheError
 BlockTensors = dict[str, torch.Tensor]
 
 
+def is_state_name(name: str) -> bool:
+    """Whether a `BlockState` tensor is a recurrent, convolution or state-list state (not
+    a layer's K/V rows)."""
+    return name[0] in "crs"
+
+
+def kv_layer(name: str) -> int | None:
+    """The layer of a `BlockState` K/V tensor (`k3`, `v3`: 3); None for a state."""
+    return None if is_state_name(name) else int(name[1:])
+
+
 @dataclass(frozen=True, slots=True)
 class BlockState:
     """A block's tensors for resuming after it: `k{i}`/`v{i}` rows, `c{i}.{j}`/`r{i}.{j}`

@@ -111,8 +111,10 @@ def prefill(
     """Compute (or reuse) the KV of `token_ids` and the logits after the last one.
 
     `cache=None` computes everything (the same canonical way). `block_size`
-    is checked (a multiple of 16; with a cache, equal to its block size) but
-    no longer shapes the chunks: any split gives the same bits. `logits_from` asks for the logits
+    is checked (a multiple of 16; with a cache, equal to its block size); on
+    the full-attention path it no longer shapes the chunks (any split gives
+    the same bits), on the block-state path it does (stateprefill.py): a
+    cold run matches a cache's hits at that cache's block size. `logits_from` asks for the logits
     of every position from that index on (reuse stops there, so they are
     computed), one row each; `reduce_logits` maps each chunk's rows as they
     are computed, so a long span never holds vocabulary-wide rows in full.

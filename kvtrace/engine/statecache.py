@@ -72,7 +72,7 @@ from kvtrace.engine.disk import BlockStore, chain_keys
 from kvtrace.engine.faults import DiskFaults
 from kvtrace.engine.lastlogits import LastLogits
 from kvtrace.engine.model import Engine
-from kvtrace.engine.modelstate import BlockState
+from kvtrace.engine.modelstate import BlockState, kv_layer
 from kvtrace.engine.owed import OwedOutputs
 from kvtrace.errors import BlockWriteError, UsageError
 
@@ -132,7 +132,7 @@ class StateCache:
                                         if layer.kind.is_windowed)
         self._blocks: OrderedDict[str, _Entry] = OrderedDict()  # oldest first
         self._num_bytes = 0
-        self._written = 0  # disk bytes written since the last budget check
+        self._disk_total: int | None = None  # bytes in the folder: counted once, then kept
         self._logits = LastLogits()
         self._owed = OwedOutputs()
         self._lock = threading.RLock()
@@ -140,41 +140,50 @@ class StateCache:
     # -- lookup and store --------------------------------------------------------
 
     def lookup(self, tokens: Sequence[int], *, max_tokens: int | None = None) -> StateHit:
-        """The longest prefix of `tokens` (at most `max_tokens`) ending at a kept resume point."""
+        """The longest prefix of `tokens` (at most `max_tokens`) ending at a kept resume point.
+
+        Walks the chain by presence (memory, or a file on disk), chooses the
+        deepest resume point, and only then reads from disk what that point
+        needs: every block's rows, and the resume parts of its last window.
+        """
         limit = len(tokens) if max_tokens is None else max(0, min(max_tokens, len(tokens)))
         b = self.block_size
         keys = self._chain(tokens[: limit - limit % b])
         with self._lock:
-            rows: list[tuple[BlockState, bool]] = []  # (rows, from memory)
             has_resume: list[bool] = []
             for j, key in enumerate(keys):
-                block = tuple(tokens[j * b : (j + 1) * b])
                 entry = self._blocks.get(key)
-                if entry is not None and entry.tokens == block:
-                    rows.append((entry.rows, True))
+                if entry is not None and entry.tokens == tuple(tokens[j * b : (j + 1) * b]):
                     has_resume.append(entry.resume is not None or self._resume_on_disk(key))
-                    continue
-                found = self._read_disk(key, block)
-                if found is None:
+                elif self.disk is not None and self.disk.contains(key):
+                    has_resume.append(self._resume_on_disk(key))
+                else:
                     break
-                rows.append((found, False))
-                has_resume.append(self._resume_on_disk(key))
             end = self._deepest_resume(has_resume)
+            window = max(1, self._window_blocks)
             blocks: list[BlockState] = []
+            num_memory = 0
+            promoted: list[tuple[str, tuple[int, ...], BlockState, BlockState | None]] = []
             for j in range(end):
-                resume = None
-                if j >= end - max(1, self._window_blocks):
-                    resume = self._resume_of(keys[j], tuple(tokens[j * b : (j + 1) * b]))
-                    if resume is None:  # unreadable after all: resume at an earlier point
-                        return self._miss_from(tokens, keys, j, limit)
-                blocks.append(merge_states(rows[j][0], resume))
-            for j in range(end):
-                if not rows[j][1]:  # promoted into memory
-                    self._keep(keys[j], tuple(tokens[j * b : (j + 1) * b]), rows[j][0], None)
-            for key in reversed(keys[:end]):  # deepest first: ancestors stay fresher
-                if key in self._blocks:
-                    self._blocks.move_to_end(key)
-            num_memory = sum(b for j in range(end) if rows[j][1])
+                block = tuple(tokens[j * b : (j + 1) * b])
+                entry = self._blocks.get(keys[j])
+                if entry is not None and entry.tokens != block:
+                    entry = None
+                rows = entry.rows if entry is not None else self._read_disk(keys[j], block)
+                needs_resume = j >= end - window
+                resume = entry.resume if entry is not None else None
+                if needs_resume and resume is None:
+                    resume = self._read_disk(resume_key(keys[j]), block)
+                if rows is None or (needs_resume and resume is None):
+                    # A file that would not read (damaged, deleted): resume earlier.
+                    return self._lookup_before(tokens, j, limit)
+                if entry is None or (resume is not None and entry.resume is None):
+                    promoted.append((keys[j], block, rows, resume))
+                num_memory += b if entry is not None else 0
+                blocks.append(merge_states(rows, resume if needs_resume else None))
+            for key, block, rows, resume in promoted:
+                self._add(key, block, rows, resume)
+            self._refresh(keys[:end])
             num_tokens = end * b
             deferred = self._owed.take(tokens, num_tokens, limit)
         return StateHit(num_tokens, num_memory, num_tokens - num_memory, tuple(blocks), deferred)
@@ -199,12 +208,13 @@ class StateCache:
                 keeps_resume = end == last or (
                     end < last and (last - end) // b < self._window_blocks)
                 kept = resume if keeps_resume else None
-                self._keep(keys[j], block, rows, kept)
+                self._add(keys[j], block, rows, kept)
                 if self.disk is not None:
                     parent = keys[j - 1] if j else self.disk.root_key(self.fingerprint)
                     self._write_disk(keys[j], parent, block, rows, "rows")
                     if kept is not None:
                         self._write_disk(resume_key(keys[j]), keys[j], block, kept, "resume")
+            self._refresh(keys)
             self._enforce_disk_budget()
 
     def release(self, hit: StateHit) -> None:
@@ -286,34 +296,30 @@ class StateCache:
                 return end
         return 0
 
-    def _miss_from(self, tokens: Sequence[int], keys: list[str], j: int,
-                   limit: int) -> StateHit:
-        """A lookup again, capped before block `j` (whose resume part would not read)."""
+    def _lookup_before(self, tokens: Sequence[int], j: int, limit: int) -> StateHit:
+        """A lookup again, capped before block `j` (whose file would not read)."""
         return self.lookup(tokens, max_tokens=min(limit, j * self.block_size))
-
-    def _resume_of(self, key: str, block: tuple[int, ...]) -> BlockState | None:
-        entry = self._blocks.get(key)
-        if entry is not None and entry.resume is not None:
-            return entry.resume
-        resume = self._read_disk(resume_key(key), block)
-        if resume is not None and entry is not None:  # promoted into memory
-            self._num_bytes += resume.num_bytes
-            entry.resume = resume
-        return resume
 
     def _resume_on_disk(self, key: str) -> bool:
         return self.disk is not None and self.disk.contains(resume_key(key))
 
-    def _keep(self, key: str, block: tuple[int, ...], rows: BlockState,
-              resume: BlockState | None) -> None:
+    def _add(self, key: str, block: tuple[int, ...], rows: BlockState,
+             resume: BlockState | None) -> None:
+        """Put a block (or its newly kept resume part) in memory; `_refresh` evicts."""
         entry = self._blocks.get(key)
-        if entry is not None:
-            if entry.resume is None and resume is not None:  # a sequence ends here now
-                entry.resume = resume
-                self._num_bytes += resume.num_bytes
-        else:
+        if entry is None:
             entry = self._blocks[key] = _Entry(block, rows, resume)
             self._num_bytes += entry.num_bytes
+        elif entry.resume is None and resume is not None:  # a sequence ends here now
+            entry.resume = resume
+            self._num_bytes += resume.num_bytes
+
+    def _refresh(self, chain: Sequence[str]) -> None:
+        """Mark a chain's blocks used, deepest first (so ancestors are fresher than their
+        tails), then evict least recently used blocks past the budget: tails go first."""
+        for key in reversed(chain):
+            if key in self._blocks:
+                self._blocks.move_to_end(key)
         while self._num_bytes > self.max_memory_bytes and self._blocks:
             _, evicted = self._blocks.popitem(last=False)
             self._num_bytes -= evicted.num_bytes
@@ -329,24 +335,23 @@ class StateCache:
 
     def _write_disk(self, key: str, parent: str, block: tuple[int, ...],
                     state: BlockState, part: str) -> None:
-        assert self.disk is not None
+        if self.disk is None:
+            return
         try:
             if self.disk.write_state(key, parent, self.fingerprint, block, state.tensors,
-                                     part=part):
-                self._written += state.num_bytes
+                                     part=part) and self._disk_total is not None:
+                self._disk_total += self.disk.path(key).stat().st_size
         except BlockWriteError:
             pass  # logged in the store's faults; `take_disk_faults` hands them on
 
     def _enforce_disk_budget(self) -> None:
-        if self.disk is None or self.disk_bytes is None or not self._written:
+        """Past `disk_bytes`, gc the folder (its total counted once, then kept up to date)."""
+        if self.disk is None or self.disk_bytes is None:
             return
-        self._written = 0
-        total = sum(info.num_bytes for info in self.disk.scan())
-        if total > self.disk_bytes:
-            self.disk.gc(self.disk_bytes)
-
-
-PrefixCache = KVCache | StateCache  # what `open_cache` gives, and prefill and generate take
+        if self._disk_total is None:
+            self._disk_total = sum(info.num_bytes for info in self.disk.scan())
+        if self._disk_total > self.disk_bytes:
+            self._disk_total = self.disk.gc(self.disk_bytes).num_bytes_left
 
 
 def split_state(state: BlockState, window_layers: frozenset[int]) -> tuple[BlockState,
@@ -355,7 +360,8 @@ def split_state(state: BlockState, window_layers: frozenset[int]) -> tuple[Block
     rows: dict[str, torch.Tensor] = {}
     resume: dict[str, torch.Tensor] = {}
     for name, tensor in state.tensors.items():
-        is_rows = name[0] in "kv" and int(name[1:]) not in window_layers
+        layer = kv_layer(name)
+        is_rows = layer is not None and layer not in window_layers
         (rows if is_rows else resume)[name] = tensor
     return BlockState(rows), BlockState(resume)
 
@@ -367,6 +373,9 @@ def merge_states(rows: BlockState, resume: BlockState | None) -> BlockState:
 def resume_key(key: str) -> str:
     """The disk key of a block's resume part: a child of the block in the chain."""
     return hashlib.sha256(bytes.fromhex(key) + b"resume").hexdigest()
+
+
+PrefixCache = KVCache | StateCache  # what `open_cache` gives, and prefill and generate take
 
 
 def open_cache(engine: Engine, **options: object) -> PrefixCache:

@@ -148,7 +148,7 @@ def test_state_layers_hold_the_same_bytes_at_any_length(family_engine, tokens):
     assert small == large and all(small)
 
 
-@pytest.mark.parametrize("name", ["jamba", "rwkv", "gemma3", "qwen3_next"])
+@pytest.mark.parametrize("name", list(FAMILIES))
 def test_disk_tier_serves_another_process_bit_identically(family_engine, family_root, tmp_path,
                                                            tokens, name):
     engine = family_engine(name)
@@ -184,13 +184,14 @@ def test_a_damaged_state_block_is_recomputed_not_used(family_engine, tmp_path, t
         raw[-3] ^= 0xFF  # a flipped bit in the last tensor
         path.write_bytes(bytes(raw))
     fresh = open_cache(engine, disk_dir=disk, block_size=BLOCK)
-    hot = prefill(engine, fresh, prompt)
+    longer = [*prompt, *tokens(10, seed=9)]  # the next call: it would resume at 80
+    hot = prefill(engine, fresh, longer)
     assert hot.num_cached_tokens == 0
     assert fresh.take_disk_faults().num_damaged >= 1
-    assert torch.equal(hot.logits, prefill(engine, None, prompt, block_size=BLOCK).logits)
+    assert torch.equal(hot.logits, prefill(engine, None, longer, block_size=BLOCK).logits)
 
 
-@pytest.mark.parametrize("name", ["jamba", "gpt_oss", "qwen3_moe"])
+@pytest.mark.parametrize("name", list(FAMILIES))
 def test_batched_decoding_gives_each_request_what_it_gets_alone(family_engine, tokens, name):
     engine = family_engine(name)
     prompts = [tokens(40 + 9 * i, seed=20 + i) for i in range(3)]
@@ -208,11 +209,12 @@ def test_batched_decoding_gives_each_request_what_it_gets_alone(family_engine, t
     assert [r.token_ids for r in together] == [r.token_ids for r in alone]
 
 
-def test_a_fork_continues_warm_from_its_parent(family_engine, tokens):
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_a_fork_continues_warm_from_its_parent(family_engine, tokens, name):
     """An agent's two calls, then a fork of the second with its last message edited: the
-    fork resumes where the first call's sequence ended (a kept resume point) and decodes
-    what a cold run decodes."""
-    engine = family_engine("granite_moe_hybrid")
+    fork resumes where the first call's sequence ended (a kept resume point; any token on
+    the radix path) and decodes what a cold run decodes."""
+    engine = family_engine(name)
     cache = open_cache(engine, block_size=BLOCK)
     first_prompt = tokens(100, seed=30)
     first = generate(engine, cache, first_prompt, max_new_tokens=4, stop_ids=())
@@ -220,7 +222,7 @@ def test_a_fork_continues_warm_from_its_parent(family_engine, tokens):
     generate(engine, cache, [*history, *tokens(30, seed=31)], max_new_tokens=4, stop_ids=())
     fork = [*history, *tokens(25, seed=32)]
     warm = generate(engine, cache, fork, max_new_tokens=4, stop_ids=())
-    assert warm.prefill.num_cached_tokens == 96
+    assert warm.prefill.num_cached_tokens == (104 if engine.layout.is_plain else 96)
     assert warm.token_ids == generate(engine, None, fork, max_new_tokens=4, stop_ids=()).token_ids
 
 
@@ -253,7 +255,7 @@ def test_cache_size_per_kind_follows_the_formula(family_engine):
     by_kind = {k.kind: k for k in large.kinds}
     full, window = by_kind[str(LayerKind.FULL)], by_kind[str(LayerKind.WINDOW)]
     assert full.num_bytes == full.kv_bytes_per_token * 32_768
-    assert window.num_bytes == window.kv_bytes_per_token * window.window
+    assert window.num_bytes == window.kv_bytes_per_token * (window.window - 1)
     assert {k.kind: k.num_bytes for k in small.kinds}[str(LayerKind.WINDOW)] == window.num_bytes
     mamba = family_engine("mamba2")
     assert cache_size(mamba, 10).num_bytes == cache_size(mamba, 100_000).num_bytes > 0
@@ -300,17 +302,48 @@ def test_cache_size_on_the_command_line(family_engine):
     assert ok.returncode == 0, ok.stderr
     sizes = json.loads(ok.stdout)
     window = next(k for k in sizes["kinds"] if k["kind"] == str(LayerKind.WINDOW))
-    assert window["num_bytes"] == window["kv_bytes_per_token"] * window["window"]
+    assert window["num_bytes"] == window["kv_bytes_per_token"] * (window["window"] - 1)
     bad = subprocess.run([sys.executable, "-m", "kvtrace", "cache", "size", str(engine.path),
                           "--tokens", "-5"], capture_output=True, text=True,
                          env={**_env(), "HF_HUB_OFFLINE": "1"}, timeout=300)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--tokens" in bad.stderr
 
 
-def test_cache_verify_recomputes_state_blocks(family_engine, tmp_path, tokens):
+@pytest.mark.parametrize(("name", "checked"), [("lfm2", 3), ("mamba2", 1)])
+def test_cache_verify_recomputes_state_blocks(family_engine, tmp_path, tokens, name, checked):
+    """Rows and resume parts against a cold computation; a recurrent model's block that
+    a prompt passed through holds nothing to compare, and is not counted as checked."""
     from kvtrace.engine.maintenance import verify_blocks
 
-    engine = family_engine("lfm2")
+    engine = family_engine(name)
     prefill(engine, open_cache(engine, disk_dir=tmp_path / "kv"), tokens(200, seed=60))
     report = verify_blocks(engine, tmp_path / "kv", sample=None)
-    assert (report.num_checked, report.mismatched, report.unreadable) == (3, (), ())
+    assert (report.num_checked, report.mismatched, report.unreadable) == (checked, (), ())
+    resume = next(p for p in (tmp_path / "kv").glob("*/*.safetensors")
+                  if _part(p) == "resume")
+    raw = bytearray(resume.read_bytes())
+    raw[-2] ^= 0x01
+    resume.write_bytes(bytes(raw))
+    damaged = verify_blocks(engine, tmp_path / "kv", sample=None)
+    assert (damaged.num_checked, len(damaged.unreadable)) == (checked - 1, 1)
+
+
+def test_memory_eviction_takes_tails_before_their_ancestors(family_engine, tokens):
+    """A prompt longer than the memory budget: its own tail goes first, and an earlier
+    call's resume point on its path (an ancestor, used again) stays."""
+    engine = family_engine("qwen3_next")
+    cache = open_cache(engine, block_size=BLOCK, memory_bytes=60_000)
+    long = tokens(400, seed=61)
+    prefill(engine, cache, long[:48])  # an earlier call: resumable at 48
+    prefill(engine, cache, long)  # 25 blocks, over the budget
+    assert 0 < cache.memory_stats().num_bytes <= 60_000
+    assert cache.memory_stats().num_entries < 25
+    assert prefill(engine, cache, [*long[:48], 7]).num_memory_tokens == 48
+    # Its own end (a resume point at 400) went first: it resumes at the earlier call's.
+    assert prefill(engine, cache, [*long, 7]).num_cached_tokens == 48
+
+
+def _part(path: Path) -> str:
+    from kvtrace.engine.disk import _read_metadata
+
+    return (_read_metadata(path) or {}).get("part", "rows")
