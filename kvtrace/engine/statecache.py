@@ -13,13 +13,18 @@ tensors, `split_state` sorts them):
 - **resume**: what resuming *at this block's end* needs beyond the rows: a
   copy of every recurrent and convolution state there, and the block's rows
   of the window layers (at most W - 1). Kept only where a sequence prefill
-  stored ends (its last block boundary), and in the blocks within a window
-  before it: the points where an agent's next call, a fork at step K or a
-  repeated request resumes. A block a prompt merely passes through keeps its
-  rows alone. (Marconi's finding, kept simply: most states are never resumed
+  stored ends (its last block boundary), at checkpoints (below), and in the
+  blocks within a window before either: the points where an agent's next
+  call, a fork at step K or a repeated request resumes. Any other block
+  keeps its rows alone. (Marconi's finding, kept simply: most states are
+  never resumed
   from, and a real hybrid model's state is large, ~2 MB per DeltaNet layer
   for Qwen3-Next, so one per 64 tokens would outweigh its KV.) A later
-  prefill that ends there adds the resume part then.
+  prefill that ends there adds the resume part then. Checkpoints bound how
+  far back a fork parting inside one long prompt falls: every
+  `CHECKPOINT_BLOCKS` blocks (1,024 tokens), or further apart where a
+  resume part is large, so that one costs at most a quarter of the rows it
+  spans (`checkpoint_blocks`: Gemma 3 270M's window of 512 rows, ~160 blocks).
 
 A hit is the longest prefix that ends at a block boundary whose resume part
 is cached and whose window rows reach back W - 1 tokens: the model's resume
@@ -76,6 +81,10 @@ from kvtrace.engine.modelstate import BlockState, kv_layer
 from kvtrace.engine.owed import OwedOutputs
 from kvtrace.errors import BlockWriteError, UsageError
 
+# A resume part is also kept every this many blocks at least (1,024 tokens at 64), so that a
+# fork parting inside a long prompt resumes at most that far back (module docstring).
+CHECKPOINT_BLOCKS = 16
+
 
 @dataclass(frozen=True, slots=True)
 class StateHit:
@@ -130,6 +139,7 @@ class StateCache:
         self._window_blocks = -(-(max(windows) - 1) // block_size) if windows else 0
         self._window_layers = frozenset(i for i, layer in enumerate(engine.layout.layers)
                                         if layer.kind.is_windowed)
+        self.checkpoint_blocks = checkpoint_blocks(engine, block_size)
         self._blocks: OrderedDict[str, _Entry] = OrderedDict()  # oldest first
         self._num_bytes = 0
         self._disk_total: int | None = None  # bytes in the folder: counted once, then kept
@@ -205,9 +215,7 @@ class StateCache:
                 j = end // b - 1
                 block = tuple(tokens[end - b : end])
                 rows, resume = split_state(state, self._window_layers)
-                keeps_resume = end == last or (
-                    end < last and (last - end) // b < self._window_blocks)
-                kept = resume if keeps_resume else None
+                kept = resume if self._keeps_resume(end, last) else None
                 self._add(keys[j], block, rows, kept)
                 if self.disk is not None:
                     parent = keys[j - 1] if j else self.disk.root_key(self.fingerprint)
@@ -287,6 +295,15 @@ class StateCache:
     def _chain(self, tokens: Sequence[int]) -> list[str]:
         return chain_keys(self.fingerprint, self.block_size, tokens)
 
+    def _keeps_resume(self, end: int, last: int) -> bool:
+        """Whether the block ending at `end` keeps its resume part, in a sequence whose last
+        block boundary is `last`: it is a kept resume point (`last`, or a checkpoint every
+        `checkpoint_blocks` blocks), or lies within a window before one."""
+        every = self.checkpoint_blocks * self.block_size
+        point = min(last, -(-end // every) * every)  # the first kept point at or after `end`
+        return end <= point and (end == point
+                                 or (point - end) // self.block_size < self._window_blocks)
+
     def _deepest_resume(self, has_resume: list[bool]) -> int:
         """Blocks before the deepest boundary whose resume part, and the window rows of the
         blocks before it, are cached (0: none)."""
@@ -352,6 +369,21 @@ class StateCache:
             self._disk_total = sum(info.num_bytes for info in self.disk.scan())
         if self._disk_total > self.disk_bytes:
             self._disk_total = self.disk.gc(self.disk_bytes).num_bytes_left
+
+
+def checkpoint_blocks(engine: Engine, block_size: int) -> int:
+    """Blocks between checkpoints: `CHECKPOINT_BLOCKS`, or more where a resume part (states
+    and a window of rows) would cost over a quarter of the full-attention rows it spans."""
+    layers = engine.layout.layers
+    rows = block_size * sum(layer.kv_bytes_per_token for layer in layers
+                            if layer.kind.has_kv and not layer.kind.is_windowed)
+    if rows == 0:  # every attention layer a window: against what full ones would hold
+        rows = block_size * sum(layer.kv_bytes_per_token for layer in layers)
+    resume = sum(layer.state_bytes + (layer.num_bytes(1 << 30) - layer.state_bytes
+                                      if layer.kind.is_windowed else 0) for layer in layers)
+    if rows == 0:  # recurrent layers only: a state is all there is to keep
+        return CHECKPOINT_BLOCKS
+    return max(CHECKPOINT_BLOCKS, -(-4 * resume // rows))
 
 
 def split_state(state: BlockState, window_layers: frozenset[int]) -> tuple[BlockState,
