@@ -50,8 +50,9 @@ implementation. A model whose multi-token forward forgets its state
 block, on both paths.
 
 Sizes: full layers cost what they cost in the radix tree; window layers at
-most W - 1 rows per kept resume point (a 32k-token prompt keeps W of them,
-not 32k); state layers one snapshot per kept resume point.
+most W - 1 rows per kept resume point, state layers one snapshot per kept
+resume point (a sequence's end, and a checkpoint that costs at most a
+quarter of the rows it spans).
 """
 
 from __future__ import annotations
