@@ -194,10 +194,12 @@ def kinds_from_config(config: Any, where: str) -> list[tuple[LayerKind, int | No
     return out
 
 
-def measure_layout(model: Any, where: str) -> ModelLayout:
+def measure_layout(model: Any, where: str,
+                   kinds: list[tuple[LayerKind, int | None]] | None = None) -> ModelLayout:
     """Run a few tokens through `model` to measure each layer's cache; probe chunked steps."""
     config = model.config
-    kinds = kinds_from_config(config, where)
+    if kinds is None:  # the loader passes what it read from the config already
+        kinds = kinds_from_config(config, where)
     uses_state_list = kinds is None
     ids = torch.arange(1, _PROBE_TOKENS + 1, device=model.device).unsqueeze(0) % max(
         2, int(model.get_input_embeddings().weight.shape[0]))

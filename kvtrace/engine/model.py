@@ -186,7 +186,7 @@ def _load_folder(folder: Path, cache_dir: Path, device: torch.device, dtype: tor
         kv_bytes_per_token = 2 * num_layers * num_kv_heads * head_dim * element_size
         layout = plain_layout(num_layers, kv_bytes_per_token)
     else:
-        layout = measure_layout(model, str(folder))
+        layout = measure_layout(model, str(folder), kinds)
         num_layers = len(layout.layers)
         num_kv_heads = int(getattr(text_config, "num_key_value_heads", 0) or 0)
         head_dim = int(getattr(text_config, "head_dim", 0) or 0)

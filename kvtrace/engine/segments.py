@@ -124,7 +124,7 @@ def _overlapping(texts: list[str], candidates: dict[str, int]) -> set[str]:
     overlaps at an end (one's end is the other's start).
 
     By sets of substrings, prefixes and suffixes rather than pair by pair: Gemma 3's
-    tokenizer has ~6,300 added tokens, and comparing every pair took ~2 minutes.
+    tokenizer has ~6,300 added tokens, and comparing every pair costs ~2 minutes.
     """
     distinct = set(texts)
     prefixes: dict[str, set[str]] = {}  # proper prefix -> the texts it starts
