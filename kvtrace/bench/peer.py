@@ -37,11 +37,24 @@ from __future__ import annotations
 
 import tempfile
 import time
+from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
+
+from kvtrace.bench.contend import contention
 from kvtrace.bench.fork import record_agent
-from kvtrace.bench.servers import kvtrace_serve
+from kvtrace.bench.peerserver import (
+    UNRELATED,
+    UNRELATED_PROMPT,
+    check_tokens,
+    make_cold,
+    peer_request,
+    server_root,
+)
+from kvtrace.bench.servers import kvtrace_serve, vllm_server
 from kvtrace.paths import default_cache_dir
 from kvtrace.replay.backend import CallRequest, SamplingParams, Tokenizer
 from kvtrace.replay.oracle import PrefixOracle, common_prefix_length
@@ -50,13 +63,14 @@ from kvtrace.replay.remote import RemoteBackend
 from kvtrace.store import ModelCall, Step, StepKind, Store, open_store
 
 FORK_STEPS = (2, 4, 6, 8)
-_COLD = [{"role": "user", "content": "Unrelated: say one word."}]
 
 
 def run_peer_bench(peer: str, *, model: str | None = None, peer_model: str | None = None,
                    calls: int = 10, fork_steps: tuple[int, ...] = FORK_STEPS,
-                   trials: int = 2, dtype: str = "float32") -> dict[str, Any]:
-    """Time the interleaved replay through kvtrace and through `peer` (module docstring)."""
+                   trials: int = 2, dtype: str = "float32", peer_block_size: int | None = None,
+                   contend: int = 0) -> dict[str, Any]:
+    """Time the interleaved replay through kvtrace and through `peer` (module docstring): a
+    base URL, or "vllm" for vLLM's CPU build from `make bench-peers`, started here."""
     from kvtrace.engine import load_engine, open_cache
     from kvtrace.replay.local import LocalBackend
 
@@ -69,40 +83,62 @@ def run_peer_bench(peer: str, *, model: str | None = None, peer_model: str | Non
         recording = LocalBackend(engine, open_cache(engine))  # warm across the recordings
         runs = record_forks(store, recording, root, calls=calls, fork_steps=fork_steps)
         schedule = interleaved(store, list(runs))
+        expected = [prompt_ids(engine, step) for step in schedule]
         single_slot, radix = computed_tokens(engine, schedule)
-        kvtrace_s: list[float] = []
-        peer_s: list[float] = []
-        tokens: dict[str, int] = {}
-        served: dict[str, int | None] = {}  # the computed tokens each server reported
-        for trial in range(trials):
-            order = ["kvtrace", "peer"] if trial % 2 == 0 else ["peer", "kvtrace"]
-            for side in order:
-                if side == "kvtrace":
-                    with kvtrace_serve(root / f"serve-{trial}", model=model,
-                                       cache_dir=default_cache_dir(), dtype=dtype) as url, \
-                            RemoteBackend(url, model=engine.name) as client:
-                        seconds, tokens["kvtrace"], served["kvtrace"] = timed_replay(
-                            client, schedule)
-                    kvtrace_s.append(seconds)
-                else:
-                    with RemoteBackend(peer, model=peer_model) as client:
-                        client.rebuild(_request(_COLD, None))  # a single slot now holds no prefix
-                        seconds, tokens["peer"], served["peer"] = timed_replay(client,
-                                                                              schedule)
-                    peer_s.append(seconds)
+        native = engine.supports_tools
+        unrelated = engine.chat_tokens(UNRELATED)
+        with ExitStack() as stack:
+            if peer == "vllm":
+                peer_model = peer_model or "smollm2"
+                peer = stack.enter_context(vllm_server(
+                    root / "vllm", model=model, cache_dir=default_cache_dir(),
+                    alias=peer_model, dtype=dtype, block_size=peer_block_size))
+            peer_root = server_root(peer)
+            http = stack.enter_context(httpx.Client(timeout=600.0))
+            token_check = check_tokens(
+                http, peer_root, peer_model,
+                [peer_request(step, native_tools=native) for step in schedule], expected)
+            stack.enter_context(contention(contend))
+            sides: dict[str, list[Trial]] = {"kvtrace": [], "peer": []}
+            for trial in range(trials):
+                order = ["kvtrace", "peer"] if trial % 2 == 0 else ["peer", "kvtrace"]
+                for side in order:
+                    if side == "kvtrace":
+                        with kvtrace_serve(root / f"serve-{trial}", model=model,
+                                           cache_dir=default_cache_dir(), dtype=dtype) as url, \
+                                RemoteBackend(url, model=engine.name) as client:
+                            sides["kvtrace"].append(timed_replay(
+                                client, [_request(step_messages(s), s) for s in schedule],
+                                cold_by="a new server"))
+                    else:
+                        with RemoteBackend(peer, model=peer_model) as client:
+                            cold_by = make_cold(http, peer_root, peer, peer_model)
+                            sides["peer"].append(timed_replay(
+                                client, [peer_request(s, native_tools=native) for s in schedule],
+                                cold_by=cold_by))
         store.close()
+    kvtrace_s = min(t.seconds for t in sides["kvtrace"])
+    peer_s = min(t.seconds for t in sides["peer"])
     return {
         "model": engine.name, "dtype": dtype, "peer": peer, "calls": calls,
-        "fork_steps": list(fork_steps),
+        "fork_steps": list(fork_steps), "contend": contend,
         "requests": len(schedule), "trials": trials,
         "forks": {name: run for name, run in runs.items() if run},
-        "kvtrace_s": round(min(kvtrace_s), 3), "peer_s": round(min(peer_s), 3),
-        "kvtrace_s_trials": [round(s, 3) for s in kvtrace_s],
-        "peer_s_trials": [round(s, 3) for s in peer_s],
-        "speedup": round(min(peer_s) / min(kvtrace_s), 3), "target_speedup": 3.0,
-        "prompt_tokens": tokens,
+        "kvtrace_s": round(kvtrace_s, 3), "peer_s": round(peer_s, 3),
+        "kvtrace_s_trials": [round(t.seconds, 3) for t in sides["kvtrace"]],
+        "peer_s_trials": [round(t.seconds, 3) for t in sides["peer"]],
+        "speedup": round(peer_s / kvtrace_s, 3), "target_speedup": 1.5,
+        "prompt_tokens": {"kvtrace": sides["kvtrace"][0].prompt_tokens,
+                          "peer": sides["peer"][0].prompt_tokens},
+        "peer_tokens": token_check.to_dict(),
         "computed_tokens": {"radix_tree": radix, "single_slot": single_slot},
-        "computed_tokens_reported": served,
+        "computed_tokens_reported": {side: [t.computed for t in got]
+                                     for side, got in sides.items()},
+        # A cold cache reuses nothing of the first prompt, or, made cold by an unrelated
+        # prompt, what the two have in common (the template's first tokens).
+        "cold_start": {side: [t.cold_start(0 if t.cold_by != UNRELATED_PROMPT else
+                                           common_prefix_length(unrelated, expected[0]))
+                              for t in got] for side, got in sides.items()},
     }
 
 
@@ -130,15 +166,35 @@ def interleaved(store: Store, runs: list[str]) -> list[Step]:
     return [c[i] for i in range(longest) for c in calls if i < len(c)]
 
 
-def timed_replay(client: RemoteBackend, schedule: list[Step]) -> tuple[float, int, int | None]:
-    """Seconds to send every step's prompt through `client`, the prompt tokens counted, and
-    those the server says it computed (None when it does not report its cached tokens)."""
+@dataclass(frozen=True, slots=True)
+class Trial:
+    """One side's timed replay of the schedule: seconds, prompt tokens counted, the tokens the
+    server says it computed and reused of its first prompt (None: it reports no cached
+    tokens), and how it was made cold."""
+
+    seconds: float
+    prompt_tokens: int
+    computed: int | None
+    cold_by: str
+    first_reused: int | None
+
+    def cold_start(self, shared: int) -> str:
+        """How it was made cold, or what says it was not: its first request reused more than
+        the `shared` tokens it has in common with what the cache may hold."""
+        if self.first_reused is None or self.first_reused <= shared:
+            return self.cold_by
+        return f"NOT COLD: {self.first_reused} tokens of its first prompt reused ({self.cold_by})"
+
+
+def timed_replay(client: RemoteBackend, requests: list[CallRequest], *, cold_by: str) -> Trial:
+    """Send every request through `client`, one after another, timing the whole."""
     started = time.perf_counter()
-    results = [client.rebuild(_request(step_messages(step), step)) for step in schedule]
+    results = [client.rebuild(request) for request in requests]
     seconds = time.perf_counter() - started
     computed = [r.computed_tokens for r in results]
     reported = None if None in computed else sum(c for c in computed if c is not None)
-    return seconds, sum(r.prompt_tokens for r in results), reported
+    return Trial(seconds, sum(r.prompt_tokens for r in results), reported, cold_by,
+                 results[0].reused_tokens)
 
 
 def computed_tokens(tokenizer: Tokenizer, schedule: list[Step]) -> tuple[int, int]:
@@ -158,10 +214,9 @@ def computed_tokens(tokenizer: Tokenizer, schedule: list[Step]) -> tuple[int, in
     return single, radix
 
 
-def _request(messages: list[Any], step: Step | None) -> CallRequest:
+def _request(messages: list[Any], step: Step) -> CallRequest:
     # llama.cpp's server refuses an assistant message whose content is null (a tool call's):
     # both sides get "" instead, the same requests.
     messages = [m | {"content": ""} if m.get("content") is None else m for m in messages]
     return CallRequest(messages, None, SamplingParams(max_new_tokens=1),
-                       model=ModelCall(step).model if step is not None else None,
-                       tools=step_tools(step) if step is not None else None)
+                       model=ModelCall(step).model, tools=step_tools(step))

@@ -17,12 +17,13 @@ worktree's client against main's server (docs/benchmarks.md, session 19).
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import httpx
@@ -70,6 +71,42 @@ def llama_cpp_server(folder: Path, *, model: str | None, alias: str, n_ctx: int 
         yield url
 
 
+VLLM_PYTHON = Path(".venv-vllm/bin/python")  # `make bench-peers` installs vLLM's CPU build there
+
+
+@contextmanager
+def vllm_server(folder: Path, *, model: str | None, cache_dir: Path, alias: str,
+                dtype: str = "float32", block_size: int | None = None,
+                vllm_python: Path | None = None) -> Iterator[str]:
+    """vLLM's CPU build (`make bench-peers`) on `model`'s folder (the one kvtrace converts), as
+    the engine issue compares it: automatic prefix caching, cached tokens in its usage, its
+    dev-mode `/reset_prefix_cache` (so each trial can start cold), a KV space of 4 GiB, one
+    OpenMP thread per core; `block_size` None: its CPU build's default (128). Yields its base
+    URL (…/v1). The first start compiles for ~100 s; later ones reuse the compile cache."""
+    from kvtrace.engine.folders import model_folder
+
+    python = vllm_python or VLLM_PYTHON
+    if not python.exists():
+        raise FileNotFoundError(f"no vLLM at {python}: `make bench-peers` installs its CPU "
+                                "build into .venv-vllm")
+    folder.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    cores = os.cpu_count() or 1
+    command = [str(python), "-m", "vllm.entrypoints.openai.api_server",
+               "--model", str(model_folder(model, cache_dir).resolve()),
+               "--served-model-name", alias, "--dtype", dtype,
+               "--host", "127.0.0.1", "--port", str(port),
+               "--enable-prefix-caching", "--enable-prompt-tokens-details",
+               "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+    if block_size is not None:
+        command += ["--block-size", str(block_size)]
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "4",
+           "VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}", "HF_HUB_OFFLINE": "1",
+           "TRANSFORMERS_OFFLINE": "1"}
+    with _process(command, env, port, folder / "server.log", start_timeout_s=600.0) as url:
+        yield url
+
+
 def server_pythonpath(inherited: str) -> str:
     """The PYTHONPATH a bench's `kvtrace serve` gets: this process's kvtrace first (unless it
     is an installed one, which the server finds anyway), then `inherited`, made absolute (the
@@ -89,25 +126,35 @@ def free_port() -> int:
 
 @contextmanager
 def _process(command: list[str], env: dict[str, str], port: int, log: Path,
-             cwd: Path | None = None) -> Iterator[str]:
+             cwd: Path | None = None, start_timeout_s: float = START_TIMEOUT_S) -> Iterator[str]:
+    """The server in a process group of its own, stopped with every process it started (vLLM's
+    engine and worker processes)."""
     url = f"http://127.0.0.1:{port}/v1"
     with log.open("w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                   cwd=cwd)
+                                   cwd=cwd, start_new_session=True)
         try:
-            _wait_listening(url, process, log)
+            _wait_listening(url, process, log, start_timeout_s)
             yield url
         finally:
-            process.terminate()  # a server still computing an abandoned request may linger
+            # A server still computing an abandoned request may linger: SIGKILL after 10 s.
+            _signal_group(process, signal.SIGTERM)
             try:
-                process.wait(timeout=5)
+                process.wait(timeout=10)
             except subprocess.TimeoutExpired:
-                process.kill()
+                _signal_group(process, signal.SIGKILL)
                 process.wait()
+            _signal_group(process, signal.SIGKILL)  # children its leader left behind
 
 
-def _wait_listening(url: str, process: subprocess.Popen[bytes], log: Path) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
+def _signal_group(process: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    with suppress(ProcessLookupError):
+        os.killpg(process.pid, sig)
+
+
+def _wait_listening(url: str, process: subprocess.Popen[bytes], log: Path,
+                    timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
     while True:
         if process.poll() is not None:
             raise RuntimeError(f"the server exited: {log.read_text()[-2000:]}")

@@ -189,7 +189,8 @@ def bench_fork(
     peer: Annotated[str | None, typer.Option(
         "--peer", help="Instead: replay the run and forks of it taken at --fork-steps, "
         "interleaved, through kvtrace serve and through this OpenAI-compatible server "
-        "(base URL with its API prefix, e.g. http://127.0.0.1:8080/v1), both cold.")] = None,
+        "(base URL with its API prefix, e.g. http://127.0.0.1:8080/v1), both cold; 'vllm': "
+        "vLLM's CPU build from `make bench-peers`, started here.")] = None,
     peer_model: Annotated[str | None, typer.Option(
         "--peer-model", help="The model name sent to --peer (default: the recorded one).")
     ] = None,
@@ -198,7 +199,14 @@ def bench_fork(
         "comma-separated.")] = "2,4,6,8",
     dtype: Annotated[Precision, typer.Option(
         "--dtype", help="With --peer: the number format of the kvtrace serve timed (the "
-        "workload is recorded in float32 either way).")] = Precision.FLOAT32,
+        "workload is recorded in float32 either way), and of --peer vllm.")
+    ] = Precision.FLOAT32,
+    peer_block_size: Annotated[int | None, typer.Option(
+        "--peer-block-size", min=1, help="With --peer vllm: its KV block size in tokens "
+        "(default: its CPU build's, 128).")] = None,
+    contend: Annotated[int, typer.Option(
+        "--contend", min=0, help="With --peer: N processes keeping a core busy each, "
+        "alongside both sides' timed replays.")] = 0,
     as_json: Json = False,
 ) -> None:
     """An agent forked at step K (--from) against re-running it whole, on the local engine;
@@ -215,8 +223,11 @@ def bench_fork(
         if not fork_at or any(not 1 <= step < calls for step in fork_at):
             raise typer.BadParameter(f"fork steps must be in 1..{calls - 1}",
                                      param_hint="--fork-steps")
+        if peer_block_size is not None and peer != "vllm":
+            raise typer.BadParameter("only with --peer vllm", param_hint="--peer-block-size")
         _print_figures(run_peer_bench(peer, model=model, peer_model=peer_model, calls=calls,
-                                      fork_steps=fork_at, trials=trials, dtype=dtype.value),
+                                      fork_steps=fork_at, trials=trials, dtype=dtype.value,
+                                      peer_block_size=peer_block_size, contend=contend),
                        as_json)
         return
     if k >= calls:

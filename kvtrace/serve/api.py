@@ -10,8 +10,8 @@ accepted: `messages` (the function-calling format, store/messages.py),
 `max_tokens`/`max_completion_tokens` (>= 1), `stop` (a string or up to 4),
 `n` (1 only, in local mode), `stream`, `stream_options`; other fields are
 passed on (upstream) or recorded as params (local), their values checked
-only as the store would check them. `CHAT_PATH` and `MODELS_PATH` are the
-chat endpoints the server itself knows.
+only as the store would check them. `CHAT_PATH`, `MODELS_PATH` and
+`TOKENIZE_PATH` are the chat endpoints the server itself knows.
 """
 
 from __future__ import annotations
@@ -41,6 +41,9 @@ __all__ = ["CHAT_PATH", "MAX_BODY_DEPTH", "MODELS_PATH", "APIError", "ChatReques
 
 CHAT_PATH = "/v1/chat/completions"
 MODELS_PATH = "/v1/models"
+# vLLM's /tokenize for chat messages, at the server's root as vLLM and SGLang have it: the ids a
+# prompt renders to, which engine benchmarks compare across servers. Local mode only.
+TOKENIZE_PATH = "/tokenize"
 
 
 @dataclass(frozen=True, slots=True)

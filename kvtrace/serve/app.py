@@ -58,14 +58,15 @@ from kvtrace.serve.anthropic_api import (
     error_body,
     is_anthropic_path,
 )
-from kvtrace.serve.api import CHAT_PATH, MODELS_PATH
+from kvtrace.serve.api import CHAT_PATH, MODELS_PATH, TOKENIZE_PATH
 from kvtrace.serve.openapi import chat_operation, messages_operation, responses_operation
 from kvtrace.serve.recording import DISCARD, Recording, RunStats
 from kvtrace.serve.request import APIError, check_content_type, failed_answer
 from kvtrace.serve.responses_api import RESPONSES_PATH
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
-JSON_PATHS = frozenset({CHAT_PATH, MESSAGES_PATH, COUNT_TOKENS_PATH, RESPONSES_PATH})
+JSON_PATHS = frozenset({CHAT_PATH, MESSAGES_PATH, COUNT_TOKENS_PATH, RESPONSES_PATH,
+                        TOKENIZE_PATH})
 UPGRADE_REQUIRED = 426
 
 
@@ -151,6 +152,13 @@ class ChatServer:
                     JSONResponse(error.body(), status_code=UPGRADE_REQUIRED))
             else:  # an ASGI server without denial responses: a plain refusal (403)
                 await websocket.close(code=1008, reason=error.message[:120])
+
+        @app.post(TOKENIZE_PATH, include_in_schema=False)
+        async def tokenize(request: Request) -> Response:
+            if not is_local:
+                raise APIError(404, f"POST {TOKENIZE_PATH} is served in local mode only: ask "
+                               "the upstream server's own", code="not_found")
+            return await self._answer(request)
 
         async def other(request: Request, path: str) -> Response:
             return await self._answer(request)

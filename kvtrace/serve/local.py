@@ -2,8 +2,9 @@
 
 `LocalAnswerer.answer` serves `POST /v1/chat/completions`, `POST
 /v1/messages` (Anthropic) and `POST /v1/responses` (OpenAI Responses), `GET
-/v1/models` (the one model it serves) and `POST /v1/messages/count_tokens`
-(the rendered prompt's length); any other path is a 404. Each
+/v1/models` (the one model it serves), `POST /v1/messages/count_tokens`
+(the rendered prompt's length) and `POST /tokenize` (a chat request's prompt
+ids, in vLLM's shape); any other path is a 404. Each
 API checks its own request and writes its own answer (`DIALECTS`:
 api.py and chat_reply.py, anthropic_api.py, responses_api.py); everything
 between, described here, is shared, so the three APIs get the same queue,
@@ -84,7 +85,7 @@ from kvtrace.serve.anthropic_api import (
     parse_messages_request,
     stream_error_event,
 )
-from kvtrace.serve.api import CHAT_PATH, MODELS_PATH, parse_chat_request
+from kvtrace.serve.api import CHAT_PATH, MODELS_PATH, TOKENIZE_PATH, parse_chat_request
 from kvtrace.serve.chat_reply import ChatReply
 from kvtrace.serve.disconnect import ClosingStream, client_left, unless_client_leaves
 from kvtrace.serve.generation import Generation, LocalCall, Reply
@@ -112,6 +113,9 @@ DIALECTS = {
     RESPONSES_PATH: Dialect(lambda data: parse_responses_request(data, is_local=True),
                             ResponsesReply),
 }
+# /tokenize (api.py): a chat completions body (no max_tokens needed), with a generation prompt.
+TOKENIZING = Dialect(lambda data: parse_chat_request(_generation_prompt_only(data),
+                                                     is_local=True), ChatReply)
 COUNTING = Dialect(lambda data: parse_messages_request(data, is_counted_only=True),
                    MessagesReply)  # count_tokens: prepared as a Messages call, never answered
 
@@ -199,6 +203,10 @@ class LocalAnswerer:
         if route == ("POST", COUNT_TOKENS_PATH):  # the prompt's length: nothing generated
             _, prompt = await loop.run_in_executor(self._preparer, self.prepare, COUNTING, body)
             return JSONResponse({"input_tokens": len(prompt)})
+        if route == ("POST", TOKENIZE_PATH):  # the prompt's ids, as vLLM's /tokenize gives them
+            _, prompt = await loop.run_in_executor(self._preparer, self.prepare, TOKENIZING, body)
+            return JSONResponse({"count": len(prompt), "tokens": prompt,
+                                 "max_model_len": self._backend.engine.max_context_tokens})
         dialect = DIALECTS.get(request.url.path) if request.method == "POST" else None
         if dialect is None:
             raise APIError(404, f"{request.method} {request.url.path} is not served in local "
@@ -360,3 +368,15 @@ def _text_bytes(messages: list[dict[str, Any]]) -> int:
             if isinstance(text, str):
                 total += len(text.encode("utf-8"))
     return total
+
+
+def _generation_prompt_only(data: Any) -> Any:
+    """A /tokenize body less `add_generation_prompt`, which must be true (kvtrace renders every
+    prompt with its generation prompt)."""
+    if not isinstance(data, dict) or "add_generation_prompt" not in data:
+        return data
+    if data["add_generation_prompt"] is not True:
+        raise APIError(400, "add_generation_prompt: kvtrace renders every prompt with the "
+                       "generation prompt; send true or leave it out",
+                       param="add_generation_prompt", code="invalid_value")
+    return {k: v for k, v in data.items() if k != "add_generation_prompt"}

@@ -27,6 +27,12 @@ def test_the_peer_bench_replays_a_run_and_its_forks_interleaved_through_both(
     assert 0 < computed["radix_tree"] < computed["single_slot"]
     # kvtrace serve, in its own process, computed what a radix tree must (the last token of
     # every prompt is always computed, so up to one more per request).
-    reported = figures["computed_tokens_reported"]["kvtrace"]
+    reported, = figures["computed_tokens_reported"]["kvtrace"]
     assert computed["radix_tree"] <= reported <= computed["radix_tree"] + figures["requests"]
     assert len(figures["kvtrace_s_trials"]) == len(figures["peer_s_trials"]) == 1
+    # The peer's /tokenize (kvtrace serve's own) agreed with kvtrace's ids on every request,
+    # and both sides started cold: a new kvtrace server, the peer after an unrelated prompt
+    # (it has no reset), each trial's first request reusing nothing.
+    assert figures["peer_tokens"] == {"checked": 12, "agree": True}
+    assert figures["cold_start"] == {"kvtrace": ["a new server"],
+                                     "peer": ["one unrelated prompt"]}
