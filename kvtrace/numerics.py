@@ -93,6 +93,34 @@ def rows_are_invariant(model: torch.nn.Module) -> bool:
     return True
 
 
+def threads_are_invariant(model: torch.nn.Module, most: int) -> bool:
+    """Whether each linear shape of the model's first layer gives the same bits on one thread
+    as on `most` (engine/threads.py may change the count between a cold run and a hit), for
+    decode's 1 row and prefill's 16 and 128."""
+    import torch
+    import torch.nn.functional as F
+
+    first = next((m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")), None)
+    if first is None or most <= 1:
+        return True
+    generator = torch.Generator().manual_seed(0)
+    layers = [m for m in first.modules() if isinstance(m, torch.nn.Linear)]
+    before = torch.get_num_threads()
+    try:
+        with torch.inference_mode():
+            for linear in _distinct(layers, with_bias=True):
+                rows = _random_rows(linear.weight, 128, generator)
+                for m in (1, 16, 128):
+                    torch.set_num_threads(most)
+                    many = F.linear(rows[:m], linear.weight, linear.bias)
+                    torch.set_num_threads(1)
+                    if not torch.equal(F.linear(rows[:m], linear.weight, linear.bias), many):
+                        return False
+    finally:
+        torch.set_num_threads(before)
+    return True
+
+
 def fixed_count_rows_hold(layers: Sequence[torch.nn.Linear], count: int,
                           offsets: Sequence[int]) -> bool:
     """Whether a product of exactly `count` rows gives a row the same bits wherever it sits

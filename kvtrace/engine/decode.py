@@ -45,6 +45,7 @@ from kvtrace.engine.kvbuffer import GrowingLayer, growing_layers
 from kvtrace.engine.model import Engine
 from kvtrace.engine.modelstate import ModelState
 from kvtrace.engine.prefill import ROW_MULTIPLE, prefill
+from kvtrace.engine.threads import engine_threads
 from kvtrace.errors import CacheError
 
 _PAD_TOKEN = 0
@@ -193,6 +194,7 @@ def decode_step(engine: Engine, sequences: Sequence[Decoding], *, padded: bool =
     """
     if not sequences:
         return
+    engine_threads().adjust()  # on the cores other processes leave free (threads.py)
     if not engine.layout.is_plain:
         for sequence in sequences:
             _step_alone(engine, sequence)

@@ -42,9 +42,15 @@ from kvtrace.engine.layers import (
     plain_layout,
 )
 from kvtrace.engine.rowblocks import ROWS, pin_rows, pinned_rows_hold
+from kvtrace.engine.threads import engine_threads
 from kvtrace.engine.tokenizer import ChatTemplating, context_length, stop_token_ids
 from kvtrace.errors import ModelNotFoundError, UnsupportedModelError, UsageError
-from kvtrace.numerics import MKL_SETTING, native_bfloat16, rows_are_invariant
+from kvtrace.numerics import (
+    MKL_SETTING,
+    native_bfloat16,
+    rows_are_invariant,
+    threads_are_invariant,
+)
 
 # Bump when a change to prefill or the attention function changes the bits of
 # the KV it computes: old KV on disk then stops matching instead of being
@@ -168,6 +174,9 @@ def _load_folder(folder: Path, cache_dir: Path, device: torch.device, dtype: tor
             f"{MKL_SETTING[0]}={MKL_SETTING[1]} before anything uses torch (kvtrace/numerics.py)",
             stacklevel=3,
         )
+    budget = engine_threads()
+    if budget.adapts and not threads_are_invariant(model, budget.most):
+        budget.hold("this model's products give other bits on other thread counts")
     if dtype == torch.bfloat16 and device.type == "cpu" and native_bfloat16() is False:
         warnings.warn(
             "this CPU has no native bfloat16 (AVX-512 BF16 or AMX): bfloat16 computes ~10x "

@@ -59,6 +59,7 @@ from kvtrace.engine.radix import KVSource
 from kvtrace.engine.rowblocks import canonical_products
 from kvtrace.engine.statecache import PrefixCache, StateCache
 from kvtrace.engine.stateprefill import prefill_states
+from kvtrace.engine.threads import engine_threads
 from kvtrace.errors import CacheError, UsageError
 
 _PAD_TOKEN = 0
@@ -123,6 +124,7 @@ def prefill(
     (copying a 3,000-token prefix out of the tree costs ~50 ms on CPU).
     """
     tokens = [int(t) for t in token_ids]
+    engine_threads().adjust()  # on the cores other processes leave free (threads.py)
     if not tokens:
         raise UsageError("cannot prefill an empty token sequence")
     if min(tokens) < 0 or max(tokens) >= engine.vocab_size:

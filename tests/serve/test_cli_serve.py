@@ -208,6 +208,7 @@ def test_serve_in_bfloat16_says_so_and_answers(home, tiny_model_folder):
         assert "bfloat16" in banner
         health = httpx.get(url.removesuffix("/v1") + "/health").json()
         assert health["dtype"] == "bfloat16"
+        assert health["threads"].startswith(("up to ", "1, fixed"))  # engine/threads.py
         reply = httpx.post(f"{url}/chat/completions", timeout=120, json={
             "model": "any", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
         assert reply.status_code == 200
