@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # kvtrace against vLLM's CPU build (`make bench-peers` installs it into .venv-vllm) on the fork
 # workload, both cold, the same tokens checked through vLLM's /tokenize: each number format,
-# vLLM's default block size and its smallest, then with one busy process per core. JSON in
+# vLLM's default block size (128) and the smallest its CPU
+# attention kernel takes (multiples of 32), then with one busy process per core. JSON in
 # bench/results/peers-*.json (docs/benchmarks.md quotes them).
 # Usage: bash bench/peers.sh [CASE ...]   (default: all; a case is a name below)
 set -euo pipefail
@@ -12,10 +13,10 @@ cores=$(nproc)
 declare -A cases=(
   [float32]="--dtype float32"
   [bfloat16]="--dtype bfloat16"
-  [bfloat16-block16]="--dtype bfloat16 --peer-block-size 16"
+  [bfloat16-block32]="--dtype bfloat16 --peer-block-size 32"
   [bfloat16-contend]="--dtype bfloat16 --contend $cores"
 )
-for name in "${@:-float32 bfloat16 bfloat16-block16 bfloat16-contend}"; do
+for name in "${@:-float32 bfloat16 bfloat16-block32 bfloat16-contend}"; do
   echo "== kvtrace bench fork --peer vllm ${cases[$name]}" >&2
   # shellcheck disable=SC2086
   .venv/bin/kvtrace bench fork --peer vllm ${cases[$name]} --json \

@@ -36,25 +36,14 @@ tokens).
 from __future__ import annotations
 
 import tempfile
-import time
 from contextlib import ExitStack
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from kvtrace.bench.contend import contention
 from kvtrace.bench.fork import record_agent
-from kvtrace.bench.peerserver import (
-    UNRELATED,
-    UNRELATED_PROMPT,
-    check_tokens,
-    make_cold,
-    peer_request,
-    server_root,
-)
-from kvtrace.bench.servers import kvtrace_serve, vllm_server
+from kvtrace.bench.peerserver import PeerSide, Trial, timed_replay
+from kvtrace.bench.servers import kvtrace_serve
 from kvtrace.paths import default_cache_dir
 from kvtrace.replay.backend import CallRequest, SamplingParams, Tokenizer
 from kvtrace.replay.oracle import PrefixOracle, common_prefix_length
@@ -83,44 +72,31 @@ def run_peer_bench(peer: str, *, model: str | None = None, peer_model: str | Non
         recording = LocalBackend(engine, open_cache(engine))  # warm across the recordings
         runs = record_forks(store, recording, root, calls=calls, fork_steps=fork_steps)
         schedule = interleaved(store, list(runs))
-        expected = [prompt_ids(engine, step) for step in schedule]
         single_slot, radix = computed_tokens(engine, schedule)
-        native = engine.supports_tools
-        unrelated = engine.chat_tokens(UNRELATED)
         with ExitStack() as stack:
-            if peer == "vllm":
-                peer_model = peer_model or "smollm2"
-                peer = stack.enter_context(vllm_server(
-                    root / "vllm", model=model, cache_dir=default_cache_dir(),
-                    alias=peer_model, dtype=dtype, block_size=peer_block_size))
-            peer_root = server_root(peer)
-            http = stack.enter_context(httpx.Client(timeout=600.0))
-            token_check = check_tokens(
-                http, peer_root, peer_model,
-                [peer_request(step, native_tools=native) for step in schedule], expected)
+            peer_side = PeerSide(stack, peer, engine=engine, schedule=schedule, folder=root,
+                                 model=model, peer_model=peer_model, dtype=dtype,
+                                 block_size=peer_block_size)
+            token_check = peer_side.check()
             stack.enter_context(contention(contend))
-            sides: dict[str, list[Trial]] = {"kvtrace": [], "peer": []}
+            ours: list[Trial] = []
             for trial in range(trials):
-                order = ["kvtrace", "peer"] if trial % 2 == 0 else ["peer", "kvtrace"]
-                for side in order:
-                    if side == "kvtrace":
-                        with kvtrace_serve(root / f"serve-{trial}", model=model,
-                                           cache_dir=default_cache_dir(), dtype=dtype) as url, \
-                                RemoteBackend(url, model=engine.name) as client:
-                            sides["kvtrace"].append(timed_replay(
-                                client, [_request(step_messages(s), s) for s in schedule],
-                                cold_by="a new server"))
-                    else:
-                        with RemoteBackend(peer, model=peer_model) as client:
-                            cold_by = make_cold(http, peer_root, peer, peer_model)
-                            sides["peer"].append(timed_replay(
-                                client, [peer_request(s, native_tools=native) for s in schedule],
-                                cold_by=cold_by))
+                if trial % 2:
+                    peer_side.trial()
+                with kvtrace_serve(root / f"serve-{trial}", model=model,
+                                   cache_dir=default_cache_dir(), dtype=dtype) as url, \
+                        RemoteBackend(url, model=engine.name) as client:
+                    ours.append(timed_replay(
+                        client, [_request(step_messages(s), s) for s in schedule],
+                        cold_by="a new server"))
+                if not trial % 2:
+                    peer_side.trial()
         store.close()
-    kvtrace_s = min(t.seconds for t in sides["kvtrace"])
-    peer_s = min(t.seconds for t in sides["peer"])
+    sides = {"kvtrace": ours, "peer": peer_side.trials}
+    kvtrace_s = min(t.seconds for t in ours)
+    peer_s = min(t.seconds for t in peer_side.trials)
     return {
-        "model": engine.name, "dtype": dtype, "peer": peer, "calls": calls,
+        "model": engine.name, "dtype": dtype, "peer": peer_side.url, "calls": calls,
         "fork_steps": list(fork_steps), "contend": contend,
         "requests": len(schedule), "trials": trials,
         "forks": {name: run for name, run in runs.items() if run},
@@ -134,11 +110,8 @@ def run_peer_bench(peer: str, *, model: str | None = None, peer_model: str | Non
         "computed_tokens": {"radix_tree": radix, "single_slot": single_slot},
         "computed_tokens_reported": {side: [t.computed for t in got]
                                      for side, got in sides.items()},
-        # A cold cache reuses nothing of the first prompt, or, made cold by an unrelated
-        # prompt, what the two have in common (the template's first tokens).
-        "cold_start": {side: [t.cold_start(0 if t.cold_by != UNRELATED_PROMPT else
-                                           common_prefix_length(unrelated, expected[0]))
-                              for t in got] for side, got in sides.items()},
+        "cold_start": {"kvtrace": [t.cold_start(0) for t in ours],
+                       "peer": peer_side.cold_starts()},
     }
 
 
@@ -164,37 +137,6 @@ def interleaved(store: Store, runs: list[str]) -> list[Step]:
     calls = [[s for s in store.path(run) if s.kind == StepKind.MODEL_CALL] for run in runs]
     longest = max(len(c) for c in calls)
     return [c[i] for i in range(longest) for c in calls if i < len(c)]
-
-
-@dataclass(frozen=True, slots=True)
-class Trial:
-    """One side's timed replay of the schedule: seconds, prompt tokens counted, the tokens the
-    server says it computed and reused of its first prompt (None: it reports no cached
-    tokens), and how it was made cold."""
-
-    seconds: float
-    prompt_tokens: int
-    computed: int | None
-    cold_by: str
-    first_reused: int | None
-
-    def cold_start(self, shared: int) -> str:
-        """How it was made cold, or what says it was not: its first request reused more than
-        the `shared` tokens it has in common with what the cache may hold."""
-        if self.first_reused is None or self.first_reused <= shared:
-            return self.cold_by
-        return f"NOT COLD: {self.first_reused} tokens of its first prompt reused ({self.cold_by})"
-
-
-def timed_replay(client: RemoteBackend, requests: list[CallRequest], *, cold_by: str) -> Trial:
-    """Send every request through `client`, one after another, timing the whole."""
-    started = time.perf_counter()
-    results = [client.rebuild(request) for request in requests]
-    seconds = time.perf_counter() - started
-    computed = [r.computed_tokens for r in results]
-    reported = None if None in computed else sum(c for c in computed if c is not None)
-    return Trial(seconds, sum(r.prompt_tokens for r in results), reported, cold_by,
-                 results[0].reused_tokens)
 
 
 def computed_tokens(tokenizer: Tokenizer, schedule: list[Step]) -> tuple[int, int]:

@@ -26,21 +26,101 @@ three things:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
 
+from kvtrace.bench.servers import vllm_server
+from kvtrace.paths import default_cache_dir
 from kvtrace.rendering import chat_messages
 from kvtrace.replay.backend import CallRequest, SamplingParams
-from kvtrace.replay.recording import step_messages, step_tools
+from kvtrace.replay.oracle import common_prefix_length
+from kvtrace.replay.recording import prompt_ids, step_messages, step_tools
+from kvtrace.replay.remote import RemoteBackend
 from kvtrace.store import ModelCall, Step
 
 UNRELATED = [{"role": "user", "content": "Unrelated: say one word."}]
 UNRELATED_PROMPT = "one unrelated prompt"  # how `make_cold` says it made a peer cold that way
 # Endpoints that empty a server's prefix cache, tried in order: vLLM's (dev mode), SGLang's.
 _RESETS = ("/reset_prefix_cache", "/flush_cache")
+
+
+@dataclass(frozen=True, slots=True)
+class Trial:
+    """One side's timed replay of a schedule: seconds, prompt tokens counted, the tokens the
+    server says it computed and reused of its first prompt (None: it reports no cached
+    tokens), and how it was made cold."""
+
+    seconds: float
+    prompt_tokens: int
+    computed: int | None
+    cold_by: str
+    first_reused: int | None
+
+    def cold_start(self, shared: int) -> str:
+        """How it was made cold, or what says it was not: its first request reused more than
+        the `shared` tokens it has in common with what the cache may hold."""
+        if self.first_reused is None or self.first_reused <= shared:
+            return self.cold_by
+        return f"NOT COLD: {self.first_reused} tokens of its first prompt reused ({self.cold_by})"
+
+
+def timed_replay(client: RemoteBackend, requests: list[CallRequest], *, cold_by: str) -> Trial:
+    """Send every request through `client`, one after another, timing the whole."""
+    started = time.perf_counter()
+    results = [client.rebuild(request) for request in requests]
+    seconds = time.perf_counter() - started
+    computed = [r.computed_tokens for r in results]
+    reported = None if None in computed else sum(c for c in computed if c is not None)
+    return Trial(seconds, sum(r.prompt_tokens for r in results), reported, cold_by,
+                 results[0].reused_tokens)
+
+
+class PeerSide:
+    """The peer of a benchmark over `schedule` (recorded model calls, in the order sent):
+    `peer` is its base URL, or "vllm" to start vLLM's CPU build in `folder` for as long as
+    `stack` lasts. `check` compares its tokens with kvtrace's (`engine`'s), `trial` makes it
+    cold and times the schedule through it."""
+
+    def __init__(self, stack: ExitStack, peer: str, *, engine: Any, schedule: list[Step],
+                 folder: Path, model: str | None, peer_model: str | None, dtype: str,
+                 block_size: int | None) -> None:
+        if peer == "vllm":
+            peer_model = peer_model or "smollm2"
+            peer = stack.enter_context(vllm_server(
+                folder / "vllm", model=model, cache_dir=default_cache_dir(), alias=peer_model,
+                dtype=dtype, block_size=block_size))
+        self.url, self.model = peer, peer_model
+        self._root = server_root(peer)
+        self._http = stack.enter_context(httpx.Client(timeout=600.0))
+        self._requests = [peer_request(step, native_tools=engine.supports_tools)
+                          for step in schedule]
+        self.expected = [prompt_ids(engine, step) for step in schedule]
+        # What an unrelated prompt shares with the first (the template's first tokens): what
+        # a cache made cold by it may still reuse.
+        self._shared = common_prefix_length(engine.chat_tokens(UNRELATED), self.expected[0])
+        self.trials: list[Trial] = []
+
+    def check(self) -> TokenCheck:
+        """`check_tokens` over the whole schedule (raises TokenMismatchError)."""
+        return check_tokens(self._http, self._root, self.model, self._requests, self.expected)
+
+    def trial(self) -> Trial:
+        """Make the peer cold, then time the schedule through it (kept in `trials`)."""
+        with RemoteBackend(self.url, model=self.model) as client:
+            cold_by = make_cold(self._http, self._root, self.url, self.model)
+            self.trials.append(timed_replay(client, self._requests, cold_by=cold_by))
+        return self.trials[-1]
+
+    def cold_starts(self) -> list[str]:
+        """Each trial's `Trial.cold_start`."""
+        return [t.cold_start(self._shared if t.cold_by == UNRELATED_PROMPT else 0)
+                for t in self.trials]
 
 
 class TokenMismatchError(RuntimeError):

@@ -32,10 +32,12 @@ import shutil
 import statistics
 import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 from kvtrace.bench.agent import AGENT_RECIPE, NUM_CALLS, record_agent_run
+from kvtrace.bench.peerserver import PeerSide
 from kvtrace.bench.rss import PeakRss, runtime_rss_mb
 from kvtrace.replay import SamplingParams, replay
 from kvtrace.replay.local import LocalBackend
@@ -143,7 +145,9 @@ SHAPES = ("session", "agent")
 def run_replay_bench(*, cache_dir: Path, model: str | None = None, fresh: bool = False,
                      trials: int = 2, shape: str = "session", run: str | None = None,
                      store_url: str | None = None, calls: int | None = None,
-                     with_verify: bool = True) -> dict[str, Any]:
+                     with_verify: bool = True, dtype: str = "float32",
+                     peer: str | None = None, peer_model: str | None = None,
+                     peer_block_size: int | None = None) -> dict[str, Any]:
     """Replay a long agent run side by side in every mode; one dict of measurements.
 
     The run is `run` in the store at `store_url` (any recorded or imported
@@ -154,6 +158,13 @@ def run_replay_bench(*, cache_dir: Path, model: str | None = None, fresh: bool =
     shared 2-core machine another process can slow one trial several-fold,
     never speed one up. The uncached rebuild, by far the slowest case, runs
     once on the agent shape and on a given run.
+
+    `peer` (a base URL, or "vllm": vLLM's CPU build, started here) adds the same
+    rebuild through that server (`peer_s`, `peer_speedup` = peer_s over
+    rebuild_s_cached): each recorded prompt with `max_tokens=1`, as `replay
+    --backend URL` sends it, the conversation as kvtrace's template sees it, its
+    tokens checked through the peer's /tokenize, the peer made cold before each of
+    its trials, which take turns with the cold rebuild's (peerserver.py).
     """
     from kvtrace.engine import load_engine, open_cache
 
@@ -162,7 +173,7 @@ def run_replay_bench(*, cache_dir: Path, model: str | None = None, fresh: bool =
 
         raise UsageError(f"unknown shape {shape!r}: use one of {', '.join(SHAPES)}")
     runtime_mb = runtime_rss_mb()  # the interpreter and libraries, before any weight
-    engine = load_engine(model, cache_dir=cache_dir)
+    engine = load_engine(model, cache_dir=cache_dir, dtype=dtype)
     root = cache_dir / "bench" / "replay"
     if fresh and root.exists() and run is None:
         shutil.rmtree(root)
@@ -196,9 +207,16 @@ def run_replay_bench(*, cache_dir: Path, model: str | None = None, fresh: bool =
                 record_s = time.perf_counter() - started
             warm = replay(store, name, recorder, mode="rebuild")
             del recorder
-        figures = _measure(store, name, engine, trials=trials, warm=warm,
-                           uncached_trials=trials if shape == "session" and run is None else 1,
-                           with_verify=with_verify)
+        with ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:
+            peer_side = None
+            if peer is not None:
+                schedule = [s for s in store.path(name) if s.kind == StepKind.MODEL_CALL]
+                peer_side = PeerSide(stack, peer, engine=engine, schedule=schedule,
+                                     folder=Path(tmp), model=model, peer_model=peer_model,
+                                     dtype=dtype, block_size=peer_block_size)
+            figures = _measure(store, name, engine, trials=trials, warm=warm,
+                               uncached_trials=trials if shape == "session" and run is None
+                               else 1, with_verify=with_verify, peer=peer_side)
     finally:
         store.close()
     figures["runtime_rss_mb"] = round(runtime_mb, 1)
@@ -209,7 +227,8 @@ def run_replay_bench(*, cache_dir: Path, model: str | None = None, fresh: bool =
 
 
 def _measure(store: Store, name: str, engine: Any, *, trials: int, warm: ReplayReport | None,
-             uncached_trials: int, with_verify: bool) -> dict[str, Any]:
+             uncached_trials: int, with_verify: bool,
+             peer: PeerSide | None = None) -> dict[str, Any]:
     """Every case on run `name`, interleaved trials; the figures of the fastest."""
     from kvtrace.engine import open_cache
 
@@ -225,12 +244,17 @@ def _measure(store: Store, name: str, engine: Any, *, trials: int, warm: ReplayR
     # the next, whichever it is (docs/benchmarks.md): one untimed feed bound
     # first, so that the first trial's rebuild does not pay that alone.
     lower_bound_seconds(store, name, engine, decode=False)
+    token_check = peer.check() if peer is not None else None
     for trial in range(max(1, trials)):
+        if peer is not None and trial % 2:
+            peer.trial()  # the peer first on odd trials, second on even ones
         with tempfile.TemporaryDirectory(prefix="kvtrace-bench-") as tmp:
             cache = open_cache(engine, disk_dir=Path(tmp) / "rebuild")
             with PeakRss() as peak:
                 cases["cold"].append(replay(store, name, LocalBackend(engine, cache),
                                             mode="rebuild"))
+            if peer is not None and not trial % 2:
+                peer.trial()
             rss.append((peak.mb, peak.start_mb))
             memory_peak = max(memory_peak, cache.memory_stats().num_bytes)
             budget = cache.memory_stats().max_bytes or 0
@@ -275,6 +299,17 @@ def _measure(store: Store, name: str, engine: Any, *, trials: int, warm: ReplayR
     figures["rebuild_ratio_to_feed_bound_pairs"] = [round(x, 3) for x in pairs]
     figures["rebuild_ratio_to_feed_bound_pair_median"] = round(statistics.median(pairs), 3)
     figures.update(_memory_figures(engine, cold, rss, resident, memory_peak, budget))
+    if peer is not None and token_check is not None:
+        peer_s = min(t.seconds for t in peer.trials)
+        figures.update({
+            "peer": peer.url, "peer_s": round(peer_s, 3),
+            "peer_s_trials": [round(t.seconds, 3) for t in peer.trials],
+            "peer_speedup": round(peer_s / cold.wall_s, 3), "target_peer_speedup": 1.5,
+            "peer_tokens": token_check.to_dict(),
+            "peer_prompt_tokens": peer.trials[0].prompt_tokens,
+            "peer_computed_tokens": [t.computed for t in peer.trials],
+            "peer_cold_start": peer.cold_starts(),
+        })
     return figures
 
 

@@ -92,16 +92,33 @@ def bench_replay(
         help="Model calls of the agent fixture (default 30; fewer is faster).")] = None,
     no_verify: Annotated[bool, typer.Option(
         "--no-verify", help="Skip the verify cases and their decoding bound.")] = False,
+    dtype: Annotated[Precision, typer.Option(
+        "--dtype", help="The engine's number format (and --peer vllm's).")
+    ] = Precision.FLOAT32,
+    peer: Annotated[str | None, typer.Option(
+        "--peer", help="Also rebuild through this OpenAI-compatible server (base URL with its "
+        "API prefix), cold, the tokens checked through its /tokenize; 'vllm': vLLM's CPU "
+        "build from `make bench-peers`, started here.")] = None,
+    peer_model: Annotated[str | None, typer.Option(
+        "--peer-model", help="The model name sent to --peer (default: the recorded one).")
+    ] = None,
+    peer_block_size: Annotated[int | None, typer.Option(
+        "--peer-block-size", min=1, help="With --peer vllm: its KV block size in tokens "
+        "(default: its CPU build's, 128).")] = None,
     as_json: Json = False,
 ) -> None:
-    """Replay an agent run every way: hit rate vs oracle, speed-up, bounds, peak RSS."""
+    """Replay an agent run every way: hit rate vs oracle, speed-up, bounds, peak RSS; with
+    --peer, the same rebuild through another server."""
     from kvtrace.bench.replay import run_replay_bench
     from kvtrace.paths import default_cache_dir
 
+    if peer_block_size is not None and peer != "vllm":
+        raise typer.BadParameter("only with --peer vllm", param_hint="--peer-block-size")
     _print_figures(
         run_replay_bench(cache_dir=default_cache_dir(), model=model, fresh=fresh, trials=trials,
                          shape=shape, run=run, store_url=store_url(ctx), calls=calls,
-                         with_verify=not no_verify),
+                         with_verify=not no_verify, dtype=dtype.value, peer=peer,
+                         peer_model=peer_model, peer_block_size=peer_block_size),
         as_json,
     )
 

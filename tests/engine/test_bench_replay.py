@@ -34,3 +34,33 @@ def test_agent_bench_reports_every_figure_and_hits_the_oracle(tiny_folder, tmp_p
     again = run_replay_bench(cache_dir=tmp_path, model=str(tiny_folder), shape="agent",
                              calls=3, trials=1, with_verify=False)
     assert again["recorded_now"] is False and "verify_s_cached" not in again
+
+
+def test_replay_bench_rebuilds_the_same_run_through_a_peer_cold_on_its_tokens(
+        tiny_folder, tiny_engine, tmp_path):
+    """--peer: kvtrace serve as the peer (its /tokenize; no cache reset, so one unrelated
+    prompt, which leaves its radix tree warm), two trials taking turns with kvtrace's own."""
+    from kvtrace.engine import KVCache
+    from kvtrace.replay.local import LocalBackend
+    from kvtrace.serve import BackgroundServer, make_server
+
+    server = make_server(backend=LocalBackend(tiny_engine, KVCache(tiny_engine)))
+    with BackgroundServer(server.app) as running:
+        figures = run_replay_bench(cache_dir=tmp_path, model=str(tiny_folder), shape="agent",
+                                   calls=3, trials=2, with_verify=False, peer=running.url)
+    assert figures["peer"] == running.url and len(figures["peer_s_trials"]) == 2
+    assert figures["peer_tokens"] == {"checked": 3, "agree": True}
+    assert figures["peer_prompt_tokens"] == figures["prompt_tokens"]
+    # The first trial started cold; the second found the first's prompts still cached, and
+    # says so rather than passing for cold (what the bench did to vLLM before its reset).
+    first, second = figures["peer_cold_start"]
+    assert first == "one unrelated prompt"
+    assert second.startswith("NOT COLD: ") and second.endswith(" (one unrelated prompt)")
+    # Cold, the peer (a radix tree too) computed what kvtrace's own rebuild did, within a
+    # couple of tokens a prompt (where each draws the line between a prompt's last token
+    # and the output it follows); warm, far less.
+    computed = figures["prompt_tokens"] - figures["reused_tokens"]
+    cold, warm = figures["peer_computed_tokens"]
+    assert abs(cold - computed) <= 2 * 3 and warm < computed / 2
+    assert figures["peer_speedup"] == round(min(figures["peer_s_trials"])
+                                            / figures["rebuild_s_cached"], 3)
