@@ -122,6 +122,12 @@ class PeerSide:
         return [t.cold_start(self._shared if t.cold_by == UNRELATED_PROMPT else 0)
                 for t in self.trials]
 
+    def fastest_cold_s(self) -> float | None:
+        """The fastest trial that started cold (None: none did; a warm one is no figure)."""
+        cold = [t.seconds for t, said in zip(self.trials, self.cold_starts(), strict=True)
+                if not said.startswith("NOT COLD")]
+        return min(cold) if cold else None
+
 
 class TokenMismatchError(RuntimeError):
     """The peer would compute other tokens than kvtrace for a request: no fair comparison."""

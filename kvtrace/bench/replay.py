@@ -300,11 +300,12 @@ def _measure(store: Store, name: str, engine: Any, *, trials: int, warm: ReplayR
     figures["rebuild_ratio_to_feed_bound_pair_median"] = round(statistics.median(pairs), 3)
     figures.update(_memory_figures(engine, cold, rss, resident, memory_peak, budget))
     if peer is not None and token_check is not None:
-        peer_s = min(t.seconds for t in peer.trials)
+        peer_s = peer.fastest_cold_s()
         figures.update({
-            "peer": peer.url, "peer_s": round(peer_s, 3),
+            "peer": peer.url, "peer_s": None if peer_s is None else round(peer_s, 3),
             "peer_s_trials": [round(t.seconds, 3) for t in peer.trials],
-            "peer_speedup": round(peer_s / cold.wall_s, 3), "target_peer_speedup": 1.5,
+            "peer_speedup": None if peer_s is None else round(peer_s / cold.wall_s, 3),
+            "target_peer_speedup": 1.5,
             "peer_tokens": token_check.to_dict(),
             "peer_prompt_tokens": peer.trials[0].prompt_tokens,
             "peer_computed_tokens": [t.computed for t in peer.trials],

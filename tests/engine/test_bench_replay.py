@@ -62,5 +62,6 @@ def test_replay_bench_rebuilds_the_same_run_through_a_peer_cold_on_its_tokens(
     computed = figures["prompt_tokens"] - figures["reused_tokens"]
     cold, warm = figures["peer_computed_tokens"]
     assert abs(cold - computed) <= 2 * 3 and warm < computed / 2
-    assert figures["peer_speedup"] == round(min(figures["peer_s_trials"])
-                                            / figures["rebuild_s_cached"], 3)
+    # Only a cold trial is a figure: the first.
+    assert figures["peer_s"] == figures["peer_s_trials"][0]
+    assert abs(figures["peer_speedup"] - figures["peer_s"] / figures["rebuild_s_cached"]) < 0.05
