@@ -48,7 +48,7 @@ from typing import Any
 from kvtrace.bench.contend import contention
 from kvtrace.bench.fork import record_agent
 from kvtrace.bench.peerserver import PeerSide, Trial, timed_replay
-from kvtrace.bench.servers import kvtrace_serve
+from kvtrace.bench.servers import dtype_name, kvtrace_serve
 from kvtrace.paths import default_cache_dir
 from kvtrace.replay.backend import CallRequest, SamplingParams, Tokenizer
 from kvtrace.replay.oracle import PrefixOracle, common_prefix_length
@@ -70,7 +70,8 @@ def run_peer_bench(peer: str, *, model: str | None = None, peer_model: str | Non
 
     if not fork_steps or any(not 1 <= s < calls for s in fork_steps):
         raise ValueError(f"fork steps must be in 1..{calls - 1}")
-    engine = load_engine(model)
+    engine = load_engine(model)  # the workload is recorded in float32 either way
+    dtype = dtype_name(dtype)  # "auto" as this machine resolves it, for both servers
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         store = open_store(f"sqlite:///{root / 'bench.db'}")

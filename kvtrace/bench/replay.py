@@ -39,6 +39,7 @@ from typing import Any
 from kvtrace.bench.agent import AGENT_RECIPE, NUM_CALLS, record_agent_run
 from kvtrace.bench.peerserver import PeerSide
 from kvtrace.bench.rss import PeakRss, runtime_rss_mb
+from kvtrace.bench.servers import dtype_name
 from kvtrace.replay import SamplingParams, replay
 from kvtrace.replay.local import LocalBackend
 from kvtrace.replay.oracle import common_prefix_length
@@ -174,6 +175,7 @@ def run_replay_bench(*, cache_dir: Path, model: str | None = None, fresh: bool =
         raise UsageError(f"unknown shape {shape!r}: use one of {', '.join(SHAPES)}")
     runtime_mb = runtime_rss_mb()  # the interpreter and libraries, before any weight
     engine = load_engine(model, cache_dir=cache_dir, dtype=dtype)
+    dtype = dtype_name(engine.dtype)  # "auto" as resolved, for a peer
     root = cache_dir / "bench" / "replay"
     if fresh and root.exists() and run is None:
         shutil.rmtree(root)

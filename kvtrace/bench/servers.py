@@ -25,6 +25,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -105,6 +106,18 @@ def vllm_server(folder: Path, *, model: str | None, cache_dir: Path, alias: str,
            "TRANSFORMERS_OFFLINE": "1"}
     with _process(command, env, port, folder / "server.log", start_timeout_s=600.0) as url:
         yield url
+
+
+def dtype_name(dtype: Any) -> str:
+    """A number format's name as both servers take it ("auto" resolved on this machine: vLLM
+    reads "auto" as the model's own)."""
+    import torch
+
+    from kvtrace.engine.model import resolve_dtype
+
+    resolved = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype,
+                                                                         torch.device("cpu"))
+    return str(resolved).removeprefix("torch.")
 
 
 def server_pythonpath(inherited: str) -> str:

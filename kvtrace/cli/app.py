@@ -79,15 +79,16 @@ Json = Annotated[
 class Precision(StrEnum):
     """The local engine's number formats whose prefill is canonical (docs/cache.md)."""
 
+    AUTO = "auto"
     FLOAT32 = "float32"
     BFLOAT16 = "bfloat16"
 
 
 Dtype = Annotated[Precision, typer.Option(
     "--dtype",
-    help="Local mode: the engine's number format. bfloat16 computes about twice as fast on "
-    "CPUs with AVX-512 BF16 or AMX (and ~10x slower without: kvtrace warns); its KV is its "
-    "own, never mixed with float32's.")]
+    help="Local mode: the engine's number format. auto: bfloat16 where the CPU computes it "
+    "natively (AVX-512 BF16 or AMX: about twice as fast as float32 there), else float32. "
+    "bfloat16 elsewhere is ~10x slower (kvtrace warns). Each has KV of its own, never mixed.")]
 
 
 @app.callback()

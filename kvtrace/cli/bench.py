@@ -93,8 +93,9 @@ def bench_replay(
     no_verify: Annotated[bool, typer.Option(
         "--no-verify", help="Skip the verify cases and their decoding bound.")] = False,
     dtype: Annotated[Precision, typer.Option(
-        "--dtype", help="The engine's number format (and --peer vllm's).")
-    ] = Precision.FLOAT32,
+        "--dtype", help="The engine's number format (and --peer vllm's); auto: bfloat16 "
+        "where the CPU computes it natively, else float32.")
+    ] = Precision.AUTO,
     peer: Annotated[str | None, typer.Option(
         "--peer", help="Also rebuild through this OpenAI-compatible server (base URL with its "
         "API prefix), cold, the tokens checked through its /tokenize; 'vllm': vLLM's CPU "
@@ -216,8 +217,9 @@ def bench_fork(
         "comma-separated.")] = "2,4,6,8",
     dtype: Annotated[Precision, typer.Option(
         "--dtype", help="With --peer: the number format of the kvtrace serve timed (the "
-        "workload is recorded in float32 either way), and of --peer vllm.")
-    ] = Precision.FLOAT32,
+        "workload is recorded in float32 either way), and of --peer vllm; auto: bfloat16 "
+        "where the CPU computes it natively, else float32.")
+    ] = Precision.AUTO,
     peer_block_size: Annotated[int | None, typer.Option(
         "--peer-block-size", min=1, help="With --peer vllm: its KV block size in tokens "
         "(default: its CPU build's, 128).")] = None,

@@ -123,7 +123,7 @@ def size(
         help="Model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct).")] = None,
     tokens: Annotated[int, typer.Option(
         "--tokens", help="Tokens in the sequence (its prompt and output).")] = 4096,
-    dtype: Dtype = Precision.FLOAT32,
+    dtype: Dtype = Precision.AUTO,
     cache_dir: CacheDir = None,
     as_json: Json = False,
 ) -> None:

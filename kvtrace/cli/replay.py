@@ -106,7 +106,7 @@ class _Lazy:
 def _backend(
     backend: str, model: str | None, *, no_cache: bool = False,
     tokenizer: str | None = None, api_key: str | None = None, retries: int | None = None,
-    batching: bool = False, dtype: Precision = Precision.FLOAT32,
+    batching: bool = False, dtype: Precision = Precision.AUTO,
 ) -> Backend:
     """The backend the options name, loaded when the API first uses it; `batching`: a local
     one loaded on the engine thread that decodes generations together (for `branch`)."""
@@ -114,7 +114,7 @@ def _backend(
         raise UsageError("--tokenizer is for remote backends: the local engine has its own")
     if backend == "local" and retries is not None:
         raise UsageError("--retries is for remote backends: the local engine sends no requests")
-    if backend != "local" and dtype is not Precision.FLOAT32:
+    if backend != "local" and dtype is Precision.BFLOAT16:
         raise UsageError("--dtype is for the local backend: a remote server computes as it does")
     if backend != "local" and no_cache:
         raise UsageError("--no-cache works with the local backend only")
@@ -174,7 +174,7 @@ def replay_command(
         "--to", help="Stop at this step (RUN@N, RUN~K, id prefix); default: the head.")] = None,
     backend: BackendOption = "local",
     model: Model = None,
-    dtype: Dtype = Precision.FLOAT32,
+    dtype: Dtype = Precision.AUTO,
     tokenizer: TokenizerOption = None,
     api_key: ApiKey = None,
     no_cache: Annotated[bool, typer.Option(
@@ -286,7 +286,7 @@ def checkout_command(
     spec: Annotated[str, typer.Argument(
         help="The step whose KV state to rebuild (RUN, RUN@N, ...).")],
     model: Model = None,
-    dtype: Dtype = Precision.FLOAT32,
+    dtype: Dtype = Precision.AUTO,
     as_json: Json = False,
 ) -> None:
     """Rebuild a step's KV state into the local cache so a later continue starts warm."""
@@ -316,7 +316,7 @@ def continue_command(
     tools: Tools = ToolSet.NONE,
     backend: BackendOption = "local",
     model: Model = None,
-    dtype: Dtype = Precision.FLOAT32,
+    dtype: Dtype = Precision.AUTO,
     api_key: ApiKey = None,
     max_new_tokens: MaxNewTokens = 96,
     temperature: Annotated[float, typer.Option(
@@ -370,7 +370,7 @@ def branch_command(
         "--prefix", help="Branch runs are named PREFIX-1, ...")] = None,
     tools: Tools = ToolSet.NONE,
     model: Model = None,
-    dtype: Dtype = Precision.FLOAT32,
+    dtype: Dtype = Precision.AUTO,
     max_new_tokens: MaxNewTokens = 96,
     as_json: Json = False,
 ) -> None:

@@ -92,7 +92,7 @@ def _chat_server(store: Store, *, upstream: str | None, model: str | None, run: 
                  upstream_timeout: float, strict_model: bool, from_run: str | None = None,
                  edit: str | None = None, command: str = "serve", num_agents: int | None = None,
                  seed: int | None = None, workdir: str | None = None,
-                 dtype: Precision = Precision.FLOAT32) -> ChatServer:
+                 dtype: Precision = Precision.AUTO) -> ChatServer:
     """Check the options (before any model loads), then build the server; with `from_run`,
     warm the local engine's KV with the recorded prefix first (fromrun.py); with
     `num_agents`, for that many copies of the agent (agents.py)."""
@@ -102,7 +102,7 @@ def _chat_server(store: Store, *, upstream: str | None, model: str | None, run: 
 
     if upstream is not None and model is not None:
         raise UsageError("--model is for local mode: with --upstream the upstream's model answers")
-    if upstream is not None and dtype is not Precision.FLOAT32:
+    if upstream is not None and dtype is Precision.BFLOAT16:
         raise UsageError("--dtype is for local mode: with --upstream the upstream computes")
     if upstream is not None and strict_model:
         raise UsageError("--strict-model is for local mode: with --upstream the upstream "
@@ -182,7 +182,7 @@ def serve_command(
     ctx: typer.Context,
     upstream: Upstream = None,
     model: Model = None,
-    dtype: Dtype = Precision.FLOAT32,
+    dtype: Dtype = Precision.AUTO,
     host: Annotated[str, typer.Option(
         "--host", help="Address to listen on (loopback only by default; 0.0.0.0 exposes the "
         "server to the network).")] = "127.0.0.1",
@@ -252,7 +252,7 @@ def record_command(
     command: Annotated[list[str], typer.Argument(help="The program to run, after '--'.")],
     upstream: Upstream = None,
     model: Model = None,
-    dtype: Dtype = Precision.FLOAT32,
+    dtype: Dtype = Precision.AUTO,
     run: Run = None,
     upstream_api_key: UpstreamKey = None,
     redact_header: Redact = None,
