@@ -47,8 +47,10 @@ from typing import Any
 
 from kvtrace.bench.contend import contention
 from kvtrace.bench.fork import record_agent
+from kvtrace.bench.limits import machine_rates, prefill_bound_s
 from kvtrace.bench.peerserver import PeerSide, Trial, timed_replay
 from kvtrace.bench.servers import dtype_name, kvtrace_serve
+from kvtrace.engine.model import resolve_dtype
 from kvtrace.paths import default_cache_dir
 from kvtrace.replay.backend import CallRequest, SamplingParams, Tokenizer
 from kvtrace.replay.oracle import PrefixOracle, common_prefix_length
@@ -79,6 +81,9 @@ def run_peer_bench(peer: str, *, model: str | None = None, peer_model: str | Non
         runs = record_forks(store, recording, root, calls=calls, fork_steps=fork_steps)
         schedule = interleaved(store, list(runs))
         single_slot, radix = computed_tokens(engine, schedule)
+        rates = machine_rates(resolve_dtype(dtype, engine.device))  # quiet, before any load
+        bound_s = prefill_bound_s(engine, computed_spans(engine, schedule),
+                                  rates["gemm_gflops"] * 1e9)
         with ExitStack() as stack:
             peer_side = PeerSide(stack, peer, engine=engine, schedule=schedule, folder=root,
                                  model=model, peer_model=peer_model, dtype=dtype,
@@ -111,6 +116,9 @@ def run_peer_bench(peer: str, *, model: str | None = None, peer_model: str | Non
         "peer_s_trials": [round(t.seconds, 3) for t in sides["peer"]],
         "speedup": None if peer_s is None else round(peer_s / kvtrace_s, 3),
         "target_speedup": 1.5,
+        # The machine's best: the radix tree's computed tokens at its GEMM rate (limits.py).
+        "bound": {**rates, "prefill_bound_s": round(bound_s, 3),
+                  "kvtrace_over_bound": round(kvtrace_s / bound_s, 2)},
         "prompt_tokens": {"kvtrace": sides["kvtrace"][0].prompt_tokens,
                           "peer": sides["peer"][0].prompt_tokens},
         "peer_tokens": token_check.to_dict(),
@@ -151,16 +159,25 @@ def computed_tokens(tokenizer: Tokenizer, schedule: list[Step]) -> tuple[int, in
 
     As a server does: at least the last token of each prompt is computed.
     """
-    single = radix = 0
+    single = 0
     previous: list[int] = []
-    seen = PrefixOracle()
     for step in schedule:
         ids = prompt_ids(tokenizer, step)
         single += len(ids) - min(common_prefix_length(ids, previous), len(ids) - 1)
-        radix += len(ids) - min(seen.longest_prefix(ids).length, len(ids) - 1)
         previous = ids
+    return single, sum(end - start for start, end in computed_spans(tokenizer, schedule))
+
+
+def computed_spans(tokenizer: Tokenizer, schedule: list[Step]) -> list[tuple[int, int]]:
+    """The positions a radix-tree cache computes of each prompt of `schedule`, as (start,
+    end): past the longest prefix any earlier prompt had, the last token at least."""
+    spans = []
+    seen = PrefixOracle()
+    for step in schedule:
+        ids = prompt_ids(tokenizer, step)
+        spans.append((min(seen.longest_prefix(ids).length, len(ids) - 1), len(ids)))
         seen.add(ids)
-    return single, radix
+    return spans
 
 
 def _request(messages: list[Any], step: Step) -> CallRequest:

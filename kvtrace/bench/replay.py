@@ -37,6 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from kvtrace.bench.agent import AGENT_RECIPE, NUM_CALLS, record_agent_run
+from kvtrace.bench.limits import decode_bound_s, machine_rates, prefill_bound_s
+from kvtrace.bench.peer import computed_spans
 from kvtrace.bench.peerserver import PeerSide
 from kvtrace.bench.rss import PeakRss, runtime_rss_mb
 from kvtrace.bench.servers import dtype_name
@@ -209,18 +211,28 @@ def run_replay_bench(*, cache_dir: Path, model: str | None = None, fresh: bool =
                 record_s = time.perf_counter() - started
             warm = replay(store, name, recorder, mode="rebuild")
             del recorder
+        schedule = [s for s in store.path(name) if s.kind == StepKind.MODEL_CALL]
+        rates = machine_rates(engine.dtype)  # before the cases, on a machine as quiet
         with ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:
             peer_side = None
             if peer is not None:
-                schedule = [s for s in store.path(name) if s.kind == StepKind.MODEL_CALL]
                 peer_side = PeerSide(stack, peer, engine=engine, schedule=schedule,
                                      folder=Path(tmp), model=model, peer_model=peer_model,
                                      dtype=dtype, block_size=peer_block_size)
             figures = _measure(store, name, engine, trials=trials, warm=warm,
                                uncached_trials=trials if shape == "session" and run is None
                                else 1, with_verify=with_verify, peer=peer_side)
+        bound_s = prefill_bound_s(engine, computed_spans(engine, schedule),
+                                  rates["gemm_gflops"] * 1e9)
     finally:
         store.close()
+    # The machine's best (limits.py): the computed tokens at its GEMM rate, a decode step
+    # at its read bandwidth.
+    figures["bound"] = {
+        **rates, "prefill_bound_s": round(bound_s, 3),
+        "rebuild_over_bound": round(figures["rebuild_s_cached"] / bound_s, 2),
+        "decode_step_bound_ms": round(decode_bound_s(engine, rates["bandwidth_gb_s"] * 1e9)
+                                      * 1e3, 2)}
     figures["runtime_rss_mb"] = round(runtime_mb, 1)
     figures.update(shape=shape if run is None else "run", recorded_now=recorded_now,
                    record_s=round(record_s, 3))

@@ -31,6 +31,12 @@ def test_agent_bench_reports_every_figure_and_hits_the_oracle(tiny_folder, tmp_p
     assert figures["rebuild_ratio_to_feed_bound_pairs"] == [
         figures["rebuild_ratio_to_feed_bound_pair_median"]
     ] == [figures["rebuild_ratio_to_feed_bound"]]
+    # The machine's bounds beside the figures: the computed tokens at its GEMM rate (which
+    # no rebuild beats), a decode step at its bandwidth.
+    bound = figures["bound"]
+    assert bound["gemm_gflops"] > 0 and bound["bandwidth_gb_s"] > 0
+    assert 0 < bound["prefill_bound_s"] < figures["rebuild_s_cached"]
+    assert bound["rebuild_over_bound"] > 1 and bound["decode_step_bound_ms"] > 0
     again = run_replay_bench(cache_dir=tmp_path, model=str(tiny_folder), shape="agent",
                              calls=3, trials=1, with_verify=False)
     assert again["recorded_now"] is False and "verify_s_cached" not in again
