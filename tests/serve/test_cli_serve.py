@@ -162,7 +162,8 @@ def test_record_with_json_prints_what_it_recorded_after_the_commands_output(
      "--strict-model is for local mode"),
     (["serve", "--dtype", "bfloat16", "--upstream", "http://127.0.0.1:9/v1"],
      "--dtype is for local mode"),
-    (["record", "--dtype", "int8", "--", "true"], "'int8' is not one of 'auto', 'float32', 'bfloat16'"),
+    (["record", "--dtype", "int8", "--", "true"],
+     "'int8' is not one of 'auto', 'float32', 'bfloat16'"),
 ])
 def test_bad_options_print_one_error_line_and_exit_2(home, capfd, argv, message):
     code, _, err = kv(capfd, *argv)
