@@ -107,6 +107,14 @@ class LocalBackend:
         return self._engine
 
     @property
+    def threads(self) -> str:
+        """How many threads the engine computes on, and what the count follows
+        (kvtrace/engine/threads.py)."""
+        from kvtrace.engine.threads import engine_threads
+
+        return engine_threads().describe()
+
+    @property
     def cache(self) -> PrefixCache | None:
         return self._cache
 

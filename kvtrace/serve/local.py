@@ -184,10 +184,8 @@ class LocalAnswerer:
                 "decode_s": round(batcher.decode_seconds, 3)}
 
     def health(self) -> dict[str, Any]:
-        from kvtrace.engine.threads import engine_threads
-
         return {"mode": "local", "model": self.model, "dtype": self.dtype, "queue": self.queue,
-                "batch": self.batch, "threads": engine_threads().describe()}
+                "batch": self.batch, "threads": self._backend.threads}
 
     async def close(self) -> None:
         self._preparer.shutdown(wait=True)
