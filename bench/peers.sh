@@ -16,7 +16,13 @@ declare -A cases=(
   [bfloat16-block32]="--dtype bfloat16 --peer-block-size 32"
   [bfloat16-contend]="--dtype bfloat16 --contend $cores"
 )
-for name in "${@:-float32 bfloat16 bfloat16-block32 bfloat16-contend}"; do
+names=("$@")
+((${#names[@]})) || names=(float32 bfloat16 bfloat16-block32 bfloat16-contend)
+for name in "${names[@]}"; do
+  if [[ -z "${cases[$name]+set}" ]]; then
+    echo "unknown case $name: ${!cases[*]}" >&2
+    exit 2
+  fi
   echo "== kvtrace bench fork --peer vllm ${cases[$name]}" >&2
   # shellcheck disable=SC2086
   .venv/bin/kvtrace bench fork --peer vllm ${cases[$name]} --json \

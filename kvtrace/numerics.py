@@ -94,9 +94,9 @@ def rows_are_invariant(model: torch.nn.Module) -> bool:
 
 
 def threads_are_invariant(model: torch.nn.Module, most: int) -> bool:
-    """Whether each linear shape of the model's first layer gives the same bits on one thread
-    as on `most` (engine/threads.py may change the count between a cold run and a hit), for
-    decode's 1 row and prefill's 16 and 128."""
+    """Whether each linear shape of the model's first layer gives the same bits on every
+    thread count below `most` as on `most` (engine/threads.py may change the count between
+    a cold run and a hit), for decode's 1 row and prefill's 16, 128 and 512."""
     import torch
     import torch.nn.functional as F
 
@@ -109,13 +109,15 @@ def threads_are_invariant(model: torch.nn.Module, most: int) -> bool:
     try:
         with torch.inference_mode():
             for linear in _distinct(layers, with_bias=True):
-                rows = _random_rows(linear.weight, 128, generator)
-                for m in (1, 16, 128):
+                rows = _random_rows(linear.weight, _REFERENCE_ROWS, generator)
+                for m in (1, 16, 128, _REFERENCE_ROWS):
                     torch.set_num_threads(most)
-                    many = F.linear(rows[:m], linear.weight, linear.bias)
-                    torch.set_num_threads(1)
-                    if not torch.equal(F.linear(rows[:m], linear.weight, linear.bias), many):
-                        return False
+                    reference = F.linear(rows[:m], linear.weight, linear.bias)
+                    for threads in range(1, most):
+                        torch.set_num_threads(threads)
+                        if not torch.equal(F.linear(rows[:m], linear.weight, linear.bias),
+                                           reference):
+                            return False
     finally:
         torch.set_num_threads(before)
     return True

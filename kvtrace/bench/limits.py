@@ -107,6 +107,13 @@ def decode_bound_s(engine: Any, bytes_per_s: float) -> float:
 
 
 def machine_rates(dtype: Any) -> dict[str, float]:
-    """The machine's GEMM rate in `dtype` and its read bandwidth, as a bench prints them."""
-    return {"gemm_gflops": round(gemm_flops(dtype) / 1e9, 1),
-            "bandwidth_gb_s": round(bandwidth_bytes() / 1e9, 2)}
+    """The machine's GEMM rate in `dtype` and its read bandwidth, as a bench prints them, on
+    every thread the engine may use (whatever the load left it)."""
+    from kvtrace.engine.threads import engine_threads
+
+    budget = engine_threads()
+    with budget.pinned(budget.most):
+        budget.adjust()
+        return {"gemm_gflops": round(gemm_flops(dtype) / 1e9, 1),
+                "bandwidth_gb_s": round(bandwidth_bytes() / 1e9, 2),
+                "threads": budget.most}

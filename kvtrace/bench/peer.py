@@ -104,21 +104,23 @@ def run_peer_bench(peer: str, *, model: str | None = None, peer_model: str | Non
                     peer_side.trial()
         store.close()
     sides = {"kvtrace": ours, "peer": peer_side.trials}
-    kvtrace_s = min(t.seconds for t in ours)
+    kvtrace_s = min((t.seconds for t in ours if t.is_figure(0)), default=None)
     peer_s = peer_side.fastest_cold_s()
     return {
         "model": engine.name, "dtype": dtype, "peer": peer_side.url, "calls": calls,
         "fork_steps": list(fork_steps), "contend": contend,
         "requests": len(schedule), "trials": trials,
         "forks": {name: run for name, run in runs.items() if run},
-        "kvtrace_s": round(kvtrace_s, 3), "peer_s": None if peer_s is None else round(peer_s, 3),
+        "kvtrace_s": _r(kvtrace_s), "peer_s": _r(peer_s),
         "kvtrace_s_trials": [round(t.seconds, 3) for t in sides["kvtrace"]],
         "peer_s_trials": [round(t.seconds, 3) for t in sides["peer"]],
-        "speedup": None if peer_s is None else round(peer_s / kvtrace_s, 3),
+        "speedup": None if peer_s is None or kvtrace_s is None else round(peer_s / kvtrace_s,
+                                                                          3),
         "target_speedup": 1.5,
         # The machine's best: the radix tree's computed tokens at its GEMM rate (limits.py).
         "bound": {**rates, "prefill_bound_s": round(bound_s, 3),
-                  "kvtrace_over_bound": round(kvtrace_s / bound_s, 2)},
+                  "kvtrace_over_bound": None if kvtrace_s is None else round(kvtrace_s / bound_s,
+                                                                             2)},
         "prompt_tokens": {"kvtrace": sides["kvtrace"][0].prompt_tokens,
                           "peer": sides["peer"][0].prompt_tokens},
         "peer_tokens": token_check.to_dict(),
@@ -178,6 +180,10 @@ def computed_spans(tokenizer: Tokenizer, schedule: list[Step]) -> list[tuple[int
         spans.append((min(seen.longest_prefix(ids).length, len(ids) - 1), len(ids)))
         seen.add(ids)
     return spans
+
+
+def _r(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds, 3)
 
 
 def _request(messages: list[Any], step: Step) -> CallRequest:

@@ -54,18 +54,28 @@ _RESETS = ("/reset_prefix_cache", "/flush_cache")
 class Trial:
     """One side's timed replay of a schedule: seconds, prompt tokens counted, the tokens the
     server says it computed and reused of its first prompt (None: it reports no cached
-    tokens), and how it was made cold."""
+    tokens), how it was made cold, and the requests sent more than once (retry.py)."""
 
     seconds: float
     prompt_tokens: int
     computed: int | None
     cold_by: str
     first_reused: int | None
+    retried: int = 0
+
+    def is_figure(self, shared: int) -> bool:
+        """Whether the trial counts: it started cold (its first request reused at most the
+        `shared` tokens a cold cache may hold) and no request was sent twice."""
+        return self.retried == 0 and (self.first_reused is None
+                                      or self.first_reused <= shared)
 
     def cold_start(self, shared: int) -> str:
-        """How it was made cold, or what says it was not: its first request reused more than
-        the `shared` tokens it has in common with what the cache may hold."""
-        if self.first_reused is None or self.first_reused <= shared:
+        """How it was made cold, or what says it is no figure (`is_figure`)."""
+        if self.retried:
+            return f"NO FIGURE: {self.retried} requests retried ({self.cold_by})"
+        if self.first_reused is None:
+            return f"{self.cold_by} (unverified: no cached tokens reported)"
+        if self.first_reused <= shared:
             return self.cold_by
         return f"NOT COLD: {self.first_reused} tokens of its first prompt reused ({self.cold_by})"
 
@@ -78,7 +88,7 @@ def timed_replay(client: RemoteBackend, requests: list[CallRequest], *, cold_by:
     computed = [r.computed_tokens for r in results]
     reported = None if None in computed else sum(c for c in computed if c is not None)
     return Trial(seconds, sum(r.prompt_tokens for r in results), reported, cold_by,
-                 results[0].reused_tokens)
+                 results[0].reused_tokens, sum(1 for r in results if r.retries))
 
 
 class PeerSide:
@@ -90,7 +100,8 @@ class PeerSide:
     def __init__(self, stack: ExitStack, peer: str, *, engine: Any, schedule: list[Step],
                  folder: Path, model: str | None, peer_model: str | None, dtype: str,
                  block_size: int | None) -> None:
-        if peer == "vllm":
+        self._started = peer == "vllm"
+        if self._started:
             peer_model = peer_model or "smollm2"
             peer = stack.enter_context(vllm_server(
                 folder / "vllm", model=model, cache_dir=default_cache_dir(), alias=peer_model,
@@ -107,8 +118,14 @@ class PeerSide:
         self.trials: list[Trial] = []
 
     def check(self) -> TokenCheck:
-        """`check_tokens` over the whole schedule (raises TokenMismatchError)."""
-        return check_tokens(self._http, self._root, self.model, self._requests, self.expected)
+        """`check_tokens` over the whole schedule (raises TokenMismatchError, and where the
+        peer is the vLLM started here, which has /tokenize, when it could not check)."""
+        checked = check_tokens(self._http, self._root, self.model, self._requests,
+                               self.expected)
+        if self._started and checked.unchecked_reason is not None:
+            raise TokenMismatchError(f"vLLM could not tokenize the requests: "
+                                     f"{checked.unchecked_reason}")
+        return checked
 
     def trial(self) -> Trial:
         """Make the peer cold, then time the schedule through it (kept in `trials`)."""
@@ -119,14 +136,15 @@ class PeerSide:
 
     def cold_starts(self) -> list[str]:
         """Each trial's `Trial.cold_start`."""
-        return [t.cold_start(self._shared if t.cold_by == UNRELATED_PROMPT else 0)
-                for t in self.trials]
+        return [t.cold_start(self._shared_by(t)) for t in self.trials]
 
     def fastest_cold_s(self) -> float | None:
-        """The fastest trial that started cold (None: none did; a warm one is no figure)."""
-        cold = [t.seconds for t, said in zip(self.trials, self.cold_starts(), strict=True)
-                if not said.startswith("NOT COLD")]
+        """The fastest trial that is a figure (`Trial.is_figure`; None: none is)."""
+        cold = [t.seconds for t in self.trials if t.is_figure(self._shared_by(t))]
         return min(cold) if cold else None
+
+    def _shared_by(self, trial: Trial) -> int:
+        return self._shared if trial.cold_by == UNRELATED_PROMPT else 0
 
 
 class TokenMismatchError(RuntimeError):

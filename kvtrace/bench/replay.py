@@ -213,7 +213,7 @@ def run_replay_bench(*, cache_dir: Path, model: str | None = None, fresh: bool =
             del recorder
         schedule = [s for s in store.path(name) if s.kind == StepKind.MODEL_CALL]
         rates = machine_rates(engine.dtype)  # before the cases, on a machine as quiet
-        with ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:
+        with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:  # vLLM stops first
             peer_side = None
             if peer is not None:
                 peer_side = PeerSide(stack, peer, engine=engine, schedule=schedule,

@@ -249,6 +249,8 @@ def bench_fork(
                                       peer_block_size=peer_block_size, contend=contend),
                        as_json)
         return
+    if contend:
+        raise typer.BadParameter("only with --peer", param_hint="--contend")
     if k >= calls:
         raise typer.BadParameter(f"--k must be below --calls ({calls})", param_hint="--k")
     if case not in ("agents", "branch", "both"):

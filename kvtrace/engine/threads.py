@@ -11,18 +11,20 @@ process per core, two cold 1,000-token prefills took 8.4 s on two threads
 against 4.8 s on one (2.3 s quiet, on two); 128 decoded tokens 21.1 s
 against 10.2 s (5.1 s quiet). One thread has no barrier to wait at.
 
-So `ThreadBudget.adjust`, called before each prefill and decode step, looks
-at most every `INTERVAL_S` at how busy the machine was since its last look,
-less this process's own time (psutil's system-wide CPU times; `os.times`),
-and runs on the cores left free: at least one, at most the count torch
-started with (the user's `OMP_NUM_THREADS`, else one per core). A machine
-whose other processes come and go gets the team back within a second.
+So a sampler thread looks every `INTERVAL_S` at how busy the CPUs this
+process may run on were over the last interval, less this process's own
+time (psutil's per-CPU times; `os.times`), and `ThreadBudget.adjust`, called
+before each prefill and decode step, runs on the cores left free: at least
+one, at most the count torch started with (the user's `OMP_NUM_THREADS`,
+else torch's default, one per physical core). A machine whose other
+processes come and go gets the team back within a second.
 
 Fidelity: a cache hit must give the bits a cold run gives, and the cold run
 may have run on another thread count. `load_engine` checks that the model's
-matrix products give the same bits on one thread as on all
-(`threads_are_invariant`, next to the row check in numerics.py); where they
-do not, the budget stays fixed at the starting count. `KVTRACE_THREADS=N`
+matrix products give the same bits on every count the budget may choose as
+on all (`threads_are_invariant`, next to the row check in numerics.py, for
+decode's 1 row and prefill's 16 to 512); where they do not, the budget stays
+fixed at the starting count. `KVTRACE_THREADS=N`
 fixes it at N (benchmarks that time one configuration; a user who knows
 better).
 """
@@ -55,31 +57,32 @@ class ThreadBudget:
         self.most = most or torch.get_num_threads()
         self.adapts = adapts and self.most > 1
         self.why_fixed: str | None = None if self.adapts else (
-            f"{THREADS_ENV}={fixed}" if fixed is not None else "one thread")
-        self._cores = _cores()
+            f"{THREADS_ENV}={fixed}" if fixed is not None
+            else "one thread" if self.most == 1 else "asked")
+        self._cpus = _allowed_cpus()
         self._lock = threading.Lock()
-        self._threads = self.most
-        self._last_at = time.monotonic()
-        self._last_busy, self._last_own = _busy_s(), _own_s()
+        self._free = self.most  # the sampler's latest count
+        self._pinned: int | None = None
+        if self.adapts:
+            threading.Thread(target=self._sample, name="kvtrace-threads", daemon=True).start()
 
     def hold(self, why: str) -> None:
         """Stop adapting: compute on the starting count from now on, because of `why`."""
         with self._lock:
-            self.adapts, self._threads = False, self.most
+            self.adapts = False
             self.why_fixed = self.why_fixed or why
 
     @contextmanager
     def pinned(self, threads: int) -> Iterator[None]:
         """Exactly `threads` for the block, whatever the load (a check or a benchmark that
-        compares counts); adapting again after it."""
+        compares counts); as before after it."""
         with self._lock:
-            saved = (self.adapts, self.most, self._threads)
-            self.adapts, self.most, self._threads = False, threads, threads
+            saved, self._pinned = self._pinned, threads
         try:
             yield
         finally:
             with self._lock:
-                self.adapts, self.most, self._threads = saved
+                self._pinned = saved
 
     def describe(self) -> str:
         """For `/health` and `serve`'s banner: what the count follows, and why not."""
@@ -90,24 +93,29 @@ class ThreadBudget:
     @property
     def threads(self) -> int:
         """The count the engine computes on now."""
-        return self._threads
+        if self._pinned is not None:
+            return self._pinned
+        return self._free if self.adapts else self.most
 
     def adjust(self) -> int:
-        """Set torch's thread count (on the calling thread, the one that computes) to the cores
-        free since the last look, at most every INTERVAL_S; the count."""
-        if self.adapts:
-            now = time.monotonic()
-            with self._lock:
-                elapsed = now - self._last_at
-                if elapsed >= INTERVAL_S:
-                    busy, own = _busy_s(), _own_s()
-                    others = max(0.0, (busy - self._last_busy) - (own - self._last_own))
-                    free = self._cores - others / elapsed
-                    self._threads = max(1, min(self.most, round(free)))
-                    self._last_at, self._last_busy, self._last_own = now, busy, own
-        if torch.get_num_threads() != self._threads:
-            torch.set_num_threads(self._threads)
-        return self._threads
+        """Set torch's thread count on the calling thread (the one that computes; OpenMP
+        keeps it per thread) to `threads`; the count."""
+        threads = self.threads
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        return threads
+
+    def _sample(self) -> None:
+        """Every INTERVAL_S, the cores free over the last interval (others' busy time on the
+        CPUs this process may use, less its own), rounded half up, within [1, most]."""
+        last_at, last_busy, last_own = time.monotonic(), _busy_s(self._cpus), _own_s()
+        while self.adapts:
+            time.sleep(INTERVAL_S)
+            now, busy, own = time.monotonic(), _busy_s(self._cpus), _own_s()
+            others = min(len(self._cpus), max(0.0, (busy - last_busy) - (own - last_own))
+                         / (now - last_at))
+            self._free = max(1, min(self.most, int(len(self._cpus) - others + 0.5)))
+            last_at, last_busy, last_own = now, busy, own
 
 
 _BUDGET: ThreadBudget | None = None
@@ -124,21 +132,27 @@ def engine_threads() -> ThreadBudget:
         return _BUDGET
 
 
-def _cores() -> int:
-    """The cores this process may run on."""
+def _allowed_cpus() -> list[int]:
+    """The CPUs this process may run on."""
     try:
-        return len(os.sched_getaffinity(0))
+        return sorted(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
+        return list(range(psutil.cpu_count() or 1))
 
 
-def _busy_s() -> float:
-    """CPU seconds the whole machine has spent busy (every process, every core; time a
-    hypervisor took, steal, counts as busy: that core was not ours either)."""
-    times = psutil.cpu_times()
-    idle = sum(float(getattr(times, name, 0.0)) for name in ("idle", "iowait"))
-    inside_user = sum(float(getattr(times, name, 0.0)) for name in ("guest", "guest_nice"))
-    return float(sum(times)) - idle - inside_user  # guest time is counted in user time too
+def _busy_s(cpus: list[int]) -> float:
+    """CPU seconds `cpus` have spent busy, every process's (time a hypervisor took, steal,
+    counts as busy: that core was not ours either)."""
+    per_cpu = psutil.cpu_times(percpu=True)
+    total = 0.0
+    for index in cpus:
+        if index >= len(per_cpu):
+            continue
+        times = per_cpu[index]
+        idle = sum(float(getattr(times, name, 0.0)) for name in ("idle", "iowait"))
+        inside_user = sum(float(getattr(times, name, 0.0)) for name in ("guest", "guest_nice"))
+        total += float(sum(times)) - idle - inside_user  # guest time is in user time too
+    return total
 
 
 def _own_s() -> float:

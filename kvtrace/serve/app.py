@@ -2,13 +2,14 @@
 
 Routes: `POST /v1/chat/completions`, `POST /v1/messages` (Anthropic),
 `POST /v1/responses` (OpenAI Responses), `GET /v1/models`, every other
-`/v1/...` path, `GET /health`, `GET /openapi.json` (openapi.py). A `/v1`
+`/v1/...` path, `POST /tokenize` (vLLM's, local mode: a 404 upstream, where
+the upstream's own answers), `GET /health`, `GET /openapi.json` (openapi.py). A `/v1`
 request is authorized (a bearer token, when the server has an `api_key`),
 its sink is chosen (recording.py: the run it names, or nothing recorded),
 its body is read up to `max_body_bytes`, and the answerer (answerer.py:
 local.py's engine or upstream.py's forwarder) answers it; `GET /v1/models`
-records nothing. The app holds no mode of its own: what differs between
-the modes is in the answerers.
+records nothing. The app holds no mode of its own (but that 404): what
+differs between the modes is in the answerers.
 
 Bad input (malformed JSON, wrong types, a prompt past the context, a body
 over `max_body_bytes`, a missing or wrong bearer token) is a 4xx with an

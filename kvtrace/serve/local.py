@@ -65,6 +65,7 @@ drops is recorded marked incomplete.
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -90,7 +91,7 @@ from kvtrace.serve.chat_reply import ChatReply
 from kvtrace.serve.disconnect import ClosingStream, client_left, unless_client_leaves
 from kvtrace.serve.generation import Generation, LocalCall, Reply
 from kvtrace.serve.recording import Sink
-from kvtrace.serve.request import APIError, failed_answer
+from kvtrace.serve.request import APIError, failed_answer, parse_json
 from kvtrace.serve.responses_api import RESPONSES_PATH, ResponsesReply, parse_responses_request
 
 if TYPE_CHECKING:
@@ -370,13 +371,15 @@ def _text_bytes(messages: list[dict[str, Any]]) -> int:
     return total
 
 
-def _generation_prompt_only(data: Any) -> Any:
-    """A /tokenize body less `add_generation_prompt`, which must be true (kvtrace renders every
-    prompt with its generation prompt)."""
-    if not isinstance(data, dict) or "add_generation_prompt" not in data:
+def _generation_prompt_only(data: bytes) -> bytes:
+    """A /tokenize body less `add_generation_prompt`, which must be true or absent (kvtrace
+    renders every prompt with the generation prompt); the rest is a chat request's."""
+    body = parse_json(data)
+    if not isinstance(body, dict) or "add_generation_prompt" not in body:
         return data
-    if data["add_generation_prompt"] is not True:
+    if body["add_generation_prompt"] is not True:
         raise APIError(400, "add_generation_prompt: kvtrace renders every prompt with the "
                        "generation prompt; send true or leave it out",
                        param="add_generation_prompt", code="invalid_value")
-    return {k: v for k, v in data.items() if k != "add_generation_prompt"}
+    rest = {k: v for k, v in body.items() if k != "add_generation_prompt"}
+    return json.dumps(rest, ensure_ascii=False).encode()

@@ -32,6 +32,7 @@ def test_a_busy_process_on_every_core_leaves_the_engine_one_thread():
             assert _settle(budget, 3 * INTERVAL_S) == 1
             assert torch.get_num_threads() == 1  # set on this thread, the one that computes
     finally:
+        budget.hold("the test is over")  # its sampler thread stops
         torch.set_num_threads(before)
 
 

@@ -335,3 +335,28 @@ def test_a_run_recorded_by_the_server_replays_offline_through_replay_transport(
     assert again.usage.prompt_tokens == live.usage.prompt_tokens
     step = store.show("served")
     assert isinstance(step.meta["params"]["seed"], int)  # chosen by the server, recorded
+
+
+def test_tokenize_gives_the_prompt_ids_the_engine_renders(sqlite_store, serve_local,
+                                                          tiny_engine):
+    """POST /tokenize (vLLM's shape): what benchmarks compare a peer's tokens with."""
+    server = serve_local(sqlite_store, run="tok")
+    root = server.url.removesuffix("/v1")
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    for extra in ({}, {"add_generation_prompt": True}, {"tools": tools}):
+        reply = httpx.post(f"{root}/tokenize", json={"model": "any", "messages": messages,
+                                                     **extra})
+        assert reply.status_code == 200
+        expected = tiny_engine.chat_tokens(messages, tools=extra.get("tools"))
+        assert reply.json() == {"count": len(expected), "tokens": expected,
+                                "max_model_len": tiny_engine.max_context_tokens}
+    # Bad input: a clear 4xx, nothing recorded.
+    for body, param in (({"model": "any", "messages": messages, "add_generation_prompt": False},
+                         "add_generation_prompt"),
+                        ({"model": "any", "messages": messages,
+                          "add_generation_prompt": "yes"}, "add_generation_prompt"),
+                        ({"model": "any"}, "messages")):
+        refused = httpx.post(f"{root}/tokenize", json=body)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param
+    assert sqlite_store.runs() == [] or all(r.name != "tok" for r in sqlite_store.runs())
