@@ -14,8 +14,9 @@ against 10.2 s (5.1 s quiet). One thread has no barrier to wait at.
 So a sampler thread looks every `INTERVAL_S` at how busy the CPUs this
 process may run on were over the last interval, less this process's own
 time (psutil's per-CPU times; `os.times`), and `ThreadBudget.adjust`, called
-before each prefill and decode step, runs on the cores left free: at least
-one, at most the count torch started with (the user's `OMP_NUM_THREADS`,
+before each prefill and decode step, runs on the cores left free (a core
+is taken once others keep it three-quarters busy): at least one, at most the
+count torch started with (the user's `OMP_NUM_THREADS`,
 else torch's default, one per physical core). A machine whose other
 processes come and go gets the team back within a second.
 
@@ -107,14 +108,16 @@ class ThreadBudget:
 
     def _sample(self) -> None:
         """Every INTERVAL_S, the cores free over the last interval (others' busy time on the
-        CPUs this process may use, less its own), rounded half up, within [1, most]."""
+        CPUs this process may use, less its own), within [1, most]."""
         last_at, last_busy, last_own = time.monotonic(), _busy_s(self._cpus), _own_s()
         while self.adapts:
             time.sleep(INTERVAL_S)
             now, busy, own = time.monotonic(), _busy_s(self._cpus), _own_s()
             others = min(len(self._cpus), max(0.0, (busy - last_busy) - (own - last_own))
                          / (now - last_at))
-            self._free = max(1, min(self.most, int(len(self._cpus) - others + 0.5)))
+            # A core counts as taken once others keep it three-quarters busy: a light load
+            # (a client's requests, an idle server) leaves the team whole.
+            self._free = max(1, min(self.most, len(self._cpus) - int(others + 0.25)))
             last_at, last_busy, last_own = now, busy, own
 
 
