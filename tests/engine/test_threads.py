@@ -27,7 +27,7 @@ def test_a_busy_process_on_every_core_leaves_the_engine_one_thread():
     before = torch.get_num_threads()
     budget = ThreadBudget(most=2)
     try:
-        with contention(budget._cores):  # one busy process per core: no core is free
+        with contention(len(budget._cpus)):  # one busy process per core: no core is free
             _settle(budget, 0.3)  # the processes start
             assert _settle(budget, 3 * INTERVAL_S) == 1
             assert torch.get_num_threads() == 1  # set on this thread, the one that computes
