@@ -179,7 +179,13 @@ def peer_messages(step: Step, *, native_tools: bool) -> tuple[list[dict[str, Any
     """
     messages, tools = step_messages(step), step_tools(step)
     if not native_tools:
-        messages, tools = chat_messages(messages, tools, native=False)
+        # Plain turns, but a tool turn keeps the id of the call it answers: servers check it
+        # (llama.cpp's refuses a tool message without one); templates that read role and
+        # content never render it.
+        ids = iter([m.get("tool_call_id") for m in messages if m.get("role") == "tool"])
+        rendered, tools = chat_messages(messages, tools, native=False)
+        messages = [m | {"tool_call_id": next(ids, None) or "call"} if m["role"] == "tool"
+                    else m for m in rendered]
     return [m | {"content": ""} if m.get("content") is None else m for m in messages], tools
 
 
