@@ -48,7 +48,7 @@ from typing import Any
 from kvtrace.bench.contend import contention
 from kvtrace.bench.fork import record_agent
 from kvtrace.bench.limits import machine_rates, prefill_bound_s
-from kvtrace.bench.peerserver import PeerSide, Trial, timed_replay
+from kvtrace.bench.peerserver import PeerSide, Trial, timed_replay, without_null_content
 from kvtrace.bench.servers import dtype_name, kvtrace_serve
 from kvtrace.engine.model import resolve_dtype
 from kvtrace.paths import default_cache_dir
@@ -187,8 +187,6 @@ def _r(seconds: float | None) -> float | None:
 
 
 def _request(messages: list[Any], step: Step) -> CallRequest:
-    # llama.cpp's server refuses an assistant message whose content is null (a tool call's):
-    # both sides get "" instead, the same requests.
-    messages = [m | {"content": ""} if m.get("content") is None else m for m in messages]
+    messages = without_null_content(messages)
     return CallRequest(messages, None, SamplingParams(max_new_tokens=1),
                        model=ModelCall(step).model, tools=step_tools(step))

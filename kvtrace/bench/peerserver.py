@@ -10,7 +10,7 @@ three things:
   default SmolLM2 template drops tools and tool calls), it is rendering.py's
   fallback turns, plain role and content, with the tool listing in the
   system turn. The peer's template, the model's own, then renders exactly
-  kvtrace's prompt (a peer with its own template once computed 134,875
+  kvtrace's prompt (a peer with its own template computes 134,875
   tokens of a workload that is 154,301 for kvtrace: not the same work).
 - **A check of that** (`check_tokens`): each request is sent to the peer's
   `/tokenize` (vLLM's and SGLang's take chat messages), and its ids must be
@@ -172,11 +172,8 @@ def server_root(url: str) -> str:
 
 def peer_messages(step: Step, *, native_tools: bool) -> tuple[list[dict[str, Any]],
                                                              list[dict[str, Any]] | None]:
-    """(messages, tools) of a recorded call as kvtrace's template sees them (module docstring).
-
-    A null content goes as "" (llama.cpp's server refuses an assistant message whose
-    content is null, a tool call's; kvtrace's templates render both alike).
-    """
+    """(messages, tools) of a recorded call as kvtrace's template sees them (module docstring),
+    a null content as "" (`without_null_content`)."""
     messages, tools = step_messages(step), step_tools(step)
     if not native_tools:
         # Plain turns, but a tool turn keeps the id of the call it answers: servers check it
@@ -186,7 +183,13 @@ def peer_messages(step: Step, *, native_tools: bool) -> tuple[list[dict[str, Any
         rendered, tools = chat_messages(messages, tools, native=False)
         messages = [m | {"tool_call_id": next(ids, None) or "call"} if m["role"] == "tool"
                     else m for m in rendered]
-    return [m | {"content": ""} if m.get("content") is None else m for m in messages], tools
+    return without_null_content(messages), tools
+
+
+def without_null_content(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`messages` with a null content as "" (llama.cpp's server refuses an assistant message
+    whose content is null, a tool call's; kvtrace's templates render both alike)."""
+    return [m | {"content": ""} if m.get("content") is None else m for m in messages]
 
 
 def peer_request(step: Step, *, native_tools: bool) -> CallRequest:
