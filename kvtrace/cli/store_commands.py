@@ -23,7 +23,7 @@ from kvtrace.errors import UsageError
 from kvtrace.formats import Format, export_file, import_file, subagent_runs
 from kvtrace.store import ReflogEntry, RunInfo, Store, import_into, init_store, open_store
 from kvtrace.store.compare import compare
-from kvtrace.store.kinds import edit_of
+from kvtrace.store.kinds import CUT_NOTE, edit_of, is_cut
 from kvtrace.store.summary import step_summary
 
 
@@ -193,6 +193,8 @@ def show(
     say(f"step   {step.id}")
     say(f"parent {step.parent_id}")
     say(f"kind   {step.kind}   depth {step.depth}   recorded {_when(step.recorded_at)}")
+    if is_cut(step):
+        say(f"{CUT_NOTE}: never served as an answer (--from and replay ask the model here)")
     for key, value in step.meta.items():
         say(f"{key}: {json.dumps(value, ensure_ascii=False)}")
     for key, value in step.to_dict()["content"].items():

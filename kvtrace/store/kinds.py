@@ -412,6 +412,20 @@ def tool_calls(steps: list[Step]) -> list[ToolCall]:
     return [ToolCall(s) for s in steps if s.kind == StepKind.TOOL_CALL]
 
 
+def is_cut(step: Step) -> bool:
+    """Whether `step` holds an answer cut before its end: a model call or HTTP exchange whose
+    client left mid-stream. It is shown marked everywhere (summary.py) and never served as
+    an answer (tracer/matching.py, tracer/prefix.py)."""
+    if step.kind == StepKind.MODEL_CALL:
+        return not ModelCall(step).is_complete
+    if step.kind == StepKind.HTTP:
+        return not HttpExchange(step).is_complete
+    return False
+
+
+CUT_NOTE = "incomplete: the client left before the answer's end"
+
+
 def edit_of(step: Step) -> str | None:
     """The step a step of any kind is an edited copy of, if it is one."""
     value = step.meta.get(EDIT_OF)

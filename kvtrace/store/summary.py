@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kvtrace.store.kinds import ModelCall, StepKind, ToolCall
+from kvtrace.store.kinds import ModelCall, StepKind, ToolCall, is_cut
 from kvtrace.store.records import Step
 
 
@@ -22,7 +22,13 @@ def snippet(value: Any, width: int = 60) -> str:
 
 
 def step_summary(step: Step) -> str:
-    """What a step did, in one line: model and response, tool and result, or its content."""
+    """What a step did, in one line: model and response, tool and result, or its content;
+    `[incomplete]` first where the answer was cut before its end (kinds.is_cut)."""
+    line = _summary(step)
+    return f"[incomplete] {line}" if is_cut(step) else line
+
+
+def _summary(step: Step) -> str:
     if step.kind == StepKind.MODEL_CALL:
         call = ModelCall(step)
         response = call.response

@@ -10,8 +10,10 @@ conversation of the recorded call of that id in front of its input, as it
 was recorded. Any other request matches a recorded http step with the same
 method, URL and body (secrets redacted on both sides). Recorded exchanges
 are served in order: the first not yet served among the matches, then the
-last match again once all were served. A request that matches nothing is
-explained by the closest recorded request and the first way it differs.
+last match again once all were served. A recorded answer cut before its end
+(the client left mid-stream, `kinds.is_cut`) is never served: it is no
+answer. A request that matches nothing is explained by the closest recorded
+request and the first way it differs (or by the cut answer it matched).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from kvtrace.errors import UsageError
 from kvtrace.rendering import content_text
 from kvtrace.store import Step
 from kvtrace.store.apis import ProviderApi
-from kvtrace.store.kinds import HttpExchange, ModelCall, StepKind, view
+from kvtrace.store.kinds import HttpExchange, ModelCall, StepKind, is_cut, view
 from kvtrace.store.messages import normalize_messages, normalize_tools
 from kvtrace.tracer.endpoints import (
     ENDPOINTS,
@@ -66,10 +68,11 @@ class Cassette:
         self._redactor = redactor
         self._steps = list(steps)
         self._entries: list[tuple[MatchKey, Step]] = []
+        self._cut: list[tuple[MatchKey, Step]] = []  # answers cut before their end: never served
         for step in self._steps:
             key = _step_key(step, redactor)
             if key is not None:
-                self._entries.append((key, step))
+                (self._cut if is_cut(step) else self._entries).append((key, step))
         self._served: set[int] = set()
 
     def __len__(self) -> int:
@@ -89,6 +92,10 @@ class Cassette:
         """Why nothing matches: the closest recorded request and how it differs."""
         key = self.key(request)
         what = f"{key.method} {key.url}"
+        cut = next((step for k, step in self._cut if k == key), None)
+        if cut is not None:
+            return (f"{what} was recorded at step {cut.short_id} (#{cut.depth}), but its answer "
+                    "was cut before its end (the client left mid-stream), so it is not served")
         if not self._entries:
             return f"the recording holds no requests, so {what} cannot be served"
         _, closest, step = max(

@@ -7,7 +7,8 @@ differs. `RecordedPrefix.serve(request)` gives the recorded step that
 answers `request` while it matches the recording's *next* model call up to
 step K (matched as `ReplayTransport` matches: path, model, conversation,
 tools, params; `stream` aside), else None: the agent has left the
-recording, for good. `go_live()` then makes the fork the live part is
+recording, for good. A recorded answer cut before its end (`kinds.is_cut`)
+answers nothing: the call goes live there. `go_live()` then makes the fork the live part is
 recorded on, at the last step both share, so the fork's first steps are
 RUN's own steps by id and `kvtrace diff RUN FORK` shows where they parted.
 
@@ -39,6 +40,7 @@ import httpx
 from kvtrace.errors import UsageError
 from kvtrace.store import HttpExchange, ModelCall, Run, Step, StepKind, Store, ToolCall
 from kvtrace.store.edits import editable_fields, edited_content
+from kvtrace.store.kinds import is_cut
 from kvtrace.store.plain import to_plain
 from kvtrace.tracer.endpoints import endpoint_for
 from kvtrace.tracer.exchange import is_chat_completions
@@ -133,6 +135,9 @@ class RecordedPrefix:
         if self._cassette.key(request) != self._cassette.step_key(expected):
             return self._part(self._cassette.explain_miss(request) if self._served else
                               "the first request differs from the recording's first call")
+        if is_cut(expected):
+            return self._part(f"{_described(expected)} was cut before its end (the client left "
+                              "mid-stream): asked live")
         return self._take(expected)
 
     def serve_tool(self, name: str, arguments: Any) -> Step | None:

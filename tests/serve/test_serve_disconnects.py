@@ -281,3 +281,63 @@ def _catching(work: Callable[[], None], errors: list[Exception]) -> None:
         work()
     except Exception as exc:  # the test looks at it
         errors.append(exc)
+
+
+# -- a cut answer is no answer (issue 41, item 1) ---------------------------------------------
+
+
+def drop_mid_stream(store, canned_upstream, serve_upstream, run: str) -> None:
+    """Record `run`: one streamed call whose client left after the first event."""
+    proxy = serve_upstream(store, canned_upstream.url, run=run)
+    body = {"model": "canned-model", "messages": HANG, "stream": True}
+    with httpx.stream("POST", f"{proxy.url}/chat/completions", json=body, timeout=30) as reply:
+        assert next(reply.iter_lines()).startswith("data: ")
+    wait_until(lambda: recorded(store, run), seconds=10, what="the dropped stream was recorded")
+    proxy.stop()
+
+
+def test_a_cut_stream_is_never_served_from_the_recording_the_call_goes_live(
+    store, canned_upstream, serve_upstream
+):
+    drop_mid_stream(store, canned_upstream, serve_upstream, "prox")
+    canned_upstream.release.set()  # the live upstream answers in full now
+    fork = serve_upstream(store, canned_upstream.url, run="again", from_run="prox@1")
+    sdk = openai.OpenAI(base_url=fork.url, api_key="x", max_retries=0)
+    chunks = list(sdk.chat.completions.create(model="canned-model", messages=HANG, stream=True))
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] is not None  # whole
+    summary = fork.server.answerer.summary
+    assert (summary.num_served, summary.first_live_step) == (0, 1)
+    assert "cut before its end" in summary.parted
+    [live] = store.path("again")
+    assert live.meta["extra"]["http"]["complete"] is True
+    assert live.id != store.path("prox")[0].id
+
+
+def test_a_cut_stream_is_no_answer_for_the_replay_transport_either(
+    store, canned_upstream, serve_upstream
+):
+    from kvtrace.tracer import ReplayTransport
+
+    drop_mid_stream(store, canned_upstream, serve_upstream, "cut")
+    body = {"model": "canned-model", "messages": HANG, "stream": True}
+    transport = ReplayTransport(store.run("cut"), mode="none")
+    with httpx.Client(transport=transport, base_url="http://recorded/v1") as client:
+        reply = client.post("/chat/completions", json=body)
+    assert reply.status_code == 404
+    assert "cut before its end" in reply.json()["error"]["message"]
+
+
+def test_a_cut_step_is_marked_where_people_look(store, store_url, canned_upstream,
+                                                serve_upstream, capsys):
+    from kvtrace.cli import main
+    from kvtrace.store.summary import step_summary
+
+    drop_mid_stream(store, canned_upstream, serve_upstream, "marked")
+    [step] = store.path("marked")
+    assert step_summary(step).startswith("[incomplete] ")  # log, diff, report, UI and MCP
+    for argv, expected in ((["log", "marked"], "[incomplete]"),
+                           (["show", "marked@1"], "incomplete: the client left")):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["--store", store_url, *argv])
+        assert exit_info.value.code in (0, None)
+        assert expected in capsys.readouterr().out
