@@ -23,7 +23,7 @@ from kvtrace.cli.progress import step_bar, terminal_progress
 from kvtrace.inert import inert
 
 if TYPE_CHECKING:
-    from kvtrace.replay.analyze import Analysis
+    from kvtrace.replay.analyze import Analysis, ProviderCache
     from kvtrace.replay.report import ReplayReport, StepReport
     from kvtrace.replay.runs import RunOutcome, RunsReport
 
@@ -204,7 +204,7 @@ def render_analysis(analysis: Analysis, console: Console | None = None) -> None:
     if provider is not None:
         console.print(
             f"provider cache: read {provider.cached_tokens} of {provider.prompt_tokens} prompt "
-            f"tokens ({100 * provider.hit_rate:.1f}%), wrote {provider.cache_write_tokens}, on "
+            f"tokens ({100 * provider.hit_rate:.1f}%), wrote {_writes(provider)}, on "
             f"the {_calls(provider.num_calls)} that "
             f"{'reports' if provider.num_calls == 1 else 'report'} it; an exact-prefix cache "
             "could have reused "
@@ -349,3 +349,14 @@ def _pct(value: float | None) -> str:
 def _shown(text: str) -> str:
     """Recorded text inside Rich markup: inert, and its brackets not read as markup."""
     return escape(inert(text))
+
+
+def _writes(provider: ProviderCache) -> str:
+    """The tokens the provider wrote to its cache: "unknown" where no call says, and on how
+    many calls where only some do (never a 0 it did not report)."""
+    if provider.cache_write_tokens is None:
+        return "unknown"
+    if provider.num_write_calls < provider.num_calls:
+        return (f"{provider.cache_write_tokens} (on the {provider.num_write_calls} of "
+                f"{provider.num_calls} calls that say)")
+    return str(provider.cache_write_tokens)

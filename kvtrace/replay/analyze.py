@@ -183,13 +183,16 @@ class Analysis:
                  and s.provider_prompt_tokens]
         if not known:
             return None
+        writes = [s for s in known if s.provider_cache_write_tokens is not None]
         return ProviderCache(
             num_calls=len(known),
             prompt_tokens=sum(s.provider_prompt_tokens or 0 for s in known),
             cached_tokens=sum(s.provider_cached_tokens or 0 for s in known),
             oracle_hit_rate=sum(s.oracle_tokens for s in known)
             / max(1, sum(s.prompt_tokens for s in known)),
-            cache_write_tokens=sum(s.provider_cache_write_tokens or 0 for s in known),
+            cache_write_tokens=sum(s.provider_cache_write_tokens for s in writes) if writes
+            else None,
+            num_write_calls=len(writes),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -227,7 +230,10 @@ class ProviderCache:
     prompt_tokens: int
     cached_tokens: int  # read from the provider's cache
     oracle_hit_rate: float
-    cache_write_tokens: int = 0  # written to it (0 also when the provider does not say)
+    # Written to it, summed over the `num_write_calls` calls that say; None: none says
+    # (Codex, DeepSeek): unknown, never 0.
+    cache_write_tokens: int | None = None
+    num_write_calls: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -239,6 +245,7 @@ class ProviderCache:
             "prompt_tokens": self.prompt_tokens,
             "cached_tokens": self.cached_tokens,
             "cache_write_tokens": self.cache_write_tokens,
+            "cache_write_calls": self.num_write_calls,
             "hit_rate": round(self.hit_rate, 6),
             "oracle_hit_rate": round(self.oracle_hit_rate, 6),
         }

@@ -91,7 +91,7 @@ from kvtrace.serve.chat_reply import ChatReply
 from kvtrace.serve.disconnect import ClosingStream, client_left, unless_client_leaves
 from kvtrace.serve.generation import Generation, LocalCall, Reply
 from kvtrace.serve.recording import Sink
-from kvtrace.serve.request import APIError, failed_answer, parse_json
+from kvtrace.serve.request import APIError, check_text_only, failed_answer, parse_json
 from kvtrace.serve.responses_api import RESPONSES_PATH, ResponsesReply, parse_responses_request
 
 if TYPE_CHECKING:
@@ -256,6 +256,7 @@ class LocalAnswerer:
             raise APIError(404, f"the model {request.model!r} does not exist here: this server "
                            f"serves {self.model!r} (GET /v1/models)", param="model",
                            code="model_not_found")
+        check_text_only(request.messages)
         engine = self._backend.engine
         limit = engine.max_context_tokens
         text_bytes = _text_bytes(request.messages)

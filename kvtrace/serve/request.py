@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 from kvtrace.errors import UsageError
@@ -37,6 +37,11 @@ JSON_MEDIA_TYPE = "application/json"
 # content.messages): the body keeps that much below the store's own limit.
 MAX_BODY_DEPTH = MAX_DEPTH - 8
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # what a 64-bit generator seed holds
+# Content parts the local engine cannot read, in the three APIs' words (chat's `image_url`
+# and `input_audio`, Anthropic's `image` and `document`, Responses' `input_image` and
+# `input_file`): a 400 in local mode, never dropped in silence (check_text_only).
+UNREAD_PARTS = frozenset({"image_url", "input_audio", "file", "image", "document",
+                          "input_image", "input_file"})
 _log = logging.getLogger("uvicorn.error")  # where uvicorn logs its own errors
 
 
@@ -235,3 +240,33 @@ def check_number(body: dict[str, Any], name: str, low: float, high: float, *,
     if value > high or value < low or (low_open and value == low):
         bound = f"({low}, {high}]" if low_open else f"[{low}, {high}]"
         raise APIError(400, f"'{name}' must be in {bound}", param=name, code="invalid_value")
+
+
+def check_text_only(messages: list[dict[str, Any]]) -> None:
+    """A 400 where a message holds a part the local model cannot read (`UNREAD_PARTS`):
+    answering as if it were not there would be a wrong answer, recorded as a right one.
+    `messages` in chat shape, as each API's request gives them."""
+    for message in messages:
+        content = message.get("content")
+        for part in content if isinstance(content, list) else ():
+            kind = part.get("type") if isinstance(part, Mapping) else None
+            if kind in UNREAD_PARTS:
+                raise APIError(400, f"a {message.get('role')} message holds a {kind!r} part: "
+                               "the local model reads text only (send text, or serve with "
+                               "--upstream, which passes it on)", param="messages",
+                               code="unsupported_content")
+
+
+def check_tool_answers(messages: list[dict[str, Any]]) -> None:
+    """Every `tool` message answers a tool call of an earlier assistant turn, as the chat,
+    Anthropic and Responses APIs all require (the other two check it as they normalise);
+    `messages` in chat shape."""
+    asked: set[Any] = set()
+    for index, message in enumerate(messages):
+        if message.get("role") == "assistant":
+            calls = message.get("tool_calls") or []
+            asked.update(c.get("id") for c in calls if isinstance(c, Mapping))
+        elif message.get("role") == "tool" and message.get("tool_call_id") not in asked:
+            raise APIError(400, f"messages[{index}]: a tool message answers "
+                           f"{message.get('tool_call_id')!r}, no tool call of an earlier "
+                           "assistant turn", param="messages", code="invalid_value")

@@ -161,6 +161,9 @@ class _Fields:
 
 def _model_call(fields: _Fields, call_a: ModelCall, call_b: ModelCall) -> None:
     fields.add("model", call_a.model, call_b.model)
+    # The name asked for, where another model answered (kvtrace serve answers any name with
+    # its own model): a fork whose agent asked for another model parts here.
+    fields.add("request model", call_a.request_model, call_b.request_model)
     messages_a, messages_b = call_a.messages, call_b.messages
     keys_a = [json.dumps(m, sort_keys=True) for m in messages_a]
     keys_b = [json.dumps(m, sort_keys=True) for m in messages_b]

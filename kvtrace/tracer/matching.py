@@ -105,7 +105,7 @@ class Cassette:
         entry_key = self._entries[closest][0]
         return (
             f"{what} was not recorded; the closest recorded request is step "
-            f"{step.short_id} (#{step.depth}), which differs: {_difference(key, entry_key)}"
+            f"{step.short_id} (#{step.depth}), which differs: {difference(key, entry_key)}"
         )
 
     def step_key(self, step: Step) -> MatchKey | None:
@@ -206,7 +206,7 @@ def _similarity(a: MatchKey, b: MatchKey) -> tuple[int, ...]:
             a.body == b.body)
 
 
-def _difference(request: MatchKey, recorded: MatchKey) -> str:
+def difference(request: MatchKey, recorded: MatchKey) -> str:
     """The first way the request differs from the recorded one, in words."""
     if request.kind != recorded.kind or request.method != recorded.method:
         return f"it is {recorded.method} {recorded.url}"

@@ -44,7 +44,7 @@ from kvtrace.store.kinds import is_cut
 from kvtrace.store.plain import to_plain
 from kvtrace.tracer.endpoints import endpoint_for
 from kvtrace.tracer.exchange import is_chat_completions
-from kvtrace.tracer.matching import Cassette
+from kvtrace.tracer.matching import Cassette, difference
 from kvtrace.tracer.redact import Redactor
 
 _SNIPPET = 80
@@ -132,9 +132,11 @@ class RecordedPrefix:
             key = self._cassette.key(request)
             return self._part(f"{key.method} {key.url} was sent where the recording's next "
                               f"step is {_described(expected)}")
-        if self._cassette.key(request) != self._cassette.step_key(expected):
-            return self._part(self._cassette.explain_miss(request) if self._served else
-                              "the first request differs from the recording's first call")
+        key, recorded = self._cassette.key(request), self._cassette.step_key(expected)
+        if key != recorded:
+            which = "the request" if self._served else "the first request"
+            how = difference(key, recorded) if recorded is not None else "it holds no request"
+            return self._part(f"{which} differs from {_described(expected)}: {how}")
         if is_cut(expected):
             return self._part(f"{_described(expected)} was cut before its end (the client left "
                               "mid-stream): asked live")

@@ -59,10 +59,15 @@ def test_analyze_sets_the_providers_cache_reads_and_writes_beside_the_oracle(
     provider = result.provider
     assert provider is not None and provider.num_calls == len(calls)
     assert provider.cached_tokens == sum(c.usage.cached_tokens or 0 for c in calls)
-    assert provider.cache_write_tokens == sum(c.usage.cache_write_tokens or 0 for c in calls)
+    written = [c.usage.cache_write_tokens for c in calls if c.usage.cache_write_tokens is not None]
+    # Unknown is None, never 0 (issue 41, item 4): a Codex rollout does not say what it wrote.
+    assert provider.cache_write_tokens == (sum(written) if written else None)
+    assert provider.num_write_calls == len(written)
+    assert (run == "cx") == (provider.cache_write_tokens is None)
     assert 0.5 < provider.hit_rate < 1 and 0.4 < provider.oracle_hit_rate < 1
     total = result.to_dict()
     assert total["provider"]["cache_write_tokens"] == provider.cache_write_tokens
+    assert total["provider"]["cache_write_calls"] == len(written)
 
 
 def test_costs_as_billed_and_without_the_cache_add_up_per_step(logs, byte_tokenizer):
@@ -89,6 +94,10 @@ def test_the_cli_prints_the_costs_with_a_prices_file(logs, tmp_path, capsys,
     data = json.loads(capsys.readouterr().out)
     assert data["cost"]["num_calls"] == 12 and data["cost"]["saved"] > 0
     assert data["steps"][1]["provider_cached_tokens"] > 0
+    assert data["provider"]["cache_write_tokens"] is None  # the rollout does not say: not 0
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--store", logs.url, "analyze", "cx", "--prices", str(prices)])
+    assert ", wrote unknown, on the 12 calls" in " ".join(capsys.readouterr().out.split())
     with pytest.raises(SystemExit) as exit_info:
         main(["--store", logs.url, "analyze", "cx", "--prices", str(tmp_path / "no.json")])
     err = capsys.readouterr().err

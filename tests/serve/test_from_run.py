@@ -104,9 +104,18 @@ def test_an_agent_that_parts_early_goes_live_where_it_parted(recorded, serve_sta
     run_agent(server.url, tmp_path / "other", model="another-model", calls=3)
     summary = server.server.answerer.summary
     assert (summary.num_served, summary.first_live_step) == (0, 1)
-    assert "differs" in summary.parted
+    # Why, in words: the request field that differed, both values (issue 41, item 2).
+    assert summary.parted.startswith("the first request differs from step ")
+    assert "model" in summary.parted and "'another-model'" in summary.parted
     assert len(model_calls(store, "other")) == 3
     assert {s.id for s in store.path("other")}.isdisjoint({s.id for s in store.path("base")})
+    # diff names it too, at the first step, where both runs have one.
+    from kvtrace.store.compare import compare
+
+    result = compare(store, "base", "other")
+    assert result.position == 1 and result.step_a is not None and result.step_b is not None
+    [change] = [c for c in result.changes if c.field == "request model"]
+    assert (change.a, change.b) == (tiny_engine.name, "another-model")
 
 
 def test_the_recorded_part_is_answered_through_an_upstream_too(
