@@ -183,15 +183,15 @@ class Analysis:
                  and s.provider_prompt_tokens]
         if not known:
             return None
-        writes = [s for s in known if s.provider_cache_write_tokens is not None]
+        writes = [s.provider_cache_write_tokens for s in known
+                  if s.provider_cache_write_tokens is not None]
         return ProviderCache(
             num_calls=len(known),
             prompt_tokens=sum(s.provider_prompt_tokens or 0 for s in known),
             cached_tokens=sum(s.provider_cached_tokens or 0 for s in known),
             oracle_hit_rate=sum(s.oracle_tokens for s in known)
             / max(1, sum(s.prompt_tokens for s in known)),
-            cache_write_tokens=sum(s.provider_cache_write_tokens for s in writes) if writes
-            else None,
+            cache_write_tokens=sum(writes) if writes else None,
             num_write_calls=len(writes),
         )
 
