@@ -109,8 +109,11 @@ class PeerSide:
         self.url, self.model = peer, peer_model
         self._root = server_root(peer)
         self._http = stack.enter_context(httpx.Client(timeout=600.0))
-        self._requests = [peer_request(step, native_tools=engine.supports_tools)
-                          for step in schedule]
+        # A peer that is kvtrace serve renders the conversation itself, as kvtrace does (and
+        # refuses a tool turn that answers no call, as the providers' APIs do): it is sent
+        # the recorded messages; any other is sent them as kvtrace's template sees them.
+        native = engine.supports_tools or is_kvtrace_serve(self._http, self._root)
+        self._requests = [peer_request(step, native_tools=native) for step in schedule]
         self.expected = [prompt_ids(engine, step) for step in schedule]
         # What an unrelated prompt shares with the first (the template's first tokens): what
         # a cache made cold by it may still reuse.
@@ -145,6 +148,15 @@ class PeerSide:
 
     def _shared_by(self, trial: Trial) -> int:
         return self._shared if trial.cold_by == UNRELATED_PROMPT else 0
+
+
+def is_kvtrace_serve(client: httpx.Client, root: str) -> bool:
+    """Whether the server at `root` is `kvtrace serve` (its /health names its run and queue)."""
+    try:
+        health = _json(client.get(f"{root}/health"))
+    except httpx.HTTPError:
+        return False
+    return health.get("status") == "ok" and "run" in health and "queue" in health
 
 
 class TokenMismatchError(RuntimeError):

@@ -31,7 +31,14 @@ from typing import Any
 
 import torch
 
-from kvtrace.engine.attention import TILE, register_canonical_attention
+from kvtrace.engine.attention import (
+    FLASH,
+    FLASH_BLOCK,
+    KERNEL_ATTR,
+    TILE,
+    flash_rows_hold,
+    register_canonical_attention,
+)
 from kvtrace.engine.folders import OnConvert, cache_root, model_folder
 from kvtrace.engine.layers import (
     LayerKind,
@@ -202,6 +209,12 @@ def _load_folder(folder: Path, cache_dir: Path, device: torch.device, dtype: tor
                        or text_config.hidden_size // num_heads)
         kv_bytes_per_token = 2 * num_layers * num_kv_heads * head_dim * element_size
         layout = plain_layout(num_layers, kv_bytes_per_token)
+        if flash_rows_hold(num_heads, num_kv_heads, head_dim, dtype, device):
+            # torch's fused kernel keeps a row's bits here: canonical attention takes it
+            # (attention.py's `_flash`), else the tiles.
+            for holder in {id(config): config, id(text_config): text_config}.values():
+                setattr(holder, KERNEL_ATTR, FLASH)
+            attn = f"{attn}:{FLASH}-{FLASH_BLOCK}"
     else:
         layout = measure_layout(model, str(folder), kinds)
         num_layers = len(layout.layers)

@@ -8,6 +8,8 @@ agree to rounding, not bit for bit.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -25,11 +27,22 @@ def _inputs(kv_len: int, dtype: torch.dtype, seed: int = 0):
     return query.to(dtype), key.to(dtype), value.to(dtype)
 
 
-def _canonical(query, key, value, lo: int, hi: int) -> torch.Tensor:
+class _Layer(torch.nn.Module):
+    """An attention layer as canonical_attention sees one: its config says the kernel."""
+
+    def __init__(self, kernel: str | None) -> None:
+        super().__init__()
+        self.config = SimpleNamespace(**{attention.KERNEL_ATTR: kernel})
+
+
+KERNELS = [None, attention.FLASH]  # the tiles, torch's fused kernel (`_flash`)
+
+
+def _canonical(query, key, value, lo: int, hi: int, kernel: str | None = None) -> torch.Tensor:
     """Queries lo..hi-1 over keys 0..hi-1, as a prefill chunk computes them: [b, q, heads, dim]."""
     with torch.inference_mode():  # as in a forward (its scratch buffers are inference tensors)
         out, _ = attention.canonical_attention(
-            None, query[:, :, lo:hi].contiguous(), key[:, :, :hi].contiguous(),
+            _Layer(kernel), query[:, :, lo:hi].contiguous(), key[:, :, :hi].contiguous(),
             value[:, :, :hi].contiguous(), None)
     return out
 
@@ -46,11 +59,12 @@ def _reference(query, key, value, lo: int, hi: int) -> torch.Tensor:
 # bfloat16: the tile partial sums are rounded to bfloat16 before the fold, so the
 # largest error is ~4x torch's own bfloat16 attention's (0.03 against 0.008 here);
 # the model's next-token loss does not see it (docs/benchmarks.md, session 15).
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 2e-5), (torch.bfloat16, 5e-2)])
 @pytest.mark.parametrize(("lo", "hi"), [(0, 48), (0, 300), (250, 300), (640, 656), (600, 1000)])
-def test_close_to_torch_attention(dtype, tolerance, lo, hi):
+def test_close_to_torch_attention(dtype, tolerance, lo, hi, kernel):
     query, key, value = _inputs(1000, dtype)
-    got = _canonical(query, key, value, lo, hi)
+    got = _canonical(query, key, value, lo, hi, kernel)
     assert got.shape == (1, hi - lo, HEADS, DIM) and got.dtype == dtype
     error = (got.float() - _reference(query, key, value, lo, hi)).abs()
     assert error.max() < tolerance and error.mean() < tolerance / 20
@@ -69,3 +83,31 @@ def test_a_row_gets_the_same_bits_in_any_chunk(dtype, monkeypatch):
     assert torch.equal(longer[:, 200:], whole)
     monkeypatch.setattr(attention, "SCORE_BYTES", 1)  # blocks of 16 query rows
     assert torch.equal(_canonical(query, key, value, 700, 900), whole)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_kernel_keeps_a_rows_bits_where_its_probe_says_so(dtype):
+    """Where `flash_rows_hold` says so on this machine, a row gets the same bits from
+    `_flash` in any chunk and at any length past it; the engine then takes it (and only
+    then: its probe is what stands between a torch whose kernel splits otherwise and a
+    cache hit with other bits)."""
+    if not attention.flash_rows_hold(HEADS, KV_HEADS, DIM, dtype, torch.device("cpu")):
+        pytest.skip("torch's fused kernel gives other bits by chunk here: the tiles are used")
+    query, key, value = _inputs(1300, dtype, seed=2)
+    whole = _canonical(query, key, value, 1000, 1300, attention.FLASH)
+    for lo in range(1000, 1300, 48):
+        alone = _canonical(query, key, value, lo, lo + 16, attention.FLASH)
+        assert torch.equal(alone, whole[:, lo - 1000:lo - 984])
+    longer = _canonical(query, key, value, 0, 1300, attention.FLASH)  # three key blocks
+    assert torch.equal(longer[:, 1000:], whole)
+
+
+def test_an_engine_takes_the_fused_kernel_where_it_holds_and_names_it(tiny_engine, bf16_engine):
+    from kvtrace.engine.attention import FLASH_BLOCK
+
+    for engine in (tiny_engine, bf16_engine):
+        config = engine.model.config
+        holds = attention.flash_rows_hold(config.num_attention_heads, engine.num_kv_heads,
+                                          engine.head_dim, engine.dtype, engine.device)
+        assert engine.attn_implementation.endswith(f":flash-{FLASH_BLOCK}") == holds
+        assert (getattr(config, attention.KERNEL_ATTR, None) == attention.FLASH) == holds
