@@ -15,11 +15,12 @@ function:
 - `instructions` becomes a first system message; `message` items keep
   their role, `input_text` / `output_text` parts become text parts (one
   part: the content string);
-- `function_call` and `custom_tool_call` items become `tool_calls` of the
-  assistant turn they follow (a custom tool's free-form `input` is its
-  arguments string); their `*_output` items become `tool` messages;
-- a `reasoning` item's summary text becomes the next assistant turn's
-  `reasoning_content` (`encrypted_content` lives only in the stored items);
+- the model's items in a row (assistant messages, reasoning, calls, the
+  rest) are one assistant turn, in input as in a response, so the two read
+  alike: texts joined as parts, `function_call` and `custom_tool_call` items
+  its `tool_calls` (a custom tool's free-form `input` is its arguments
+  string), reasoning summaries its `reasoning_content` (`encrypted_content`
+  lives only in the stored items); `*_output` items become `tool` messages;
 - items of other types (web search, computer, shell, MCP calls...) become
   content parts of their own type on an assistant turn: kept, not rendered.
 """
@@ -100,17 +101,20 @@ def normalize_response(response: Any) -> dict[str, Any]:
 
 
 def chat_messages(instructions: Any, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The conversation in OpenAI chat shape (see the module docstring)."""
+    """The conversation in OpenAI chat shape (see the module docstring).
+
+    The one rule for the model's items: every run of them between two other messages (a
+    user turn, a tool output) is one assistant turn, in order: texts joined as parts, calls
+    as `tool_calls`, reasoning summaries as `reasoning_content`. A response's `output` is
+    such a run, so a response (`chat_response`) and the same items sent back as input
+    render to the same bytes, whatever their order (tests/replay/test_api_views.py).
+    """
     out: list[dict[str, Any]] = []
     if isinstance(instructions, str) and instructions:
         out.append({"role": "system", "content": instructions})
-    reasoning: list[str] = []
+    reasoning: list[str] = []  # summaries waiting for the assistant turn they open
     for item in items:
         kind = item["type"]
-        if kind == "reasoning":
-            reasoning.extend(str(s.get("text", "")) for s in item.get("summary") or []
-                             if isinstance(s, Mapping))
-            continue
         if kind in _OUTPUTS:
             out.append({"role": "tool", "tool_call_id": item["call_id"],
                         "content": _content(item.get("output"))})
@@ -118,7 +122,12 @@ def chat_messages(instructions: Any, items: list[dict[str, Any]]) -> list[dict[s
         if kind == "message" and item["role"] != "assistant":
             out.append({"role": item["role"], "content": _content(item.get("content"))})
             continue
-        turn = out[-1] if _is_open_assistant(out, kind) else None
+        if kind == "reasoning":
+            reasoning.extend(str(s.get("text", "")) for s in item.get("summary") or []
+                             if isinstance(s, Mapping))
+            if not (out and out[-1]["role"] == "assistant"):
+                continue  # it opens the next assistant turn
+        turn = out[-1] if out and out[-1]["role"] == "assistant" else None
         if turn is None:
             turn = {"role": "assistant", "content": None}
             out.append(turn)
@@ -126,34 +135,36 @@ def chat_messages(instructions: Any, items: list[dict[str, Any]]) -> list[dict[s
             turn["reasoning_content"] = turn.get("reasoning_content", "") + "".join(reasoning)
             reasoning = []
         if kind == "message":
-            turn["content"] = _content(item.get("content"))
+            turn["content"] = _joined(turn["content"], _content(item.get("content")))
         elif kind in _CALLS:
             arguments = item.get("arguments") if kind == "function_call" else item.get("input")
             turn.setdefault("tool_calls", []).append({
                 "id": item["call_id"], "type": "function",
                 "function": {"name": item["name"], "arguments": str(arguments or "")}})
-        else:
-            parts = turn["content"] if isinstance(turn["content"], list) else (
-                [{"type": "text", "text": turn["content"]}] if turn["content"] else [])
-            turn["content"] = [*parts, dict(item)]
+        elif kind != "reasoning":
+            turn["content"] = _joined(turn["content"], [dict(item)])
     if reasoning:
         out.append({"role": "assistant", "content": None, "reasoning_content": "".join(reasoning)})
     return out
 
 
 def chat_response(response: Mapping[str, Any]) -> dict[str, Any]:
-    """The stored response's output items as one assistant message in chat shape."""
+    """The stored response's output items as one assistant message in chat shape: the turn
+    `chat_messages` makes of them (output items are all the model's)."""
     turns = chat_messages(None, list(response.get("output") or []))
-    merged: dict[str, Any] = {"role": "assistant", "content": None}
-    for turn in turns:
-        if turn.get("content") is not None:
-            merged["content"] = turn["content"]
-        if turn.get("tool_calls"):
-            merged.setdefault("tool_calls", []).extend(turn["tool_calls"])
-        if turn.get("reasoning_content"):
-            merged["reasoning_content"] = (merged.get("reasoning_content", "")
-                                           + turn["reasoning_content"])
-    return merged
+    return turns[0] if len(turns) == 1 else {"role": "assistant", "content": None}
+
+
+def _joined(content: Any, more: Any) -> Any:
+    """Two contents of one assistant turn, in order: `more` alone when there is no text yet,
+    else text parts (a string is one text part) followed by `more`'s."""
+    if content is None or content == "":
+        return more
+
+    def parts(value: Any) -> list[dict[str, Any]]:
+        return [{"type": "text", "text": value}] if isinstance(value, str) else list(value)
+
+    return [*parts(content), *parts(more)]
 
 
 def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
@@ -227,13 +238,6 @@ def finish_reason(response: Mapping[str, Any]) -> str | None:
         return "tool_calls"
     status = response.get("status")
     return FINISH_REASONS.get(status, status) if isinstance(status, str) else None
-
-
-def _is_open_assistant(out: list[dict[str, Any]], kind: str) -> bool:
-    """Whether an item of `kind` joins the assistant turn before it (calls follow text)."""
-    if not out or out[-1]["role"] != "assistant":
-        return False
-    return kind != "message" or (out[-1]["content"] is None and not out[-1].get("tool_calls"))
 
 
 def _content(content: Any) -> Any:
