@@ -156,3 +156,33 @@ def test_runs_pages_with_limit_and_after(home, capsys):
     assert code == 0 and out.split()[0] == "main" and len(out.splitlines()) == 1
     code, _, err = kv(capsys, "runs", "-n", "0")
     assert code == 2 and err.startswith("error: ")
+
+
+# -- error lines that say what to do (issue 41, item 12) --------------------------------------
+
+
+def test_a_path_given_as_the_store_is_told_the_url_it_means(home, capsys):
+    code, _, err = kv(capsys, "--store", "store.db", "runs")
+    assert code == 2 and err.count("\n") == 1
+    assert "'sqlite:///store.db'" in err
+    assert not (home / "store.db").exists()
+
+
+@pytest.mark.parametrize("target", ["/dev/null", "empty.jsonl", "folder"])
+def test_importing_nothing_says_why(home, capsys, target):
+    (home / "empty.jsonl").write_bytes(b"")
+    (home / "folder").mkdir()
+    path = target if target.startswith("/") else str(home / target)
+    code, _, err = kv(capsys, "import", path)
+    assert code == 2 and err.count("\n") == 1
+    assert ("is a folder" if target == "folder" else "is empty") in err
+    assert [r.name for r in open_store().runs()] == ["main"]  # nothing imported
+
+
+def test_record_checks_the_program_before_loading_the_model(home, capsys, monkeypatch):
+    cache = home / "cache"
+    monkeypatch.setenv("KVTRACE_CACHE", str(cache))
+    code, _, err = kv(capsys, "record", "--", "no-such-agent-program-41")
+    assert code == 2 and "no such program" in err and err.count("\n") == 1
+    assert not cache.exists() or not any(cache.iterdir())  # no model was converted or loaded
+    assert [r.name for r in open_store().runs()] == ["main"]

@@ -272,10 +272,11 @@ def record_command(
     from pathlib import Path
 
     from kvtrace.serve import BackgroundServer
-    from kvtrace.serve.runner import client_env, run_command
+    from kvtrace.serve.runner import check_program, client_env, run_command
 
     if workdir is not None and num_agents is None and "{i}" in workdir:
         raise UsageError(f"--workdir {workdir!r}: {{i}} is the agent's number with --n")
+    check_program(command, workdir)
     with open_store(store_url(ctx)) as store:
         server = _chat_server(store, upstream=upstream, model=model, run=run, run_prefix="record",
                               api_key=None, upstream_api_key=upstream_api_key,

@@ -401,9 +401,13 @@ def import_run(
     as_json: Json = False,
 ) -> None:
     """Import a file as a new run; a bad or modified file is refused whole, writing nothing."""
-    if not file.is_file():
+    if not file.exists():
         raise UsageError(f"no such file: {file}")
+    if file.is_dir():
+        raise UsageError(f"{file} is a folder: name one file to import")
     data = file.read_bytes()
+    if not data.strip():
+        raise UsageError(f"{file} is empty: there is nothing to import")
     with step_bar(f"import {file.name}") as on_step:
         infos = import_into(store_url(ctx), lambda store: _imported(store, import_file(
             store, io.BytesIO(data), format=fmt, run=run, filename=str(file), on_step=on_step),

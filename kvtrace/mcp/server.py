@@ -16,6 +16,7 @@ from pathlib import Path
 from mcp.server.mcpserver import MCPServer
 from mcp.types import ToolAnnotations
 
+from kvtrace import __version__
 from kvtrace.mcp.models import Models
 from kvtrace.mcp.resources import register_resources
 from kvtrace.mcp.results import DescribeError, as_tool, library_message
@@ -52,7 +53,8 @@ def make_server(
     `cache_dir`. `describe_error(exc, tool)` writes a tool's error as one
     line (default: the library's message, naming the tool's own arguments).
     """
-    server: MCPServer = MCPServer("kvtrace", instructions=INSTRUCTIONS, log_level="WARNING")
+    server: MCPServer = MCPServer("kvtrace", instructions=INSTRUCTIONS, version=__version__,
+                                  log_level="WARNING")
     tools = Tools(store, Models(model, cache_dir=cache_dir))
     for method in tools.methods():
         name = method.__name__

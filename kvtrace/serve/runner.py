@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -139,6 +140,25 @@ def client_env(environ: Mapping[str, str], url: str) -> dict[str, str]:
     if not env.get("ANTHROPIC_API_KEY") and not env.get("ANTHROPIC_AUTH_TOKEN"):
         env["ANTHROPIC_API_KEY"] = PLACEHOLDER_KEY  # not beside a token: it would shadow it
     return env
+
+
+def check_program(command: Sequence[str], cwd: str | None = None) -> None:
+    """A UsageError now, before a model loads for seconds, when `command`'s program cannot be
+    run: a bare name not on PATH, a path that is no executable file (relative to `cwd`
+    where it is a known folder; a templated one, `{i}`, is left to the start)."""
+    if not command:
+        raise UsageError("name the program to run after '--'")
+    program = command[0]
+    if os.sep not in program:
+        if shutil.which(program) is None:
+            raise UsageError(f"cannot run {program!r}: no such program on PATH")
+        return
+    if cwd is not None and "{i}" in cwd:
+        return
+    path = Path(cwd or ".") / program
+    if not path.is_file() or not os.access(path, os.X_OK):
+        what = "no such program" if not path.exists() else "not an executable file"
+        raise UsageError(f"cannot run {program!r}: {what}")
 
 
 def run_command(command: Sequence[str], env: Mapping[str, str], *,

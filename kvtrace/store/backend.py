@@ -60,6 +60,9 @@ def safe_url(url: str) -> str:
 
 def create_db_engine(url: str) -> Engine:
     """An engine for `url` with the per-dialect settings the store relies on."""
+    if "://" not in url:  # a path given where a URL belongs: say the URL it means
+        raise StoreError(f"{url!r} is not a store URL: for a SQLite file write "
+                         f"'sqlite:///{url}' (PostgreSQL: 'postgresql://HOST/DATABASE')")
     try:
         parsed = sa.engine.make_url(url)
         synchronous = parsed.query.get("synchronous", SQLITE_SYNCHRONOUS[0])

@@ -56,7 +56,7 @@ class Client:
         """Open the session, hand it over, and close it in this same task when told to."""
         try:
             async with transport() as streams, ClientSession(streams[0], streams[1]) as session:
-                await session.initialize()
+                self.initialized = await session.initialize()
                 self._stop = asyncio.Event()
                 ready.set_result(session)
                 await self._stop.wait()

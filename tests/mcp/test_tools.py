@@ -216,3 +216,11 @@ def test_fork_with_an_edit_starts_from_an_edited_copy_and_leaves_the_original(
         assert forked["edit_of"] == original.id and forked["head"] == copy.id
         assert copy.parent_id == original.parent_id and copy.content["result"] == "392"
         assert store.head(job).depth == 3 and original.content["result"] == "391"
+
+
+def test_the_server_names_its_version(sqlite_client):
+    """serverInfo.version is kvtrace's own (issue 41, item 13: it was empty)."""
+    import kvtrace
+
+    info = sqlite_client.initialized.server_info
+    assert (info.name, info.version) == ("kvtrace", kvtrace.__version__)
