@@ -31,11 +31,12 @@ from typing import Any
 
 from kvtrace.errors import UsageError
 from kvtrace.replay.backend import Backend, SamplingParams
-from kvtrace.replay.continuation import ContinueResult, Tool, continue_run
+from kvtrace.replay.continuation import ContinueResult, Tool, continue_run, conversation_at
 from kvtrace.replay.driver import checkout
 from kvtrace.replay.recording import response_text
 from kvtrace.replay.report import Totals
 from kvtrace.store import Step, Store
+from kvtrace.store.edits import editable_fields, edited_content
 from kvtrace.store.kinds import StepKind, edit_of
 from kvtrace.store.names import numbered_names
 
@@ -123,6 +124,7 @@ def branch_out(
         raise UsageError(f"n={n}: branch needs between 1 and {MAX_BRANCHES} branches", param="n")
     params = params or SamplingParams(temperature=0.7)
     start = store.show(spec)  # fails at once on a bad spec
+    _check_continues(store, spec, edit)
     base = prefix or f"{spec.split('@')[0].split('~')[0]}-branch"
     names = numbered_names(base, n, store.has_run)
     first = store.fork(spec, names[0], edit=edit) if edit else store.fork(spec, names[0])
@@ -152,6 +154,22 @@ def branch_out(
                        diverged_at(reference, result.new_steps))
                 for name, chosen_params, result in zip(names, seeded, results, strict=True)]
     return BranchReport(spec, fork_step, prefix_tokens, prefix_computed, branches)
+
+
+def _check_continues(store: Store, spec: str, edit: Mapping[str, Any] | None) -> None:
+    """A UsageError, before any run is made, where the step at `spec` (as edited) ends in a
+    final answer: its continuations would add no step, and an append-only store could never
+    take the K empty runs back."""
+    path = store.path(spec)
+    if edit:
+        step = path[-1]
+        if not isinstance(edit, Mapping) or not set(edit) <= editable_fields(step):
+            return  # the fork refuses the edit, with its own words
+        path = [*path[:-1], replace(step, content=edited_content(step, edit))]
+    if conversation_at(path).final_answer is not None:
+        raise UsageError(f"{spec} ends in a final answer (a response that calls no tool): a "
+                         "branch would have nothing to continue; branch from an earlier step, "
+                         "or edit this response to call a tool", param="spec")
 
 
 @contextmanager

@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from kvtrace.engine import KVCache
 from kvtrace.replay import LocalBackend, SamplingParams
 from kvtrace.replay.branch import branch_out
@@ -95,3 +97,35 @@ def test_branch_cli_rejects_bad_input_without_changing_anything(tmp_path):
         assert result.stderr.startswith(message) and len(result.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "store.db").exists()  # a refused command creates no store
 
+
+
+def test_branch_at_a_final_answer_is_refused_before_any_run_is_made(store, tiny_engine,
+                                                                     tmp_path, capsys):
+    """Issue 41, item 9: K runs with no new step, which the store could never remove."""
+    from kvtrace.cli import main
+    from kvtrace.errors import UsageError
+
+    run = store.run("done")
+    run.record_model_call([{"role": "user", "content": "Hi?"}], "Final Answer: hello",
+                          model="m")
+    backend = LocalBackend(tiny_engine, KVCache(tiny_engine))
+    before = {r.name for r in store.runs()}
+    try:
+        branch_out(store, "done", backend, n=3, steps=1, tools=DEMO_TOOLS)
+    except UsageError as exc:
+        assert "final answer" in str(exc) and "earlier step" in str(exc)
+    else:
+        raise AssertionError("branch at a final answer made runs")
+    assert {r.name for r in store.runs()} == before
+    # An edit that calls a tool there is a step to continue from: refused no more.
+    edited = {"response": {"role": "assistant",
+                           "content": "Action: calculator\nAction Input: 2*3"}}
+    report = branch_out(store, "done", backend, n=1, steps=1, tools=DEMO_TOOLS, edit=edited,
+                        params=SamplingParams(max_new_tokens=4))
+    assert len(store.path(report.branches[0].run)) > len(store.path("done"))
+    # The CLI says it in one line, exit 2.
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--store", store.url, "branch", "done", "--n", "2"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1 and "final answer" in err
+    assert {r.name for r in store.runs()} == before | {report.branches[0].run}
