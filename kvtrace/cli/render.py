@@ -92,6 +92,8 @@ def render_replay(report: ReplayReport, console: Console | None = None) -> None:
         console.print("?: unknown (the backend does not report cached tokens)")
     for note in report.notes:
         console.print(inert(f"note: {note}"), markup=False, highlight=False)
+    if report.stopped is not None:
+        console.print(inert(report.stopped.line()), markup=False, highlight=False)
 
 
 def render_runs(report: RunsReport, console: Console | None = None) -> None:

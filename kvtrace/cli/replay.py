@@ -230,6 +230,8 @@ def _replay_one(
             report = replay(store, run, chosen, to=to, mode=mode,
                             compare_uncached=compare_uncached, use_drafts=use_drafts)
             print_json(report.to_dict())
+            if report.stopped is not None:
+                raise typer.Exit(1)
             return
         with progress_bar(f"{mode} {run}") as on_step:
             report = replay(store, run, chosen, to=to, mode=mode,
@@ -238,7 +240,7 @@ def _replay_one(
     render_replay(report)
     if backend != "local" and tokenizer is None:
         say("(pass --tokenizer FOLDER, the server's model folder, for the oracle bound)")
-    if report.is_match is False:
+    if report.is_match is False or report.stopped is not None:
         raise typer.Exit(1)
 
 

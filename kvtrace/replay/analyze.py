@@ -279,7 +279,7 @@ def analyze(store: Store, spec: str, tokenizer: Tokenizer, *,
         steps.append(StepAnalysis(
             index, step.id, step.depth, len(prompt), oracle.bound(prompt), shared,
             usage.prompt_tokens, usage.cached_tokens,
-            check_context(tokenizer, step, len(prompt) + len(output)),
+            check_context(tokenizer, step, len(prompt), len(output)),
             provider_cache_write_tokens=usage.cache_write_tokens,
             provider_completion_tokens=usage.completion_tokens, model=call.model,
             cost=prices.cost(call.model, usage) if prices is not None else None))

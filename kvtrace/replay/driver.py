@@ -30,16 +30,17 @@ exactly that much.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from kvtrace.errors import ReplayError, UsageError
+from kvtrace.errors import KvtraceError, ReplayError, UsageError
 from kvtrace.rendering import content_text, parse_assistant_text
 from kvtrace.replay.backend import Backend, CallRequest, Message, SamplingParams, Tokenizer
 from kvtrace.replay.oracle import PrefixOracle, common_prefix_length
 from kvtrace.replay.recording import (
-    check_context,
+    context_limit,
     expected_output_ids,
     prompt_ids,
     response_message,
@@ -48,7 +49,7 @@ from kvtrace.replay.recording import (
     step_tools,
     templated_output_ids,
 )
-from kvtrace.replay.report import Mismatch, ReplayMode, ReplayReport, StepReport
+from kvtrace.replay.report import Mismatch, ReplayMode, ReplayReport, StepReport, Stopped
 from kvtrace.replay.retry import tally
 from kvtrace.store import Step, Store
 from kvtrace.store.kinds import ModelCall, StepKind
@@ -182,14 +183,17 @@ def _replay_path(
     if tokenizer is None:
         notes.append("no tokenizer for this backend: oracle bound and token positions unknown "
                      "(give the backend the tokenizer of the server's model)")
+    prepared, stopped, broken = _fitting(model_steps, tokenizer, mode, use_drafts)
+    if stopped is not None:  # said now, before minutes of replay; the report ends with it
+        warnings.warn(f"{stopped.line()}: replaying the {len(prepared)} model calls before "
+                      "it", stacklevel=3)
     oracle = PrefixOracle()
     faults = _FaultNotes()
     reports: list[StepReport] = []
     retried: list[str] = []
     started = time.perf_counter()
-    for index, step in enumerate(model_steps, start=1):
-        expected = _prepare(step, tokenizer, mode, use_drafts)
-        request = expected.request
+    for index, expected in enumerate(prepared, start=1):
+        step, request = expected.step, expected.request
         oracle_tokens = oracle.bound(request.prompt_ids) if request.prompt_ids else None
         if mode is ReplayMode.VERIFY:
             result = backend.generate(request)
@@ -221,7 +225,9 @@ def _replay_path(
         reports.append(step_report)
         notes.extend(faults.add(backend.take_cache_faults(), f"step @{step.depth}"))
         if on_step is not None:
-            on_step(index, len(model_steps), step_report)
+            on_step(index, len(prepared), step_report)
+    if broken is not None:  # fails now, at its turn, after the calls before it
+        _prepare(broken, tokenizer, mode, use_drafts)
     backend.settle()  # what verify's last output left owed: on disk, as the rest
     notes.extend(faults.add(backend.take_cache_faults(), "storing the last output"))
     notes.extend(faults.write_notes())
@@ -231,7 +237,29 @@ def _replay_path(
                      f"({tally(retried)}); every step got its answer")
     wall = time.perf_counter() - started
     return ReplayReport(spec, path[-1].id, mode, backend.name, backend.model, reports,
-                        tool_steps, wall, notes=notes)
+                        tool_steps, wall, notes=notes, stopped=stopped)
+
+
+def _fitting(model_steps: list[Step], tokenizer: Tokenizer | None, mode: ReplayMode,
+             use_drafts: bool) -> tuple[list[_Expected], Stopped | None, Step | None]:
+    """The model calls prepared, up to the first whose prompt and response do not fit the
+    model's context (then: where it stopped, and how many calls were left), or up to one
+    that cannot be prepared (then: that step, whose error the replay raises at its turn)."""
+    prepared: list[_Expected] = []
+    for index, step in enumerate(model_steps):
+        try:
+            expected = _prepare(step, tokenizer, mode, use_drafts)
+        except KvtraceError:
+            return prepared, None, step
+        prompt = expected.request.prompt_ids
+        if tokenizer is not None and prompt is not None:
+            response = len(expected.expected_ids or [])
+            limit = context_limit(tokenizer, len(prompt) + response)
+            if limit is not None:
+                return prepared, Stopped(step.depth, step.id, len(prompt), response, limit,
+                                         len(model_steps) - index), None
+        prepared.append(expected)
+    return prepared, None, None
 
 
 class _FaultNotes:
@@ -280,11 +308,6 @@ def _prepare(
         if tokenizer is not None and prompt is not None
         else None
     )
-    if tokenizer is not None and prompt is not None:
-        problem = check_context(tokenizer, step, len(prompt) + len(expected_ids or []))
-        if problem:
-            raise ReplayError(f"{problem}: replay stops here (use a model with a longer "
-                              "context, or replay up to an earlier step: to=STEP)", param="to")
     # Regenerate as long as the recording, so a run-on is caught at the stop token.
     call = ModelCall(step)
     recorded = SamplingParams.from_recorded(

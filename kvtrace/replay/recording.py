@@ -102,13 +102,21 @@ def templated_output_ids(
     return tail[: ends[-1] + 1] if ends else tail
 
 
-def check_context(tokenizer: Tokenizer, step: Step, num_tokens: int) -> str | None:
-    """Why `num_tokens` of step `step` do not fit the model's context, or None when they do."""
+def context_limit(tokenizer: Tokenizer, num_tokens: int) -> int | None:
+    """The model's context when `num_tokens` do not fit it, else None."""
     limit = getattr(tokenizer, "max_context_tokens", None)
-    if limit is None or num_tokens <= limit:
+    return limit if limit is not None and num_tokens > limit else None
+
+
+def check_context(tokenizer: Tokenizer, step: Step, prompt_tokens: int,
+                  response_tokens: int) -> str | None:
+    """Why step `step`'s prompt and response do not fit the model's context, or None."""
+    limit = context_limit(tokenizer, prompt_tokens + response_tokens)
+    if limit is None:
         return None
-    return (f"step @{step.depth} ({step.short_id}) needs {num_tokens} tokens, more than the "
-            f"model's context of {limit}")
+    return (f"step @{step.depth} ({step.short_id}) needs "
+            f"{prompt_tokens + response_tokens:,} tokens (prompt {prompt_tokens:,} + response "
+            f"{response_tokens:,}), more than the model's context of {limit:,}")
 
 
 def record_generation(

@@ -219,6 +219,36 @@ class Totals:
 
 
 @dataclass(frozen=True, slots=True)
+class Stopped:
+    """Where a replay stopped early: the first model call that does not fit the model's
+    context (its prompt and its recorded response, which a rebuild feeds and a verify
+    regenerates), and how many model calls from there were not replayed."""
+
+    depth: int
+    step_id: str
+    prompt_tokens: int
+    response_tokens: int
+    context: int
+    num_skipped: int
+
+    @property
+    def needed(self) -> int:
+        return self.prompt_tokens + self.response_tokens
+
+    def line(self) -> str:
+        calls = f"{self.num_skipped} model call{'' if self.num_skipped == 1 else 's'}"
+        return (f"stopped at @{self.depth} ({self.step_id[:12]}): it needs {self.needed:,} "
+                f"tokens (prompt {self.prompt_tokens:,} + response {self.response_tokens:,}), "
+                f"more than the model's context of {self.context:,}; {calls} from there "
+                "not replayed (use a model with a longer context, or --to an earlier step)")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"depth": self.depth, "step": self.step_id, "prompt_tokens": self.prompt_tokens,
+                "response_tokens": self.response_tokens, "needed_tokens": self.needed,
+                "context": self.context, "skipped_model_calls": self.num_skipped}
+
+
+@dataclass(frozen=True, slots=True)
 class ReplayReport:
     """The outcome of one replay of a run up to a target step."""
 
@@ -232,6 +262,7 @@ class ReplayReport:
     wall_s: float
     uncached: ReplayReport | None = None  # --compare-uncached: the same replay, no cache
     notes: list[str] = field(default_factory=list)
+    stopped: Stopped | None = None  # the steps before it were replayed; it and the rest not
 
     @property
     def total(self) -> Totals:
@@ -268,6 +299,7 @@ class ReplayReport:
             "steps": [s.to_dict() for s in self.steps],
             "total": total,
             "notes": list(self.notes),
+            "stopped": self.stopped.to_dict() if self.stopped is not None else None,
         }
 
 

@@ -288,6 +288,11 @@ class _Job:
                                   use_drafts=self.use_drafts, on_step=on_step,
                                   tokenizer=self.tokenizer)
             outcome = RunOutcome(self.name, report, report.wall_s)
+            if report.stopped is not None:  # past the model's context: failed there
+                outcome = RunOutcome(self.name, None, report.wall_s,
+                                     error=report.stopped.line(),
+                                     failed_at=report.stopped.depth,
+                                     num_done=len(report.steps))
         except KvtraceError as exc:
             failed = calls[num_done] if num_done < len(calls) else None
             outcome = RunOutcome(self.name, None, time.perf_counter() - started,

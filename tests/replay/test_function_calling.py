@@ -159,20 +159,52 @@ def test_analyze_shows_the_providers_cached_tokens(replay_store, tiny_engine):
     assert provider.num_calls == len(cached)
 
 
-def test_a_prompt_longer_than_the_context_is_one_clear_message(replay_store, tiny_engine,
-                                                                tmp_path):
+def test_a_prompt_longer_than_the_context_is_said_at_the_start_and_what_fits_replays(
+        replay_store, tiny_engine, tmp_path):
+    """Issue 41, item 8: said before any work, the steps that fit replayed and reported, a
+    `stopped` entry with the tokens needed as prompt + response."""
     from dataclasses import replace
-
-    from kvtrace.errors import ReplayError
 
     _import(replay_store, TRAJECTORIES[0], "long")
     short = replace(tiny_engine, max_context_tokens=600)
     analysis = analyze(replay_store, "long", short)
     marked = [s for s in analysis.steps if s.context_problem]
     assert marked and "more than the model's context of 600" in marked[0].context_problem
+    assert "(prompt " in marked[0].context_problem and " + response " in marked[0].context_problem
+    first = marked[0]
+    fitting = [s for s in analysis.steps if s.depth < first.depth]
     backend = LocalBackend(short, KVCache(short, disk_dir=tmp_path / "kv"))
-    with pytest.raises(ReplayError, match=r"step @\d+ .* more than the model's context of 600"):
-        replay(replay_store, "long", backend, mode="rebuild")
+    with pytest.warns(UserWarning, match=rf"stopped at @{first.depth} .*: replaying the "
+                                         rf"{len(fitting)} model calls before it"):
+        report = replay(replay_store, "long", backend, mode="rebuild")
+    assert [s.depth for s in report.steps] == [s.depth for s in fitting]
+    stopped = report.stopped
+    assert stopped is not None and (stopped.depth, stopped.context) == (first.depth, 600)
+    assert stopped.needed > 600 and stopped.prompt_tokens == first.prompt_tokens
+    assert stopped.num_skipped == len(analysis.steps) - len(fitting)
+    assert report.to_dict()["stopped"]["needed_tokens"] == stopped.needed
+
+
+def test_the_cli_prints_the_steps_that_fit_then_where_it_stopped_and_exits_1(
+        replay_store, tmp_path, capsys):
+    from kvtrace.cli import main
+    from kvtrace.engine.folders import default_model_dir
+    from kvtrace.paths import default_cache_dir
+
+    folder = build_tiny_model(tmp_path / "short", tokenizer_dir=default_model_dir(
+        default_cache_dir()), seed=3)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 600}))
+    _import(replay_store, TRAJECTORIES[0], "long")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--store", replay_store.url, "replay", "long", "--model", str(folder),
+              "--dtype", "float32"])
+    out, err = capsys.readouterr()
+    assert exit_info.value.code == 1
+    assert "warning: stopped at @" in err and "model calls before it" in err  # at the start
+    table, _, last = out.partition("stopped at @")
+    assert "rebuild long" in table  # the report of the steps that fit, then where it stopped
+    assert "(prompt " in last and "context of 600" in " ".join(last.split())
 
 
 CALC_TOOLS = [
