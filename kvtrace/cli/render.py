@@ -212,6 +212,8 @@ def render_analysis(analysis: Analysis, console: Console | None = None) -> None:
             "could have reused "
             f"{100 * provider.oracle_hit_rate:.1f}% (oracle bound, this tokenizer)"
         )
+        if provider.note is not None:
+            console.print(inert(f"note: {provider.note}"), markup=False, highlight=False)
     if costs is not None:
         line = (f"cost: {_money(costs.billed)} as billed, {_money(costs.uncached)} without the "
                 f"cache (saved {_money(costs.saved)}) over the {_calls(costs.num_calls)} priced")

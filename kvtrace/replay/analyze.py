@@ -109,6 +109,7 @@ class StepAnalysis:
     provider_completion_tokens: int | None = None
     model: str | None = None
     cost: Cost | None = None  # with a price list, when the model has a price and counts
+    has_system_prompt: bool = True  # whether the recorded prompt starts with a system turn
 
     @property
     def oracle_hit_rate(self) -> float:
@@ -193,6 +194,7 @@ class Analysis:
             / max(1, sum(s.prompt_tokens for s in known)),
             cache_write_tokens=sum(writes) if writes else None,
             num_write_calls=len(writes),
+            num_without_system=sum(1 for s in known if not s.has_system_prompt),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -234,10 +236,25 @@ class ProviderCache:
     # (Codex, DeepSeek): unknown, never 0.
     cache_write_tokens: int | None = None
     num_write_calls: int = 0
+    num_without_system: int = 0  # of `num_calls`, those whose recorded prompt has no system turn
 
     @property
     def hit_rate(self) -> float:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def note(self) -> str | None:
+        """Why the provider read more than the bound, where it did (the bound is no lie: it
+        counts what the log holds, and the provider saw more)."""
+        if self.hit_rate <= self.oracle_hit_rate:
+            return None
+        if self.num_without_system:
+            return (f"the provider read more than the bound because {self.num_without_system} "
+                    f"of these {self.num_calls} calls hold no system prompt in this log (a "
+                    "Claude Code transcript keeps neither it nor the tool list sent), which "
+                    "the provider's cache held too; the bound covers what the log holds")
+        return ("the provider read more than the bound: it counts in its own tokenizer, and "
+                "its requests may hold what this log leaves out (a system prompt, the tools)")
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -248,6 +265,8 @@ class ProviderCache:
             "cache_write_calls": self.num_write_calls,
             "hit_rate": round(self.hit_rate, 6),
             "oracle_hit_rate": round(self.oracle_hit_rate, 6),
+            "calls_without_system_prompt": self.num_without_system,
+            "note": self.note,
         }
 
 
@@ -282,7 +301,8 @@ def analyze(store: Store, spec: str, tokenizer: Tokenizer, *,
             check_context(tokenizer, step, len(prompt), len(output)),
             provider_cache_write_tokens=usage.cache_write_tokens,
             provider_completion_tokens=usage.completion_tokens, model=call.model,
-            cost=prices.cost(call.model, usage) if prices is not None else None))
+            cost=prices.cost(call.model, usage) if prices is not None else None,
+            has_system_prompt=_has_system_prompt(step_messages(step))))
         oracle.add(prompt + output, label=step.id)
         previous = (step, prompt, output)
     return Analysis(spec, path[-1].id, steps, breakers, is_priced=prices is not None)
@@ -380,6 +400,11 @@ def _cause(
         return ("changing_number", f"a number in {where} changes between calls "
                 "(a counter or id?); keep the prefix stable", k)
     return ("changed_message", f"{where} differs from the previous call's", k)
+
+
+def _has_system_prompt(messages: list[Any]) -> bool:
+    return bool(messages) and isinstance(messages[0], dict) and (
+        messages[0].get("role") in ("system", "developer"))
 
 
 def _key(value: Any) -> str:

@@ -175,3 +175,28 @@ def test_a_fork_editing_an_anthropic_tool_result_block_replays_warm(
                                    prompt_ids(tiny_engine, call.step))
     assert last.reused_tokens == edit_at
     assert last.computed_tokens == last.prompt_tokens - edit_at
+
+
+def test_analyze_says_why_a_provider_beats_the_bound_on_a_log_without_its_system_prompt(
+        logs, replay_store, byte_tokenizer, capsys, default_model_folder):
+    """Issue 41, item 13: a Claude Code transcript keeps no system prompt; the provider cached
+    it, so its hit rate can pass the log's bound, and analyze says why."""
+    cc = analyze(logs, "cc", byte_tokenizer).provider
+    assert cc is not None and cc.num_without_system == cc.num_calls  # none in the transcript
+    run = replay_store.run("no-system")
+    asked = [{"role": "user", "content": "Fix the failing test in tests/test_app.py."}]
+    answer = {"role": "assistant", "content": "Looking."}
+    run.record_model_call(asked, answer, model="claude-sonnet-4-5",
+                          usage={"prompt_tokens": 4000, "cached_tokens": 3900})
+    run.record_model_call([*asked, answer, {"role": "user", "content": "Go on."}], "Done.",
+                          model="claude-sonnet-4-5",
+                          usage={"prompt_tokens": 4050, "cached_tokens": 4000})
+    result = analyze(replay_store, "no-system", byte_tokenizer)
+    provider = result.provider
+    assert provider is not None and provider.hit_rate > provider.oracle_hit_rate
+    assert provider.num_without_system == 2 and "no system prompt" in provider.note
+    assert result.to_dict()["provider"]["note"] == provider.note
+    with pytest.raises(SystemExit):
+        main(["--store", replay_store.url, "analyze", "no-system"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "note: the provider read more than the bound because 2 of these 2 calls" in out
