@@ -28,6 +28,7 @@ from kvtrace.paths import default_cache_dir
 from kvtrace.store import Store, open_store, validate_run_name
 
 if TYPE_CHECKING:
+    from kvtrace.engine.faults import DiskFaults
     from kvtrace.serve import ChatServer, RunStats
     from kvtrace.serve.experiment import ExperimentReport
 
@@ -224,11 +225,38 @@ def serve_command(
             f"'{server.default_run}' of {store.display_url}; Ctrl-C stops", err=True)
         _say_model_rule(server, "serve")
         running.wait()
+    faults = _cache_faults(server)
     if as_json:
-        print_json({**_summary(server.stats), **_from_summary(server)})
+        print_json({**_summary(server.stats), **_from_summary(server),
+                    "cache_faults": _faults_json(faults)})
         return
     _print_summary(server.stats)
     _print_from(server, "serve")
+    _say_cache_faults(faults, "serve")
+
+
+def _cache_faults(server: ChatServer) -> DiskFaults | None:
+    """What the local engine's disk tier could not write while serving (None: it wrote every
+    block, or there is no local engine)."""
+    faults = server.answerer.take_cache_faults()
+    return faults if faults and faults.num_failed_writes else None
+
+
+def _faults_json(faults: DiskFaults | None) -> dict[str, object] | None:
+    if faults is None:
+        return None
+    return {"failed_writes": faults.num_failed_writes, "reasons": list(faults.write_reasons),
+            "folder": faults.folder, "uncounted": faults.num_uncounted}
+
+
+def _say_cache_faults(faults: DiskFaults | None, command: str) -> None:
+    """The closing line for `_cache_faults`, where there were any."""
+    if faults is not None:
+        from kvtrace.engine.faults import failed_writes_line
+
+        say(f"kvtrace {command}: " + failed_writes_line(
+            faults.num_failed_writes, faults.write_reasons, faults.folder,
+            faults.num_uncounted), err=True)
 
 
 def check_listening(host: str, port: int, api_key: str | None, *, env: str, what: str) -> None:
@@ -293,13 +321,15 @@ def record_command(
             _say_model_rule(server, "record")
             cwd = Path(workdir).resolve() if workdir is not None else None
             code = run_command(command, client_env(os.environ, running.url), cwd=cwd)
+    faults = _cache_faults(server)
     if as_json:
         sys.stdout.flush()
         print_json({"run": server.default_run, "exit_code": code, **_summary(server.stats),
-                    **_from_summary(server)})
+                    **_from_summary(server), "cache_faults": _faults_json(faults)})
     else:
         _print_summary(server.stats, default=server.default_run)
         _print_from(server, "record")
+        _say_cache_faults(faults, "record")
     raise typer.Exit(code)
 
 
@@ -317,11 +347,14 @@ def _record_agents(store: Store, server: ChatServer, spec: str, command: list[st
         _say_model_rule(server, "record")
         exits = run_agents(command, server.agents, running.url)
     report = ExperimentReport.of(store, spec, server, exits)
+    faults = _cache_faults(server)
     if as_json:
         sys.stdout.flush()
-        print_json({**report.to_dict(), "batch": server.answerer.health().get("batch")})
+        print_json({**report.to_dict(), "batch": server.answerer.health().get("batch"),
+                    "cache_faults": _faults_json(faults)})
     else:
         render_experiment(report)
+        _say_cache_faults(faults, "record")
     raise typer.Exit(report.exit_code)
 
 

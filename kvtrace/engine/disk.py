@@ -42,7 +42,7 @@ from typing import TypeVar
 
 import torch
 
-from kvtrace.engine.faults import FaultLog, count_failed_write
+from kvtrace.engine.faults import FaultLog, count_failed_write, reserve_count
 from kvtrace.errors import BlockWriteError
 
 BLOCK_FORMAT = "kvtrace-kv-block-v1"
@@ -107,6 +107,7 @@ class BlockStore:
         self.block_size = block_size
         self.num_corrupt = 0
         self.faults = FaultLog(self.root)
+        self._has_count = False  # the failed-write record made (faults.reserve_count)
 
     # -- keys ---------------------------------------------------------------
 
@@ -241,6 +242,9 @@ class BlockStore:
         tmp: str | None = None
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
+            if not self._has_count:  # before the first block, while there is room
+                reserve_count(self.root)
+                self._has_count = True
             fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=SUFFIX, dir=path.parent)
             os.close(fd)
             save_file(tensors, tmp, metadata=metadata)
@@ -252,8 +256,7 @@ class BlockStore:
             if not isinstance(exc, OSError | SafetensorError):
                 raise
             reason = _write_failure_reason(exc)
-            self.faults.failed_write(reason)
-            count_failed_write(self.root, reason)
+            self.faults.failed_write(reason, is_counted=count_failed_write(self.root, reason))
             raise BlockWriteError(
                 f"cannot write KV block {key[:16]} under {self.root}: {reason}"
             ) from exc

@@ -10,25 +10,34 @@ The disk tier is a cache, so its faults never stop a computation:
 
 Each one is logged here (the block's key, and why) until whoever runs the
 computation takes the log (`KVCache.take_disk_faults`; replay turns it into
-notes of its report). Failed writes are also counted on disk, in
+notes of its report, `serve` and `record` into their closing line:
+`failed_writes_line`). Failed writes are also counted on disk, in
 `<kv folder>/write-failures.json`, for `kvtrace cache stats` in any later
-process: best effort, since a read-only folder (or one with no page left)
-cannot take even that file; `cache stats` then also says the folder is
-read-only or full, which is why writes fail.
+process. That record is a fixed-size one, rewritten in place, so a disk
+that filled up since it was made still takes the update (a rewrite within
+its page needs no new space); where the folder cannot take it (read-only,
+or full before the record existed), the count goes to a file of the same
+name under the system's temporary folder, one per KV folder
+(`fallback_path`), and `cache stats` adds the two. Where neither takes it,
+the log says how many were not counted (`num_uncounted`), and the closing
+line says so.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 WRITE_FAILURES_FILE = "write-failures.json"
+_RECORD_BYTES = 1024  # the count's record, padded: rewritten in place, it never grows
 MAX_LOGGED_BLOCKS = 64  # damaged blocks named in one log (the count goes on)
 MAX_WRITE_REASONS = 8  # distinct reasons kept in one log (a log nobody takes stays small)
 
@@ -57,6 +66,7 @@ class DiskFaults:
     write_reasons: tuple[str, ...] = ()
     num_damaged: int = 0
     damaged: tuple[BlockFault, ...] = ()
+    num_uncounted: int = 0  # failed writes no file could count (`cache stats` misses them)
 
     def __bool__(self) -> bool:
         return bool(self.num_failed_writes or self.num_damaged)
@@ -72,10 +82,13 @@ class FaultLog:
         self._write_reasons: dict[str, None] = {}
         self._num_damaged = 0
         self._damaged: list[BlockFault] = []
+        self._num_uncounted = 0
 
-    def failed_write(self, reason: str) -> None:
+    def failed_write(self, reason: str, *, is_counted: bool = True) -> None:
+        """One failed write; `is_counted=False`: no file could count it (module docstring)."""
         with self._lock:
             self._num_failed_writes += 1
+            self._num_uncounted += not is_counted
             if len(self._write_reasons) < MAX_WRITE_REASONS:
                 self._write_reasons.setdefault(reason)
 
@@ -94,8 +107,9 @@ class FaultLog:
                 write_reasons=tuple(self._write_reasons),
                 num_damaged=self._num_damaged,
                 damaged=tuple(self._damaged),
+                num_uncounted=self._num_uncounted,
             )
-            self._num_failed_writes = self._num_damaged = 0
+            self._num_failed_writes = self._num_damaged = self._num_uncounted = 0
             self._write_reasons = {}
             self._damaged = []
         return faults
@@ -111,13 +125,56 @@ class WriteFailureCount:
 
 
 def count_failed_write(folder: Path, reason: str) -> bool:
-    """Add one to the folder's failed-write count; False when the folder cannot take it.
+    """Add one to the folder's failed-write count, in its own record or else in the
+    fallback's (module docstring); False when neither could take it."""
+    return _add_one(folder / WRITE_FAILURES_FILE, reason) or _add_one(fallback_path(folder),
+                                                                     reason)
 
-    The file is rewritten in place under an exclusive lock (concurrent
-    processes add up; an in-place rewrite of a few bytes needs no new space
-    on a full disk, where a temporary file would).
-    """
+
+def reserve_count(folder: Path) -> None:
+    """Make the folder's count record now, while there is room: a later update rewrites it in
+    place, which a disk that filled up meanwhile still takes."""
     path = folder / WRITE_FAILURES_FILE
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(_record(WriteFailureCount()))
+
+
+def fallback_path(folder: Path) -> Path:
+    """Where a folder's failed writes are counted when the folder cannot take its record."""
+    digest = hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / f"kvtrace-{digest}-{WRITE_FAILURES_FILE}"
+
+
+def read_failed_writes(folder: Path) -> WriteFailureCount:
+    """The folder's failed-write count (zero when none was ever counted): its record's and
+    the fallback's, added."""
+    counts = []
+    for path in (folder / WRITE_FAILURES_FILE, fallback_path(folder)):
+        with contextlib.suppress(OSError):
+            counts.append(_parse(path.read_text(encoding="utf-8")))
+    last = max(counts, key=lambda c: c.last_failed_at or 0.0, default=WriteFailureCount())
+    return WriteFailureCount(sum(c.num_failed_writes for c in counts), last.last_reason,
+                             last.last_failed_at)
+
+
+def failed_writes_line(num_failed: int, reasons: tuple[str, ...] | list[str], folder: str,
+                       num_uncounted: int = 0) -> str:
+    """What replay's note and serve's and record's closing line say of failed writes."""
+    blocks = f"{num_failed} KV block{'' if num_failed == 1 else 's'}"
+    them = "it" if num_failed == 1 else "them"
+    line = (f"{blocks} could not be written to the disk tier ({'; '.join(reasons)}: {folder}); "
+            f"the work went on without {them}, so a later process recomputes those tokens")
+    if num_uncounted:
+        return (line + f"; {num_uncounted} of these could not be counted anywhere either, so "
+                "`kvtrace cache stats` does not show them")
+    return line + " (`kvtrace cache stats` counts failed writes)"
+
+
+def _add_one(path: Path, reason: str) -> bool:
+    """Add one to the count at `path`, rewritten in place under an exclusive lock
+    (concurrent processes add up)."""
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     except OSError:
@@ -126,24 +183,20 @@ def count_failed_write(folder: Path, reason: str) -> bool:
         with os.fdopen(fd, "r+", encoding="utf-8") as fh:
             fcntl.flock(fh, fcntl.LOCK_EX)
             count = _parse(fh.read())
-            record = {
-                "num_failed_writes": count.num_failed_writes + 1,
-                "last_reason": reason[:500],
-                "last_failed_at": time.time(),
-            }
             fh.seek(0)
-            fh.write(json.dumps(record, sort_keys=True))
-            fh.truncate()
+            fh.write(_record(WriteFailureCount(count.num_failed_writes + 1, reason[:120],
+                                               time.time())))
+            fh.flush()
         return True
     except OSError:
         return False
 
 
-def read_failed_writes(folder: Path) -> WriteFailureCount:
-    """The folder's failed-write count (zero when none was ever counted)."""
-    with contextlib.suppress(OSError):
-        return _parse((folder / WRITE_FAILURES_FILE).read_text(encoding="utf-8"))
-    return WriteFailureCount()
+def _record(count: WriteFailureCount) -> str:
+    text = json.dumps({"num_failed_writes": count.num_failed_writes,
+                       "last_reason": count.last_reason,
+                       "last_failed_at": count.last_failed_at}, sort_keys=True)
+    return text.ljust(_RECORD_BYTES)
 
 
 def _parse(text: str) -> WriteFailureCount:

@@ -16,7 +16,6 @@ from pathlib import Path
 from mcp.server.mcpserver import MCPServer
 from mcp.types import ToolAnnotations
 
-from kvtrace import __version__
 from kvtrace.mcp.models import Models
 from kvtrace.mcp.resources import register_resources
 from kvtrace.mcp.results import DescribeError, as_tool, library_message
@@ -53,7 +52,7 @@ def make_server(
     `cache_dir`. `describe_error(exc, tool)` writes a tool's error as one
     line (default: the library's message, naming the tool's own arguments).
     """
-    server: MCPServer = MCPServer("kvtrace", instructions=INSTRUCTIONS, version=__version__,
+    server: MCPServer = MCPServer("kvtrace", instructions=INSTRUCTIONS, version=_version(),
                                   log_level="WARNING")
     tools = Tools(store, Models(model, cache_dir=cache_dir))
     for method in tools.methods():
@@ -66,3 +65,13 @@ def make_server(
         )
     register_resources(server, tools, describe_error)
     return server
+
+
+def _version() -> str:
+    """kvtrace's version as installed (what `serverInfo.version` says)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("kvtrace")
+    except metadata.PackageNotFoundError:
+        return "unknown"

@@ -267,6 +267,7 @@ class _FaultNotes:
 
     def __init__(self) -> None:
         self.num_failed_writes = 0
+        self.num_uncounted = 0
         self.reasons: dict[str, None] = {}
         self.folder = ""
 
@@ -276,6 +277,7 @@ class _FaultNotes:
             return []
         self.folder = faults.folder
         self.num_failed_writes += faults.num_failed_writes
+        self.num_uncounted += faults.num_uncounted
         self.reasons.update(dict.fromkeys(faults.write_reasons))
         notes = [f"{where}: KV block {fault.key[:16]} on disk failed its check "
                  f"({fault.reason}): "
@@ -290,11 +292,10 @@ class _FaultNotes:
     def write_notes(self) -> list[str]:
         if not self.num_failed_writes:
             return []
-        n = self.num_failed_writes
-        return [f"{n} KV block{'' if n == 1 else 's'} could not be written to the disk tier "
-                f"({'; '.join(self.reasons)}: {self.folder}); the replay went on without "
-                f"{'it' if n == 1 else 'them'}, so a later process recomputes those tokens "
-                "(`kvtrace cache stats` counts failed writes)"]
+        from kvtrace.engine.faults import failed_writes_line  # no torch: stdlib only
+
+        return [failed_writes_line(self.num_failed_writes, list(self.reasons), self.folder,
+                                   self.num_uncounted)]
 
 
 def _prepare(

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from starlette.requests import Request
     from starlette.responses import Response
 
+    from kvtrace.replay.backend import DiskFaults
     from kvtrace.serve.recording import Sink
 
 
@@ -46,6 +47,10 @@ class Answerer(Protocol):
 
     def health(self) -> dict[str, Any]:
         """This answerer's fields of `GET /health` (`mode` and what the mode has)."""
+
+    def take_cache_faults(self) -> DiskFaults | None:
+        """What the local engine's disk tier recovered from since last asked (None: no local
+        engine), for the closing line of `serve` and `record`."""
 
     async def answer(self, request: Request, body: bytes, sink: Sink) -> Response:
         """The response to an authorized `/v1/...` request whose body was read; its step

@@ -34,6 +34,7 @@ from kvtrace.tracer.served import served_response
 if TYPE_CHECKING:
     from starlette.requests import Request
 
+    from kvtrace.replay.backend import DiskFaults
     from kvtrace.replay.local import LocalBackend
     from kvtrace.serve.answerer import Answerer
     from kvtrace.serve.recording import Sink
@@ -81,6 +82,9 @@ class FromRecording:
         summary = self.summary
         return (f"{self.inner.description}, after the {summary.num_recorded} recorded calls "
                 f"of {summary.spec}")
+
+    def take_cache_faults(self) -> DiskFaults | None:
+        return self.inner.take_cache_faults()
 
     def health(self) -> dict[str, Any]:
         if None in self.prefixes:

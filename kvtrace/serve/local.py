@@ -95,6 +95,7 @@ from kvtrace.serve.request import APIError, check_text_only, failed_answer, pars
 from kvtrace.serve.responses_api import RESPONSES_PATH, ResponsesReply, parse_responses_request
 
 if TYPE_CHECKING:
+    from kvtrace.replay.backend import DiskFaults
     from kvtrace.replay.local import LocalBackend
 
 DEFAULT_MAX_TOKENS = 256  # replay's default too, so an unset max_tokens replays alike
@@ -183,6 +184,9 @@ class LocalAnswerer:
         return {"max_batch": batcher.max_batch, "decode_steps": batcher.num_steps,
                 "decoded_rows": batcher.num_step_rows, "max_rows": batcher.max_step_rows,
                 "decode_s": round(batcher.decode_seconds, 3)}
+
+    def take_cache_faults(self) -> DiskFaults | None:
+        return self._backend.take_cache_faults()
 
     def health(self) -> dict[str, Any]:
         return {"mode": "local", "model": self.model, "dtype": self.dtype, "queue": self.queue,

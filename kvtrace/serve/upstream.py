@@ -105,6 +105,9 @@ class UpstreamAnswerer:
     def description(self) -> str:
         return f"upstream {self.url}"
 
+    def take_cache_faults(self) -> None:
+        return None
+
     def health(self) -> dict[str, Any]:
         return {"mode": "upstream", "upstream": self.url}
 

@@ -156,3 +156,45 @@ def test_cache_stats_count_failed_writes_and_say_why_writes_fail(
         assert not cache_stats(tiny_engine, kv, block_size=B).is_disk_writable
         shown = CliRunner().invoke(app, args)
         assert "read-only: no block can be written" in shown.stdout
+
+
+def test_the_count_survives_a_disk_that_fills_up_after_the_first_block(
+    tiny_engine, tokens, tmp_path
+):
+    """Issue 41, item 6: the record was made while there was room, and a full disk still takes
+    its update in place (it was left empty before)."""
+    from kvtrace.engine.faults import WRITE_FAILURES_FILE, fallback_path
+
+    with tmpfs(tmp_path / "cache", size="1m") as root:
+        kv = root / "kv"
+        prefill(tiny_engine, KVCache(tiny_engine, disk_dir=kv), tokens(2 * B + 1, seed=90))
+        fill(root, leave=0)  # not one page left
+        cache = KVCache(tiny_engine, disk_dir=kv)
+        for seed in (91, 92, 93):
+            prefill(tiny_engine, cache, tokens(2 * B + 1, seed=seed))
+        faults = cache.take_disk_faults()
+        assert (faults.num_failed_writes, faults.num_uncounted) == (3, 0)
+        assert read_failed_writes(kv).num_failed_writes == 3
+        assert (kv / WRITE_FAILURES_FILE).stat().st_size > 0
+        assert not fallback_path(kv).exists()
+
+
+def test_a_disk_full_before_any_record_counts_in_the_fallback_and_stats_add_it(
+    tiny_engine, tokens, tmp_path
+):
+    from kvtrace.engine.faults import fallback_path
+
+    with tmpfs(tmp_path / "cache", size="64k") as root:
+        kv = root / "kv"
+        kv.mkdir()
+        fill(root, leave=0)
+        try:
+            cache = KVCache(tiny_engine, disk_dir=kv)
+            prefill(tiny_engine, cache, tokens(2 * B + 1, seed=94))
+            faults = cache.take_disk_faults()
+            assert faults.num_failed_writes == 1 and faults.num_uncounted == 0
+            assert read_failed_writes(kv).num_failed_writes == 1  # from the fallback
+            stats = cache_stats(tiny_engine, kv, block_size=B)
+            assert stats.num_failed_writes == 1
+        finally:
+            fallback_path(kv).unlink(missing_ok=True)

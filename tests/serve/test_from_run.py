@@ -227,3 +227,39 @@ def test_a_hybrid_model_records_and_forks_an_unchanged_agent_warm(store, serve_s
     cached = ModelCall(fork[6]).usage.cached_tokens
     step6 = ModelCall(base[5]).usage.prompt_tokens
     assert cached is not None and cached % 64 == 0 and cached >= step6 - 63
+
+
+def test_record_says_what_a_full_kv_disk_did_not_write(tmp_path, monkeypatch, capfd,
+                                                         tiny_model_folder):
+    """Issue 41, item 6: `record` (and `--from`) end with the blocks the disk tier could not
+    write and why; `--json` carries them."""
+    import json
+
+    from kvtrace.cli import main
+    from kvtrace.engine.faults import fallback_path
+    from tests.mounts import fill, tmpfs
+
+    monkeypatch.setenv("KVTRACE_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("KVTRACE_STORE", raising=False)
+    agent = [sys.executable, str(AGENT), "--calls", "3"]
+    with tmpfs(tmp_path / "cache", size="256k") as cache:
+        monkeypatch.setenv("KVTRACE_CACHE", str(cache))
+        fill(cache, leave=0)
+        try:
+            with pytest.raises(SystemExit) as exit_info:
+                main(["record", "--model", str(tiny_model_folder), "--run", "base", "--",
+                      *agent, "--folder", str(tmp_path / "a")])
+            err = capfd.readouterr().err
+            assert exit_info.value.code in (0, None), err
+            line = next(x for x in err.splitlines() if "could not be written" in x)
+            assert line.startswith("kvtrace record: ") and "No space left on device" in line
+            with pytest.raises(SystemExit):
+                main(["record", "--model", str(tiny_model_folder), "--from", "base@2", "--json",
+                      "--", *agent, "--folder", str(tmp_path / "b")])
+            out = capfd.readouterr().out
+            faults = json.loads(out[out.index("{"):])["cache_faults"]
+            assert faults["failed_writes"] >= 1 and faults["reasons"] == [
+                "No space left on device"]
+        finally:
+            for kv in {Path(p).parent for p in cache.rglob("*")} | {cache / "kv"}:
+                fallback_path(kv).unlink(missing_ok=True)
