@@ -106,6 +106,10 @@ class StoreError(KvtraceError):
     """The database failed; the message carries the backend's reason."""
 
 
+class StoreFullError(StoreError):
+    """The disk under the store is full: nothing of the write landed."""
+
+
 class RetryableError(StoreError):
     """The database aborted the transaction (deadlock, serialization failure); retry it.
 

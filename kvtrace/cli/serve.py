@@ -228,11 +228,13 @@ def serve_command(
     faults = _cache_faults(server)
     if as_json:
         print_json({**_summary(server.stats), **_from_summary(server),
-                    "cache_faults": _faults_json(faults)})
+                    "cache_faults": _faults_json(faults),
+                    "unrecorded": server.recording.unrecorded[0]})
         return
     _print_summary(server.stats)
     _print_from(server, "serve")
     _say_cache_faults(faults, "serve")
+    _say_unrecorded(server, "serve")
 
 
 def _cache_faults(server: ChatServer) -> DiskFaults | None:
@@ -240,6 +242,14 @@ def _cache_faults(server: ChatServer) -> DiskFaults | None:
     block, or there is no local engine)."""
     faults = server.answerer.take_cache_faults()
     return faults if faults and faults.num_failed_writes else None
+
+
+def _say_unrecorded(server: ChatServer, command: str) -> None:
+    """The closing line for the answers a full store disk did not take."""
+    count, reason = server.recording.unrecorded
+    if count:
+        say(f"kvtrace {command}: {count} answer{'' if count == 1 else 's'} not recorded "
+            f"(refused with a 507): {reason}", err=True)
 
 
 def _faults_json(faults: DiskFaults | None) -> dict[str, object] | None:
@@ -325,11 +335,13 @@ def record_command(
     if as_json:
         sys.stdout.flush()
         print_json({"run": server.default_run, "exit_code": code, **_summary(server.stats),
-                    **_from_summary(server), "cache_faults": _faults_json(faults)})
+                    **_from_summary(server), "cache_faults": _faults_json(faults),
+                    "unrecorded": server.recording.unrecorded[0]})
     else:
         _print_summary(server.stats, default=server.default_run)
         _print_from(server, "record")
         _say_cache_faults(faults, "record")
+        _say_unrecorded(server, "record")
     raise typer.Exit(code)
 
 
@@ -351,10 +363,12 @@ def _record_agents(store: Store, server: ChatServer, spec: str, command: list[st
     if as_json:
         sys.stdout.flush()
         print_json({**report.to_dict(), "batch": server.answerer.health().get("batch"),
-                    "cache_faults": _faults_json(faults)})
+                    "cache_faults": _faults_json(faults),
+                    "unrecorded": server.recording.unrecorded[0]})
     else:
         render_experiment(report)
         _say_cache_faults(faults, "record")
+        _say_unrecorded(server, "record")
     raise typer.Exit(report.exit_code)
 
 

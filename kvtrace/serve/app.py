@@ -219,7 +219,7 @@ class ChatServer:
 def error_response(path: str, error: APIError) -> JSONResponse:
     """`error` as a JSON response in the shape of the API `path` belongs to."""
     body = error_body(error) if is_anthropic_path(path) else error.body()
-    return JSONResponse(body, status_code=error.status)
+    return JSONResponse(body, status_code=error.status, headers=error.headers or None)
 
 
 def check_api_key(key: str | None, name: str = "api_key") -> str | None:

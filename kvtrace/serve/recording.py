@@ -29,6 +29,9 @@ way ends with that error as its last event, in place of its closing one).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -36,7 +39,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Protocol
 
-from kvtrace.errors import RunNotFoundError, RunPausedError, UsageError
+from kvtrace.errors import RunNotFoundError, RunPausedError, StoreFullError, UsageError
 from kvtrace.serve.agents import agent_of
 from kvtrace.serve.request import APIError
 from kvtrace.store import ModelCall, Step, StepKind, Store, validate_run_name
@@ -48,6 +51,8 @@ if TYPE_CHECKING:
 
 RUN_HEADER = "x-kvtrace-run"
 MAX_RECORDERS = 64  # runs whose Recorder (and head step) the writer keeps (module docstring)
+FULL_PROBE_S = 5.0  # after a full-disk failure, requests are refused up front this long
+_log = logging.getLogger("uvicorn.error")  # where uvicorn logs its own errors
 StepWrite = Callable[[Recorder, Redactor], Step]
 
 
@@ -136,6 +141,13 @@ class Recording:
         if self._writer is not None:
             self._writer.close()
 
+    @property
+    def unrecorded(self) -> tuple[int, str | None]:
+        """(answers not recorded because the store's disk was full, the last reason)."""
+        if self._writer is None:
+            return 0, None
+        return self._writer.num_unrecorded, self._writer.full_reason
+
 
 class StoreWriter:
     """Writes steps into a store's runs on one thread, one Recorder per run; counts them."""
@@ -146,8 +158,15 @@ class StoreWriter:
         self._stats = stats
         self._recorders: OrderedDict[str, Recorder] = OrderedDict()  # last written, last
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="kvtrace-store")
+        self.num_unrecorded = 0  # answers a full store disk did not take (`_full`)
+        self.full_reason: str | None = None
+        self._full_at: float | None = None  # when the last write found the disk full
 
     async def check_open(self, run: str, *, is_answered: bool = False) -> None:
+        if self._full_at is not None and time.monotonic() - self._full_at < FULL_PROBE_S:
+            # The disk was full a moment ago: refused before any work, so that an agent's
+            # retries do not compute answers nobody can record (one request a while probes).
+            raise store_full_error(self.full_reason or "", is_answered=False)
         loop = asyncio.get_running_loop()
         if await loop.run_in_executor(self._worker, self._is_paused, run):
             raise paused_error(run, is_answered=is_answered)
@@ -158,9 +177,17 @@ class StoreWriter:
             await asyncio.shield(loop.run_in_executor(self._worker, self._write, run, write))
         except RunPausedError as exc:  # paused after check_open, while the answer was computed
             raise paused_error(run, is_answered=True) from exc
+        except StoreFullError as exc:
+            raise store_full_error(str(exc), is_answered=True) from exc
 
     def record_later(self, run: str, write: StepWrite) -> None:
-        self._worker.submit(self._write, run, write)
+        self._worker.submit(self._write_later, run, write)
+
+    def _write_later(self, run: str, write: StepWrite) -> None:
+        """`_write` for an answer already sent (a stream): a full disk is counted and logged,
+        not raised into a future nobody reads."""
+        with contextlib.suppress(StoreFullError):
+            self._write(run, write)
 
     def close(self) -> None:
         self._worker.shutdown(wait=True)
@@ -178,9 +205,24 @@ class StoreWriter:
             if len(self._recorders) > MAX_RECORDERS:
                 self._recorders.popitem(last=False)
         self._recorders.move_to_end(run)
-        step = write(recorder, self._redactor)
+        try:
+            step = write(recorder, self._redactor)
+        except StoreFullError as exc:
+            self._full(str(exc))
+            raise
+        self._full_at = None
         self._stats.setdefault(run, RunStats()).add(step)
         return step
+
+    def _full(self, reason: str) -> None:
+        """One answer not recorded for a full disk: counted, and said once per spell in the
+        server's log (one line, no traceback)."""
+        self.num_unrecorded += 1
+        if self._full_at is None:
+            _log.error("kvtrace serve: %s; answers are refused (507) until it has room",
+                       reason)
+        self.full_reason = reason
+        self._full_at = time.monotonic()
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,6 +240,15 @@ class RunSink:
 
     def record_later(self, write: StepWrite) -> None:
         self.writer.record_later(self.run, write)
+
+
+def store_full_error(reason: str, *, is_answered: bool) -> APIError:
+    """The answer when the store's disk is full: a 507 the SDKs do not retry (`x-should-retry`),
+    so no retry computes an answer again that cannot be recorded either."""
+    what = ("the answer was computed but neither recorded nor delivered" if is_answered
+            else "nothing was computed or recorded")
+    return APIError(507, f"kvtrace serve cannot record: {reason} ({what})",
+                    kind="server_error", code="store_full", headers={"x-should-retry": "false"})
 
 
 def paused_error(run: str, *, is_answered: bool = False) -> APIError:

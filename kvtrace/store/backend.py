@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import random
+import shutil
 import sqlite3
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -37,13 +38,15 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.sql.compiler import SQLCompiler
 
-from kvtrace.errors import RetryableError, StoreError
+from kvtrace.errors import RetryableError, StoreError, StoreFullError
 from kvtrace.store.schema import SCHEMA_REVISION, Address, raw_or_none
 
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
 _WRITE = "kvtrace_write"
 # SQLSTATEs of a transaction the server aborted on purpose (nothing was written).
 RETRYABLE_SQLSTATES = frozenset({"40001", "40P01"})  # serialization_failure, deadlock_detected
+DISK_FULL_SQLSTATE = "53100"  # PostgreSQL's disk_full
+MIN_FREE_BYTES = 1024 * 1024  # a SQLite folder with less free is full (`_is_sqlite_disk_full`)
 MAX_ATTEMPTS = 8
 SQLITE_SYNCHRONOUS = ("normal", "full", "extra")  # the first is the default; never "off"
 _P = ParamSpec("_P")
@@ -153,7 +156,7 @@ def write_transaction(engine: Engine | Connection) -> Iterator[Connection]:
             with engine.begin() as conn:
                 yield conn
     except sa.exc.SQLAlchemyError as exc:
-        raise _translate(exc, "database write failed") from exc
+        raise _translate(exc, "database write failed", engine) from exc
 
 
 @contextmanager
@@ -163,16 +166,39 @@ def read_transaction(engine: Engine) -> Iterator[Connection]:
         with engine.begin() as conn:
             yield conn
     except sa.exc.SQLAlchemyError as exc:
-        raise _translate(exc, "database read failed") from exc
+        raise _translate(exc, "database read failed", engine) from exc
 
 
-def _translate(exc: sa.exc.SQLAlchemyError, what: str) -> StoreError:
-    if getattr(getattr(exc, "orig", None), "sqlstate", None) in RETRYABLE_SQLSTATES:
+def _translate(exc: sa.exc.SQLAlchemyError, what: str,
+               engine: Engine | Connection | None = None) -> StoreError:
+    sqlstate = getattr(getattr(exc, "orig", None), "sqlstate", None)
+    if sqlstate in RETRYABLE_SQLSTATES:
         return RetryableError(
             f"{what}: the database aborted the transaction ({_reason(exc)}); nothing was "
             "written: make the same call again"
         )
+    url = engine.engine.url if engine is not None else None
+    if sqlstate == DISK_FULL_SQLSTATE or _is_sqlite_disk_full(exc, url):
+        where = safe_url(url.render_as_string()) if url is not None else "the store"
+        landed = "; nothing of this write landed" if "write" in what else ""
+        return StoreFullError(f"{what}: the disk under {where} is full "
+                              f"({_reason(exc)}){landed}: free some space")
     return StoreError(f"{what}: {_reason(exc)}")
+
+
+def _is_sqlite_disk_full(exc: sa.exc.SQLAlchemyError, url: sa.URL | None) -> bool:
+    """SQLite says "database or disk is full"; on a write-ahead log that cannot grow it may
+    say "disk I/O error" instead: that counts when the database's folder has no room."""
+    reason = _reason(exc)
+    if "database or disk is full" in reason:
+        return True
+    if "disk I/O error" not in reason or url is None or url.get_backend_name() != "sqlite":
+        return False
+    folder = Path(url.database or ".").resolve().parent
+    try:
+        return shutil.disk_usage(folder).free < MIN_FREE_BYTES
+    except OSError:
+        return False
 
 
 def retried(method: Callable[_P, _T]) -> Callable[_P, _T]:

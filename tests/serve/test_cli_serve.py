@@ -147,7 +147,7 @@ def test_record_with_json_prints_what_it_recorded_after_the_commands_output(
     assert code == 0 and program.startswith("chunks:")
     assert json.loads(summary) == {"run": "agent", "exit_code": 0, "runs": {"agent": {
         "calls": 2, "prompt_tokens": 82, "completion_tokens": 21, "cached_tokens": 48,
-        "unknown_cached": 0, "other_steps": 0}}, "cache_faults": None}
+        "unknown_cached": 0, "other_steps": 0}}, "cache_faults": None, "unrecorded": 0}
 
 
 @pytest.mark.parametrize(("argv", "message"), [

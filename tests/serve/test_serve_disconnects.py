@@ -341,3 +341,37 @@ def test_a_cut_step_is_marked_where_people_look(store, store_url, canned_upstrea
             main(["--store", store_url, *argv])
         assert exit_info.value.code in (0, None)
         assert expected in capsys.readouterr().out
+
+
+# -- a full store disk (issue 41, item 7) -----------------------------------------------------
+
+
+def test_a_full_store_disk_is_one_507_that_sdks_do_not_retry_and_no_recompute_storm(
+        tmp_path, canned_upstream, serve_upstream, caplog):
+    from kvtrace import open_store
+    from tests.mounts import fill, tmpfs
+
+    with tmpfs(tmp_path / "disk", size="2m") as disk:
+        store = open_store(f"sqlite:///{disk}/store.db")
+        try:
+            proxy = serve_upstream(store, canned_upstream.url, run="full")
+            sdk = openai.OpenAI(base_url=proxy.url, api_key="x", max_retries=3)
+            sdk.chat.completions.create(model="canned-model", messages=QUESTION)  # recorded
+            fill(disk, leave=0)
+            forwarded = len(canned_upstream.seen)
+            with pytest.raises(openai.APIStatusError) as refused:
+                sdk.chat.completions.create(model="canned-model",
+                                            messages=[{"role": "user", "content": "Again?"}])
+            assert refused.value.status_code == 507
+            error = refused.value.body
+            assert error["code"] == "store_full" and "store.db" in error["message"]
+            assert "is full" in error["message"]
+            assert len(canned_upstream.seen) == forwarded + 1  # the SDK did not retry it
+            with pytest.raises(openai.APIStatusError):  # refused before any work now
+                sdk.chat.completions.create(model="canned-model", messages=QUESTION)
+            assert len(canned_upstream.seen) == forwarded + 1
+            assert proxy.server.recording.unrecorded[0] == 1
+            assert not any(r.exc_info for r in caplog.records)  # one line, no traceback
+            assert len(store.path("full")) == 1
+        finally:
+            store.close()
