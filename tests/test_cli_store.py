@@ -186,3 +186,31 @@ def test_record_checks_the_program_before_loading_the_model(home, capsys, monkey
     assert code == 2 and "no such program" in err and err.count("\n") == 1
     assert not cache.exists() or not any(cache.iterdir())  # no model was converted or loaded
     assert [r.name for r in open_store().runs()] == ["main"]
+
+
+DATA = __import__("pathlib").Path(__file__).resolve().parent / "data"
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["import", str(next((DATA / "codex").glob("rollout-*.jsonl")))],
+     "looks like a Codex rollout, not a kvtrace bundle: import it with --format codex"),
+    (["import", "--format", "claude-code", str(next((DATA / "codex").glob("rollout-*.jsonl")))],
+     "not a Claude Code session log: import it with --format codex"),
+    (["import", str(DATA / "atif_v1_4_tools.json")], "import it with --format atif"),
+    (["import", "--format", "codex", str(next((DATA / "claude_code").glob("*.jsonl")))],
+     "import it with --format claude-code"),
+    (["import", str(DATA / "openai_tau_airline.json")], "import it with --format openai"),
+    (["runs", "--store", "sqlite:///elsewhere.db"],
+     "--store is an option of kvtrace itself: it goes before the command"),
+])
+def test_a_misplaced_format_or_option_is_named_with_the_fix(home, capsys, argv, says):
+    code, _, err = kv(capsys, *argv)
+    assert code == 2 and err.count("\n") == 1 and says in err
+    assert [r.name for r in open_store().runs()] == ["main"]
+
+
+def test_an_import_whose_run_exists_names_the_option_for_another(home, capsys):
+    rollout = str(next((DATA / "codex").glob("rollout-*.jsonl")))
+    assert kv(capsys, "import", "--format", "codex", "--run", "cx", rollout)[0] == 0
+    code, _, err = kv(capsys, "import", "--format", "codex", "--run", "cx", rollout)
+    assert code == 2 and "run 'cx' exists with 23 steps" in err and "(--run NAME)" in err

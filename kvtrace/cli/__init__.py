@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
             exc.show()  # type: ignore[attr-defined]
             sys.exit(0)
         message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
-        _error(" ".join(message.split()))
+        _error(_placed_before(exc, argv) or " ".join(message.split()))
         sys.exit(getattr(exc, "exit_code", 2))
     except OSError as exc:  # a file the user named cannot be read or written
         _error(f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": "))
@@ -65,6 +65,19 @@ def main(argv: list[str] | None = None) -> None:
                "report it; KVTRACE_DEBUG=1 shows the traceback)")
         sys.exit(1)
     sys.exit(result if isinstance(result, int) else 0)
+
+
+def _placed_before(exc: Exception, argv: list[str] | None) -> str | None:
+    """For an option of kvtrace's own (`--store`) given after the command: where it goes."""
+    name = getattr(exc, "option_name", None)
+    root = typer.main.get_command(app)
+    if type(exc).__name__ != "NoSuchOption" or not any(
+            name in param.opts for param in root.params):
+        return None
+    args = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in args if not a.startswith("-")), "COMMAND")
+    return (f"{name} is an option of kvtrace itself: it goes before the command "
+            f"(kvtrace {name} VALUE {command} ...)")
 
 
 def _warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,

@@ -15,6 +15,7 @@ programs; docs/formats.md has the mappings.
 
 from __future__ import annotations
 
+import io
 import json
 from collections.abc import Callable
 from enum import StrEnum
@@ -133,9 +134,18 @@ def import_file(
     (`read_session`). `on_step` as for `import_document` (not for bundles).
     """
     kind = Format(_known(format))
+    source = filename or "the file"
+    if not file.seekable():
+        file = io.BytesIO(file.read())
+    guess = guess_format(file.read(_GUESS_BYTES + 1))
+    file.seek(0)
+    if guess is not None and guess is not kind:
+        flag = "--format" if filename is not None else "format="
+        raise UsageError(f"{source} looks like {_FORMAT_NAMES[guess]}, not {_FORMAT_NAMES[kind]}:"
+                         f" import it with {flag}{'' if flag.endswith('=') else ' '}{guess}",
+                         param="format")
     if kind is Format.BUNDLE:
         return store.import_bundle(file, name=run)
-    source = filename or "the file"
     if run is None:
         if filename is None:
             raise UsageError("name the run to import into")
@@ -184,6 +194,56 @@ def default_run_name(filename: str) -> str:
         return validate_run_name(name)
     except UsageError as exc:
         raise UsageError(f"{exc}; name the run yourself (run=NAME)", param="run") from exc
+
+
+_FORMAT_NAMES = {
+    Format.BUNDLE: "a kvtrace bundle", Format.OPENAI: "an OpenAI messages trajectory",
+    Format.ATIF: "an ATIF trajectory", Format.OTEL: "an OTLP-JSON trace",
+    Format.CLAUDE_CODE: "a Claude Code session log", Format.CODEX: "a Codex rollout",
+}
+_GUESS_BYTES = 1 << 20  # what `guess_format` reads of a file
+_CODEX_LINES = frozenset({"session_meta", "response_item", "turn_context", "event_msg",
+                          "compacted"})
+_CLAUDE_CODE_LINES = frozenset({"user", "assistant", "summary", "system",
+                                "file-history-snapshot"})
+
+
+def guess_format(data: bytes) -> Format | None:
+    """The format a file beginning with `data` plainly is, from its first line or (a whole
+    file of at most `_GUESS_BYTES`) its top-level keys; None when it is none of them plainly
+    (the importer then says what is wrong)."""
+    text = data.lstrip().decode("utf-8", errors="replace")
+    first = text.split("\n", 1)[0]
+    head = _json_or_none(first)
+    if isinstance(head, dict):
+        kind = head.get("type") if isinstance(head.get("type"), str) else None
+        if head.get("format") == "kvtrace-bundle":
+            return Format.BUNDLE
+        if kind in _CODEX_LINES and "payload" in head:
+            return Format.CODEX
+        if kind in _CLAUDE_CODE_LINES and ("sessionId" in head or "leafUuid" in head
+                                           or "messageId" in head or "uuid" in head):
+            return Format.CLAUDE_CODE
+    document = _json_or_none(text) if len(data) <= _GUESS_BYTES else None
+    if isinstance(document, dict):
+        if isinstance(document.get("resourceSpans"), list):
+            return Format.OTEL
+        if "schema_version" in document and isinstance(document.get("steps"), list):
+            return Format.ATIF
+        if isinstance(document.get("messages"), list):
+            return Format.OPENAI
+    if isinstance(document, list) and document and all(
+            isinstance(m, dict) and "role" in m for m in document[:5]):
+        return Format.OPENAI
+    return None
+
+
+def _json_or_none(text: str) -> Any:
+    """`text` as JSON, or None (the importer's own parser names what is wrong, and where)."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return None
 
 
 def _known(format: str) -> str:

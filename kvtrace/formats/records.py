@@ -117,7 +117,7 @@ def record_into(store: Store, run: str, records: Sequence[Record], *,
     writer = store.run(run)
     if writer.head is not None:
         raise UsageError(f"run {run!r} exists with {writer.head.depth} steps: "
-                         "import under a new name")
+                         "import under a new name (run=NAME)", param="run")
     ids: list[str] = []
     for item in records:
         if isinstance(item, ModelCall):
