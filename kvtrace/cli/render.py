@@ -174,8 +174,6 @@ def render_analysis(analysis: Analysis, console: Console | None = None) -> None:
     analyze was given prices.
     """
     console = console or Console()
-    table = Table(title=_shown(f"analyze {analysis.spec} → {analysis.target_id[:12]}"),
-                  title_justify="left")
     has_provider = any(s.provider_prompt_tokens is not None for s in analysis.steps)
     costs = analysis.costs
     # "@" is the step's position on the run (RUN@N), tool calls included.
@@ -184,8 +182,7 @@ def render_analysis(analysis: Analysis, console: Console | None = None) -> None:
         names += ["prov. prompt", "cache read", "cache write", "read hit"]
     if costs is not None:
         names += ["billed", "uncached"]
-    for name in names:
-        table.add_column(name, justify="left" if name == "step" else "right")
+    rows = []
     for s in analysis.steps:
         row = [str(s.depth), s.step_id[:12], str(s.prompt_tokens), str(s.oracle_tokens),
                f"{100 * s.oracle_hit_rate:.1f}%",
@@ -196,8 +193,10 @@ def render_analysis(analysis: Analysis, console: Console | None = None) -> None:
         if costs is not None:
             row += [_money(s.cost.billed if s.cost else None),
                     _money(s.cost.uncached if s.cost else None)]
-        table.add_row(*row)
-    console.print(table)
+        rows.append(row)
+    console.print(_fitted_table(
+        f"analyze {analysis.spec} → {analysis.target_id[:12]}", names, rows, console,
+        droppable=("step", "shared w/ previous", "prov. prompt", "uncached")))
     total = analysis.prompt_tokens
     rate = analysis.oracle_tokens / total if total else 0.0
     console.print(f"oracle bound: {analysis.oracle_tokens}/{total} prompt tokens "
@@ -305,6 +304,31 @@ class RunBars:
         if task is not None:
             self._progress.remove_task(task)
         self._progress.update(self._runs_task, advance=1, note=note)
+
+
+def _fitted_table(title: str, names: list[str], rows: list[list[str]], console: Console, *,
+                  droppable: tuple[str, ...] = ()) -> Table:
+    """A compact table that reads at the console's width and never cuts a value: each column
+    is as wide as its widest value or its header's longest word (headers wrap at spaces),
+    and the `droppable` columns go, in that order, while the table would not fit."""
+    widths = [max([len(r[i]) for r in rows] + [max(len(w) for w in names[i].split())])
+              for i in range(len(names))]
+
+    def build(keep: list[int]) -> Table:
+        table = _report_table(title)
+        for i in keep:
+            table.add_column(names[i], justify="left" if names[i] == "step" else "right",
+                             width=widths[i], overflow="fold")
+        for row in rows:
+            table.add_row(*(row[i] for i in keep))
+        return table
+
+    keep = list(range(len(names)))
+    for name in droppable:  # two spaces part the columns, two more at the edges
+        if sum(widths[i] + 2 for i in keep) + 2 <= console.width or name not in names:
+            continue
+        keep.remove(names.index(name))
+    return build(keep)
 
 
 def _report_table(title: str) -> Table:

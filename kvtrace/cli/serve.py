@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import sys
 from typing import TYPE_CHECKING, Annotated
 
@@ -374,16 +375,22 @@ def _record_agents(store: Store, server: ChatServer, spec: str, command: list[st
 
 def render_experiment(report: ExperimentReport) -> None:
     """The K runs side by side, as `kvtrace branch` shows its branches, then the time."""
-    say(f"{'run':<24} {'seed':>5} {'exit':>4} {'recorded':>8} {'live':>5} {'prompt':>7} "
-        f"{'cached':>7} {'output':>6} {'diverges':>8}  final output", err=True)
+    # The run names as wide as the longest, the final output in what the terminal has left
+    # (at least 12 characters): a row reads at 80 columns, and uses a wider terminal whole.
+    name = max([len(run.agent.fork) for run in report.runs] + [3])
+    head = (f"{'run':<{name}} {'seed':>4} {'exit':>4} {'recorded':>8} {'live':>4} "
+            f"{'prompt':>7} {'cached':>7} {'output':>6} {'diverges':>8}  ")
+    room = max(12, shutil.get_terminal_size().columns - len(head) - 1)
+    say(head + "final output", err=True)
     for run in report.runs:
         row = run.to_dict()
         served = f"{run.summary.num_served}/{run.summary.num_recorded}"
         where = "-" if run.diverged_at is None else f"@{run.diverged_at}"
         text = " ".join(run.output.split())
-        say(f"{row['run']:<24} {row['seed']:>5} {row['exit_code']:>4} {served:>8} "
-            f"{row['live_calls']:>5} {row['prompt_tokens']:>7} {row['cached_tokens']:>7} "
-            f"{row['completion_tokens']:>6} {where:>8}  {text[:50]}", err=True)
+        text = text if len(text) <= room else text[: room - 1] + "…"
+        say(f"{row['run']:<{name}} {row['seed']:>4} {row['exit_code']:>4} {served:>8} "
+            f"{row['live_calls']:>4} {row['prompt_tokens']:>7} {row['cached_tokens']:>7} "
+            f"{row['completion_tokens']:>6} {where:>8}  {text}", err=True)
     for run in report.runs:
         if run.summary.parted:
             say(f"{run.agent.fork}: parted early: {run.summary.parted}", err=True)

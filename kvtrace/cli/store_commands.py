@@ -10,6 +10,7 @@ import datetime
 import io
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -102,8 +103,9 @@ def log(
                 return
             steps = store.log(run, limit=limit, lists=False)  # a line needs no conversation
             shown = 0
+            width = shutil.get_terminal_size().columns
             for s in steps:
-                say(f"{s.depth:4} {s.short_id} {s.kind:10} {step_summary(s)}")
+                say(_fitted(f"{s.depth:4} {s.short_id} {s.kind:10} {step_summary(s)}", width))
                 shown += 1
             if not shown:
                 say(f"{run} has no steps yet")
@@ -117,7 +119,8 @@ def log(
     for row in rows:
         s = row.step
         refs = f" ({', '.join(row.heads)})" if row.heads else ""
-        say(f"* {s.depth:4} {s.short_id}{refs} {s.kind:10} {step_summary(s)}")
+        say(_fitted(f"* {s.depth:4} {s.short_id}{refs} {s.kind:10} {step_summary(s)}",
+                    shutil.get_terminal_size().columns))
         if row.num_branches:
             say(f"|\\  {_branches(row.num_branches, row.branch_runs)}")
 
@@ -425,3 +428,10 @@ def import_run(
 def _imported(store: Store, info: RunInfo, fmt: Format) -> list[RunInfo]:
     """The run an import made, then the runs of its subagents (Claude Code)."""
     return [info, *(subagent_runs(store, info.name) if fmt is Format.CLAUDE_CODE else [])]
+
+
+def _fitted(line: str, width: int) -> str:
+    """`line` cut to the terminal's `width` (at least 40; COLUMNS, else 80, off a terminal):
+    its summary ends in "…", never past the edge."""
+    width = max(width, 40)
+    return line if len(line) <= width else line[: width - 1] + "…"

@@ -200,3 +200,29 @@ def test_analyze_says_why_a_provider_beats_the_bound_on_a_log_without_its_system
         main(["--store", replay_store.url, "analyze", "no-system"])
     out = " ".join(capsys.readouterr().out.split())
     assert "note: the provider read more than the bound because 2 of these 2 calls" in out
+
+
+@pytest.mark.parametrize("columns", [80, 160])
+def test_analyze_and_log_read_at_the_terminals_width_and_never_cut_a_number(
+        logs, byte_tokenizer, capsys, monkeypatch, columns, default_model_folder):
+    """Issue 41, item 10: every line fits; each number of the table is whole; a wider
+    terminal shows more columns."""
+    monkeypatch.setenv("COLUMNS", str(columns))
+    prices = json.dumps(PRICES)
+    path = logs.url.removeprefix("sqlite:///") + ".prices.json"
+    with open(path, "w") as fh:
+        fh.write(prices)
+    with pytest.raises(SystemExit):
+        main(["--store", logs.url, "analyze", "cx", "--prices", path])
+    out = capsys.readouterr().out
+    assert max(len(line) for line in out.splitlines()) <= columns
+    numbers = [str(s.prompt_tokens) for s in analyze(logs, "cx", byte_tokenizer).steps]
+    table = out.split("oracle bound:")[0]
+    rows = [line.split() for line in table.splitlines() if line.strip()[:1].isdigit()]
+    assert len(rows) == len(numbers)
+    assert all("…" not in cell for row in rows for cell in row)
+    assert ("step" in table) == (columns == 160)  # the ids go first when room runs out
+    with pytest.raises(SystemExit):
+        main(["--store", logs.url, "log", "cx"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines and max(len(line) for line in lines) <= columns
