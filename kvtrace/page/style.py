@@ -13,7 +13,7 @@ CSP = ("default-src 'none'; style-src 'unsafe-inline'; script-src 'unsafe-inline
 
 STYLE = """
 :root { --reuse: #2e9d5b; --compute: #e08a2c; --cached: #3b6fd4; --rest: #c9ced6;
-        --model: #3b6fd4; --tool: #2e9d5b; --note: #c98a00; --other: #7a7f87; }
+        --model: #17a2b8; --tool: #8c564b; --note: #c98a00; --other: #7a7f87; }
 * { box-sizing: border-box; }
 body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; margin: 0 auto;
        max-width: 1200px; padding: 16px 24px 48px; color: #1d2024; background: #fbfbfc; }

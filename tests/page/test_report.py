@@ -168,3 +168,16 @@ def test_cli_report_bad_input_is_one_error_line_and_writes_nothing(tmp_path, mon
     assert exit_info.value.code == 2
     assert err.startswith("error:") and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "r.html").exists()
+
+
+def test_no_colour_means_two_things_in_the_report():
+    """Issue 41, item 13: blue meant "provider cached" in the bars' legend and "model_call" in
+    the graph's; each meaning has its own colour now."""
+    import re
+
+    from kvtrace.page.style import STYLE
+
+    colours = dict(re.findall(r"--([a-z]+): (#[0-9a-f]{6})", STYLE.split("}")[0]))
+    kinds = {colours[k] for k in ("model", "tool", "note", "other")}
+    bars = {colours[k] for k in ("reuse", "compute", "cached", "rest")}
+    assert len(kinds) == 4 and len(bars) == 4 and not kinds & bars
