@@ -12,6 +12,7 @@ from kvtrace.page.markup import cut, escape
 from kvtrace.store.kinds import StepKind
 
 LANE, ROW, MARGIN = 22, 22, 14  # graph geometry in pixels
+CHAR_PX = 7.5  # the width of one character of the labels' 12 px monospace font
 
 
 def graph_section(page: Page) -> str:
@@ -21,11 +22,14 @@ def graph_section(page: Page) -> str:
     where = {node.step_id: node for node in nodes}
     max_depth = max(node.depth for node in nodes)
     text_x = MARGIN * 2 + LANE * len(page.lanes)
-    width = text_x + 760
     height = MARGIN * 2 + ROW * (max_depth - 1) + 8
     rows: dict[int, list[GraphNode]] = {}
     for node in nodes:
         rows.setdefault(node.depth, []).append(node)
+    lines, longest = _lines(rows)
+    # As wide as its longest line (the section scrolls): steps of several runs at one depth
+    # share a line, which clipped at a fixed width.
+    width = text_x + max(760, int(longest * CHAR_PX) + MARGIN)
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
            f'viewBox="0 0 {width} {height}" role="img" aria-label="branch graph">']
     for node in nodes:
@@ -41,15 +45,9 @@ def graph_section(page: Page) -> str:
                   f"<title>@{node.depth} {escape(node.kind)} {escape(node.summary)}</title>"
                   "</circle>")
         out.append(f'<a href="#{node.anchor}">{circle}</a>' if node.anchor else circle)
-    for depth, row in sorted(rows.items()):
+    for depth, line in lines:
         y = MARGIN + ROW * (depth - 1) + 4
-        labels = []
-        width = max(16, 90 // len(row))  # several steps at one depth share the line
-        for node in row:
-            heads = "".join(f'<tspan class="head">({escape(h)}) </tspan>' for h in node.heads)
-            label = f"{heads}@{depth} {escape(node.kind)} {escape(cut(node.summary, width))}"
-            labels.append(f'<a href="#{node.anchor}">{label}</a>' if node.anchor else label)
-        out.append(f'<text x="{text_x}" y="{y}">{" | ".join(labels)}</text>')
+        out.append(f'<text x="{text_x}" y="{y}">{line}</text>')
     out.append("</svg>")
     lanes = " ".join(f"<span>lane {i + 1}: <code>{escape(name)}</code></span>"
                      for i, name in enumerate(page.lanes))
@@ -59,6 +57,24 @@ def graph_section(page: Page) -> str:
             if page.num_forks_left_out else "")
     return (f'<section id="graph"><h2>Branch graph</h2><div class="scroll">{"".join(out)}</div>'
             f'<p class="legend">{kinds}</p><p class="legend">{lanes}</p>{more}</section>')
+
+
+def _lines(rows: dict[int, list[GraphNode]]) -> tuple[list[tuple[int, str]], int]:
+    """One line of markup per depth naming its steps, and the longest line's characters."""
+    lines, longest = [], 0
+    for depth, row in sorted(rows.items()):
+        labels, shown = [], 0
+        width = max(16, 90 // len(row))  # several steps at one depth share the line
+        for node in row:
+            heads = "".join(f"({h}) " for h in node.heads)
+            summary = cut(node.summary, width)
+            shown += len(heads) + len(f"@{depth} {node.kind} {summary}") + 3
+            label = ("".join(f'<tspan class="head">({escape(h)}) </tspan>' for h in node.heads)
+                     + f"@{depth} {escape(node.kind)} {escape(summary)}")
+            labels.append(f'<a href="#{node.anchor}">{label}</a>' if node.anchor else label)
+        lines.append((depth, " | ".join(labels)))
+        longest = max(longest, shown)
+    return lines, longest
 
 
 def _xy(node: GraphNode) -> tuple[int, int]:

@@ -181,3 +181,20 @@ def test_no_colour_means_two_things_in_the_report():
     kinds = {colours[k] for k in ("model", "tool", "note", "other")}
     bars = {colours[k] for k in ("reuse", "compute", "cached", "rest")}
     assert len(kinds) == 4 and len(bars) == 4 and not kinds & bars
+
+
+def test_steps_of_unrelated_runs_at_one_depth_widen_the_graph_instead_of_clipping(store):
+    """Issue 41, item 13: their labels share a line, which ran past a fixed-width box."""
+    import re
+
+    from kvtrace.page.graph import CHAR_PX, graph_section
+
+    names = [f"experiment-{i}" for i in range(8)]
+    for name in names:
+        store.run(name).record_tool_call("lookup", {"city": f"City number {name}"},
+                                         f"A long result for {name}, with several words")
+    section = graph_section(gather(store, names, ByteTokenizer(), tokenizer_name="bytes"))
+    width = int(re.search(r'<svg [^>]*width="(\d+)"', section).group(1))
+    line = re.sub(r"<[^>]+>", "", re.findall(r"<text [^>]*>(.*?)</text>", section)[0])
+    x = int(re.search(r'<text x="(\d+)"', section).group(1))
+    assert width >= x + len(html.unescape(line)) * CHAR_PX
