@@ -324,8 +324,8 @@ def _fitted_table(title: str, names: list[str], rows: list[list[str]], console: 
         return table
 
     keep = list(range(len(names)))
-    for name in droppable:  # two spaces part the columns, two more at the edges
-        if sum(widths[i] + 2 for i in keep) + 2 <= console.width or name not in names:
+    for name in droppable:  # two spaces each, to part the columns and at the edges
+        if sum(widths[i] + 2 for i in keep) <= console.width or name not in names:
             continue
         keep.remove(names.index(name))
     return build(keep)

@@ -249,8 +249,8 @@ def _say_unrecorded(server: ChatServer, command: str) -> None:
     """The closing line for the answers a full store disk did not take."""
     count, reason = server.recording.unrecorded
     if count:
-        say(f"kvtrace {command}: {count} answer{'' if count == 1 else 's'} not recorded "
-            f"(refused with a 507): {reason}", err=True)
+        say(f"kvtrace {command}: {count} answer{'' if count == 1 else 's'} not recorded: "
+            f"{reason}", err=True)
 
 
 def _faults_json(faults: DiskFaults | None) -> dict[str, object] | None:

@@ -144,7 +144,7 @@ def reserve_count(folder: Path) -> None:
 def fallback_path(folder: Path) -> Path:
     """Where a folder's failed writes are counted when the folder cannot take its record."""
     digest = hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:16]
-    return Path(tempfile.gettempdir()) / f"kvtrace-{digest}-{WRITE_FAILURES_FILE}"
+    return Path(tempfile.gettempdir()) / f"kvtrace-{os.getuid()}-{digest}-{WRITE_FAILURES_FILE}"
 
 
 def read_failed_writes(folder: Path) -> WriteFailureCount:
@@ -175,18 +175,20 @@ def failed_writes_line(num_failed: int, reasons: tuple[str, ...] | list[str], fo
 def _add_one(path: Path, reason: str) -> bool:
     """Add one to the count at `path`, rewritten in place under an exclusive lock
     (concurrent processes add up)."""
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:  # never through a link planted in a shared folder
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     except OSError:
         return False
     try:
         with os.fdopen(fd, "r+", encoding="utf-8") as fh:
+            if os.fstat(fh.fileno()).st_uid != os.getuid():
+                return False
             fcntl.flock(fh, fcntl.LOCK_EX)
             count = _parse(fh.read())
             fh.seek(0)
             fh.write(_record(WriteFailureCount(count.num_failed_writes + 1, reason[:120],
                                                time.time())))
-            fh.flush()
+            fh.truncate()  # an older, longer record: shrinking needs no space
         return True
     except OSError:
         return False

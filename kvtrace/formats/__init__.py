@@ -137,8 +137,9 @@ def import_file(
     source = filename or "the file"
     if not file.seekable():
         file = io.BytesIO(file.read())
+    start = file.tell()
     guess = guess_format(file.read(_GUESS_BYTES + 1))
-    file.seek(0)
+    file.seek(start)
     if guess is not None and guess is not kind:
         flag = "--format" if filename is not None else "format="
         raise UsageError(f"{source} looks like {_FORMAT_NAMES[guess]}, not {_FORMAT_NAMES[kind]}:"

@@ -183,17 +183,18 @@ def _replay_path(
     if tokenizer is None:
         notes.append("no tokenizer for this backend: oracle bound and token positions unknown "
                      "(give the backend the tokenizer of the server's model)")
-    prepared, stopped, broken = _fitting(model_steps, tokenizer, mode, use_drafts)
+    num_fitting, stopped, broken = _fitting(model_steps, tokenizer, mode, use_drafts)
     if stopped is not None:  # said now, before minutes of replay; the report ends with it
-        warnings.warn(f"{stopped.line()}: replaying the {len(prepared)} model calls before "
+        warnings.warn(f"{stopped.line()}: replaying the {num_fitting} model calls before "
                       "it", stacklevel=3)
     oracle = PrefixOracle()
     faults = _FaultNotes()
     reports: list[StepReport] = []
     retried: list[str] = []
     started = time.perf_counter()
-    for index, expected in enumerate(prepared, start=1):
-        step, request = expected.step, expected.request
+    for index, step in enumerate(model_steps[:num_fitting], start=1):
+        expected = _prepare(step, tokenizer, mode, use_drafts)
+        request = expected.request
         oracle_tokens = oracle.bound(request.prompt_ids) if request.prompt_ids else None
         if mode is ReplayMode.VERIFY:
             result = backend.generate(request)
@@ -225,7 +226,7 @@ def _replay_path(
         reports.append(step_report)
         notes.extend(faults.add(backend.take_cache_faults(), f"step @{step.depth}"))
         if on_step is not None:
-            on_step(index, len(prepared), step_report)
+            on_step(index, num_fitting, step_report)
     if broken is not None:  # fails now, at its turn, after the calls before it
         _prepare(broken, tokenizer, mode, use_drafts)
     backend.settle()  # what verify's last output left owed: on disk, as the rest
@@ -241,25 +242,24 @@ def _replay_path(
 
 
 def _fitting(model_steps: list[Step], tokenizer: Tokenizer | None, mode: ReplayMode,
-             use_drafts: bool) -> tuple[list[_Expected], Stopped | None, Step | None]:
-    """The model calls prepared, up to the first whose prompt and response do not fit the
-    model's context (then: where it stopped, and how many calls were left), or up to one
-    that cannot be prepared (then: that step, whose error the replay raises at its turn)."""
-    prepared: list[_Expected] = []
+             use_drafts: bool) -> tuple[int, Stopped | None, Step | None]:
+    """How many model calls fit the model's context before the first that does not (then:
+    where it stopped, and how many calls were left), or before one that cannot be prepared
+    (then: that step, whose error the replay raises at its turn). Each call is prepared and
+    let go: held all at once, a long run's prompts would fill memory."""
     for index, step in enumerate(model_steps):
         try:
             expected = _prepare(step, tokenizer, mode, use_drafts)
         except KvtraceError:
-            return prepared, None, step
+            return index, None, step
         prompt = expected.request.prompt_ids
         if tokenizer is not None and prompt is not None:
             response = len(expected.expected_ids or [])
             limit = context_limit(tokenizer, len(prompt) + response)
             if limit is not None:
-                return prepared, Stopped(step.depth, step.id, len(prompt), response, limit,
-                                         len(model_steps) - index), None
-        prepared.append(expected)
-    return prepared, None, None
+                return index, Stopped(step.depth, step.id, len(prompt), response, limit,
+                                      len(model_steps) - index), None
+    return len(model_steps), None, None
 
 
 class _FaultNotes:

@@ -163,10 +163,12 @@ class StoreWriter:
         self._full_at: float | None = None  # when the last write found the disk full
 
     async def check_open(self, run: str, *, is_answered: bool = False) -> None:
-        if self._full_at is not None and time.monotonic() - self._full_at < FULL_PROBE_S:
-            # The disk was full a moment ago: refused before any work, so that an agent's
-            # retries do not compute answers nobody can record (one request a while probes).
-            raise store_full_error(self.full_reason or "", is_answered=False)
+        if self._full_at is not None:
+            if time.monotonic() - self._full_at < FULL_PROBE_S:
+                # The disk was full a moment ago: refused before any work, so that an agent's
+                # retries do not compute answers nobody can record.
+                raise store_full_error(self.full_reason or "", is_answered=False)
+            self._full_at = time.monotonic()  # this one probes; the others wait FULL_PROBE_S
         loop = asyncio.get_running_loop()
         if await loop.run_in_executor(self._worker, self._is_paused, run):
             raise paused_error(run, is_answered=is_answered)
@@ -199,13 +201,13 @@ class StoreWriter:
             return False
 
     def _write(self, run: str, write: StepWrite) -> Step:
-        recorder = self._recorders.get(run)
-        if recorder is None:
-            recorder = self._recorders[run] = Recorder(self._store.run(run))
-            if len(self._recorders) > MAX_RECORDERS:
-                self._recorders.popitem(last=False)
-        self._recorders.move_to_end(run)
         try:
+            recorder = self._recorders.get(run)
+            if recorder is None:  # a new run is written too: inside, for a full disk
+                recorder = self._recorders[run] = Recorder(self._store.run(run))
+                if len(self._recorders) > MAX_RECORDERS:
+                    self._recorders.popitem(last=False)
+            self._recorders.move_to_end(run)
             step = write(recorder, self._redactor)
         except StoreFullError as exc:
             self._full(str(exc))

@@ -134,6 +134,9 @@ class Jobs:
                 return
             self._last.pop(job.run, None)
             self._last[job.run] = report
+            if report.stopped is not None:  # past the model's context: the steps before it
+                self._end(job, JobState.FAILED, error=report.stopped.line(), report=report)
+                return
             self._end(job, JobState.DONE, report=report)
 
     @staticmethod
