@@ -36,7 +36,7 @@ probed at every load; it holds on this project's machines, torch 2.13),
 prefill attention goes through it instead (`_flash`: keys zero-padded to
 whole blocks of `FLASH_BLOCK`, an additive causal mask): no score matrix is
 written and read back, ~7 % off the fork workload's in-process rebuild on an
-AMX Xeon (docs/benchmarks.md, session 24). The engine's fingerprint names
+AMX Xeon (docs/benchmarks.md, "the engine against vLLM"). The engine's fingerprint names
 which of the two computed its KV. The tiles below stay for where it does not.
 
 Cost of the tiles: the same FLOPs as plain attention, plus a few temporary tensors of
@@ -127,12 +127,8 @@ def canonical_attention(
     groups = num_heads // num_kv_heads
     num_tiles = -(-kv_len // TILE)
     padded = num_tiles * TILE
-    key_tiles = scratch("keys", (batch, num_kv_heads, padded, head_dim), key)
-    key_tiles[:, :, :kv_len] = key
-    key_tiles[:, :, kv_len:] = 0
-    value_tiles = scratch("values", (batch, num_kv_heads, padded, head_dim), value)
-    value_tiles[:, :, :kv_len] = value
-    value_tiles[:, :, kv_len:] = 0
+    key_tiles = _zero_padded("keys", key, padded)
+    value_tiles = _zero_padded("values", value, padded)
     start = kv_len - q_len
     block = _query_block(q_len, num_tiles, num_kv_heads, groups, query.element_size())
     # [b, q, heads, dim], as transformers expects; each block's result is a view
@@ -165,19 +161,24 @@ def _flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     (`flash_rows_hold` checks that on this machine before the engine uses it). It reads no
     score matrix back: ~30 % faster than the tiles at 512 rows, ~15 % at 112.
     """
-    batch, num_kv_heads, kv_len, head_dim = key.shape
+    num_kv_heads, kv_len = key.shape[1], key.shape[2]
     q_len = query.shape[2]
     padded = -(-kv_len // FLASH_BLOCK) * FLASH_BLOCK
-    keys = scratch("keys", (batch, num_kv_heads, padded, head_dim), key)
-    keys[:, :, :kv_len] = key
-    keys[:, :, kv_len:] = 0
-    values = scratch("values", (batch, num_kv_heads, padded, head_dim), value)
-    values[:, :, :kv_len] = value
-    values[:, :, kv_len:] = 0
+    keys, values = _zero_padded("keys", key, padded), _zero_padded("values", value, padded)
     mask = _flash_mask(kv_len - q_len, q_len, padded, query.dtype, query.device)
     out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale,
                                          enable_gqa=num_kv_heads != query.shape[1])
     return out.transpose(1, 2)
+
+
+def _zero_padded(name: str, rows: torch.Tensor, length: int) -> torch.Tensor:
+    """`rows` `[b, kv_heads, kv, dim]` in this thread's scratch buffer `name`, zero rows after
+    them up to `length` (masked keys and values must be finite: their weights are 0)."""
+    batch, heads, kv_len, dim = rows.shape
+    out = scratch(name, (batch, heads, length, dim), rows)
+    out[:, :, :kv_len] = rows
+    out[:, :, kv_len:] = 0
+    return out
 
 
 @functools.lru_cache(maxsize=4)
