@@ -1,7 +1,7 @@
 """Function-calling conversations as a chat template sees them, and back.
 
 One rule for every path (replay, analyze, continue, the server): a model call
-is rendered from its (messages, tools) by `chat_messages`, then by the model's
+is rendered from its (messages, tools) by `template_messages`, then by the model's
 chat template. Two cases:
 
 - **Native**: the template itself renders `tools`, `tool_calls` and `tool`
@@ -69,7 +69,7 @@ def template_supports_tools(template: Any) -> bool:
     return "tool_calls" in text and "tools" in text
 
 
-def chat_messages(
+def template_messages(
     messages: Sequence[Mapping[str, Any]],
     tools: Sequence[Mapping[str, Any]] | None,
     *,

@@ -1,6 +1,5 @@
-"""Layers import one way: store -> formats, tracer; engine -> replay -> serve; page, mcp, ui
--> cli
-(as dulwich)."""
+"""Layers import one way: apis -> store -> formats, tracer; engine -> replay -> serve; page,
+mcp, ui -> cli (as dulwich)."""
 
 from __future__ import annotations
 
@@ -15,22 +14,23 @@ PACKAGE = Path(__file__).resolve().parent.parent / "kvtrace"
 SHARED = {"kvtrace.errors", "kvtrace.paths", "kvtrace.rendering", "kvtrace.numerics",
           "kvtrace.inert", "kvtrace.allocator"}
 ALLOWED = {
-    "store": {"store"},
+    "apis": {"apis"},
+    "store": {"store", "apis"},
     "engine": {"engine"},
-    "replay": {"replay", "store", "engine"},
-    "formats": {"formats", "store"},
-    "tracer": {"tracer", "store"},
-    "serve": {"serve", "tracer", "store", "replay"},
-    "page": {"page", "store", "replay"},
-    "mcp": {"mcp", "store", "engine", "replay", "serve"},
-    "bench": {"bench", "store", "engine", "replay", "formats", "tracer", "serve"},
-    "ui": {"ui", "page", "store", "replay", "serve"},
-    "cli": {"cli", "store", "engine", "replay", "bench", "formats", "tracer", "serve", "page",
-            "mcp", "ui"},
+    "replay": {"replay", "apis", "store", "engine"},
+    "formats": {"formats", "apis", "store"},
+    "tracer": {"tracer", "apis", "store"},
+    "serve": {"serve", "apis", "tracer", "store", "replay"},
+    "page": {"page", "apis", "store", "replay"},
+    "mcp": {"mcp", "apis", "store", "engine", "replay", "serve"},
+    "bench": {"bench", "apis", "store", "engine", "replay", "formats", "tracer", "serve"},
+    "ui": {"ui", "apis", "page", "store", "replay", "serve"},
+    "cli": {"cli", "apis", "store", "engine", "replay", "bench", "formats", "tracer", "serve",
+            "page", "mcp", "ui"},
 }
 # The package's own module re-exports the public surface: the light layers only, so that
 # `import kvtrace` loads neither torch nor the server.
-PACKAGE_INIT_ALLOWED = {"store", "tracer"}
+PACKAGE_INIT_ALLOWED = {"apis", "store", "tracer"}
 
 
 def _imports(path: Path) -> set[str]:

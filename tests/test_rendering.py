@@ -8,9 +8,9 @@ import pytest
 
 from kvtrace.rendering import (
     assistant_text,
-    chat_messages,
     parse_assistant_text,
     render_tool_call,
+    template_messages,
     template_supports_tools,
 )
 
@@ -21,7 +21,7 @@ CALL = {"id": "call_1", "type": "function",
 
 
 def test_the_fallback_puts_tools_in_the_system_turn():
-    messages, tools = chat_messages([{"role": "system", "content": "Be brief."},
+    messages, tools = template_messages([{"role": "system", "content": "Be brief."},
                                      {"role": "user", "content": "hi"}], [TOOL], native=False)
     assert tools is None
     assert [m["role"] for m in messages] == ["system", "user"]
@@ -31,13 +31,13 @@ def test_the_fallback_puts_tools_in_the_system_turn():
 
 
 def test_the_fallback_adds_a_system_turn_for_tools_when_there_is_none():
-    messages, _ = chat_messages([{"role": "user", "content": "hi"}], [TOOL], native=False)
+    messages, _ = template_messages([{"role": "user", "content": "hi"}], [TOOL], native=False)
     assert [m["role"] for m in messages] == ["system", "user"]
     assert messages[0]["content"].startswith("# Tools\n")
 
 
 def test_the_fallback_renders_tool_calls_and_tool_results_as_text_turns():
-    messages, _ = chat_messages(
+    messages, _ = template_messages(
         [{"role": "assistant", "content": None, "tool_calls": [CALL]},
          {"role": "tool", "tool_call_id": "call_1", "content": '{"country": "France"}'},
          {"role": "user", "content": [{"type": "text", "text": "and "},
@@ -55,13 +55,13 @@ def test_tools_render_the_same_whatever_their_key_order():
     reordered = {"function": {"parameters": TOOL["function"]["parameters"],
                               "name": "lookup", "description": "Facts."}, "type": "function"}
     for native in (False, True):
-        a = chat_messages([{"role": "user", "content": "x"}], [TOOL], native=native)
-        b = chat_messages([{"role": "user", "content": "x"}], [reordered], native=native)
+        a = template_messages([{"role": "user", "content": "x"}], [TOOL], native=native)
+        b = template_messages([{"role": "user", "content": "x"}], [reordered], native=native)
         assert json.dumps(a) == json.dumps(b)
 
 
 def test_native_templates_get_arguments_as_objects_and_text_content():
-    messages, tools = chat_messages(
+    messages, tools = template_messages(
         [{"role": "assistant", "content": None, "tool_calls": [CALL],
           "reasoning_content": "think"}], [TOOL], native=True)
     assert tools == [json.loads(json.dumps(TOOL, sort_keys=True))]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from kvtrace.formats import export_document, import_document
-from kvtrace.rendering import chat_messages, content_text, tool_result_content, tool_result_text
+from kvtrace.rendering import content_text, template_messages, tool_result_content, tool_result_text
 from kvtrace.replay.continuation import conversation_at, tool_message
 from kvtrace.replay.toolcall import OBSERVATION_PREFIX, observation_message
 from kvtrace.store.kinds import model_calls
@@ -42,7 +42,7 @@ def test_every_path_gives_the_same_prompt_text(store, result, error):
     observation = observation_message(result, error)["content"]
     exported = export_document(store, "r", format="openai")
     exported_tool = exported["messages"][-1] if isinstance(exported, dict) else exported[-1]
-    rendered, _ = chat_messages([continued], None, native=False)
+    rendered, _ = template_messages([continued], None, native=False)
 
     assert from_trace == continued
     assert content_text(continued["content"]) == expected

@@ -26,8 +26,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from kvtrace.store import anthropic, responses
-from kvtrace.store.apis import ProviderApi
+from kvtrace.apis import ProviderApi, anthropic, responses
 
 TOOLS: list[dict[str, Any]] = [
     {

@@ -38,10 +38,10 @@ KVTRACE_TABLES = ("blobs", "steps", "refs", "reflog", "notes", "alembic_version"
 def run_footprint_bench(url: str | None = None, *, num_conversations: int = 14) -> dict[str, Any]:
     """File bytes over distinct content bytes of `num_conversations` imported trajectories
     (14: just over 1 MB of distinct content) on `url` (default: a new SQLite file)."""
+    from kvtrace.apis.chat import normalize_message
     from kvtrace.bench.conversations import tool_calling_conversation
     from kvtrace.formats import import_document
     from kvtrace.store.encoding import canonical_json
-    from kvtrace.store.messages import normalize_message
 
     suffix = time.time_ns()
     distinct: set[bytes] = set()

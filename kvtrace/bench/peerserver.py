@@ -37,7 +37,7 @@ import httpx
 
 from kvtrace.bench.servers import vllm_server
 from kvtrace.paths import default_cache_dir
-from kvtrace.rendering import chat_messages
+from kvtrace.rendering import template_messages
 from kvtrace.replay.backend import CallRequest, SamplingParams
 from kvtrace.replay.oracle import common_prefix_length
 from kvtrace.replay.recording import prompt_ids, step_messages, step_tools
@@ -192,7 +192,7 @@ def peer_messages(step: Step, *, native_tools: bool) -> tuple[list[dict[str, Any
         # (llama.cpp's refuses a tool message without one); templates that read role and
         # content never render it.
         ids = iter([m.get("tool_call_id") for m in messages if m.get("role") == "tool"])
-        rendered, tools = chat_messages(messages, tools, native=False)
+        rendered, tools = template_messages(messages, tools, native=False)
         messages = [m | {"tool_call_id": next(ids, None) or "call"} if m["role"] == "tool"
                     else m for m in rendered]
     return without_null_content(messages), tools

@@ -22,11 +22,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvtrace.apis import ProviderApi
 from kvtrace.bench.anchor import SqliteAnchor
 from kvtrace.bench.footprint import body_bytes, run_footprint_bench
 from kvtrace.errors import UsageError
 from kvtrace.store import Store, open_store
-from kvtrace.store.apis import ProviderApi
 
 APPEND_TARGET_MS = 0.35  # SQLite append p50
 ANCHOR_RATIO_TARGET = 3.0  # SQLite append p50 over the anchor's
@@ -222,7 +222,7 @@ def run_conversation_bench(
 
 def _distinct_bytes(calls: list[Any], api: ProviderApi) -> int:
     """Canonical bytes of the distinct messages, responses, tool list and system prompt."""
-    from kvtrace.store.apis import stored_fields
+    from kvtrace.apis import stored_fields
     from kvtrace.store.encoding import canonical_json
 
     distinct: set[bytes] = set()

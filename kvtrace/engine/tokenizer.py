@@ -27,7 +27,7 @@ from typing import Any
 from kvtrace.engine.folders import OnConvert, cache_root, tokenizer_folder
 from kvtrace.engine.segments import encoder_for
 from kvtrace.errors import ModelNotFoundError, UsageError
-from kvtrace.rendering import chat_messages, template_supports_tools
+from kvtrace.rendering import template_messages, template_supports_tools
 
 PLAIN_CHAT_TEMPLATE = (
     "{{ bos_token or '' }}{% for message in messages %}{{ message['role'] }}: "
@@ -58,7 +58,7 @@ class ChatTemplating:
         """Token ids of a model call's `messages` and `tools` (see rendering.py)."""
         from jinja2 import TemplateError
 
-        rendered, rendered_tools = chat_messages(messages, tools, native=self.supports_tools)
+        rendered, rendered_tools = template_messages(messages, tools, native=self.supports_tools)
         try:
             text = self.tokenizer.apply_chat_template(
                 rendered,

@@ -32,6 +32,7 @@ import json
 import re
 from typing import Any
 
+from kvtrace.apis.chat import normalize_message, tool_calls_of
 from kvtrace.errors import UsageError
 from kvtrace.formats.records import (
     UNKNOWN_MODEL,
@@ -45,7 +46,6 @@ from kvtrace.formats.records import (
     tools,
 )
 from kvtrace.store import OnStep, RunInfo, Store
-from kvtrace.store.messages import normalize_message, tool_calls_of
 
 LATEST_VERSION = "ATIF-v1.7"
 _VERSION = re.compile(r"ATIF-v(\d+)\.(\d+)")

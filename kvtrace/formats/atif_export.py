@@ -16,13 +16,13 @@ from collections.abc import Mapping
 from importlib import metadata
 from typing import Any
 
+from kvtrace.apis.chat import normalize_response, tool_calls_of
 from kvtrace.errors import UsageError
 from kvtrace.formats.atif import LATEST_VERSION, USAGE_FIELDS
 from kvtrace.formats.records import Answers, arguments_value, restore
 from kvtrace.rendering import tool_result_content
 from kvtrace.store import OnStep, Store, kinds
 from kvtrace.store.lists import shared_prefix
-from kvtrace.store.messages import normalize_response, tool_calls_of
 
 
 def export_atif(store: Store, spec: str, *,

@@ -23,10 +23,11 @@ import hashlib
 import json
 from typing import Any
 
+from kvtrace.apis import anthropic
 from kvtrace.errors import UsageError
 from kvtrace.formats.claude_code import KEY
 from kvtrace.formats.records import kept_lines, restore
-from kvtrace.rendering import parse_arguments, tool_result_content
+from kvtrace.rendering import tool_result_content
 from kvtrace.store import OnStep, ProviderApi, Step, Store, kinds
 
 # Fields a generated line takes from the last line that was kept (or sensible defaults).
@@ -173,19 +174,7 @@ def _response_blocks(call: kinds.ModelCall) -> list[dict[str, Any]]:
             return [dict(b) for b in native["content"]]
     response: dict[str, Any] = call.response if isinstance(call.response, dict) else {
         "content": str(call.response)}
-    blocks: list[dict[str, Any]] = []
-    if response.get("reasoning_content"):
-        blocks.append({"type": "thinking", "thinking": str(response["reasoning_content"]),
-                       "signature": ""})
-    blocks.extend(_text_blocks(response.get("content")))
-    for tool_call in response.get("tool_calls") or []:
-        function = tool_call.get("function") or {}
-        arguments = parse_arguments(function.get("arguments"))
-        blocks.append({"type": "tool_use", "id": str(tool_call.get("id")),
-                       "name": str(function.get("name")),
-                       "input": arguments if isinstance(arguments, dict) else {
-                           "arguments": function.get("arguments")}})
-    return blocks
+    return anthropic.blocks_of({**response, "role": "assistant"})
 
 
 def _text_blocks(content: Any) -> list[dict[str, Any]]:

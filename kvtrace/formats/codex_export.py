@@ -20,6 +20,7 @@ import datetime
 import hashlib
 from typing import Any
 
+from kvtrace.apis import responses
 from kvtrace.errors import UsageError
 from kvtrace.formats.codex import KEY, is_model_item
 from kvtrace.formats.records import kept_lines, restore
@@ -164,20 +165,7 @@ def _output_items(call: kinds.ModelCall) -> list[dict[str, Any]]:
             return [dict(i) for i in native["output"]]
     response: dict[str, Any] = call.response if isinstance(call.response, dict) else {
         "content": str(call.response)}
-    items: list[dict[str, Any]] = []
-    if response.get("reasoning_content"):
-        items.append({"type": "reasoning", "summary": [
-            {"type": "summary_text", "text": str(response["reasoning_content"])}]})
-    text = content_text(response.get("content"))
-    if text:
-        items.append({"type": "message", "role": "assistant",
-                      "content": [{"type": "output_text", "text": text}]})
-    for tool_call in response.get("tool_calls") or []:
-        function = tool_call.get("function") or {}
-        items.append({"type": "function_call", "name": str(function.get("name")),
-                      "arguments": str(function.get("arguments") or ""),
-                      "call_id": str(tool_call.get("id"))})
-    return items
+    return responses.items_of({**response, "role": "assistant"})
 
 
 def _output_text(tool: kinds.ToolCall) -> Any:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvtrace.apis.chat import ROLES, normalize_message, normalize_response, tool_calls_of
 from kvtrace.errors import UsageError
 from kvtrace.formats.records import (
     UNKNOWN_MODEL,
@@ -52,7 +53,6 @@ from kvtrace.formats.records import (
 )
 from kvtrace.rendering import tool_result_content
 from kvtrace.store import OnStep, RunInfo, Step, Store, kinds
-from kvtrace.store.messages import ROLES, normalize_message, normalize_response, tool_calls_of
 
 ROOT_MAPPED = frozenset({"messages", "tools"})  # a root `model` is kept as written
 

@@ -49,11 +49,11 @@ from importlib import metadata
 from typing import Any
 from urllib.parse import urlsplit
 
+from kvtrace.apis.chat import tool_calls_of
 from kvtrace.errors import UsageError
 from kvtrace.rendering import content_text
 from kvtrace.store import OnStep, Step, Store
 from kvtrace.store.kinds import ModelCall, ToolCall, view
-from kvtrace.store.messages import tool_calls_of
 
 SPAN_KIND_INTERNAL = 1
 SPAN_KIND_CLIENT = 3

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from kvtrace.apis.chat import normalize_message, normalize_response
 from kvtrace.errors import UsageError
 from kvtrace.formats.otel import REQUEST_PARAMS
 from kvtrace.formats.records import (
@@ -32,7 +33,6 @@ from kvtrace.formats.records import (
 )
 from kvtrace.rendering import content_text
 from kvtrace.store import OnStep, RunInfo, Store
-from kvtrace.store.messages import normalize_message, normalize_response
 
 _MAPPED = frozenset({
     "gen_ai.operation.name", "gen_ai.request.model", "gen_ai.response.model",

@@ -19,6 +19,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtrace.apis import stored_fields
+from kvtrace.apis.chat import normalize_tools
 from kvtrace.errors import UsageError
 from kvtrace.rendering import parse_arguments
 from kvtrace.store import (
@@ -31,9 +33,7 @@ from kvtrace.store import (
     kinds,
     validate_run_name,
 )
-from kvtrace.store.apis import stored_fields
 from kvtrace.store.encoding import canonical_json
-from kvtrace.store.messages import normalize_tools
 
 UNKNOWN_MODEL = "unknown"
 

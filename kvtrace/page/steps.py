@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from kvtrace.apis.chat import tool_calls_of
 from kvtrace.page.contents import PageRun, PageStep, Prompt
 from kvtrace.page.graph import kind_class
 from kvtrace.page.markup import (
@@ -29,7 +30,6 @@ from kvtrace.page.markup import (
 )
 from kvtrace.rendering import content_text
 from kvtrace.store.kinds import ModelCall, StepKind, ToolCall, view
-from kvtrace.store.messages import tool_calls_of
 
 
 def run_section(index: int, run: PageRun) -> Iterator[str]:

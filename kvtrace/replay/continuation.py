@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtrace.apis.chat import tool_calls_of
 from kvtrace.errors import (
     ConflictError,
     MissingToolError,
@@ -50,7 +51,6 @@ from kvtrace.replay.report import StepReport
 from kvtrace.replay.toolcall import NO_ACTION_NUDGE, observation_message, parse_response
 from kvtrace.store import Run, Step, Store, validate_run_name
 from kvtrace.store.kinds import StepKind, ToolCall, tool_calls
-from kvtrace.store.messages import tool_calls_of
 
 Tool = Callable[[Any], Any]
 

@@ -35,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from kvtrace.apis.chat import arguments_equal, tool_calls_of
 from kvtrace.errors import KvtraceError, ReplayError, UsageError
 from kvtrace.rendering import content_text, parse_assistant_text
 from kvtrace.replay.backend import Backend, CallRequest, Message, SamplingParams, Tokenizer
@@ -53,7 +54,6 @@ from kvtrace.replay.report import Mismatch, ReplayMode, ReplayReport, StepReport
 from kvtrace.replay.retry import tally
 from kvtrace.store import Step, Store
 from kvtrace.store.kinds import ModelCall, StepKind
-from kvtrace.store.messages import arguments_equal, tool_calls_of
 
 if TYPE_CHECKING:
     from kvtrace.engine.faults import DiskFaults

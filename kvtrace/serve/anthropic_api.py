@@ -6,7 +6,7 @@ request.py's `APIError`, which app.py sends in Anthropic's error shape
 (`error_body`: ``{"type": "error", "error": {"type", "message"}}``, the
 type named from the status). Required: `model`, `max_tokens` (>= 1) and
 `messages`, whose blocks are checked by the store's own normaliser
-(store/anthropic.py: a block needs its fields, a `tool_result` must answer
+(apis/anthropic.py: a block needs its fields, a `tool_result` must answer
 an earlier `tool_use`); `system`, `tools`, `tool_choice` (`auto`, `any`,
 `tool` with a name, `none`), `temperature` [0, 1], `top_p` (0, 1], `top_k`,
 `stop_sequences`, `stream`, `metadata` are checked; other fields are
@@ -15,7 +15,7 @@ passed on (upstream) or recorded as params (local). `POST
 mode answers it with the rendered prompt's length (`{"input_tokens": N}`,
 nothing generated or recorded).
 
-In local mode the request is rendered as its chat view (store/apis.py,
+In local mode the request is rendered as its chat view (apis/__init__.py,
 the form the recorded step is read back in), and `MessagesReply` answers
 with a Messages `message`: a `text` block, then one `tool_use` block per
 tool call parsed from the output (ids `toolu_…`, `input` the arguments
@@ -38,7 +38,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from kvtrace.serve.generation import Generation, native_step, sse_event, stored_call
+from kvtrace.apis import ProviderApi, anthropic, chat_view, native_request
+from kvtrace.apis.sse import encode_event
+from kvtrace.serve.generation import Generation, native_step, stored_call
 from kvtrace.serve.request import (
     APIError,
     RequestFields,
@@ -51,8 +53,6 @@ from kvtrace.serve.request import (
     parse_json,
     require,
 )
-from kvtrace.store import anthropic
-from kvtrace.store.apis import ProviderApi, chat_view, native_request
 from kvtrace.tracer.endpoints import ANTHROPIC
 
 if TYPE_CHECKING:
@@ -60,7 +60,6 @@ if TYPE_CHECKING:
 
 MESSAGES_PATH = "/v1/messages"
 COUNT_TOKENS_PATH = "/v1/messages/count_tokens"  # Claude Code asks it; local mode answers
-NOT_PARAMS = frozenset({"messages", "system", "tools", "model", "stream"})
 TOOL_CHOICES = ("auto", "any", "tool", "none")
 # Anthropic's error types, by the HTTP status they come with.
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
@@ -78,7 +77,7 @@ def error_body(error: APIError) -> dict[str, Any]:
 
 def error_event(error: APIError) -> bytes:
     """`error` as the SSE event that ends a Messages stream (the SDK raises it)."""
-    return sse_event("error", error_body(error))
+    return encode_event(error_body(error))
 
 
 def stream_error_event(path: str, error: APIError) -> bytes:
@@ -179,24 +178,12 @@ def _check_tool_choice(choice: Any) -> None:
 def content_blocks(generation: Generation) -> list[dict[str, Any]]:
     """The output as Messages content blocks (see the module docstring)."""
     calls = generation.tool_calls
-    inputs = [_json_object(call["function"]["arguments"]) for call in calls]
-    if any(value is None for value in inputs):  # `input` must be an object: keep it as text
-        text, calls = generation.text, []
-    else:
-        text = generation.message.get("content") or ""
-    blocks: list[dict[str, Any]] = [{"type": "text", "text": text}] if text else []
-    for call, value in zip(calls, inputs, strict=False):
-        blocks.append({"type": "tool_use", "id": "toolu_" + call["id"].removeprefix("call_"),
-                       "name": call["function"]["name"], "input": value})
-    return blocks
-
-
-def _json_object(arguments: Any) -> dict[str, Any] | None:
-    try:
-        value = json.loads(arguments) if isinstance(arguments, str) else arguments
-    except (ValueError, RecursionError):
-        return None
-    return value if isinstance(value, dict) else None
+    if any(anthropic.tool_input(call["function"]["arguments"]) is None for call in calls):
+        return anthropic.blocks_of({"role": "assistant", "content": generation.text})
+    return anthropic.blocks_of({
+        "role": "assistant", "content": generation.message.get("content") or "",
+        "tool_calls": [{**call, "id": "toolu_" + call["id"].removeprefix("call_")}
+                       for call in calls]})
 
 
 class MessagesReply:
@@ -226,32 +213,10 @@ class MessagesReply:
         }
 
     def events(self) -> Iterator[bytes]:
-        message = self.body
-        start = {**message, "content": [], "stop_reason": None, "stop_sequence": None,
-                 "usage": {**self.usage, "output_tokens": 0}}
-        yield sse_event("message_start", {"type": "message_start", "message": start})
-        for index, block in enumerate(message["content"]):
-            if block["type"] == "text":
-                opened: dict[str, Any] = {"type": "text", "text": ""}
-                delta = {"type": "text_delta", "text": block["text"]}
-            else:
-                opened = {**block, "input": {}}
-                delta = {"type": "input_json_delta",
-                         "partial_json": json.dumps(block["input"], ensure_ascii=False)}
-            yield sse_event("content_block_start", {"type": "content_block_start",
-                                                    "index": index, "content_block": opened})
-            yield sse_event("content_block_delta", {"type": "content_block_delta",
-                                                    "index": index, "delta": delta})
-            yield sse_event("content_block_stop", {"type": "content_block_stop", "index": index})
-        yield sse_event("message_delta", {
-            "type": "message_delta", "usage": self.usage,
-            "delta": {"stop_reason": message["stop_reason"],
-                      "stop_sequence": message["stop_sequence"]}})
-        yield sse_event("message_stop", {"type": "message_stop"})
+        return (encode_event(event) for event in anthropic.stream_events(self.body))
 
     def step(self, url: str, *, is_complete: bool = True) -> StepWrite:
         request = self.request
         return native_step(self, url, is_complete=is_complete, endpoint=ANTHROPIC,
                            conversation=request.native_messages, system=request.system,
-                           tools=request.native_tools, finish_reason=anthropic.finish_reason,
-                           not_params=NOT_PARAMS)
+                           tools=request.native_tools, finish_reason=anthropic.finish_reason)

@@ -5,7 +5,7 @@
 the server sends as an OpenAI-style error body (``{"error": {"message",
 "type", "param", "code"}}``) with a 4xx status. Everything is checked before
 anything is recorded or forwarded, so bad input changes nothing. What is
-accepted: `messages` (the function-calling format, store/messages.py),
+accepted: `messages` (the function-calling format, apis/chat.py),
 `model`, `tools`, `tool_choice`, `temperature` (0-2), `top_p` (0-1], `seed`,
 `max_tokens`/`max_completion_tokens` (>= 1), `stop` (a string or up to 4),
 `n` (1 only, in local mode), `stream`, `stream_options`; other fields are
@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from kvtrace.apis import chat
+from kvtrace.apis.chat import normalize_messages, normalize_tools
 from kvtrace.errors import UsageError
 from kvtrace.serve.request import (
     MAX_BODY_DEPTH,
@@ -33,8 +35,6 @@ from kvtrace.serve.request import (
     is_int,
     parse_json,
 )
-from kvtrace.store.messages import normalize_messages, normalize_tools
-from kvtrace.tracer import sse
 
 # Programs and tests import these from here too (the shared ones live in request.py).
 __all__ = ["CHAT_PATH", "MAX_BODY_DEPTH", "MODELS_PATH", "APIError", "ChatRequest",
@@ -58,7 +58,7 @@ class ChatRequest(RequestFields):
 
     @property
     def includes_usage(self) -> bool:
-        return sse.includes_usage(self.body)
+        return chat.includes_usage(self.body)
 
     @property
     def stop(self) -> list[str]:

@@ -3,7 +3,7 @@
 The completion is OpenAI's `chat.completion`: the assistant message (its
 `tool_calls` when the request offered tools), `finish_reason`, and `usage`
 with `prompt_tokens_details.cached_tokens`, the prompt tokens the prefix
-cache served. Streamed, it is tracer/sse.py's chunks ending in `data:
+cache served. Streamed, it is apis/chat.py's chunks ending in `data:
 [DONE]`. The step is a chat model_call whose usage also keeps `cached_tokens`
 flat, the `finish_reason` and the generated token ids.
 """
@@ -15,9 +15,9 @@ import uuid
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from kvtrace.apis import ProviderApi, chat
 from kvtrace.serve.generation import Generation, local_extra, recorded_params
 from kvtrace.store.kinds import TOKEN_IDS_KEY
-from kvtrace.tracer import sse
 
 if TYPE_CHECKING:
     from kvtrace.serve.api import ChatRequest
@@ -25,9 +25,6 @@ if TYPE_CHECKING:
     from kvtrace.store import Step
     from kvtrace.tracer.recorder import Recorder
     from kvtrace.tracer.redact import Redactor
-
-NOT_PARAMS = frozenset({"messages", "tools", "model", "stream", "stream_options"})
-
 
 class ChatReply:
     """The local engine's answer to a chat request (see the module docstring)."""
@@ -54,7 +51,7 @@ class ChatReply:
         }
 
     def events(self) -> Iterator[bytes]:
-        return sse.stream_events(self.body, include_usage=self.request.includes_usage)
+        return chat.stream_events(self.body, include_usage=self.request.includes_usage)
 
     def step(self, url: str, *, is_complete: bool = True) -> StepWrite:
         request, generation, completion = self.request, self.generation, self.body
@@ -69,7 +66,8 @@ class ChatReply:
                                           "created": completion["created"]})
             return recorder.record_model_call(
                 request.messages, completion, model=self.model, tools=request.tools,
-                params=redactor.fields(recorded_params(request.body, NOT_PARAMS, generation)),
+                params=redactor.fields(
+                    recorded_params(ProviderApi.OPENAI_CHAT, request.body, generation)),
                 usage=usage, timings=generation.timings, extra=extra)
 
         return write

@@ -14,8 +14,8 @@ the step that records it.
 API: the HTTP facts, the response's own ids, the model name the request
 asked for when another model answered (`request_model`), the chosen seed.
 `native_step` is how an answer in a provider's own API (Messages,
-Responses) is recorded, and `sse_event` how those two write an event: one
-rule each, so the two APIs' steps and streams cannot drift apart.
+Responses) is recorded: one rule, so the two APIs' steps cannot drift apart
+(their streams are written by each API's module, kvtrace/apis/).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kvtrace.store.apis import ProviderApi, stored_fields
+from kvtrace.apis import ProviderApi, request_params, stored_fields
 from kvtrace.store.encoding import canonical_json
 from kvtrace.store.kinds import STREAM_FIELD, TOKEN_IDS_KEY
 from kvtrace.tracer.endpoints import Endpoint, response_fields
@@ -136,7 +136,7 @@ class NativeReply(Reply, Protocol):
 def stored_call(api: ProviderApi, conversation: Any, system: Any, tools: Any, *,
                 prior: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """A request's conversation, system prompt and tools as a step of `api` stores them, and
-    as the store gives them back: its layout (store/apis.py), keys sorted as in its
+    as the store gives them back: its layout (apis/__init__.py), keys sorted as in its
     canonical JSON. A conversation is rendered from this form, so that the prompt of a
     live request and of its recording are the same tokens (a tool-use `input` object is
     rendered as JSON in key order). UsageError when the store would refuse them; `prior`
@@ -163,10 +163,10 @@ def local_extra(call: LocalCall, generation: Generation, *, url: str, answered_b
     return extra
 
 
-def recorded_params(body: dict[str, Any], not_params: frozenset[str],
+def recorded_params(api: ProviderApi, body: dict[str, Any],
                     generation: Generation) -> dict[str, Any]:
-    """The request's sampling and tool-choice fields, with the seed the server chose."""
-    params = {k: v for k, v in body.items() if k not in not_params}
+    """The request's parameters as the tracer records them, with the seed the server chose."""
+    params = request_params(api, body)
     if generation.chosen_seed is not None:
         params["seed"] = generation.chosen_seed
     return params
@@ -175,8 +175,7 @@ def recorded_params(body: dict[str, Any], not_params: frozenset[str],
 def native_step(reply: NativeReply, url: str, *, is_complete: bool, endpoint: Endpoint,
                 conversation: list[dict[str, Any]], system: Any,
                 tools: list[dict[str, Any]] | None,
-                finish_reason: Callable[[Mapping[str, Any]], Any],
-                not_params: frozenset[str]) -> StepWrite:
+                finish_reason: Callable[[Mapping[str, Any]], Any]) -> StepWrite:
     """How a Messages or Responses answer is recorded: the request in its stored form
     (`conversation`, `system`, `tools`), the answer split as the tracer splits a response
     (endpoints.py), its usage with the finish reason and token ids, and the stream sent."""
@@ -191,14 +190,9 @@ def native_step(reply: NativeReply, url: str, *, is_complete: bool, endpoint: En
         stream = b"".join(reply.events()) if request.is_stream else None
         return recorder.record_model_call(
             conversation, response, model=reply.model, tools=tools,
-            params=redactor.fields(recorded_params(request.body, not_params, generation)),
+            params=redactor.fields(recorded_params(endpoint.api, request.body, generation)),
             usage=usage, timings=generation.timings, extra=extra, api=endpoint.api,
             system=system, raw={STREAM_FIELD: stream} if stream is not None else None,
             response_settings=redactor.fields(settings) or None)
 
     return write
-
-
-def sse_event(name: str, data: dict[str, Any]) -> bytes:
-    """One `event:` / `data:` block of a Messages or Responses stream the server writes."""
-    return (f"event: {name}\ndata: " + json.dumps(data, ensure_ascii=False) + "\n\n").encode()

@@ -4,7 +4,7 @@
 work (the shared body checks of request.py, then the API's own fields) and
 raises request.py's `APIError`, sent in OpenAI's error shape. `input` (a string
 or a list of items) is checked by the store's own normaliser
-(store/responses.py: an item needs its fields, a `function_call_output`
+(apis/responses.py: an item needs its fields, a `function_call_output`
 must answer an earlier `function_call`); `model`, `instructions`, `tools`,
 `tool_choice`, `temperature` [0, 2], `top_p` (0, 1], `max_output_tokens`
 (>= 1), `stream`, `parallel_tool_calls`, `store`, `metadata` are checked;
@@ -15,7 +15,7 @@ here (upstream mode); local mode keeps no responses, so it refuses them and
 hosted prompts (`prompt`) and `background` runs, with a 400 that says to
 send the whole conversation as `input`.
 
-In local mode the request is rendered as its chat view (store/apis.py),
+In local mode the request is rendered as its chat view (apis/__init__.py),
 and `ResponsesReply` answers with a `response` object: a `message` item
 with the text (`output_text`), then one `function_call` item per tool call
 parsed from the output; `status` `completed`, or `incomplete` (reason
@@ -33,14 +33,15 @@ Streamed, it is the API's events, each with its `sequence_number`:
 
 from __future__ import annotations
 
-import itertools
 import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from kvtrace.serve.generation import Generation, native_step, sse_event, stored_call
+from kvtrace.apis import ProviderApi, chat_view, native_request, responses
+from kvtrace.apis.sse import encode_event
+from kvtrace.serve.generation import Generation, native_step, stored_call
 from kvtrace.serve.request import (
     APIError,
     RequestFields,
@@ -52,15 +53,12 @@ from kvtrace.serve.request import (
     parse_json,
     require,
 )
-from kvtrace.store import responses
-from kvtrace.store.apis import ProviderApi, chat_view, native_request
 from kvtrace.tracer.endpoints import RESPONSES
 
 if TYPE_CHECKING:
     from kvtrace.serve.recording import StepWrite
 
 RESPONSES_PATH = "/v1/responses"
-NOT_PARAMS = frozenset({"input", "instructions", "tools", "model", "stream"})
 TOOL_CHOICES = ("none", "auto", "required")
 _CONTINUES = ("previous_response_id", "conversation")
 _NOT_LOCAL = (*_CONTINUES, "prompt")
@@ -157,19 +155,21 @@ def _unstored_calls(value: Any, *, continues: bool) -> list[dict[str, Any]]:
 
 
 def output_items(generation: Generation, *, is_incomplete: bool) -> list[dict[str, Any]]:
-    """The output as Responses items: a message with the text, then the function calls."""
+    """The output as Responses items (`responses.items_of`: a message with the text, then the
+    function calls), with the ids and statuses the wire carries; no calls: a message always."""
     calls = generation.tool_calls
     text = (generation.message.get("content") or "") if calls else generation.text
-    items: list[dict[str, Any]] = []
-    if text or not calls:
-        items.append({
-            "type": "message", "id": f"msg_{uuid.uuid4().hex[:24]}",
-            "status": "incomplete" if is_incomplete else "completed", "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": []}]})
-    for call in calls:
-        items.append({"type": "function_call", "id": "fc_" + call["id"].removeprefix("call_"),
-                      "call_id": call["id"], "name": call["function"]["name"],
-                      "arguments": call["function"]["arguments"], "status": "completed"})
+    items = responses.items_of({"role": "assistant", "content": text, "tool_calls": calls})
+    if not calls and not text:
+        items = [{"type": "message", "role": "assistant",
+                  "content": [{"type": "output_text", "text": ""}]}]
+    for item in items:
+        if item["type"] == "message":
+            item.update(id=f"msg_{uuid.uuid4().hex[:24]}",
+                        status="incomplete" if is_incomplete else "completed")
+            item["content"] = [{**part, "annotations": []} for part in item["content"]]
+        else:
+            item.update(id="fc_" + item["call_id"].removeprefix("call_"), status="completed")
     return items
 
 
@@ -214,45 +214,10 @@ class ResponsesReply:
         }
 
     def events(self) -> Iterator[bytes]:
-        response = self.body
-        numbers = itertools.count()
-
-        def event(kind: str, **fields: Any) -> bytes:
-            return sse_event(kind, {"type": kind, **fields, "sequence_number": next(numbers)})
-
-        shell = {**response, "status": "in_progress", "output": [], "usage": None,
-                 "incomplete_details": None}
-        yield event("response.created", response=shell)
-        yield event("response.in_progress", response=shell)
-        for index, item in enumerate(response["output"]):
-            if item["type"] == "message":
-                yield event("response.output_item.added", output_index=index,
-                            item={**item, "status": "in_progress", "content": []})
-                for part_index, part in enumerate(item["content"]):
-                    where = {"item_id": item["id"], "output_index": index,
-                             "content_index": part_index}
-                    yield event("response.content_part.added", **where,
-                                part={**part, "text": ""})
-                    if part["text"]:
-                        yield event("response.output_text.delta", **where, delta=part["text"],
-                                    logprobs=[])
-                    yield event("response.output_text.done", **where, text=part["text"],
-                                logprobs=[])
-                    yield event("response.content_part.done", **where, part=part)
-            else:
-                where = {"item_id": item["id"], "output_index": index}
-                yield event("response.output_item.added", output_index=index,
-                            item={**item, "arguments": "", "status": "in_progress"})
-                yield event("response.function_call_arguments.delta", **where,
-                            delta=item["arguments"])
-                yield event("response.function_call_arguments.done", **where,
-                            name=item["name"], arguments=item["arguments"])
-            yield event("response.output_item.done", output_index=index, item=item)
-        yield event(f"response.{response['status']}", response=response)
+        return (encode_event(event) for event in responses.stream_events(self.body))
 
     def step(self, url: str, *, is_complete: bool = True) -> StepWrite:
         request = self.request
         return native_step(self, url, is_complete=is_complete, endpoint=RESPONSES,
                            conversation=request.native_input, system=request.instructions,
-                           tools=request.native_tools, finish_reason=responses.finish_reason,
-                           not_params=NOT_PARAMS)
+                           tools=request.native_tools, finish_reason=responses.finish_reason)

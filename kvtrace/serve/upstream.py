@@ -40,6 +40,7 @@ import httpx
 from starlette.requests import Request
 from starlette.responses import Response
 
+from kvtrace.apis.chat import DONE
 from kvtrace.errors import UsageError
 from kvtrace.serve.anthropic_api import (
     COUNT_TOKENS_PATH,
@@ -54,7 +55,6 @@ from kvtrace.serve.recording import DISCARD, RUN_HEADER, Sink, StepWrite
 from kvtrace.serve.request import APIError, failed_answer
 from kvtrace.serve.responses_api import RESPONSES_PATH, parse_responses_request
 from kvtrace.tracer.exchange import Exchange, decoded_body, record_exchange
-from kvtrace.tracer.sse import DONE
 
 _API_PREFIX = "/v1"
 _HOP_BY_HOP = frozenset({

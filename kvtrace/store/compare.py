@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from itertools import zip_longest
 from typing import Any
 
+from kvtrace.apis.chat import tool_calls_of
 from kvtrace.rendering import content_text
 from kvtrace.store.kinds import ModelCall, StepKind, ToolCall
-from kvtrace.store.messages import tool_calls_of
 from kvtrace.store.records import Divergence, Step
 from kvtrace.store.store import Store
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from kvtrace.store.apis import LAYOUTS, ProviderApi, edit_normalizers, native_request
+from kvtrace.apis import LAYOUTS, ProviderApi, edit_normalizers, native_request
+from kvtrace.apis.plain import to_plain
 from kvtrace.store.kinds import ModelCall, StepKind
-from kvtrace.store.plain import to_plain
 from kvtrace.store.records import Step
 
 

@@ -37,17 +37,17 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, ClassVar
 
-from kvtrace.errors import UsageError
-from kvtrace.store.apis import (
+from kvtrace.apis import (
     LAYOUTS,
     ChatView,
     ProviderApi,
-    chat_messages,
     chat_response,
     chat_tools,
     chat_view,
     native_request,
+    view_messages,
 )
+from kvtrace.errors import UsageError
 from kvtrace.store.lists import shared_prefix
 from kvtrace.store.records import Step
 from kvtrace.store.usage import Usage
@@ -129,7 +129,7 @@ class ModelCall(_View):
     @property
     def messages(self) -> list[dict[str, Any]]:
         """The conversation sent, as OpenAI chat messages."""
-        return chat_messages(self.api, self.step.content)
+        return view_messages(self.api, self.step.content)
 
     def added_to(self, previous: ModelCall | None) -> tuple[int, list[dict[str, Any]]]:
         """(n, rest): how many leading messages of this call the `previous` call sent or

@@ -11,8 +11,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from kvtrace.apis import LAYOUTS, stored_fields
+from kvtrace.apis.plain import to_plain
 from kvtrace.errors import UsageError
-from kvtrace.store.apis import LAYOUTS, stored_fields
 from kvtrace.store.kinds import (
     RESPONSE_SETTINGS,
     ModelCall,
@@ -22,7 +23,6 @@ from kvtrace.store.kinds import (
     ToolCall,
 )
 from kvtrace.store.lists import Extension
-from kvtrace.store.plain import to_plain
 
 if TYPE_CHECKING:
     from kvtrace.store.records import Step
@@ -94,7 +94,7 @@ class Run:
         """Record one model call: the conversation and tools sent, the response received.
 
         By default messages, response and tools are in OpenAI chat shape (see
-        messages.py). With `api="anthropic-messages"` they are the Messages
+        apis/chat.py). With `api="anthropic-messages"` they are the Messages
         API's (`messages`, the response or its content blocks, `tools`, and
         `system`); with `api="openai-responses"` the Responses API's (`input`
         items or a string as `messages`, the response or its output items,

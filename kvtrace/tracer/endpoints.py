@@ -10,7 +10,7 @@ a `POST …/v1/messages` (Anthropic) or `POST …/responses` (OpenAI) exchange:
   system prompt (`system`, `instructions`), `tools`, `model` and the
   streaming ones (`stream`, `stream_options`);
 - `Endpoint.answer(body, is_stream)`: the response a 2xx answer gives, a
-  stream assembled (sse_anthropic.py, sse_responses.py);
+  stream assembled (anthropic.py, responses.py);
 - `response_fields`: how the response splits between the step's native
   `response` (content blocks and stop reason; output items and status),
   `meta.usage`, `extra.response` (what is the call's own: id, type or
@@ -35,13 +35,12 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from kvtrace.apis import ProviderApi, anthropic, edit_normalizers, request_params, responses
+from kvtrace.apis.responses import normalize_input
+from kvtrace.apis.sse import Assembled
 from kvtrace.errors import UsageError
 from kvtrace.store import Step
-from kvtrace.store.apis import ProviderApi, edit_normalizers
 from kvtrace.store.kinds import TOKEN_IDS_KEY, ModelCall, StepKind
-from kvtrace.store.responses import normalize_input
-from kvtrace.tracer import sse_anthropic, sse_responses
-from kvtrace.tracer.sse import Assembled
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,8 +70,7 @@ class Endpoint:
 
     def params(self, request: Mapping[str, Any]) -> dict[str, Any]:
         """The request's other fields: sampling, tool choice, thinking, metadata..."""
-        skipped = {self.conversation, self.system, "tools", "model", "stream", "stream_options"}
-        return {key: value for key, value in request.items() if key not in skipped}
+        return request_params(self.api, request)
 
     def answer(self, body: bytes, *, is_stream: bool) -> Assembled:
         """The response of a 2xx answer; ValueError when it is not one of this API."""
@@ -87,12 +85,12 @@ class Endpoint:
 ANTHROPIC = Endpoint(
     ProviderApi.ANTHROPIC_MESSAGES, "/v1/messages", "messages", "system",
     ("role", "content", "stop_reason", "stop_sequence", "usage"), None,
-    sse_anthropic.assemble, sse_anthropic.stream_bytes)
+    anthropic.assemble, anthropic.stream_bytes)
 RESPONSES = Endpoint(
     ProviderApi.OPENAI_RESPONSES, "/responses", "input", "instructions",
     ("output", "status", "incomplete_details", "usage"),
     ("id", "object", "created_at", "completed_at", "model", "error", "previous_response_id"),
-    sse_responses.assemble, sse_responses.stream_bytes)
+    responses.assemble, responses.stream_bytes)
 ENDPOINTS = {endpoint.api: endpoint for endpoint in (ANTHROPIC, RESPONSES)}
 
 

@@ -62,11 +62,10 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from kvtrace.apis import ProviderApi, chat, finish_reason, request_params, stored_fields
 from kvtrace.errors import UsageError
-from kvtrace.store.apis import finish_reason, stored_fields
 from kvtrace.store.kinds import STREAM_FIELD, HttpExchange, StepKind
 from kvtrace.store.usage import Usage
-from kvtrace.tracer import sse
 from kvtrace.tracer.endpoints import (
     RESPONSES,
     Endpoint,
@@ -82,7 +81,6 @@ if TYPE_CHECKING:
     from kvtrace.store import Step
     from kvtrace.tracer.recorder import Recorder
 
-NOT_PARAMS = frozenset({"messages", "tools", "model", "stream", "stream_options"})
 _RESPONSE_FIELDS = ("id", "created", "system_fingerprint", "service_tier")
 _RECENT_STEPS = 64  # where a previous_response_id is looked for first, before the whole run
 
@@ -142,7 +140,7 @@ def chat_completion(exchange: Exchange) -> dict[str, Any] | None:
         return None
     try:
         if exchange.is_stream:
-            completion = sse.assemble(exchange.response_body)
+            completion = chat.assemble(exchange.response_body)
         else:
             completion = json.loads(exchange.response_body)
     except (ValueError, UnicodeDecodeError, TypeError, AttributeError):
@@ -152,11 +150,6 @@ def chat_completion(exchange: Exchange) -> dict[str, Any] | None:
     if not completion["choices"] or not isinstance(completion["choices"][0], dict):
         return None
     return completion
-
-
-def request_params(request: Mapping[str, Any]) -> dict[str, Any]:
-    """The sampling and tool-choice fields of a chat request (all but messages, tools, ...)."""
-    return {key: value for key, value in request.items() if key not in NOT_PARAMS}
 
 
 def usage_of(completion: Mapping[str, Any]) -> dict[str, Any]:
@@ -296,7 +289,7 @@ def _record_model_call(
         completion,
         model=str(answered_by),
         tools=request.get("tools"),
-        params=redactor.fields(request_params(request)),
+        params=redactor.fields(request_params(ProviderApi.OPENAI_CHAT, request)),
         usage=usage_of(completion),
         timings=timings,
         extra=extra,

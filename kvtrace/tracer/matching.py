@@ -26,12 +26,12 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from kvtrace.apis import ProviderApi, request_params
+from kvtrace.apis.chat import normalize_messages, normalize_tools
 from kvtrace.errors import UsageError
 from kvtrace.rendering import content_text
 from kvtrace.store import Step
-from kvtrace.store.apis import ProviderApi
 from kvtrace.store.kinds import HttpExchange, ModelCall, StepKind, is_cut, view
-from kvtrace.store.messages import normalize_messages, normalize_tools
 from kvtrace.tracer.endpoints import (
     ENDPOINTS,
     RESPONSES,
@@ -40,7 +40,7 @@ from kvtrace.tracer.endpoints import (
     previous_items,
     unanswered_calls,
 )
-from kvtrace.tracer.exchange import chat_request, is_chat_completions, request_params
+from kvtrace.tracer.exchange import chat_request, is_chat_completions
 from kvtrace.tracer.redact import Redactor
 
 _SNIPPET = 60
@@ -151,7 +151,8 @@ def request_key(request: httpx.Request, redactor: Redactor) -> MatchKey:
                 model=body.get("model"),
                 messages=tuple(_canonical(m) for m in messages),
                 tools=_canonical(tools) if tools else None,
-                params=_canonical(redactor.fields(request_params(body))),
+                params=_canonical(redactor.fields(
+                    request_params(ProviderApi.OPENAI_CHAT, body))),
             )
     return MatchKey(StepKind.HTTP, request.method.upper(), redactor.url(str(request.url)),
                 body=redactor.body(request.content, request.headers.get("content-type")))

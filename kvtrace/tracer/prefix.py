@@ -37,11 +37,11 @@ from typing import Any
 
 import httpx
 
+from kvtrace.apis.plain import to_plain
 from kvtrace.errors import UsageError
 from kvtrace.store import HttpExchange, ModelCall, Run, Step, StepKind, Store, ToolCall
 from kvtrace.store.edits import editable_fields, edited_content
 from kvtrace.store.kinds import is_cut
-from kvtrace.store.plain import to_plain
 from kvtrace.tracer.endpoints import endpoint_for
 from kvtrace.tracer.exchange import is_chat_completions
 from kvtrace.tracer.matching import Cassette, difference

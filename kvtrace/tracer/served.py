@@ -27,9 +27,9 @@ from typing import Any
 
 import httpx
 
+from kvtrace.apis import chat
 from kvtrace.store import Step
 from kvtrace.store.kinds import TOKEN_IDS_KEY, HttpExchange, ModelCall, StepKind
-from kvtrace.tracer import sse
 from kvtrace.tracer.clients import response_class
 from kvtrace.tracer.endpoints import (
     ENDPOINTS,
@@ -74,8 +74,8 @@ def served_response(step: Step, request: httpx.Request) -> httpx.Response:
     body = chat_request(request.content) or {}
     if body.get("stream"):
         return respond(200, headers={"content-type": "text/event-stream"},
-                       content=sse.stream_bytes(completion,
-                                                include_usage=sse.includes_usage(body)))
+                       content=chat.stream_bytes(completion,
+                                                include_usage=chat.includes_usage(body)))
     return respond(200, json=completion)
 
 

@@ -35,10 +35,10 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from kvtrace.apis.plain import to_plain
 from kvtrace.errors import UsageError
 from kvtrace.store import Step
 from kvtrace.store.keyorder import key_order
-from kvtrace.store.plain import to_plain
 from kvtrace.tracer.replay_mode import current_replaying, served_outcome
 
 if TYPE_CHECKING:

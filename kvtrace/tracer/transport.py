@@ -30,8 +30,8 @@ from typing import Any
 
 import httpx
 
+from kvtrace.apis import chat
 from kvtrace.store import Run
-from kvtrace.tracer import sse
 from kvtrace.tracer.clients import AsyncStream, SyncStream, default_transport
 from kvtrace.tracer.exchange import Exchange, decoded_body, record_exchange
 from kvtrace.tracer.recorder import Recorder, as_recorder
@@ -64,7 +64,7 @@ class _Capture:
         body = decoded_body(self._response.headers, raw)
         complete = exhausted or (
             self._response.headers.get("content-type", "").startswith("text/event-stream")
-            and sse.is_finished(body)
+            and chat.is_finished(body)
         )
         return Exchange(
             method=self._request.method,

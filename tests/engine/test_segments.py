@@ -29,9 +29,9 @@ def chat() -> Any:
 
 def _whole(chat: Any, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
     """The ids as the tokenizer gives them for the whole rendered text."""
-    from kvtrace.rendering import chat_messages
+    from kvtrace.rendering import template_messages
 
-    rendered, tools = chat_messages(messages, kwargs.pop("tools", None),
+    rendered, tools = template_messages(messages, kwargs.pop("tools", None),
                                     native=chat.supports_tools)
     encoded = chat.tokenizer.apply_chat_template(rendered, tools=tools, tokenize=True,
                                                  return_dict=True, **kwargs)

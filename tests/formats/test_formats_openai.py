@@ -6,10 +6,10 @@ import json
 
 import pytest
 
+from kvtrace.apis.chat import normalize_messages
 from kvtrace.errors import UsageError
 from kvtrace.formats import export_atif, export_openai, import_atif, import_openai
 from kvtrace.store import kinds
-from kvtrace.store.messages import normalize_messages
 
 TAU = "openai_tau_airline.json"
 MINI = "openai_mini_swe_agent_v2.json"

@@ -31,9 +31,9 @@ class ByteTokenizer:
 
     def chat_tokens(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     tools: list[dict[str, Any]] | None = None):
-        from kvtrace.rendering import chat_messages
+        from kvtrace.rendering import template_messages
 
-        messages, _ = chat_messages(messages, tools, native=False)  # kvtrace's fallback rule
+        messages, _ = template_messages(messages, tools, native=False)  # kvtrace's fallback rule
         ids: list[int] = []
         for message in messages:
             ids += [BOS, *f"{message['role']}\n{message['content']}".encode(), EOS, *b"\n"]

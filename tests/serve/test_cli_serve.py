@@ -88,7 +88,7 @@ def test_record_runs_the_command_against_the_local_engine_and_passes_its_exit_co
 def test_record_points_the_openai_and_anthropic_sdks_at_its_server_and_says_the_model_rule(
     home, capfd, tiny_model_folder
 ):
-    from kvtrace.store.apis import ProviderApi
+    from kvtrace.apis import ProviderApi
     from kvtrace.store.kinds import ModelCall
 
     code, out, err = kv(capfd, "record", "--model", str(tiny_model_folder), "--run", "apis",

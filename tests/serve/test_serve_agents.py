@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from kvtrace import open_store
+from kvtrace.apis import ProviderApi
 from kvtrace.cli import main
-from kvtrace.store.apis import ProviderApi
 from kvtrace.store.kinds import ModelCall, view
 
 AGENT = textwrap.dedent('''

@@ -14,7 +14,7 @@ import anthropic
 import httpx
 import pytest
 
-from kvtrace.store.apis import ProviderApi
+from kvtrace.apis import ProviderApi
 from kvtrace.store.kinds import ModelCall, view
 from tests.canned import all_blob_bytes, all_step_meta
 from tests.serve.canned_apis import CANNED_MESSAGE, CANNED_MESSAGE_STREAM

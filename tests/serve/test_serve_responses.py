@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from kvtrace.store.apis import ProviderApi
+from kvtrace.apis import ProviderApi
 from kvtrace.store.kinds import ModelCall, view
 from tests.serve.canned_apis import CANNED_RESPONSE, CANNED_RESPONSE_STREAM
 from tests.serve.conftest import SERVER_KEY, recorded_steps

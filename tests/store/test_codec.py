@@ -130,8 +130,8 @@ def _call_and_answer(run, result: str = RESULT):
 
 
 def _message_address(store, call, message) -> str:
+    from kvtrace.apis.chat import normalize_message
     from kvtrace.store.encoding import canonical_json, sha256_hex
-    from kvtrace.store.messages import normalize_message
 
     address = sha256_hex(canonical_json(normalize_message(message)))
     assert store.read_blob(address)  # the model call stored it under this address

@@ -14,11 +14,12 @@ from collections import Counter
 
 import pytest
 
+from kvtrace.apis import chat
 from kvtrace.bench.longrun import long_conversation
 from kvtrace.errors import UsageError
 from kvtrace.formats import import_openai
 from kvtrace.page import gather
-from kvtrace.store import codec, encoding, messages
+from kvtrace.store import codec, encoding
 
 # Past MAX_DEPTH (64) calls, so each 64th call names every message again (the encoding's rule).
 NUM_TURNS = 150
@@ -96,7 +97,7 @@ def test_an_import_normalises_and_encodes_each_message_a_bounded_number_of_times
         store, monkeypatch):
     document = long_conversation(NUM_TURNS)
     num_messages = len(document["messages"])
-    normalised = _Counted(monkeypatch, messages, "normalize_message")
+    normalised = _Counted(monkeypatch, chat, "normalize_message")
     encoded = _Counted(monkeypatch, encoding, "canonical_json")
     import_openai(store, document, run="long")
     # Checked once when the document is read, once when recorded; each call adds its
@@ -111,7 +112,7 @@ def test_a_walk_reads_and_decodes_each_message_once(store, monkeypatch):
     # The messages of prompts that are no call's response (a response is also read as
     # its own step's payload): each read from the store once in the whole walk.
     addresses = {encoding.sha256_hex(encoding.canonical_json(m))
-                 for m in messages.normalize_messages(document["messages"][:-2])
+                 for m in chat.normalize_messages(document["messages"][:-2])
                  if m["role"] != "assistant"}
     read: list[str] = []
     real_read = codec.read

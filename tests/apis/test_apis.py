@@ -8,12 +8,13 @@ import anthropic.types
 import openai.types.responses
 import pytest
 
+from kvtrace.apis import anthropic as anthropic_shape
+from kvtrace.apis import request_params
+from kvtrace.apis import responses as responses_shape
 from kvtrace.bench.conversations import in_api, tool_calling_conversation
 from kvtrace.bench.store import run_conversation_bench
 from kvtrace.errors import UsageError
 from kvtrace.store import ModelCall, ProviderApi, Usage
-from kvtrace.store import anthropic as anthropic_shape
-from kvtrace.store import responses as responses_shape
 
 SYSTEM = [{"type": "text", "text": "You are a careful assistant.",
            "cache_control": {"type": "ephemeral"}}]
@@ -241,7 +242,7 @@ def test_from_chat_and_back_is_the_same_conversation(api):
     module = anthropic_shape if api is ProviderApi.ANTHROPIC_MESSAGES else responses_shape
     calls = tool_calling_conversation(20, seed=3)
     for call, spoken in zip(calls, in_api(calls, api), strict=True):
-        assert module.chat_messages(spoken.system, spoken.messages) == [
+        assert module.to_chat(spoken.system, spoken.messages) == [
             {k: v for k, v in m.items() if k != "name"} for m in call.messages]
         back = module.chat_response(spoken.response)
         assert back == call.response
@@ -255,3 +256,23 @@ def test_a_60_call_conversation_is_stored_near_its_distinct_bytes(store_url, api
     assert figures["store_bytes_over_distinct"] <= 1.5, figures
     # Without item-by-item lists the history would be stored again at every call.
     assert figures["store_bytes"] * 10 < figures["one_blob_per_call_bytes"]
+
+
+@pytest.mark.parametrize(("api", "conversation"), [
+    (ProviderApi.OPENAI_CHAT, {"messages": []}),
+    (ProviderApi.ANTHROPIC_MESSAGES, {"messages": [], "system": "Be brief."}),
+    (ProviderApi.OPENAI_RESPONSES, {"input": [], "instructions": "Be brief."}),
+])
+def test_one_list_of_parameters_per_api_leaves_out_streaming(api, conversation):
+    request = {**conversation, "model": "m", "tools": [], "stream": True,
+               "stream_options": {"include_usage": True}, "temperature": 0.5, "top_p": 0.9}
+    assert request_params(api, request) == {"temperature": 0.5, "top_p": 0.9}
+
+
+def test_arguments_that_spell_no_object_are_kept_as_text_in_a_tool_use():
+    blocks = anthropic_shape.blocks_of({"role": "assistant", "content": "x", "tool_calls": [
+        {"id": "a", "type": "function", "function": {"name": "f", "arguments": "[1, 2]"}},
+        {"id": "b", "type": "function", "function": {"name": "g", "arguments": "{not json"}},
+        {"id": "c", "type": "function", "function": {"name": "h", "arguments": ""}}]})
+    assert [b.get("input") for b in blocks] == [
+        None, {"arguments": "[1, 2]"}, {"arguments": "{not json"}, {}]

@@ -6,7 +6,7 @@ APIs"): the `messages` list item by item, `system` (a string or text
 blocks, `cache_control` kept) and `tools` as payload fields, and the
 response's `role`, `content` blocks, `stop_reason` and `stop_sequence`.
 What analyze, replay, diff, report and export read is the same call in
-OpenAI chat shape, derived here by one pure function (`chat_messages`,
+OpenAI chat shape, derived here by one pure function (`to_chat`,
 `chat_response`, `chat_tools`) so that it is never stored twice:
 
 - `system` becomes a first system message (its text blocks as text parts);
@@ -26,18 +26,46 @@ Checking is strict where a wrong shape would break a replay: a block needs
 its fields, and a `tool_result` must answer a `tool_use` of an earlier
 assistant turn (the API itself refuses the opposite with a 400). Block
 types this module does not know are kept as they are.
+
+Streaming. A streamed message is `message_start` (the message with no content yet and
+the input side of its usage), then for each content block
+`content_block_start`, `content_block_delta`s and `content_block_stop`,
+then `message_delta` (the stop reason and the usage so far, which replaces
+the start's counts key by key) and `message_stop`; `ping` may come anywhere.
+A delta is a `text_delta`, an `input_json_delta` (a piece of a tool input's
+JSON, parsed once the block stops), a `thinking_delta`, a `signature_delta`
+(a thinking block's signature) or a `citations_delta`.
+
+`assemble` turns a stream into the message it adds up to (what the store
+records); `stream_bytes` writes a message as such a stream (what a replay
+sends for a call recorded without streaming; a streamed call is replayed
+from the bytes it arrived as). The outcomes that are not a plain message:
+
+- an event or delta type not listed above is skipped, as Anthropic's
+  versioning policy tells clients to do, and named in `unknown_events`;
+- an `error` event (`overloaded_error` mid-stream, say) ends the stream with
+  `error` set: there is no message to record;
+- no `message_stop` (the connection closed early, or the client left):
+  `is_finished` is false and the message holds what had arrived; a tool
+  block that had not stopped is kept only when the JSON of its input had
+  arrived whole;
+- an event out of order (a delta before its block's start) or data that is
+  not JSON raises ValueError: the stream is not one this module can read.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
+from kvtrace.apis.plain import to_plain
+from kvtrace.apis.sse import Assembled, encode_event, json_events
 from kvtrace.errors import UsageError
-from kvtrace.store.plain import to_plain
 
 ROLES = frozenset({"user", "assistant"})
+# Request fields that are not parameters: the conversation, system, tools, model, streaming.
+NOT_PARAMS = frozenset({"messages", "system", "tools", "model", "stream", "stream_options"})
 # Stop reasons in OpenAI's finish_reason vocabulary (the one Usage reads).
 FINISH_REASONS = {"end_turn": "stop", "stop_sequence": "stop", "max_tokens": "length",
                   "tool_use": "tool_calls", "pause_turn": "stop", "refusal": "content_filter"}
@@ -109,7 +137,7 @@ def normalize_response(response: Any) -> dict[str, Any]:
     return _message(_drop_nulls(message), "response")
 
 
-def chat_messages(system: Any, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def to_chat(system: Any, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The conversation in OpenAI chat shape (see the module docstring)."""
     out: list[dict[str, Any]] = []
     if system:
@@ -144,7 +172,7 @@ def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | Non
 def from_chat(messages: list[dict[str, Any]]) -> tuple[str | None, list[dict[str, Any]]]:
     """(system, messages) of an Anthropic request meaning the chat conversation `messages`.
 
-    The inverse of `chat_messages` on what chat can say: system turns become
+    The inverse of `to_chat` on what chat can say: system turns become
     `system`, tool calls `tool_use` blocks, tool turns `tool_result` blocks
     of the user turn that follows (turns of one role are merged, as the
     Messages API wants them alternating).
@@ -155,7 +183,7 @@ def from_chat(messages: list[dict[str, Any]]) -> tuple[str | None, list[dict[str
         role = message.get("role")
         if role in ("system", "developer"):
             continue
-        blocks = _blocks_of(message)
+        blocks = blocks_of(message)
         role = "assistant" if role == "assistant" else "user"
         if out and out[-1]["role"] == role:
             out[-1]["content"] = _as_blocks(out[-1]["content"]) + blocks
@@ -170,11 +198,13 @@ def response_from_chat(message: Mapping[str, Any], finish: str | None) -> dict[s
     """The stored response for a chat-shaped assistant message and its finish reason."""
     stop = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
     reason = "tool_use" if message.get("tool_calls") else stop.get(finish or "stop", "end_turn")
-    return {"role": "assistant", "content": _blocks_of(message), "stop_reason": reason}
+    return {"role": "assistant", "content": blocks_of(message), "stop_reason": reason}
 
 
-def _blocks_of(message: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """A chat message's content as Anthropic blocks (tool turns as one tool_result)."""
+def blocks_of(message: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """A chat message's content as Anthropic blocks (tool turns as one tool_result): the one
+    conversion the store, the exports and the server share (arguments that spell no JSON
+    object are kept as `{"arguments": text}`, see `tool_use_input`)."""
     content = message.get("content")
     if message.get("role") == "tool":
         block: dict[str, Any] = {"type": "tool_result", "tool_use_id": message["tool_call_id"],
@@ -192,14 +222,29 @@ def _blocks_of(message: Mapping[str, Any]) -> list[dict[str, Any]]:
         blocks.extend(dict(p) for p in content)
     for call in message.get("tool_calls") or []:
         function = call.get("function") or {}
-        try:
-            arguments = json.loads(function.get("arguments") or "{}")
-        except ValueError:
-            arguments = {"arguments": function.get("arguments")}
         blocks.append({"type": "tool_use", "id": call.get("id") or "",
                        "name": function.get("name", ""),
-                       "input": arguments if isinstance(arguments, dict) else {"value": arguments}})
+                       "input": tool_use_input(function.get("arguments"))})
     return blocks
+
+
+def tool_input(arguments: Any) -> dict[str, Any] | None:
+    """The JSON object a tool call's arguments spell (a string of JSON, or the value itself),
+    None when they spell none: a `tool_use` input must be an object. No arguments: `{}`."""
+    if arguments is None or arguments == "":
+        return {}
+    try:
+        value = json.loads(arguments) if isinstance(arguments, str) else arguments
+    except (ValueError, RecursionError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def tool_use_input(arguments: Any) -> dict[str, Any]:
+    """A tool call's arguments as a stored `tool_use` input: the object they spell, else
+    `{"arguments": the text as it was}`, so that nothing the call said is lost."""
+    value = tool_input(arguments)
+    return value if value is not None else {"arguments": arguments}
 
 
 def _as_blocks(content: Any) -> list[dict[str, Any]]:
@@ -321,3 +366,155 @@ def _check_tool_results(messages: list[dict[str, Any]]) -> None:
 
 def _drop_nulls(value: Mapping[str, Any]) -> dict[str, Any]:
     return {key: item for key, item in value.items() if item is not None}
+
+
+TERMINAL = "message_stop"
+# Blocks whose `input` arrives as pieces of JSON.
+_JSON_INPUT = frozenset({"tool_use", "server_tool_use", "mcp_tool_use"})
+_TEXT_DELTAS = {"text_delta": "text", "thinking_delta": "thinking", "signature_delta": "signature"}
+_NOT_IN_START = ("content", "stop_reason", "stop_sequence", "usage")
+
+
+def assemble(data: bytes) -> Assembled:
+    """The message an Anthropic SSE stream adds up to (see the module docstring)."""
+    message: dict[str, Any] | None = None
+    blocks: dict[int, dict[str, Any]] = {}
+    pieces: dict[int, list[str]] = {}  # input JSON of tool blocks, as it arrives
+    stopped: set[int] = set()
+    unknown: list[str] = []
+    for event in json_events(data):
+        kind = event.get("type")
+        if kind == "ping":
+            continue
+        if kind == "error":
+            error = event.get("error")
+            return Assembled(message or {}, False, dict(error) if isinstance(error, Mapping)
+                             else {"message": str(error)}, tuple(unknown))
+        if kind == "message_start":
+            message = dict(_object(event.get("message"), "message_start.message"))
+            message.setdefault("content", [])
+            continue
+        if kind not in ("content_block_start", "content_block_delta", "content_block_stop",
+                        "message_delta", TERMINAL):
+            unknown.append(str(kind))
+            continue
+        if message is None:
+            raise ValueError(f"a {kind} event before message_start")
+        if kind == TERMINAL:
+            return Assembled(_finish(message, blocks, pieces, stopped), True, None,
+                             tuple(unknown))
+        if kind == "message_delta":
+            message.update(_object(event.get("delta", {}), "message_delta.delta"))
+            usage = _object(event.get("usage") or {}, "message_delta.usage")
+            message["usage"] = {**(message.get("usage") or {}), **usage}
+            continue
+        index = event.get("index")
+        if not isinstance(index, int) or isinstance(index, bool):
+            raise ValueError(f"a {kind} event without an integer index")
+        if kind == "content_block_start":
+            blocks[index] = dict(_object(event.get("content_block"), "content_block"))
+            if blocks[index].get("type") in _JSON_INPUT:
+                pieces[index] = []
+            continue
+        if index not in blocks:
+            raise ValueError(f"a {kind} event for block {index} before its start")
+        if kind == "content_block_stop":
+            stopped.add(index)
+        elif not _apply_delta(blocks[index], pieces.get(index),
+                              _object(event.get("delta"), "content_block_delta.delta")):
+            unknown.append(f"{kind}.{event['delta'].get('type')}")
+    if message is None:
+        raise ValueError("the stream has no message_start")
+    return Assembled(_finish(message, blocks, pieces, stopped), False, None, tuple(unknown))
+
+
+def stream_bytes(message: Mapping[str, Any]) -> bytes:
+    """SSE bytes of a message: start, each block in one delta, the message delta, stop."""
+    return b"".join(encode_event(event) for event in stream_events(message))
+
+
+def stream_events(message: Mapping[str, Any]) -> Iterator[dict[str, Any]]:
+    """The events of `stream_bytes`, as JSON objects."""
+    usage = dict(message.get("usage") or {})
+    start = {k: v for k, v in message.items() if k not in _NOT_IN_START}
+    yield {"type": "message_start", "message": {
+        **start, "content": [], "stop_reason": None, "stop_sequence": None,
+        "usage": {**usage, "output_tokens": min(1, usage.get("output_tokens") or 0)}}}
+    for index, block in enumerate(message.get("content") or []):
+        yield from _block_events(index, block)
+    yield {"type": "message_delta",
+           "delta": {"stop_reason": message.get("stop_reason"),
+                     "stop_sequence": message.get("stop_sequence")},
+           "usage": usage}
+    yield {"type": TERMINAL}
+
+
+def _block_events(index: int, block: Mapping[str, Any]) -> Iterator[dict[str, Any]]:
+    kind = block.get("type")
+    head = dict(block)
+    deltas: list[dict[str, Any]] = []
+    if kind in _JSON_INPUT:
+        head["input"] = {}
+        if block.get("input"):
+            deltas.append({"type": "input_json_delta",
+                           "partial_json": json.dumps(block["input"], ensure_ascii=False)})
+    elif kind in ("text", "thinking"):
+        head[kind] = ""
+        if kind == "text" and block.get("citations"):
+            head["citations"] = []
+            deltas.extend({"type": "citations_delta", "citation": c} for c in block["citations"])
+        if block.get(kind):
+            deltas.append({"type": f"{kind}_delta", kind: block[kind]})
+        if kind == "thinking":
+            head.pop("signature", None)
+            if "signature" in block:
+                deltas.append({"type": "signature_delta", "signature": block["signature"]})
+    yield {"type": "content_block_start", "index": index, "content_block": head}
+    for delta in deltas:
+        yield {"type": "content_block_delta", "index": index, "delta": delta}
+    yield {"type": "content_block_stop", "index": index}
+
+
+def _apply_delta(block: dict[str, Any], pieces: list[str] | None,
+                 delta: Mapping[str, Any]) -> bool:
+    """Add one delta to its block; False when its type is unknown (skipped)."""
+    kind = delta.get("type")
+    if kind in _TEXT_DELTAS:
+        field = _TEXT_DELTAS[kind]
+        block[field] = str(block.get(field) or "") + _string(delta.get(field), kind)
+    elif kind == "input_json_delta" and pieces is not None:
+        pieces.append(_string(delta.get("partial_json"), kind))
+    elif kind == "citations_delta":
+        block["citations"] = [*(block.get("citations") or []), delta.get("citation")]
+    else:
+        return False
+    return True
+
+
+def _finish(message: dict[str, Any], blocks: dict[int, dict[str, Any]],
+            pieces: dict[int, list[str]], stopped: set[int]) -> dict[str, Any]:
+    """The message with its blocks in order, tool inputs parsed."""
+    content = []
+    for index in sorted(blocks):
+        block = blocks[index]
+        if index in pieces and (pieces[index] or index not in stopped):
+            try:
+                block["input"] = json.loads("".join(pieces[index]))
+            except ValueError:
+                if index in stopped:
+                    raise ValueError(f"block {index}: the tool input is not JSON") from None
+                continue  # cut before its JSON closed: left out (its bytes stay in the stream)
+        content.append(block)
+    return {**message, "content": content}
+
+
+def _object(value: Any, where: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{where} is not a JSON object")
+    return value
+
+
+def _string(value: Any, where: str) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"a {where} without its string")
+    return value

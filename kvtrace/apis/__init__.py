@@ -6,7 +6,7 @@ sees the same call in OpenAI chat shape (docs/store.md, "Three APIs"):
 
 | API | list field (item by item) | payload fields | normalised by |
 | --- | --- | --- | --- |
-| `openai-chat` | `messages` | `response`, `tools` | messages.py (stored as is) |
+| `openai-chat` | `messages` | `response`, `tools` | chat.py (stored as is) |
 | `anthropic-messages` | `messages` | `response`, `request`: {`system`, `tools`} | anthropic.py |
 | `openai-responses` | `input` | `response`, `request`: {`instructions`, `tools`} | responses.py |
 
@@ -29,9 +29,9 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from kvtrace.apis import anthropic, chat, responses
+from kvtrace.apis.plain import to_plain
 from kvtrace.errors import UsageError
-from kvtrace.store import anthropic, messages, responses
-from kvtrace.store.plain import to_plain
 
 
 class ProviderApi(StrEnum):
@@ -40,6 +40,10 @@ class ProviderApi(StrEnum):
     OPENAI_CHAT = "openai-chat"
     OPENAI_RESPONSES = "openai-responses"
     ANTHROPIC_MESSAGES = "anthropic-messages"
+
+
+_MODULES = {ProviderApi.OPENAI_CHAT: chat, ProviderApi.ANTHROPIC_MESSAGES: anthropic,
+            ProviderApi.OPENAI_RESPONSES: responses}
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,9 +83,9 @@ def stored_fields(api: ProviderApi, conversation: Any, response: Any, *, tools: 
         if system is not None:
             raise UsageError("system is for Anthropic and Responses calls: a chat call puts "
                              "its system prompt in messages", param="system")
-        items = messages.normalize_messages(conversation)
-        payload: dict[str, Any] = {"response": messages.normalize_response(response)}
-        tool_list = messages.normalize_tools(tools)
+        items = chat.normalize_messages(conversation)
+        payload: dict[str, Any] = {"response": chat.normalize_response(response)}
+        tool_list = chat.normalize_tools(tools)
     elif api is ProviderApi.ANTHROPIC_MESSAGES:
         items = anthropic.normalize_messages(conversation)
         payload = {"response": anthropic.normalize_response(response),
@@ -103,13 +107,20 @@ def stored_fields(api: ProviderApi, conversation: Any, response: Any, *, tools: 
             {layout.conversation: items})
 
 
+def request_params(api: ProviderApi, request: Mapping[str, Any]) -> dict[str, Any]:
+    """A request's parameters (sampling, tool choice, metadata...): every field but those
+    its API's module lists in `NOT_PARAMS`, one list per API for every recording path."""
+    skipped = _MODULES[api].NOT_PARAMS
+    return {key: value for key, value in request.items() if key not in skipped}
+
+
 def chat_view(api: ProviderApi, content: Mapping[str, Any]) -> ChatView:
     """The call stored in `content` as OpenAI chat (see the module docstring)."""
-    return ChatView(chat_messages(api, content), chat_tools(api, content),
+    return ChatView(view_messages(api, content), chat_tools(api, content),
                     chat_response(api, content))
 
 
-def chat_messages(api: ProviderApi, content: Mapping[str, Any]) -> list[dict[str, Any]]:
+def view_messages(api: ProviderApi, content: Mapping[str, Any]) -> list[dict[str, Any]]:
     """The conversation of the call stored in `content`, as OpenAI chat messages (copies)."""
     layout = LAYOUTS[api]
     items = content.get(layout.conversation)
@@ -118,8 +129,8 @@ def chat_messages(api: ProviderApi, content: Mapping[str, Any]) -> list[dict[str
         return items
     system = native_request(api, content).get(layout.system) if layout.system else None
     if api is ProviderApi.ANTHROPIC_MESSAGES:
-        return anthropic.chat_messages(system, items)
-    return responses.chat_messages(system, items)
+        return anthropic.to_chat(system, items)
+    return responses.to_chat(system, items)
 
 
 def chat_tools(api: ProviderApi, content: Mapping[str, Any]) -> list[dict[str, Any]] | None:
@@ -177,8 +188,8 @@ def edit_normalizers(api: ProviderApi) -> dict[str, Callable[[Any], Any]]:
     if api is ProviderApi.OPENAI_RESPONSES:
         return {"input": responses.normalize_input, "response": responses.normalize_response,
                 "tools": responses.normalize_tools, "instructions": _instructions}
-    return {"messages": messages.normalize_messages, "response": messages.normalize_response,
-            "tools": messages.normalize_tools}
+    return {"messages": chat.normalize_messages, "response": chat.normalize_response,
+            "tools": chat.normalize_tools}
 
 
 def _instructions(value: Any) -> str | None:

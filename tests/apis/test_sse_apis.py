@@ -1,4 +1,4 @@
-"""The Anthropic and Responses stream readers and writers (sse_anthropic.py, sse_responses.py):
+"""The Anthropic and Responses stream readers and writers (anthropic.py, responses.py):
 what a stream adds up to, and the outcomes of streams that are not whole."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from kvtrace.tracer import sse_anthropic, sse_responses
+from kvtrace.apis import anthropic, responses
 
 MESSAGE = {
     "id": "msg_1", "type": "message", "role": "assistant", "model": "claude-x",
@@ -50,8 +50,8 @@ def event(data: dict) -> bytes:
     return f"event: {data['type']}\ndata: {json.dumps(data)}\n\n".encode()
 
 
-@pytest.mark.parametrize(("module", "response"), [(sse_anthropic, MESSAGE),
-                                                  (sse_responses, RESPONSE)],
+@pytest.mark.parametrize(("module", "response"), [(anthropic, MESSAGE),
+                                                  (responses, RESPONSE)],
                          ids=["anthropic", "responses"])
 def test_a_written_stream_adds_up_to_the_response_it_was_written_from(module, response):
     assembled = module.assemble(module.stream_bytes(response))
@@ -66,7 +66,7 @@ def test_anthropic_usage_of_message_delta_replaces_the_starts_counts_key_by_key(
         {"type": "message_delta", "delta": {"stop_reason": "end_turn"},
          "usage": {"output_tokens": 7}},
         {"type": "message_stop"}])
-    assembled = sse_anthropic.assemble(stream)
+    assembled = anthropic.assemble(stream)
     assert assembled.response["usage"] == {"input_tokens": 5, "output_tokens": 7}
     assert assembled.response["stop_reason"] == "end_turn"
 
@@ -82,7 +82,7 @@ def test_anthropic_unknown_events_and_deltas_are_skipped_and_named():
         {"type": "aurora", "index": 0},
         {"type": "content_block_stop", "index": 0},
         {"type": "message_stop"}])
-    assembled = sse_anthropic.assemble(stream)
+    assembled = anthropic.assemble(stream)
     assert assembled.unknown_events == ("content_block_delta.sparkle_delta", "aurora")
     assert assembled.response["content"] == [{"type": "text", "text": "hi"}]
 
@@ -91,15 +91,15 @@ def test_anthropic_error_event_ends_the_stream_with_its_error():
     stream = b"".join(event(e) for e in [
         {"type": "message_start", "message": {"id": "m", "role": "assistant", "content": []}},
         {"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}}])
-    assembled = sse_anthropic.assemble(stream)
+    assembled = anthropic.assemble(stream)
     assert assembled.error == {"type": "overloaded_error", "message": "Overloaded"}
     assert not assembled.is_finished
 
 
 def test_a_last_event_cut_in_the_middle_is_dropped_and_the_stream_unfinished():
-    whole = sse_anthropic.stream_bytes(MESSAGE)
+    whole = anthropic.stream_bytes(MESSAGE)
     cut = whole[:whole.index(b'"partial_json"') + 20]
-    assembled = sse_anthropic.assemble(cut)
+    assembled = anthropic.assemble(cut)
     assert not assembled.is_finished
     # The server tool's block had started, but no piece of its input had arrived whole.
     assert [b["type"] for b in assembled.response["content"]] == [
@@ -118,13 +118,13 @@ def test_a_last_event_cut_in_the_middle_is_dropped_and_the_stream_unfinished():
 ], ids=["no message_start", "delta before its block", "tool input not JSON"])
 def test_anthropic_streams_out_of_order_or_malformed_raise_value_error(events):
     with pytest.raises(ValueError):
-        sse_anthropic.assemble(b"".join(event(e) for e in events))
+        anthropic.assemble(b"".join(event(e) for e in events))
 
 
 def test_a_responses_stream_cut_before_its_terminal_event_has_the_items_so_far():
-    whole = sse_responses.stream_bytes(RESPONSE)
+    whole = responses.stream_bytes(RESPONSE)
     cut = whole[:whole.index(b"response.function_call_arguments.done")]
-    assembled = sse_responses.assemble(cut)
+    assembled = responses.assemble(cut)
     assert not assembled.is_finished
     output = assembled.response["output"]
     assert [i["type"] for i in output] == ["reasoning", "message", "function_call"]
@@ -139,7 +139,7 @@ def test_responses_events_outside_the_family_are_named_and_its_error_event_ends_
         head, {"type": "rate_limits.updated", "sequence_number": 1},
         {"type": "response.web_search_call.searching", "sequence_number": 2},
         {"type": "error", "sequence_number": 3, "code": "server_error", "message": "boom"}])
-    assembled = sse_responses.assemble(stream)
+    assembled = responses.assemble(stream)
     assert assembled.unknown_events == ("rate_limits.updated",)
     assert assembled.error == {"code": "server_error", "message": "boom"}
 
@@ -155,4 +155,4 @@ def test_responses_events_outside_the_family_are_named_and_its_error_event_ends_
 ], ids=["sequence number repeated", "delta before its item", "no response.created"])
 def test_responses_streams_out_of_order_raise_value_error(events):
     with pytest.raises(ValueError):
-        sse_responses.assemble(b"".join(event(e) for e in events))
+        responses.assemble(b"".join(event(e) for e in events))
