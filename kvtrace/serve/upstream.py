@@ -54,7 +54,8 @@ from kvtrace.serve.disconnect import ClosingStream, unless_client_leaves
 from kvtrace.serve.recording import DISCARD, RUN_HEADER, Sink, StepWrite
 from kvtrace.serve.request import APIError, failed_answer
 from kvtrace.serve.responses_api import RESPONSES_PATH, parse_responses_request
-from kvtrace.tracer.exchange import Exchange, decoded_body, record_exchange
+from kvtrace.tracer.capture import record_exchange
+from kvtrace.tracer.exchange import Exchange, decoded_body
 
 _API_PREFIX = "/v1"
 _HOP_BY_HOP = frozenset({

@@ -589,7 +589,11 @@ class Store:
         # here, not on first iteration.
         start = self.watch_cursor(name)
         since = start if since is None else since
-        return watch(self, name, since=since, timeout=timeout, poll_interval=poll_interval)
+        def load_steps(conn: Any, ids: list[str]) -> list[Step]:
+            return history.load_steps(conn, ids, self._lists_cache())
+
+        return watch(self.engine, name, load_steps=load_steps, since=since, timeout=timeout,
+                     poll_interval=poll_interval)
 
     def watch_cursor(self, name: str) -> int:
         """The cursor of the latest event of run `name` (0 before any): what happens after

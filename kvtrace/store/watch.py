@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import sqlalchemy as sa
 
@@ -27,9 +27,6 @@ from kvtrace.store.backend import read_transaction, reader
 from kvtrace.store.records import Step
 from kvtrace.store.refs import NOTIFY_CHANNEL
 from kvtrace.store.schema import reflog
-
-if TYPE_CHECKING:
-    from kvtrace.store.store import Store
 
 EVENT_KINDS = ("step", "moved", "pause", "resume")
 
@@ -67,24 +64,29 @@ class WatchEvent:
         }
 
 
+StepLoader = Callable[[Any, list[str]], Iterable[Step]]  # (connection, ids) -> those steps
+
+
 def watch(
-    store: Store,
+    engine: sa.Engine,
     name: str,
     *,
+    load_steps: StepLoader,
     since: int | None,
     timeout: float | None,
     poll_interval: float,
 ) -> Iterator[WatchEvent]:
-    """Events of run `name` after reflog entry `since` (None: from now on).
+    """Events of run `name` after reflog entry `since` (None: from now on), the steps they
+    name read by `load_steps` (the store's, with its caches).
 
     Ends once `timeout` seconds have passed since it started (None: never).
     """
-    snapshots = reader(store.engine)
+    snapshots = reader(engine)
     deadline = None if timeout is None else time.monotonic() + timeout
     cursor = since if since is not None else _last_entry(snapshots, name)
-    with _listener(store) as wait:
+    with _listener(engine) as wait:
         while True:
-            events = _events_after(store, snapshots, name, cursor)
+            events = _events_after(load_steps, snapshots, name, cursor)
             for event in events:
                 cursor = event.cursor
                 yield event
@@ -101,7 +103,8 @@ def _last_entry(engine: Any, name: str) -> int:
         return int(last.scalar() or 0)
 
 
-def _events_after(store: Store, engine: Any, name: str, cursor: int) -> list[WatchEvent]:
+def _events_after(load_steps: StepLoader, engine: Any, name: str,
+                  cursor: int) -> list[WatchEvent]:
     with read_transaction(engine) as conn:
         rows = conn.execute(
             sa.select(reflog).where(reflog.c.ref == name, reflog.c.id > cursor)
@@ -110,7 +113,7 @@ def _events_after(store: Store, engine: Any, name: str, cursor: int) -> list[Wat
         if not rows:
             return []
         appended = [r.new_head for r in rows if r.reason == "append" and r.new_head]
-        steps = {s.id: s for s in history.load_steps(conn, appended, store._lists_cache())}
+        steps = {s.id: s for s in load_steps(conn, appended)}
         events = []
         for row in rows:
             if row.reason == "append":
@@ -131,14 +134,14 @@ def _events_after(store: Store, engine: Any, name: str, cursor: int) -> list[Wat
 
 
 @contextlib.contextmanager
-def _listener(store: Store) -> Iterator[Any]:
+def _listener(engine: sa.Engine) -> Iterator[Any]:
     """A function `wait(seconds)` that returns early when the run may have moved."""
-    if store.engine.dialect.name != "postgresql":
+    if engine.dialect.name != "postgresql":
         yield time.sleep
         return
     import psycopg
 
-    url = store.engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+    url = engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
     connection = psycopg.connect(url, autocommit=True)
     try:
         connection.execute(f"LISTEN {NOTIFY_CHANNEL}")

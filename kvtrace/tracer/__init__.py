@@ -26,8 +26,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kvtrace.tracer.recorder import Recorder, current_recorder, recording
-from kvtrace.tracer.replay_mode import Replaying, current_replaying, replaying
+from kvtrace.tracer.context import current_recorder, current_replaying
+from kvtrace.tracer.recorder import Recorder, recording
+from kvtrace.tracer.replay_mode import Replaying, replaying
 from kvtrace.tracer.tools import tool
 
 if TYPE_CHECKING:

@@ -22,10 +22,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvtrace.errors import ConflictError
+from kvtrace.tracer.context import RECORDER
+from kvtrace.tracer.tools import tool
 
 if TYPE_CHECKING:
     from kvtrace.store import Run, Step, Store
@@ -34,7 +35,6 @@ T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Any])
 
 _CONFLICT_RETRIES = 5
-_current: ContextVar[Recorder | None] = ContextVar("kvtrace_recorder", default=None)
 
 
 class Recorder:
@@ -98,8 +98,6 @@ class Recorder:
 
     def tool(self, function: F | None = None, *, name: str | None = None) -> Any:
         """Decorate a tool function so that each call is recorded here (see tools.py)."""
-        from kvtrace.tracer.tools import tool
-
         return tool(function, name=name, recorder=self)
 
 
@@ -117,13 +115,8 @@ def recording(store: Store, name: str) -> Iterator[Recorder]:
     flushing, since every step is committed when it is recorded.
     """
     recorder = Recorder(store.run(name))
-    token = _current.set(recorder)
+    token = RECORDER.set(recorder)
     try:
         yield recorder
     finally:
-        _current.reset(token)
-
-
-def current_recorder() -> Recorder | None:
-    """The recorder of the innermost `with recording(...)` block, or None."""
-    return _current.get()
+        RECORDER.reset(token)

@@ -32,16 +32,14 @@ matching (which needs httpx) is loaded when a block starts.
 
 from __future__ import annotations
 
-import builtins
-import copy
 import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
-from kvtrace.errors import RecordedToolError, UsageError
-from kvtrace.store import Run, Step, Store, ToolCall
+from kvtrace.errors import UsageError
+from kvtrace.store import Run, Step, Store
+from kvtrace.tracer.context import REPLAYING
 from kvtrace.tracer.recorder import Recorder
 
 if TYPE_CHECKING:
@@ -49,7 +47,6 @@ if TYPE_CHECKING:
 
     from kvtrace.tracer.prefix import PrefixSummary, RecordedPrefix
 
-_current: ContextVar[Replaying | None] = ContextVar("kvtrace_replaying", default=None)
 
 
 class Replaying:
@@ -112,38 +109,15 @@ def replaying(run: str | Run | Recorder, until: int, *, store: Store | None = No
     from kvtrace.tracer.prefix import RecordedPrefix
 
     name, store = _run_and_store(run, store)
-    if _current.get() is not None:
+    if REPLAYING.get() is not None:
         raise UsageError("replaying blocks do not nest: leave the current one first")
     session = Replaying(RecordedPrefix.of_run(store, name, until, fork=fork, edit=edit,
                                               tools=True))
-    token = _current.set(session)
+    token = REPLAYING.set(session)
     try:
         yield session
     finally:
-        _current.reset(token)
-
-
-def current_replaying() -> Replaying | None:
-    """The session of the innermost `with replaying(...)` block, or None."""
-    return _current.get()
-
-
-def served_outcome(step: Step) -> Any:
-    """What a recorded tool call gives back: a copy of its result (its keys in the order the
-    tool returned them), or its error raised."""
-    call = ToolCall(step)
-    if call.error is None:
-        return copy.deepcopy(call.returned_result)
-    type_name, _, message = call.error.partition(": ")
-    kind = getattr(builtins, type_name, None)
-    if isinstance(kind, type) and issubclass(kind, Exception):
-        try:
-            error: Exception = kind(message)
-        except Exception:  # a built-in whose constructor wants more (UnicodeDecodeError)
-            error = RecordedToolError(type_name, message)
-    else:
-        error = RecordedToolError(type_name, message)
-    raise error
+        REPLAYING.reset(token)
 
 
 def _run_and_store(run: str | Run | Recorder, store: Store | None) -> tuple[str, Store]:

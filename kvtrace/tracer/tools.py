@@ -39,7 +39,7 @@ from kvtrace.apis.plain import to_plain
 from kvtrace.errors import UsageError
 from kvtrace.store import Step
 from kvtrace.store.keyorder import key_order
-from kvtrace.tracer.replay_mode import current_replaying, served_outcome
+from kvtrace.tracer.context import current_recorder, current_replaying, served_outcome
 
 if TYPE_CHECKING:
     from kvtrace.tracer.recorder import Recorder
@@ -70,11 +70,7 @@ def tool(
         session = current_replaying()
         if session is not None:
             return session.take_tool(tool_name, jsonable(arguments))
-        if recorder is not None:
-            return recorder
-        from kvtrace.tracer.recorder import current_recorder
-
-        return current_recorder()
+        return recorder if recorder is not None else current_recorder()
 
     def split(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
         """The call's arguments bound to their names, and its call id."""

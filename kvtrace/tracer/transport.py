@@ -32,11 +32,12 @@ import httpx
 
 from kvtrace.apis import chat
 from kvtrace.store import Run
+from kvtrace.tracer.capture import record_exchange
 from kvtrace.tracer.clients import AsyncStream, SyncStream, default_transport
-from kvtrace.tracer.exchange import Exchange, decoded_body, record_exchange
+from kvtrace.tracer.context import current_replaying
+from kvtrace.tracer.exchange import Exchange, decoded_body
 from kvtrace.tracer.recorder import Recorder, as_recorder
 from kvtrace.tracer.redact import Redactor
-from kvtrace.tracer.replay_mode import current_replaying
 
 
 class _Capture:

@@ -11,7 +11,7 @@ import pytest
 
 from kvtrace.replay.analyze import analyze
 from kvtrace.store import ModelCall, ProviderApi
-from tests.store.test_apis import ANSWER, ASKED, RESULT_TURN, _anthropic_call
+from tests.apis.test_apis import ANSWER, ASKED, RESULT_TURN, _anthropic_call
 
 _R1 = {"type": "reasoning", "summary": [{"type": "summary_text", "text": "Plan."}]}
 _R2 = {"type": "reasoning", "summary": []}

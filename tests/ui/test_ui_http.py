@@ -133,7 +133,7 @@ def test_each_action_changes_the_store_as_its_api_call_does(store, start_ui):
 
 
 def test_a_fork_of_an_anthropic_call_edits_its_response_in_its_own_shape(store, start_ui):
-    from tests.store.test_apis import ANSWER, _anthropic_call
+    from tests.apis.test_apis import ANSWER, _anthropic_call
 
     original = _anthropic_call(store.run("claude"))
     ui = start_ui(store)
