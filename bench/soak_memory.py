@@ -39,7 +39,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from kvtrace.allocator import heap_stats, trim_heap
+from kvtrace.engine.heap import heap_stats, trim_heap
 
 _MIB = 2**20
 

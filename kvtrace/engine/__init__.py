@@ -16,10 +16,10 @@ from kvtrace.engine.folders import build_tiny_model, default_model_dir
 from kvtrace.engine.generate import GenerateResult, generate, settle
 from kvtrace.engine.layers import LayerKind, ModelLayout
 from kvtrace.engine.model import Engine, load_engine
+from kvtrace.engine.numerics import request_reproducible_gemm
 from kvtrace.engine.prefill import PrefillResult, prefill
 from kvtrace.engine.statecache import PrefixCache, StateCache, open_cache
 from kvtrace.engine.tokenizer import ChatTokenizer, load_tokenizer
-from kvtrace.numerics import request_reproducible_gemm
 
 request_reproducible_gemm()  # before the engine computes anything (importing computes nothing)
 

@@ -57,9 +57,9 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
-from kvtrace.allocator import HeapTrimmer
 from kvtrace.engine.decode import decode_step
 from kvtrace.engine.generate import GenerateResult, Generation, begin
+from kvtrace.engine.heap import HeapTrimmer
 from kvtrace.engine.model import Engine
 from kvtrace.engine.prefill import ROW_MULTIPLE
 from kvtrace.engine.statecache import PrefixCache
@@ -252,7 +252,7 @@ class DecodeBatcher:
 
     def keep_heap_trimmed(self, trimmer: HeapTrimmer | None = None) -> HeapTrimmer:
         """From now on the engine thread gives the heap's free pages back between its work
-        (kvtrace/allocator.py): what a long-lived server wants, not a one-shot command."""
+        (kvtrace/engine/heap.py): what a long-lived server wants, not a one-shot command."""
         with self._cond:
             if self._trimmer is None:
                 self._trimmer = trimmer or HeapTrimmer()

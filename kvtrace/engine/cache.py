@@ -28,7 +28,7 @@ Last logits (`remember_logits`, `last_logits`, lastlogits.py): the
 last-position logits of the most recent sequences prefill computed, so an
 exact repeat needs no forward at all.
 
-Deferred output (`defer`, owed.py): a generation's decoded output that the
+Deferred output (`defer`, deferred.py): a generation's decoded output that the
 next prompt's prefill stores; a lookup reports it (`num_deferred_tokens`).
 
 The disk half (walking a chain, writing blocks inline or behind, the disk
@@ -49,13 +49,13 @@ from pathlib import Path
 
 import torch
 
+from kvtrace.engine.deferred import DeferredOutputs
 from kvtrace.engine.disk import BlockLayout, BlockStore
 from kvtrace.engine.disktier import DiskTier
 from kvtrace.engine.faults import DiskFaults
 from kvtrace.engine.kvbuffer import GrowingLayer, KVBuffer, buffer_rows
 from kvtrace.engine.lastlogits import LastLogits
 from kvtrace.engine.model import Engine
-from kvtrace.engine.owed import OwedOutputs
 from kvtrace.engine.radix import RadixNode, RadixTree, common_prefix
 from kvtrace.errors import CacheError, UsageError
 
@@ -75,7 +75,7 @@ class PrefixHit:
     covering tokens `0 … num_tokens` in order. `num_disk_blocks` counts the
     leading blocks known to be on disk (so `store` skips rewriting them).
     `num_deferred_tokens` follow the hit: an earlier generation's output,
-    owed to the cache (owed.py), which the caller computes now.
+    owed to the cache (deferred.py), which the caller computes now.
     """
 
     num_tokens: int
@@ -156,7 +156,7 @@ class KVCache:
         self._live_bytes = memory_bytes // 4
         # The buffers the tree borrows from, one tuple per lender (its loans name it).
         self._lenders: list[tuple[KVBuffer, ...]] = []
-        self._owed = OwedOutputs()
+        self._owed = DeferredOutputs()
         self._logits = LastLogits()
         self._lock = threading.RLock()
 
@@ -268,7 +268,7 @@ class KVCache:
     def defer(self, tokens: Sequence[int], num_canonical: int) -> None:
         """Owe the cache `tokens[num_canonical:]`, decoded after the cached prompt before it.
 
-        The next lookup of a sequence holding them reports them (owed.py).
+        The next lookup of a sequence holding them reports them (deferred.py).
         """
         with self._lock:
             self._owed.add(tokens, num_canonical)

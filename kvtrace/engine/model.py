@@ -48,16 +48,16 @@ from kvtrace.engine.layers import (
     measure_layout,
     plain_layout,
 )
-from kvtrace.engine.rowblocks import ROWS, pin_rows, pinned_rows_hold
-from kvtrace.engine.threads import engine_threads
-from kvtrace.engine.tokenizer import ChatTemplating, context_length, stop_token_ids
-from kvtrace.errors import ModelNotFoundError, UnsupportedModelError, UsageError
-from kvtrace.numerics import (
+from kvtrace.engine.numerics import (
     MKL_SETTING,
     native_bfloat16,
     rows_are_invariant,
     threads_are_invariant,
 )
+from kvtrace.engine.rowblocks import ROWS, pin_rows, pinned_rows_hold
+from kvtrace.engine.threads import engine_threads
+from kvtrace.engine.tokenizer import ChatTemplating, context_length, stop_token_ids
+from kvtrace.errors import ModelNotFoundError, UnsupportedModelError, UsageError
 
 # Bump when a change to prefill or the attention function changes the bits of
 # the KV it computes: old KV on disk then stops matching instead of being
@@ -186,7 +186,8 @@ def _load_folder(folder: Path, cache_dir: Path, device: torch.device, dtype: tor
         warnings.warn(
             f"{folder.name}: matrix products here give a row other bits depending on how many "
             f"rows share it, so cache hits may differ from cold runs in the last bits; set "
-            f"{MKL_SETTING[0]}={MKL_SETTING[1]} before anything uses torch (kvtrace/numerics.py)",
+            f"{MKL_SETTING[0]}={MKL_SETTING[1]} before anything uses torch "
+            "(kvtrace/engine/numerics.py)",
             stacklevel=3,
         )
     budget = engine_threads()
@@ -195,7 +196,7 @@ def _load_folder(folder: Path, cache_dir: Path, device: torch.device, dtype: tor
     if dtype == torch.bfloat16 and device.type == "cpu" and native_bfloat16() is False:
         warnings.warn(
             "this CPU has no native bfloat16 (AVX-512 BF16 or AMX): bfloat16 computes ~10x "
-            "slower than float32 here (--dtype float32; kvtrace/numerics.py)",
+            "slower than float32 here (--dtype float32; kvtrace/engine/numerics.py)",
             stacklevel=3,
         )
     config = model.config

@@ -45,7 +45,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from kvtrace.numerics import fixed_count_rows_hold
+from kvtrace.engine.numerics import fixed_count_rows_hold
 
 ROWS = 128  # rows per pinned product (module docstring; docs/benchmarks.md, session 21)
 _PROBE_OFFSETS = (1, 16, 57)

@@ -74,12 +74,12 @@ from kvtrace.engine.cache import (
     TierStats,
     check_block_size,
 )
+from kvtrace.engine.deferred import DeferredOutputs
 from kvtrace.engine.disk import BlockStore, chain_keys
 from kvtrace.engine.faults import DiskFaults
 from kvtrace.engine.lastlogits import LastLogits
 from kvtrace.engine.model import Engine
 from kvtrace.engine.modelstate import BlockState, kv_layer
-from kvtrace.engine.owed import OwedOutputs
 from kvtrace.errors import BlockWriteError, UsageError
 
 # A resume part is also kept every this many blocks at least (1,024 tokens at 64), so that a
@@ -145,7 +145,7 @@ class StateCache:
         self._num_bytes = 0
         self._disk_total: int | None = None  # bytes in the folder: counted once, then kept
         self._logits = LastLogits()
-        self._owed = OwedOutputs()
+        self._owed = DeferredOutputs()
         self._lock = threading.RLock()
 
     # -- lookup and store --------------------------------------------------------
@@ -240,7 +240,8 @@ class StateCache:
             return self._logits.get(tokens)
 
     def defer(self, tokens: Sequence[int], num_canonical: int) -> None:
-        """Owe `tokens[num_canonical:]` (owed.py): the next prompt holding them computes them."""
+        """Owe `tokens[num_canonical:]` (deferred.py): the next prompt holding them computes
+        them."""
         with self._lock:
             self._owed.add(tokens, num_canonical)
 

@@ -36,9 +36,9 @@ from kvtrace.apis.chat import normalize_message, tool_calls_of
 from kvtrace.errors import UsageError
 from kvtrace.formats.records import (
     UNKNOWN_MODEL,
-    ModelCall,
+    ModelCallRecord,
     Record,
-    ToolCall,
+    ToolCallRecord,
     arguments_value,
     check_storable,
     keep,
@@ -126,8 +126,8 @@ def atif_records(document: Any) -> list[Record]:
         if index == agents[-1] and index + 1 < len(steps):  # in no prompt: kept whole
             kept["after"] = steps[index + 1 :]
         # Each call continues the previous one's messages: records hold each message once.
-        records.append(ModelCall(conversation[sent:], response, model, tool_list, usage,
-                                 {"atif": kept}, continues=bool(records)))
+        records.append(ModelCallRecord(conversation[sent:], response, model, tool_list, usage,
+                                       {"atif": kept}, continues=bool(records)))
         sent = len(conversation)
         records.extend(results)
         conversation.append(response)
@@ -252,8 +252,8 @@ def _observation(
                 raise UsageError(
                     f"{at}: source_call_id {call_id!r} matches no tool call of this step")
             function = call["function"]
-            records.append(ToolCall(function["name"], arguments_value(function["arguments"]),
-                                    content, call_id=call_id))
+            records.append(ToolCallRecord(function["name"], arguments_value(function["arguments"]),
+                                          content, call_id=call_id))
             messages.append(normalize_message(
                 {"role": "tool", "tool_call_id": call_id, "content": content}, at))
         kept_results.append(keep(result, RESULT_MAPPED))

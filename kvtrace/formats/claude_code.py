@@ -50,7 +50,7 @@ from kvtrace.errors import UsageError
 from kvtrace.formats.claude_code_transcript import KEY, TranscriptBuilder, TranscriptIndex
 from kvtrace.formats.claude_code_transcript import SYNTHETIC_MODEL as SYNTHETIC_MODEL
 from kvtrace.formats.jsonl import JsonLines, Line, parse_jsonl
-from kvtrace.formats.records import ModelCall, Record, record_into, run_info
+from kvtrace.formats.records import ModelCallRecord, Record, record_into, run_info
 from kvtrace.store import OnStep, RunInfo, Store, validate_run_name
 
 
@@ -98,7 +98,7 @@ def import_claude_code(store: Store, document: Any, *, run: str,
         steps = record_into(store, run, plan.records, on_step=on_step)
         for agent, name in zip(plan.subagents, names, strict=True):
             records = list(agent.records)
-            if agent.parent is not None and records and isinstance(records[0], ModelCall):
+            if agent.parent is not None and records and isinstance(records[0], ModelCallRecord):
                 first = records[0]
                 link = {"step": steps[agent.parent], "tool_use_id": agent.tool_use_id}
                 kept = {**first.extra.get(KEY, {}), "parent": link}

@@ -18,7 +18,14 @@ from typing import Any
 
 from kvtrace.errors import UsageError
 from kvtrace.formats.jsonl import JsonLines, Line
-from kvtrace.formats.records import UNKNOWN_MODEL, ModelCall, Record, ToolCall, check_storable, keep
+from kvtrace.formats.records import (
+    UNKNOWN_MODEL,
+    ModelCallRecord,
+    Record,
+    ToolCallRecord,
+    check_storable,
+    keep,
+)
 from kvtrace.store import ProviderApi
 
 KEY = "claude_code"  # the key of meta.extra this format keeps its lines under
@@ -159,14 +166,14 @@ class TranscriptBuilder:
                 result = item.line.value.get("toolUseResult")
                 if isinstance(result, dict) and isinstance(result.get("agentId"), str):
                     index.agents.setdefault(result["agentId"], use_id)
-                records.append(ToolCall(
+                records.append(ToolCallRecord(
                     str(item.use.get("name") or "unknown"), item.use.get("input", {}),
                     item.block.get("content", ""), call_id=use_id,
                     extra={KEY: item.kept} if item.kept else {}))
         index.first_prompt = self._first_prompt()
         return records, index
 
-    def _model_call(self, call: _Call) -> ModelCall:
+    def _model_call(self, call: _Call) -> ModelCallRecord:
         last = call.lines[-1].value["message"]
         first = call.first.value["message"]
         stop = next((line.value["message"]["stop_reason"] for line in reversed(call.lines)
@@ -176,7 +183,7 @@ class TranscriptBuilder:
             response["stop_reason"] = stop
         model = first.get("model")
         usage = last.get("usage")
-        record = ModelCall(
+        record = ModelCallRecord(
             self._conversation(call.first), response,
             model if isinstance(model, str) and model else UNKNOWN_MODEL,
             usage=dict(usage) if isinstance(usage, Mapping) else None,

@@ -40,9 +40,9 @@ from kvtrace.errors import UsageError
 from kvtrace.formats.jsonl import JsonLines, Line
 from kvtrace.formats.records import (
     UNKNOWN_MODEL,
-    ModelCall,
+    ModelCallRecord,
     Record,
-    ToolCall,
+    ToolCallRecord,
     arguments_value,
     check_storable,
     keep,
@@ -89,7 +89,7 @@ class _Call:
     output: list[dict[str, Any]] = field(default_factory=list)
     usage: dict[str, Any] | None = None
     kept: list[dict[str, Any]] = field(default_factory=list)  # its lines, in order
-    tools: list[ToolCall] = field(default_factory=list)  # answered while it was open
+    tools: list[ToolCallRecord] = field(default_factory=list)  # answered while it was open
     is_answered: bool = False  # an output of one of its calls came in
 
 
@@ -119,7 +119,7 @@ class _Builder:
             else:
                 self._context(line, kind, payload)
         self._close()
-        if not any(isinstance(r, ModelCall) for r in self.records):
+        if not any(isinstance(r, ModelCallRecord) for r in self.records):
             raise UsageError(f"{self.lines.source} has no item a model produced: there is no "
                              "model call to import")
         if self.pending:
@@ -168,8 +168,8 @@ class _Builder:
         entry = {"line": _hollow(line.value), "result": call_id,
                  "shape": keep(item, {"output"})}
         output = item.get("output")
-        tool = ToolCall(str(call.get("name") or call["type"]), arguments,
-                        output if output is not None else "", call_id=call_id)
+        tool = ToolCallRecord(str(call.get("name") or call["type"]), arguments,
+                              output if output is not None else "", call_id=call_id)
         if self.open is not None and call in self.open.output:
             self.open.is_answered = True
             self.open.kept.append(entry)
@@ -238,9 +238,9 @@ class _Builder:
         call, self.open = self.open, None
         if call is None:
             return
-        record_ = ModelCall(call.input, {"output": call.output}, call.model, usage=call.usage,
-                            extra={KEY: {"lines": call.kept}},
-                            api=ProviderApi.OPENAI_RESPONSES, system=call.instructions)
+        record_ = ModelCallRecord(call.input, {"output": call.output}, call.model, usage=call.usage,
+                                  extra={KEY: {"lines": call.kept}},
+                                  api=ProviderApi.OPENAI_RESPONSES, system=call.instructions)
         record_.check(self.lines.where(call.first))
         self.records.append(record_)
         self.records.extend(call.tools)

@@ -41,9 +41,9 @@ from kvtrace.errors import UsageError
 from kvtrace.formats.records import (
     UNKNOWN_MODEL,
     Answers,
-    ModelCall,
+    ModelCallRecord,
     Record,
-    ToolCall,
+    ToolCallRecord,
     arguments_value,
     check_storable,
     keep,
@@ -100,15 +100,15 @@ def openai_records(document: Any) -> list[Record]:
             kept = {**(first_kept if index == answers[0] else {}),
                     **({"tail": tail} if index == last and tail else {})}
             raw = _raw_response(messages[index])
-            records.append(ModelCall(stored[sent or 0:index], item, raw.get("model", model),
-                                     tool_list, usage=raw.get("usage"),
-                                     extra={"openai": kept} if kept else {},
-                                     continues=sent is not None))
+            records.append(ModelCallRecord(stored[sent or 0:index], item, raw.get("model", model),
+                                           tool_list, usage=raw.get("usage"),
+                                           extra={"openai": kept} if kept else {},
+                                           continues=sent is not None))
             sent = index
         elif index in answering:
             function = answering[index]["function"]
-            records.append(ToolCall(function["name"], arguments_value(function["arguments"]),
-                                    item["content"], call_id=item["tool_call_id"]))
+            records.append(ToolCallRecord(function["name"], arguments_value(function["arguments"]),
+                                          item["content"], call_id=item["tool_call_id"]))
     return records
 
 

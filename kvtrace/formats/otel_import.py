@@ -25,9 +25,9 @@ from kvtrace.errors import UsageError
 from kvtrace.formats.otel import REQUEST_PARAMS
 from kvtrace.formats.records import (
     UNKNOWN_MODEL,
-    ModelCall,
+    ModelCallRecord,
     Record,
-    ToolCall,
+    ToolCallRecord,
     check_storable,
     record,
 )
@@ -188,7 +188,7 @@ def plain_value(value: Any, where: str = "value") -> Any:
     raise UsageError(f"{where}: {kind} is not an OTLP AnyValue")
 
 
-def _model_call(span: dict[str, Any], attributes: dict[str, Any], where: str) -> ModelCall:
+def _model_call(span: dict[str, Any], attributes: dict[str, Any], where: str) -> ModelCallRecord:
     inputs, outputs = attributes.get("gen_ai.input.messages"), attributes.get(
         "gen_ai.output.messages")
     if not isinstance(inputs, list) or not isinstance(outputs, list) or not outputs:
@@ -218,14 +218,14 @@ def _model_call(span: dict[str, Any], attributes: dict[str, Any], where: str) ->
               and attributes.get(attribute) is not None}
     tools = attributes.get("gen_ai.tool.definitions")
     seconds = _seconds(span)
-    return ModelCall(messages, response, str(model),
-                     tools if isinstance(tools, list) and tools else None,
-                     {k: v for k, v in usage.items() if v is not None} or None,
-                     _kept(span, attributes), params or None,
-                     {"total_s": seconds} if seconds else None)
+    return ModelCallRecord(messages, response, str(model),
+                           tools if isinstance(tools, list) and tools else None,
+                           {k: v for k, v in usage.items() if v is not None} or None,
+                           _kept(span, attributes), params or None,
+                           {"total_s": seconds} if seconds else None)
 
 
-def _tool_call(span: dict[str, Any], attributes: dict[str, Any], where: str) -> ToolCall:
+def _tool_call(span: dict[str, Any], attributes: dict[str, Any], where: str) -> ToolCallRecord:
     name = attributes.get("gen_ai.tool.name") or span["name"].removeprefix("execute_tool ")
     status = span.get("status")
     is_error = isinstance(status, dict) and status.get("code") in (2, "STATUS_CODE_ERROR")
@@ -233,10 +233,11 @@ def _tool_call(span: dict[str, Any], attributes: dict[str, Any], where: str) -> 
              if isinstance(status, dict) and is_error else None)
     call_id = attributes.get("gen_ai.tool.call.id")
     seconds = _seconds(span)
-    return ToolCall(str(name).strip() or "unknown", attributes.get("gen_ai.tool.call.arguments"),
-                    attributes.get("gen_ai.tool.call.result"),
-                    call_id if isinstance(call_id, str) else None, error,
-                    {"duration_s": seconds} if seconds else None)
+    return ToolCallRecord(str(name).strip() or "unknown",
+                          attributes.get("gen_ai.tool.call.arguments"),
+                          attributes.get("gen_ai.tool.call.result"),
+                          call_id if isinstance(call_id, str) else None, error,
+                          {"duration_s": seconds} if seconds else None)
 
 
 def _part_text(part: Any) -> str:

@@ -1,7 +1,7 @@
 """What an imported document becomes: the records of a run, checked before anything is written.
 
-A format module converts a whole document into a list of `ModelCall` and
-`ToolCall` records first, validating every element (a bad file is a
+A format module converts a whole document into a list of `ModelCallRecord` and
+`ToolCallRecord` records first, validating every element (a bad file is a
 UsageError naming the first offending element), and only then `record`s
 them, into a run that is new or empty. So a bad file writes nothing.
 
@@ -39,7 +39,7 @@ UNKNOWN_MODEL = "unknown"
 
 
 @dataclass(frozen=True, slots=True)
-class ModelCall:
+class ModelCallRecord:
     """One model call to record (arguments of `Run.record_model_call`).
 
     `messages`, `response`, `tools` and `system` are in the shape of `api`
@@ -72,7 +72,7 @@ class ModelCall:
 
 
 @dataclass(frozen=True, slots=True)
-class ToolCall:
+class ToolCallRecord:
     """One tool call to record (arguments of `Run.record_tool_call`)."""
 
     name: str
@@ -84,7 +84,7 @@ class ToolCall:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-Record = ModelCall | ToolCall
+Record = ModelCallRecord | ToolCallRecord
 
 
 def record(store: Store, run: str, records: Sequence[Record], *,
@@ -120,7 +120,7 @@ def record_into(store: Store, run: str, records: Sequence[Record], *,
                          "import under a new name (run=NAME)", param="run")
     ids: list[str] = []
     for item in records:
-        if isinstance(item, ModelCall):
+        if isinstance(item, ModelCallRecord):
             step = writer.record_model_call(
                 item.messages, item.response, model=item.model, tools=item.tools,
                 usage=item.usage, extra=item.extra or None, params=item.params,

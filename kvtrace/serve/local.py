@@ -33,7 +33,7 @@ it if it has not started, or stops at its next decode step, and nothing is
 recorded (`/health` counts them: `queue.cancelled`). It stays counted until
 the engine has let it go, so the server never holds more work than it says.
 The answerer has the engine thread give the heap's freed pages back between
-its work (allocator.py's `HeapTrimmer`: otherwise the freed pages transient
+its work (engine/heap.py's `HeapTrimmer`: otherwise the freed pages transient
 tensors leave around the memory tier's KV stay resident, and RSS grows for
 as long as the server runs). Each
 request goes through replay's `LocalBackend`, so the prefix cache (memory
@@ -145,7 +145,7 @@ class LocalAnswerer:
         # One thread per request held, each waiting for its generation in the batcher.
         self._waiters = ThreadPoolExecutor(self._capacity, thread_name_prefix="kvtrace-wait")
         # A server lives for hours: the transient tensors' freed pages go back to the
-        # kernel between its work, or they would keep the heap growing (kvtrace/allocator.py).
+        # kernel between its work, or they would keep the heap growing (kvtrace/engine/heap.py).
         batcher = self._backend.batcher
         if batcher is not None:
             batcher.keep_heap_trimmed()

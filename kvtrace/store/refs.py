@@ -20,7 +20,7 @@ ref's name (delivered on commit), which `Store.watch` listens for instead of
 polling.
 
 A batch's appends move their run once, when the batch has done its work
-(deferred.py): `move_refs` swaps the head from where the batch found it to
+(batched.py): `move_refs` swaps the head from where the batch found it to
 where the appends left it, with one reflog entry (reason `batch`) for them all.
 
 The statements an append runs are `Prepared` (backend.py): built once here,
@@ -104,7 +104,7 @@ def move_ref(
 
 def move_refs(conn: Connection, name: str, first: str | None, last: str | None,
               message: str) -> None:
-    """Swap ref `name` from `first` to `last` once for a batch of appends (deferred.py),
+    """Swap ref `name` from `first` to `last` once for a batch of appends (batched.py),
     logged as one `batch` entry.
 
     ConflictError if the ref is not at `first`, RunPausedError if the run is paused:

@@ -30,7 +30,7 @@ from kvtrace.errors import (
     StepNotFoundError,
     UsageError,
 )
-from kvtrace.store import bodies, codec, deltas, encoding, history, resolve, validation, views
+from kvtrace.store import bodies, codec, deltas, encoding, graph, history, resolve, validation
 from kvtrace.store import lists as store_lists
 from kvtrace.store.backend import (
     insert_ignore,
@@ -41,7 +41,7 @@ from kvtrace.store.backend import (
     write_transaction,
     writer,
 )
-from kvtrace.store.deferred import DeferredMoves
+from kvtrace.store.batched import BatchedMoves
 from kvtrace.store.kinds import EDIT_OF, MEASUREMENTS, ModelCall, StepKind
 from kvtrace.store.names import normalize_run_name, validate_run_name
 from kvtrace.store.records import (
@@ -105,7 +105,7 @@ class Store:
         self._lists = store_lists.ListCache(max_entries=_MAX_LISTS, max_items=_MAX_LIST_ITEMS)
         self._payloads = deltas.RecentPayloads()  # what a new message may be a delta of
         # (thread, its transaction, its appends' ref moves waiting for the batch's end)
-        self._batch: tuple[int, Connection, DeferredMoves] | None = None
+        self._batch: tuple[int, Connection, BatchedMoves] | None = None
         # SQLite: one connection held for writes (see _write), and the lock
         # that gives it to one thread at a time.
         self._held: Connection | None = None
@@ -149,14 +149,14 @@ class Store:
         their own transaction and do not see the batch's writes until it ends.
 
         Appends move their run once, when the batch's work is done
-        (deferred.py), with one reflog entry (reason `batch`) that `undo`
+        (batched.py), with one reflog entry (reason `batch`) that `undo`
         takes back whole: a run moved by another writer meanwhile, or paused,
         fails the batch then (ConflictError, RunPausedError), writing nothing.
         """
         if self._batch is not None:
             raise UsageError("store batches do not nest")
         with write_transaction(self._writer) as conn:
-            moves = DeferredMoves()
+            moves = BatchedMoves()
             self._batch = (threading.get_ident(), conn, moves)
             try:
                 yield
@@ -164,7 +164,7 @@ class Store:
             finally:
                 self._batch = None
 
-    def _batch_moves(self) -> DeferredMoves | None:
+    def _batch_moves(self) -> BatchedMoves | None:
         """The waiting ref moves of the batch this thread opened, if it opened one."""
         batch = self._batch
         return batch[2] if batch is not None and batch[0] == threading.get_ident() else None
@@ -370,14 +370,14 @@ class Store:
         limit = validation.check_limit(limit)
         with read_transaction(self._reader) as conn:
             start = resolve.step_id_or_empty(conn, spec)
-            return views.graph_rows(conn, history.chain(conn, start, limit) if start else [])
+            return graph.graph_rows(conn, history.chain(conn, start, limit) if start else [])
 
     def forks(self, spec: str) -> list[tuple[str, int]]:
         """The runs that leave the history of `spec`: (run, depth of the step it leaves from),
         by depth then name. Reads no step content (what `graph` tells, for a long run)."""
         with read_transaction(self._reader) as conn:
             start = resolve.step_id_or_empty(conn, spec)
-            return views.forks(conn, history.chain(conn, start, None)) if start else []
+            return graph.forks(conn, history.chain(conn, start, None)) if start else []
 
     def path(self, spec: str) -> list[Step]:
         """Steps from the root to `spec`, in order (what replay walks; see `walk`)."""
@@ -390,7 +390,7 @@ class Store:
             for spec in (a, b):
                 start = resolve.step_id_or_empty(conn, spec)
                 chains.append(list(reversed(history.chain(conn, start, None))) if start else [])
-            return views.divergence(conn, *chains)
+            return graph.divergence(conn, *chains)
 
     def read_blob(self, address: str) -> bytes:
         """The bytes stored at `address`."""
@@ -773,7 +773,7 @@ class Store:
             )
             if new_run is not None:
                 create_ref(conn, name, step_id, reason="fork", message=new_run)
-            elif deferred is not None:  # moved when the batch is done (deferred.py)
+            elif deferred is not None:  # moved when the batch is done (batched.py)
                 deferred.append(name, parent_id, step_id, kind)
             else:
                 move_ref(conn, name, parent_id, step_id, reason="append", message=kind)

@@ -32,12 +32,12 @@ from kvtrace.tracer.replay_mode import Replaying, replaying
 from kvtrace.tracer.tools import tool
 
 if TYPE_CHECKING:
-    from kvtrace.tracer.cassette import AsyncReplayTransport, ReplayMode, ReplayTransport
+    from kvtrace.tracer.cassette import AsyncReplayTransport, CassetteMode, ReplayTransport
     from kvtrace.tracer.transport import AsyncRecordingTransport, RecordingTransport
 
 _LAZY = {
     "AsyncReplayTransport": "kvtrace.tracer.cassette",
-    "ReplayMode": "kvtrace.tracer.cassette",
+    "CassetteMode": "kvtrace.tracer.cassette",
     "ReplayTransport": "kvtrace.tracer.cassette",
     "AsyncRecordingTransport": "kvtrace.tracer.transport",
     "RecordingTransport": "kvtrace.tracer.transport",
@@ -54,9 +54,9 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "AsyncRecordingTransport",
     "AsyncReplayTransport",
+    "CassetteMode",
     "Recorder",
     "RecordingTransport",
-    "ReplayMode",
     "ReplayTransport",
     "Replaying",
     "current_recorder",

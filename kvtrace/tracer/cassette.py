@@ -7,7 +7,7 @@ The recording is the run's steps from its root to its head, like a VCR
 cassette: a request is matched to a recorded exchange (matching.py: the
 same API, path, conversation, system prompt, tools, model and params, or
 for plain HTTP the same method, URL and body) and answered with what the
-step recorded (served.py). Modes (`ReplayMode`):
+step recorded (served.py). Modes (`CassetteMode`):
 
 - `none`: only the recording answers; an unrecorded request gets a 404
   response whose JSON error body (in the shape of the API it was sent to)
@@ -48,14 +48,23 @@ from kvtrace.tracer.transport import AsyncRecordingTransport, RecordingTransport
 
 # The names programs import from here, beside those defined here (matching.py and served.py
 # hold the rest).
-__all__ = ["UNRECORDED_STATUS", "AsyncReplayTransport", "Cassette", "OnUnrecorded",
-           "ReplayMode", "ReplayTransport", "recorded_completion", "request_key",
-           "served_response", "unrecorded_response"]
+__all__ = [
+    "UNRECORDED_STATUS",
+    "AsyncReplayTransport",
+    "Cassette",
+    "CassetteMode",
+    "OnUnrecorded",
+    "ReplayTransport",
+    "recorded_completion",
+    "request_key",
+    "served_response",
+    "unrecorded_response",
+]
 
 _Choice = TypeVar("_Choice", bound=StrEnum)
 
 
-class ReplayMode(StrEnum):
+class CassetteMode(StrEnum):
     NONE = "none"
     NEW_EPISODES = "new_episodes"
     ALL = "all"
@@ -71,7 +80,7 @@ class OnUnrecorded(StrEnum):
 class _Replay:
     """What both transports hold and decide: the recording, the mode, the prefix."""
 
-    def __init__(self, run: Run | Recorder, mode: str = ReplayMode.NONE,
+    def __init__(self, run: Run | Recorder, mode: str = CassetteMode.NONE,
                  inner: Any = None, *,
                  redact_headers: Iterable[str] = (),
                  on_unrecorded: str = OnUnrecorded.RESPOND,
@@ -91,11 +100,11 @@ class _Replay:
         if self.prefix is not None:
             step = self.prefix.serve(request)
             return served_response(step, request) if step is not None else None
-        if self.mode != ReplayMode.ALL:
+        if self.mode != CassetteMode.ALL:
             step = self.cassette.find(request)
             if step is not None:
                 return served_response(step, request)
-            if self.mode == ReplayMode.NONE:
+            if self.mode == CassetteMode.NONE:
                 return _unrecorded(request, self.cassette.explain_miss(request),
                                    self.on_unrecorded)
         return None
@@ -159,7 +168,7 @@ class AsyncReplayTransport(_Replay):
             await self._live.aclose()
 
 
-def _prefix(recorder: Recorder, mode: ReplayMode, until: int | None, fork: str | None,
+def _prefix(recorder: Recorder, mode: CassetteMode, until: int | None, fork: str | None,
             edit: Mapping[str, Any] | None, redact_headers: tuple[str, ...]) -> Any:
     """The RecordedPrefix of `until` (None without it): prefix.py, `--from` from Python."""
     if until is None:
@@ -167,7 +176,7 @@ def _prefix(recorder: Recorder, mode: ReplayMode, until: int | None, fork: str |
             raise UsageError("fork and edit go with until=K (answer steps 1..K from the "
                              "recording, then go live on a fork)", param="until")
         return None
-    if mode is not ReplayMode.NEW_EPISODES:
+    if mode is not CassetteMode.NEW_EPISODES:
         raise UsageError("until=K answers the first K steps from the recording and the rest "
                          "live: it goes with mode='new_episodes'", param="until")
     from kvtrace.tracer.prefix import RecordedPrefix
@@ -176,8 +185,8 @@ def _prefix(recorder: Recorder, mode: ReplayMode, until: int | None, fork: str |
                                  redact_headers=redact_headers)
 
 
-def _mode(mode: str) -> ReplayMode:
-    return _member(ReplayMode, mode, "replay mode")
+def _mode(mode: str) -> CassetteMode:
+    return _member(CassetteMode, mode, "replay mode")
 
 
 def _on_unrecorded(value: str) -> OnUnrecorded:

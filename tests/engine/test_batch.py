@@ -287,7 +287,7 @@ def test_open_local_backend_batching_loads_on_its_engine_thread(tiny_folder, eng
 
 def test_an_engine_thread_kept_trimmed_trims_once_idle_after_work_and_still_closes(
         tiny_engine):
-    from kvtrace.allocator import HeapTrimmer
+    from kvtrace.engine.heap import HeapTrimmer
 
     with DecodeBatcher(tiny_engine, None) as batcher:
         trimmer = batcher.keep_heap_trimmed(HeapTrimmer(idle_s=0.05, busy_s=1e9))

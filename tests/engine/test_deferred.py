@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvtrace.engine import KVCache, generate, prefill, settle
-from kvtrace.engine.owed import MAX_DEFERRED
+from kvtrace.engine.deferred import MAX_DEFERRED
 
 
 def test_deferred_output_is_computed_by_the_next_prompt_bit_identical_to_cold(

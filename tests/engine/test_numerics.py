@@ -1,4 +1,4 @@
-"""The GEMM setting canonical prefill relies on is in force (kvtrace/numerics.py)."""
+"""The GEMM setting canonical prefill relies on is in force (kvtrace/engine/numerics.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from kvtrace.numerics import MKL_SETTING, rows_are_invariant
+from kvtrace.engine.numerics import MKL_SETTING, rows_are_invariant
 
 
 def test_importing_the_engine_requests_reproducible_gemm():
@@ -34,7 +34,7 @@ def test_bfloat16_warns_exactly_where_the_cpu_lacks_it(tiny_folder, engine_root)
     import torch
 
     from kvtrace.engine import load_engine
-    from kvtrace.numerics import native_bfloat16
+    from kvtrace.engine.numerics import native_bfloat16
 
     x86 = platform.machine().lower() in ("x86_64", "amd64")
     native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()

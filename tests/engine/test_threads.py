@@ -10,8 +10,8 @@ import torch
 
 from kvtrace.bench.contend import contention
 from kvtrace.engine import prefill
+from kvtrace.engine.numerics import threads_are_invariant
 from kvtrace.engine.threads import INTERVAL_S, THREADS_ENV, ThreadBudget, engine_threads
-from kvtrace.numerics import threads_are_invariant
 
 
 def _settle(budget: ThreadBudget, seconds: float) -> int:

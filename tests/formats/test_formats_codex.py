@@ -10,7 +10,7 @@ import pytest
 
 from kvtrace.errors import UsageError
 from kvtrace.formats import codex_records, export_codex, import_codex, import_file
-from kvtrace.formats.records import ModelCall
+from kvtrace.formats.records import ModelCallRecord
 from kvtrace.store import ProviderApi, Usage, kinds
 from tests.formats.conftest import DATA, state
 
@@ -123,11 +123,11 @@ def test_compacted_history_is_what_the_next_call_sends(store):
                   "payload": {"type": "message", "role": "assistant",
                               "content": [{"type": "output_text", "text": "Continuing."}]}})
     records = codex_records(lines)
-    last = [r for r in records if isinstance(r, ModelCall)][-1]
+    last = [r for r in records if isinstance(r, ModelCallRecord)][-1]
     assert last.messages == [summary] and last.usage is None
     # Without replacement_history (older Codex): the user messages, then the summary.
     lines[-2]["payload"] = {"message": "Summary of the work."}
-    last = [r for r in codex_records(lines) if isinstance(r, ModelCall)][-1]
+    last = [r for r in codex_records(lines) if isinstance(r, ModelCallRecord)][-1]
     assert [m["role"] for m in last.messages] == ["developer", "user", "user", "user"]
     assert last.messages[-1]["content"][0]["text"] == "Summary of the work."
 
@@ -138,7 +138,7 @@ def test_usage_from_running_totals_when_the_last_request_is_not_given():
         if line["type"] == "event_msg" and line["payload"]["type"] == "token_count" and (
                 line["payload"]["info"]):
             del line["payload"]["info"]["last_token_usage"]
-    calls = [r for r in codex_records(lines) if isinstance(r, ModelCall)]
+    calls = [r for r in codex_records(lines) if isinstance(r, ModelCallRecord)]
     assert [c.usage for c in calls] == _usages(_lines())
 
 

@@ -16,7 +16,7 @@ import pytest
 
 from kvtrace import open_store
 from kvtrace.cli import main
-from kvtrace.numerics import native_bfloat16
+from kvtrace.engine.numerics import native_bfloat16
 from tests.canned import SECRET_KEY, all_blob_bytes
 
 AGENT = textwrap.dedent("""

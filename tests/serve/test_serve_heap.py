@@ -1,4 +1,4 @@
-"""A local server gives its heap's freed pages back between its work (kvtrace/allocator.py;
+"""A local server gives its heap's freed pages back between its work (kvtrace/engine/heap.py;
 the soak's RSS growth, docs/reliability.md).
 
 The case runs in a new process: glibc's state (its raised mmap threshold, what its arenas
@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from kvtrace.allocator import IDLE_TRIM_S, heap_stats
+from kvtrace.engine.heap import IDLE_TRIM_S, heap_stats
 
 pytestmark = pytest.mark.skipif(heap_stats() is None, reason="glibc's malloc only")
 

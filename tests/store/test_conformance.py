@@ -461,12 +461,12 @@ def test_graph_names_the_runs_that_branch_off(store):
 
 
 def test_graph_counts_but_does_not_name_runs_past_the_cap(store, monkeypatch):
-    from kvtrace.store import views
+    from kvtrace.store import graph
 
     _linear(store, n=6)
     for name in ("a", "b"):
         store.fork("main@3", name).record_tool_call("t", {"run": name}, name)
-    monkeypatch.setattr(views, "MAX_RUNS_TO_NAME", 1)
+    monkeypatch.setattr(graph, "MAX_RUNS_TO_NAME", 1)
     rows = {row.step.depth: row for row in store.graph("main")}
     assert (rows[3].num_branches, rows[3].branch_runs) == (2, None)
 

@@ -1,10 +1,10 @@
-"""When an engine thread trims its heap (kvtrace/allocator.py's HeapTrimmer)."""
+"""When an engine thread trims its heap (kvtrace/engine/heap.py's HeapTrimmer)."""
 
 from __future__ import annotations
 
 import time
 
-from kvtrace.allocator import HeapTrimmer
+from kvtrace.engine.heap import HeapTrimmer
 
 
 def test_nothing_is_owed_before_work_and_an_idle_wait_is_owed_after():

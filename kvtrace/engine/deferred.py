@@ -26,7 +26,7 @@ from kvtrace.errors import UsageError
 MAX_DEFERRED = 16
 
 
-class OwedOutputs:
+class DeferredOutputs:
     """Sequences whose tail past `done` tokens the cache is owed, oldest first."""
 
     def __init__(self) -> None:

@@ -5,7 +5,7 @@ transaction (`Store.batch`). Moved one append at a time, a run's ref costs
 each append three statements (the compare-and-swap, the paused-run check,
 the reflog row; on PostgreSQL a NOTIFY too): more than writing the step.
 Nothing outside the batch sees a move before it commits, so the moves can
-wait: `DeferredMoves` keeps, per run, where the batch found its head and
+wait: `BatchedMoves` keeps, per run, where the batch found its head and
 where the appends have taken it, and `flush` then swaps each run's head
 once (`refs.move_refs`) with one reflog entry, reason `batch`, from where
 the batch found the run to where it left it: an import is one operation, as
@@ -49,7 +49,7 @@ def batch_message(kinds: Counter[str]) -> str:
     return f"{total} step{'s' if total != 1 else ''} appended in one batch: {counted}"
 
 
-class DeferredMoves:
+class BatchedMoves:
     """Appends' ref moves held by a batch (one writer thread: the batch's)."""
 
     def __init__(self) -> None:
