@@ -318,7 +318,7 @@ def _time_fresh(store: Store, operation: Callable[[Store], Any], name: str) -> f
 def _operations(store: Store, label: str) -> dict[str, Callable[[Store], Any]]:
     """The timed operations on `store`'s probe runs, by name."""
     from kvtrace.formats import export_document
-    from kvtrace.store.compare import compare
+    from kvtrace.store.present.compare import compare
 
     depth = store.run_info(PROBE).depth
     counter = iter(range(1_000_000))

@@ -23,9 +23,9 @@ from kvtrace.cli.progress import step_bar
 from kvtrace.errors import UsageError
 from kvtrace.formats import Format, export_file, import_file, subagent_runs
 from kvtrace.store import ReflogEntry, RunInfo, Store, import_into, init_store, open_store
-from kvtrace.store.compare import compare
 from kvtrace.store.kinds import CUT_NOTE, edit_of, is_cut
-from kvtrace.store.summary import step_summary
+from kvtrace.store.present.compare import compare
+from kvtrace.store.present.summary import step_summary
 
 
 def _store(ctx: typer.Context) -> Store:

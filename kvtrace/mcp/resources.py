@@ -27,7 +27,7 @@ from kvtrace.inert import inert, inert_json
 from kvtrace.mcp.paging import DEFAULT_MAX_BYTES
 from kvtrace.mcp.results import DescribeError
 from kvtrace.mcp.tools import Tools
-from kvtrace.store.summary import step_summary
+from kvtrace.store.present.summary import step_summary
 
 RUN_STEPS = 20  # steps a run's resource lists, newest first
 JSON = "application/json"

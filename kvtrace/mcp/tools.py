@@ -37,8 +37,8 @@ from kvtrace.replay import analyze as analyze_run
 from kvtrace.replay import replay as replay_run
 from kvtrace.replay.tools import DEMO_TOOLS
 from kvtrace.store import Store
-from kvtrace.store.compare import compare
 from kvtrace.store.kinds import edit_of
+from kvtrace.store.present.compare import compare
 from kvtrace.store.records import ReflogEntry
 from kvtrace.store.watch import WatchEvent
 

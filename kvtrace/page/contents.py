@@ -20,7 +20,7 @@ from kvtrace.replay.analyze import StepAnalysis, analyze
 from kvtrace.replay.backend import Tokenizer
 from kvtrace.store import Growth, Note, OnStep, ProviderApi, Step, Store
 from kvtrace.store.kinds import ModelCall, StepKind
-from kvtrace.store.summary import step_summary
+from kvtrace.store.present.summary import step_summary
 from kvtrace.store.usage import Usage
 
 MAX_FORKS = 24  # forks drawn in the graph beyond the runs named (their steps are not listed)

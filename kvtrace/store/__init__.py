@@ -1,4 +1,19 @@
-"""The Git-like, append-only trace store (see store.py for the design)."""
+"""The Git-like, append-only trace store (see store.py for the design).
+
+Its modules, by job (the provider APIs' shapes live below it, in kvtrace/apis):
+
+- the public surface: `store.py` (the facade), `run.py`, `records.py`,
+  `kinds.py` (typed step views), `usage.py`, `names.py`, `watch.py`,
+  `notes.py`, `edits.py`, `bundle.py` (export and import of a run);
+- the object store: `encoding.py` (the canonical encoding behind every id),
+  `bodies.py`, `codec.py`, `deltas.py`, `lists.py`, `writer.py` (appends),
+  `history.py` and `graph.py` (walks and views over history), `resolve.py`,
+  `refs.py`, `batched.py`, `transactions.py`, `schema.py`, `backend.py`,
+  `migrations/`;
+- checks: `validation.py` (what enters), `fsck.py` and `fsck_refs.py`;
+- presentation: `present/` (one line per step, what differs between runs);
+- helpers: `jsontext.py`, `keyorder.py`, `recent.py`.
+"""
 
 from __future__ import annotations
 

@@ -1,10 +1,13 @@
 """The trace store: content-addressed steps and blobs, runs as refs, a reflog.
 
-`Store` composes three layers, each with one job: blobs and steps (immutable,
-addressed by SHA-256, see encoding.py), refs (moved only by compare-and-swap in
-refs.py, which also appends the reflog) and notes; step addresses are looked
-up in resolve.py. Every public method is one transaction, so a failure leaves
-nothing half-written.
+`Store` is the facade (as dulwich's Repo over its object store and refs
+container), each job in a module of its own: appending steps with the
+caches that make an append cost what it adds (writer.py, `StepWriter`),
+the transaction each write runs in, batches too (transactions.py), blobs
+and steps addressed by SHA-256 (encoding.py), refs moved only by
+compare-and-swap (refs.py, which also appends the reflog), notes (notes.py)
+and step addresses (resolve.py). Every public method is one transaction, so
+a failure leaves nothing half-written.
 
 Cost model: appending, forking and moving a ref touch a constant number of
 rows; walking history (log, RUN@N, ancestry checks) is one recursive query
@@ -15,10 +18,8 @@ from __future__ import annotations
 
 import io
 import json
-import threading
-import time
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from typing import IO, TYPE_CHECKING, Any, TypeVar
 
 import sqlalchemy as sa
@@ -30,18 +31,16 @@ from kvtrace.errors import (
     StepNotFoundError,
     UsageError,
 )
-from kvtrace.store import bodies, codec, deltas, encoding, graph, history, resolve, validation
+from kvtrace.store import bodies, codec, graph, history, resolve, validation
 from kvtrace.store import lists as store_lists
+from kvtrace.store import notes as step_notes
 from kvtrace.store.backend import (
-    insert_ignore,
     read_transaction,
     reader,
     retried,
     safe_url,
-    write_transaction,
     writer,
 )
-from kvtrace.store.batched import BatchedMoves
 from kvtrace.store.kinds import EDIT_OF, MEASUREMENTS, ModelCall, StepKind
 from kvtrace.store.names import normalize_run_name, validate_run_name
 from kvtrace.store.records import (
@@ -63,13 +62,12 @@ from kvtrace.store.refs import (
 )
 from kvtrace.store.schema import (
     PAUSE_REASONS,
-    blobs,
-    is_address_text,
-    notes,
     reflog,
     refs,
     steps,
 )
+from kvtrace.store.transactions import Transactions
+from kvtrace.store.writer import StepWriter
 
 if TYPE_CHECKING:
     from kvtrace.store.run import Run
@@ -79,11 +77,6 @@ if TYPE_CHECKING:
 OnStep = Callable[[int, int], None]
 T = TypeVar("T")
 
-_MAX_KNOWN = 200_000
-_MAX_LISTS = 20_000  # resolved lists kept (each a tuple of its item addresses)
-_MAX_LIST_ITEMS = 1_000_000  # their item addresses, in all (8 MB of tuple slots)
-_NOTES_CHUNK = 500  # step ids per query of notes_on (bound parameters stay few)
-_LIST_BASE_SEARCH = 16  # steps back from a new step to look for its list's base
 _PAGE = 64  # steps a walk reads per query round (a page of a long run's steps in memory)
 
 
@@ -93,23 +86,10 @@ class Store:
     def __init__(self, engine: Engine, url: str) -> None:
         """Use `open_store`, which also migrates the schema."""
         self._engine = engine
-        self._writer = writer(engine)
+        self._tx = Transactions(writer(engine))  # every write's transaction, batches too
+        self._write = self._tx.write
         self._reader = reader(engine)
-        # (parent, depth, skip) of steps appended here: steps never change, so
-        # this cache is always right; it saves the skip-pointer query on append.
-        self._known: dict[str, tuple[str | None, int, str | None]] = {}
-        # Resolved list fields by (step id, field): steps never change, so this is
-        # always right; a model call finds the history it extends here.
-        # Bounded by entries and by the addresses they hold (lists.ListCache); every
-        # reader and writer takes it through `_lists_cache`, which keeps the bound.
-        self._lists = store_lists.ListCache(max_entries=_MAX_LISTS, max_items=_MAX_LIST_ITEMS)
-        self._payloads = deltas.RecentPayloads()  # what a new message may be a delta of
-        # (thread, its transaction, its appends' ref moves waiting for the batch's end)
-        self._batch: tuple[int, Connection, BatchedMoves] | None = None
-        # SQLite: one connection held for writes (see _write), and the lock
-        # that gives it to one thread at a time.
-        self._held: Connection | None = None
-        self._held_lock = threading.Lock()
+        self._steps = StepWriter(self._tx.write, self._tx.batch_moves)  # appends, its caches
         self.url = url
 
     @property
@@ -121,10 +101,7 @@ class Store:
 
     def close(self) -> None:
         """Release database connections."""
-        with self._held_lock:
-            if self._held is not None:
-                self._held.close()
-                self._held = None
+        self._tx.close()
         self._engine.dispose()
 
     def __enter__(self) -> Store:
@@ -138,77 +115,10 @@ class Store:
         """The SQLAlchemy engine (for tools such as benchmarks and tests)."""
         return self._engine
 
-    @contextmanager
-    def batch(self) -> Iterator[None]:
-        """Run every write inside in one transaction: all of it lands, or none of it.
-
-        What an import needs: a document recorded as many steps appears whole
-        or not at all, even if the database fails half-way. Batches do not
-        nest, and a batch belongs to the thread that opened it. Inside a batch,
-        write through `Run` objects (which remember their head): reads open
-        their own transaction and do not see the batch's writes until it ends.
-
-        Appends move their run once, when the batch's work is done
-        (batched.py), with one reflog entry (reason `batch`) that `undo`
-        takes back whole: a run moved by another writer meanwhile, or paused,
-        fails the batch then (ConflictError, RunPausedError), writing nothing.
-        """
-        if self._batch is not None:
-            raise UsageError("store batches do not nest")
-        with write_transaction(self._writer) as conn:
-            moves = BatchedMoves()
-            self._batch = (threading.get_ident(), conn, moves)
-            try:
-                yield
-                moves.flush(conn)
-            finally:
-                self._batch = None
-
-    def _batch_moves(self) -> BatchedMoves | None:
-        """The waiting ref moves of the batch this thread opened, if it opened one."""
-        batch = self._batch
-        return batch[2] if batch is not None and batch[0] == threading.get_ident() else None
-
-    @contextmanager
-    def _write(self, *, flush: bool = True) -> Iterator[Connection]:
-        """The batch's transaction in the thread that opened it, else a new write transaction.
-
-        In a batch, the appends' waiting ref moves are made first (unless
-        `flush` is False: an append that adds its own), so that a fork, a
-        revert or a new run sees the heads they left.
-
-        Other threads never write through a batch: they wait for the database's
-        write lock (SQLite) or row locks (PostgreSQL) as with any writer.
-
-        On SQLite the transaction runs on a connection the store holds: taking
-        one from the pool and giving it back cost a fifth of an append
-        (~17 µs). SQLite runs one write transaction at a time anyway, so
-        threads queueing for the held connection lose no concurrency.
-        PostgreSQL writers use the pool and run side by side.
-        """
-        batch = self._batch
-        if batch is not None and batch[0] == threading.get_ident():
-            if flush:
-                batch[2].flush(batch[1])
-            yield batch[1]
-            return
-        if self._engine.dialect.name != "sqlite":
-            with write_transaction(self._writer) as conn:
-                yield conn
-            return
-        with self._held_lock:
-            if self._held is None:
-                self._held = self._writer.connect()
-            try:
-                with write_transaction(self._held) as conn:
-                    yield conn
-            except BaseException:
-                # A write that failed (a conflict too: rare) hands the connection
-                # back: whatever state a failed BEGIN or COMMIT left, the next
-                # write starts on a connection from the pool.
-                self._held.close()
-                self._held = None
-                raise
+    def batch(self) -> AbstractContextManager[None]:
+        """Run every write inside in one transaction: all of it lands, or none of it
+        (transactions.py says how: one thread's batch, its ref moves made at its end)."""
+        return self._tx.batch()
 
     # -- runs ------------------------------------------------------------------
 
@@ -295,9 +205,10 @@ class Store:
             return history.load_steps(conn, [resolve.step_id(conn, spec)], self._lists_cache())[0]
 
     def _lists_cache(self) -> store_lists.ListCache:
-        """The resolved-list cache, emptied first when it is full (readers fill it too: a
-        process that only reads, a watcher or the UI, must not hold every list it met)."""
-        return self._lists.make_room()
+        """The resolved-list cache the writer keeps, emptied first when it is full (readers
+        fill it too: a process that only reads, a watcher or the UI, must not hold every
+        list it met)."""
+        return self._steps.lists_cache()
 
     def log(self, spec: str, *, limit: int | None = None, lists: bool = True
             ) -> Iterator[Step]:
@@ -616,38 +527,18 @@ class Store:
         """Attach a note to a step; the step itself never changes."""
         validation.check_note(text, author)
         with self._write() as conn:
-            step_id = resolve.step_id(conn, spec)
-            now = time.time()
-            result = conn.execute(
-                sa.insert(notes).values(step_id=step_id, author=author, text=text, created_at=now)
-            )
-            (note_id,) = result.inserted_primary_key or (0,)
-        return Note(int(note_id), step_id, text, author, now)
+            return step_notes.add(conn, resolve.step_id(conn, spec), text, author)
 
     def notes(self, spec: str) -> list[Note]:
         """Notes on the step `spec`, oldest first."""
         with read_transaction(self._reader) as conn:
-            step_id = resolve.step_id(conn, spec)
-            rows = conn.execute(
-                sa.select(notes).where(notes.c.step_id == step_id).order_by(notes.c.id)
-            ).all()
-        return [Note(r.id, r.step_id, r.text, r.author, r.created_at) for r in rows]
+            return step_notes.of_step(conn, resolve.step_id(conn, spec))
 
     def notes_on(self, step_ids: list[str]) -> dict[str, list[Note]]:
-        """Notes on each of the steps `step_ids` (full ids), oldest first; one query per
-        chunk of ids, where `notes` takes a query per step. A step without notes is absent."""
-        found: dict[str, list[Note]] = {}
-        step_ids = [i for i in step_ids if is_address_text(i)]  # others are never kept
+        """Notes on each of the steps `step_ids` (full ids), oldest first (notes.py). A step
+        without notes is absent."""
         with read_transaction(self._reader) as conn:
-            for start in range(0, len(step_ids), _NOTES_CHUNK):
-                chunk = step_ids[start:start + _NOTES_CHUNK]
-                rows = conn.execute(
-                    sa.select(notes).where(notes.c.step_id.in_(chunk)).order_by(notes.c.id)
-                ).all()
-                for r in rows:
-                    found.setdefault(r.step_id, []).append(
-                        Note(r.id, r.step_id, r.text, r.author, r.created_at))
-        return found
+            return step_notes.on_steps(conn, step_ids)
 
     # -- integrity and exchange ------------------------------------------------
 
@@ -693,147 +584,7 @@ class Store:
         *,
         new_run: str | None = None,
     ) -> Step:
-        """Record a step after `parent` and move run `name` onto it, atomically.
-
-        With `new_run` (a reflog message), run `name` is created at the new
-        step instead (a fork whose head is an edited step).
-
-        `payload` fields are JSON values stored one blob each, `raw` fields
-        bytes, and `lists` fields lists stored item by item (see store/lists.py),
-        each given whole or as an `Extension` of an earlier step's list.
-        Fails with ConflictError, writing nothing, if the run's head is no
-        longer `parent` (another writer appended or moved it first).
-        """
-        kind = str(validation.check_kind(kind))  # a StepKind is stored as its plain value
-        validation.check_record(payload, meta, raw)
-        raw, list_items = raw or {}, lists or {}
-        clash = (set(payload) & set(raw)) | (set(list_items) & (set(payload) | set(raw)))
-        if clash:
-            raise UsageError(f"payload fields given twice: {sorted(clash)}")
-        data = {key: encoding.canonical_json(value) for key, value in payload.items()}
-        data.update(raw)
-        addresses = {key: encoding.sha256_hex(value) for key, value in data.items()}
-        origins = {key: value.base for key, value in list_items.items()
-                   if isinstance(value, store_lists.Extension)}
-        for key, origin in origins.items():
-            if not isinstance(origin.content.get(key), list):
-                raise UsageError(f"step {origin.short_id} has no list {key!r} to extend")
-        # Only the items given are encoded: an extension's earlier items are stored already.
-        item_data = {
-            key: [encoding.canonical_json(item) for item in (
-                items.items if isinstance(items, store_lists.Extension) else items)]
-            for key, items in list_items.items()
-        }
-        parent_id = parent.id if parent else None
-        depth = parent.depth + 1 if parent else 1
-        now = time.time()
-        deferred = self._batch_moves() if new_run is None else None
-        with self._write(flush=deferred is None) as conn:
-            entries: dict[str, dict[str, Any]] = {}
-            resolutions: dict[str, store_lists.Resolved] = {}
-            blob_rows = {addresses[key]: value for key, value in data.items()}
-            new_item_addresses: list[str] = []
-            for key, encoded in item_data.items():
-                item_addresses = [encoding.sha256_hex(item) for item in encoded]
-                entries[key], resolutions[key] = self._list_entry(
-                    conn, parent_id, key, item_addresses, origins.get(key))
-                # The base's items are stored already: only the new ones are written
-                # (and compressed), so a call costs what it adds, not its whole history.
-                new_items = min(len(entries[key]["items"]), len(encoded))
-                new_item_addresses += item_addresses[len(encoded) - new_items:]
-                blob_rows.update(zip(item_addresses[len(encoded) - new_items:],
-                                     encoded[len(encoded) - new_items:], strict=True))
-            clean_meta = {key: value for key, value in meta.items() if value is not None}
-            body = encoding.step_body(
-                kind=kind, parent=parent_id, payload=addresses, raw=list(raw),
-                meta=clean_meta, lists=entries,
-            )
-            step_id = encoding.sha256_hex(body)
-            kept, body_codec = bodies.encode(body)
-            skip_id, skip_depth = history.skip_for(conn, parent_id, depth, self._known)
-            blob_list = self._payloads.rows(blob_rows, new_item_addresses)
-            insert_ignore(conn, blobs, blob_list, "hash")
-            insert_ignore(
-                conn,
-                steps,
-                [
-                    {
-                        "id": step_id,
-                        "parent_id": parent_id,
-                        "kind": kind,
-                        "depth": depth,
-                        "body": kept,
-                        "body_codec": body_codec,
-                        "recorded_at": now,
-                        "skip_id": skip_id,
-                        "skip_depth": skip_depth,
-                    }
-                ],
-                "id",
-            )
-            if new_run is not None:
-                create_ref(conn, name, step_id, reason="fork", message=new_run)
-            elif deferred is not None:  # moved when the batch is done (batched.py)
-                deferred.append(name, parent_id, step_id, kind)
-            else:
-                move_ref(conn, name, parent_id, step_id, reason="append", message=kind)
-        if len(self._known) >= _MAX_KNOWN or self._lists.is_full:
-            self._known.clear()
-            self._lists.clear()
-        self._known[step_id] = (parent_id, depth, skip_id)
-        self._payloads.note(blob_list, {addresses[key]: data[key] for key in data})
-        for key, resolved in resolutions.items():
-            self._lists[(step_id, key)] = resolved
-        # Decoded from the canonical bytes: the Step never shares the caller's objects.
-        content = {key: json.loads(data[key]) for key in payload}
-        content.update(raw)
-        for key, encoded in item_data.items():
-            before = origins[key].content[key] if key in origins else []
-            content[key] = [*before, *(json.loads(item) for item in encoded)]
-        return Step(step_id, parent_id, kind, depth, addresses, clean_meta, content, now)
-
-    def _list_entry(
-        self, conn: Connection, parent_id: str | None, field: str, items: list[str],
-        origin: Step | None,
-    ) -> tuple[dict[str, Any], store_lists.Resolved]:
-        """The body entry of list `field` of a new step after `parent_id`, and its resolution.
-
-        `items` are the list's addresses, or with `origin` those after the
-        list of step `origin` (an `Extension`). Either way the entry is the
-        one the whole list gives (`entry_for`): ids never depend on how a
-        list was passed. When `origin` is the base the store finds, as for a
-        run's previous model call, nothing before `items` is touched.
-        """
-        base = self._list_base(conn, parent_id, field)
-        if origin is None:
-            return store_lists.entry_for(items, base)
-        if base is not None and base[0] == origin.id:
-            return store_lists.extend(origin.id, base[1], items)
-        key = (origin.id, field)
-        known = self._lists.get(key) or store_lists.resolve(
-            store_lists.fetch_lists(conn), [key], self._lists)[key]
-        return store_lists.entry_for([*known.addresses(), *items], base)
-
-    def _list_base(
-        self, conn: Any, parent_id: str | None, field: str
-    ) -> tuple[str, store_lists.Resolved] | None:
-        """(step id, resolved list) of `field` in the nearest ancestor that has it, or None.
-
-        Looked up in memory first (a writer appending to its run finds it
-        there), else in the last few steps of the history.
-        """
-        current, hops = parent_id, 0
-        while current is not None and hops < _LIST_BASE_SEARCH and current in self._known:
-            if (current, field) in self._lists:
-                return current, self._lists[(current, field)]
-            current, hops = self._known[current][0], hops + 1
-        if current is None or hops >= _LIST_BASE_SEARCH:
-            return None
-        fetch = store_lists.fetch_lists(conn)
-        chain = history.chain(conn, current, _LIST_BASE_SEARCH - hops)
-        found = fetch(chain)
-        for step_id in chain:
-            if field in found.get(step_id, {}):
-                key = (step_id, field)
-                return step_id, store_lists.resolve(fetch, [key], self._lists)[key]
-        return None
+        """Record a step after `parent` and move run `name` onto it, atomically (see
+        `StepWriter.append`, writer.py); retried where the database was busy."""
+        return self._steps.append(name, parent, kind, payload, meta, raw, lists,
+                                  new_run=new_run)

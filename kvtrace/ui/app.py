@@ -44,8 +44,8 @@ from kvtrace.page import gather
 from kvtrace.replay import Backend, ReplayMode
 from kvtrace.replay.backend import Tokenizer
 from kvtrace.store import Store
-from kvtrace.store.compare import compare
 from kvtrace.store.kinds import StepKind
+from kvtrace.store.present.compare import compare
 from kvtrace.ui import live, views
 from kvtrace.ui.guard import KEY_COOKIE, Guard, Refused
 from kvtrace.ui.jobs import Jobs

@@ -1,7 +1,7 @@
 """The UI's pages as HTML strings, drawn from the same records as `kvtrace report`.
 
 Each function takes what it shows (records gathered from the store by
-`kvtrace.page.gather`, `kvtrace.store.compare`, a replay job's snapshot)
+`kvtrace.page.gather`, `kvtrace.store.present.compare`, a replay job's snapshot)
 and returns HTML; nothing here reads the store. Recorded values go through
 the report's `escape` (`kvtrace.inert`, then `html.escape`) and the report's
 own drawing helpers (graph, token bars, step bodies). The pages that change
@@ -23,9 +23,9 @@ from kvtrace.page.contents import Page, PageStep
 from kvtrace.page.render import STYLE, escape, graph_section, step_bars, step_body, when
 from kvtrace.replay import StepReport
 from kvtrace.store import RunInfo, Step
-from kvtrace.store.compare import Comparison
 from kvtrace.store.kinds import ModelCall, StepKind, ToolCall
-from kvtrace.store.summary import step_summary
+from kvtrace.store.present.compare import Comparison
+from kvtrace.store.present.summary import step_summary
 from kvtrace.ui.guard import CSRF_FIELD
 
 UI_STYLE = """

@@ -16,7 +16,7 @@ from kvtrace.errors import UsageError
 from kvtrace.formats import export_document, export_file, import_document, import_otel
 from kvtrace.formats.otel import any_value, span_id, trace_id
 from kvtrace.store import kinds
-from kvtrace.store.compare import compare
+from kvtrace.store.present.compare import compare
 from tests.agent_runs import record_calc_run
 from tests.formats.conftest import state
 

@@ -110,7 +110,7 @@ def test_an_agent_that_parts_early_goes_live_where_it_parted(recorded, serve_sta
     assert len(model_calls(store, "other")) == 3
     assert {s.id for s in store.path("other")}.isdisjoint({s.id for s in store.path("base")})
     # diff names it too, at the first step, where both runs have one.
-    from kvtrace.store.compare import compare
+    from kvtrace.store.present.compare import compare
 
     result = compare(store, "base", "other")
     assert result.position == 1 and result.step_a is not None and result.step_b is not None

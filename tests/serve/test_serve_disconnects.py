@@ -330,7 +330,7 @@ def test_a_cut_stream_is_no_answer_for_the_replay_transport_either(
 def test_a_cut_step_is_marked_where_people_look(store, store_url, canned_upstream,
                                                 serve_upstream, capsys):
     from kvtrace.cli import main
-    from kvtrace.store.summary import step_summary
+    from kvtrace.store.present.summary import step_summary
 
     drop_mid_stream(store, canned_upstream, serve_upstream, "marked")
     [step] = store.path("marked")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvtrace.errors import NotFoundError
-from kvtrace.store.compare import compare
+from kvtrace.store.present.compare import compare
 from tests.agent_runs import ask, call, record_answer, record_calc_run
 
 

@@ -293,9 +293,9 @@ def test_notes_annotate_without_changing_the_step(store):
 
 
 def test_notes_on_many_steps_are_each_steps_notes_in_order(store, monkeypatch):
-    from kvtrace.store import store as store_module
+    from kvtrace.store import notes
 
-    monkeypatch.setattr(store_module, "_NOTES_CHUNK", 2)  # several chunks of ids
+    monkeypatch.setattr(notes, "_CHUNK", 2)  # several chunks of ids
     _, steps = _linear(store, n=5)
     store.note("main@1", "first")
     store.note("main@4", "a")

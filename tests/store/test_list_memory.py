@@ -11,8 +11,8 @@ def test_a_conversation_keeps_each_address_once_in_memory(store):
         messages = [*messages, {"role": "user", "content": f"q{i}"}]
         steps.append(run.record_model_call(messages, f"a{i}", model="m"))
         messages = [*messages, {"role": "assistant", "content": f"a{i}"}]
-    first = store._lists[(steps[0].id, "messages")]
-    last = store._lists[(steps[-1].id, "messages")]
+    first = store._steps._lists[(steps[0].id, "messages")]
+    last = store._steps._lists[(steps[-1].id, "messages")]
     assert last.length == 60 and last.addresses()[: first.length] == first.addresses()
     # A chain of links, each holding the addresses its call added: 30 calls hold each
     # address once, not a copy of the history per call.
@@ -32,9 +32,9 @@ def _conversation(run, calls):
 
 
 def test_the_list_cache_is_bounded_by_the_addresses_it_holds(store):
-    store._lists.max_items = 30  # the bound, made small (1,000,000 by default)
+    store._steps._lists.max_items = 30  # the bound, made small (1,000,000 by default)
     steps = _conversation(store.run("long"), 40)  # 40 links of 2 new addresses: 80 in all
-    held = store._lists
+    held = store._steps._lists
     assert held.num_items == sum(len(resolved.items) for resolved in held.values())
     assert held.num_items <= 30 + 2  # past the bound by one call's new addresses at most
     assert store.show(steps[-1].id).content["messages"][-1] == {"role": "user", "content": "q39"}
@@ -45,9 +45,9 @@ def test_the_list_cache_is_bounded_by_the_addresses_it_holds(store):
 def test_a_process_that_only_reads_keeps_the_list_cache_bounded(store):
     steps = [step for i in range(40) for step in _conversation(store.run(f"r{i}"), 3)]
     reader = type(store)(store.engine, store.url)  # another Store on the same database
-    reader._lists.max_items = 50
+    reader._steps._lists.max_items = 50
     for step in steps:  # what a watcher or the UI does: reads, never an append
         reader.show(step.id)
         reader.head(f"r{steps.index(step) // 3}")
     # 40 runs of 3 links (2 new addresses each): 240 addresses met, one run's 6 past the bound
-    assert reader._lists.num_items <= 50 + 6
+    assert reader._steps._lists.num_items <= 50 + 6

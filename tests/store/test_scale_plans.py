@@ -24,7 +24,7 @@ from kvtrace import open_store
 from kvtrace.bench.conversations import agent_document
 from kvtrace.formats import export_document, import_document
 from kvtrace.store import Store
-from kvtrace.store.compare import compare
+from kvtrace.store.present.compare import compare
 
 TABLES = ("steps", "blobs", "refs", "reflog", "notes")
 
