@@ -33,7 +33,7 @@ chromium:
 	  echo "chromium could not be installed: the HTML report tests will skip"
 
 test: $(STAMP) chromium
-	$(BIN)/ruff check kvtrace tests bench examples
+	$(BIN)/ruff check kvtrace tests scripts examples
 	$(BIN)/mypy
 	$(BIN)/pytest -q
 
@@ -66,9 +66,9 @@ $(VLLM_VENV)/.installed:
 	touch $@
 
 # kvtrace against vLLM, both cold, in each number format, quiet and with a busy process per
-# core (bench/peers.sh; ~25 min on 2 cores; docs/benchmarks.md quotes it).
+# core (scripts/peers.sh; ~25 min on 2 cores; docs/benchmarks.md quotes it).
 bench-peers: $(STAMP) $(VLLM_VENV)/.installed
-	bash bench/peers.sh
+	bash scripts/peers.sh
 
 # The main job: record a real agent run with the default model, fork it,
 # continue the fork, replay both, print hit rates and the speed-up; then record
@@ -82,10 +82,10 @@ tour: $(STAMP)
 	$(BIN)/python examples/store_tour.py
 
 bench: $(STAMP)
-	bash bench/run_all.sh
+	bash scripts/run_all.sh
 
 lint: $(STAMP)
-	$(BIN)/ruff check kvtrace tests bench examples
+	$(BIN)/ruff check kvtrace tests scripts examples
 	$(BIN)/mypy
 
 clean:

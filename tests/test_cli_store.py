@@ -214,3 +214,33 @@ def test_an_import_whose_run_exists_names_the_option_for_another(home, capsys):
     assert kv(capsys, "import", "--format", "codex", "--run", "cx", rollout)[0] == 0
     code, _, err = kv(capsys, "import", "--format", "codex", "--run", "cx", rollout)
     assert code == 2 and "run 'cx' exists with 23 steps" in err and "(--run NAME)" in err
+
+
+def test_show_cuts_a_huge_value_by_the_one_rule_and_full_shows_it_whole(home, capsys):
+    from kvtrace.store.present.shown import MAX_SHOWN
+
+    huge = "x" * (MAX_SHOWN + 12_345)
+    store = open_store()
+    store.run("big").record_tool_call("read_file", {"path": "/dump"}, huge)
+    store.close()
+    code, out, _ = kv(capsys, "show", "big")
+    assert code == 0 and huge not in out
+    assert "x" * MAX_SHOWN + "… (12,345 more characters)" in out
+    assert out.rstrip().endswith(f"1 value(s) cut at {MAX_SHOWN:,} characters: kvtrace show "
+                                 "--full big shows them whole")
+    code, out, _ = kv(capsys, "show", "big", "--full")
+    assert code == 0 and huge in out and "more characters" not in out
+    assert json.loads(kv(capsys, "show", "big", "--json")[1])["content"]["result"] == huge
+
+
+def test_fork_with_an_edit_ends_the_new_run_on_an_edited_copy(home, capsys, tmp_path):
+    edit = tmp_path / "edit.json"
+    edit.write_text(json.dumps({"result": 99}))
+    code, out, _ = kv(capsys, "fork", "main@2", "what-if", "--edit", str(edit))
+    assert code == 0, out
+    edited = json.loads(kv(capsys, "show", "what-if", "--json")[1])
+    original = json.loads(kv(capsys, "show", "main@2", "--json")[1])
+    assert edited["content"]["result"] == 99 and original["content"]["result"] == 2
+    assert edited["parent_id"] == original["parent_id"]
+    code, _, err = kv(capsys, "fork", "main@2", "other", "--edit", str(tmp_path / "none.json"))
+    assert code == 2 and err.count("\n") == 1 and "--edit" in err

@@ -1,6 +1,6 @@
 """Long-run benchmark: one conversation of 1,000 and of 10,000 turns through the CLI.
 
-Issue 22's target: `import`, `log`, `report` and `export` are linear in a
+The target: `import`, `log`, `report` and `export` are linear in a
 run's length, so a 10,000-turn conversation takes at most 10x the time of a
 1,000-turn one, in memory that grows no faster. Each operation runs as its
 own `python -m kvtrace` process (a user's command, with its start-up), timed

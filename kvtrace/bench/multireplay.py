@@ -8,7 +8,7 @@ recorded once into a temporary store. Each case replays all of them with
 case (an empty prefix cache), so every case does the same work; the cases
 take turns `trials` times, in alternating order, and the fastest of each
 counts. `ratio` is the wall time at the highest concurrency over that at 1
-(issue 22's target: <= 0.4 for 4 against a server with four parallel slots).
+(the target: <= 0.4 for 4 against a server with four parallel slots).
 
 Servers (`server`):
 - `serve`: `kvtrace serve` in its own process on the local model (one

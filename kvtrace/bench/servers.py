@@ -11,7 +11,7 @@ when the case is over.
 `kvtrace serve` runs the kvtrace this process imported, wherever it was
 started: `python -m kvtrace` would import the working directory's first,
 so a bench of a worktree's code run from the main checkout once timed the
-worktree's client against main's server (docs/benchmarks.md, session 19).
+worktree's client against main's server (docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -74,6 +74,12 @@ app.add_typer(bench_app, name="bench")
 Json = Annotated[
     bool, typer.Option("--json", help="Print one JSON document (for programs) instead of text.")
 ]
+# Every command that loads a model (or its tokenizer) takes it by this one option.
+Model = Annotated[str | None, typer.Option(
+    "--model",
+    help="The model: a transformers folder or a .gguf file (default: the embedded "
+    "SmolLM2-135M-Instruct). With a remote --backend, the model name sent (default: the "
+    "recorded one).")]
 
 
 class Precision(StrEnum):

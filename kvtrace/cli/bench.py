@@ -1,5 +1,5 @@
 """`kvtrace bench ...`: benchmarks, printing their figures as text or, with `--json`, as one
-JSON object (what bench/run_all.sh keeps and docs/benchmarks.md quotes).
+JSON object (what scripts/run_all.sh keeps and docs/benchmarks.md quotes).
 
 Benchmarks are measurements, never timed tests: each runs the compared cases
 side by side in one process and reports medians and ratios. The logic lives in
@@ -12,11 +12,8 @@ from typing import Annotated, Any
 
 import typer
 
-from kvtrace.cli.app import Json, Precision, bench_app, print_json, store_url
+from kvtrace.cli.app import Json, Model, Precision, bench_app, print_json, store_url
 from kvtrace.errors import UsageError
-
-Model = Annotated[str | None, typer.Option(
-    "--model", help="Model folder (default: the embedded SmolLM2-135M-Instruct).")]
 
 
 def _print_figures(figures: dict[str, Any], as_json: bool) -> None:

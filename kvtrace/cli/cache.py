@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from kvtrace.cli.app import Dtype, Json, Precision, cache_app, print_json, say
+from kvtrace.cli.app import Dtype, Json, Model, Precision, cache_app, print_json, say
 from kvtrace.errors import UsageError
 
 if TYPE_CHECKING:
@@ -24,8 +24,6 @@ if TYPE_CHECKING:
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 
-Model = Annotated[str | None, typer.Option(
-    "--model", help="Model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct).")]
 CacheDir = Annotated[Path | None, typer.Option(
     "--cache-dir", help="kvtrace cache folder (default: $KVTRACE_CACHE or ~/.cache/kvtrace).")]
 BlockSize = Annotated[int, typer.Option(

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 import typer.main
 
-from kvtrace.cli.app import Json, app, flag_message, print_json, say, store_url
+from kvtrace.cli.app import Json, Model, app, flag_message, print_json, say, store_url
 from kvtrace.errors import KvtraceError, UsageError
 from kvtrace.paths import default_cache_dir
 from kvtrace.store import open_store
@@ -58,10 +58,7 @@ def mcp_command(
         "--api-key", envvar=API_KEY_ENV,
         help="HTTP: require 'Authorization: Bearer KEY' from clients ($KVTRACE_MCP_API_KEY); "
         "needed with a --host other than loopback.")] = None,
-    model: Annotated[str | None, typer.Option(
-        "--model",
-        help="Model folder the replay, branch and analyze tools use, loaded on their first "
-        "call (default: the embedded SmolLM2-135M-Instruct).")] = None,
+    model: Model = None,
     as_json: Json = False,
 ) -> None:
     """An MCP server over the store: tools and resources to watch, steer and replay runs

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from kvtrace.cli.app import Json, announce_conversion, app, print_json, say, store_url
+from kvtrace.cli.app import Json, Model, announce_conversion, app, print_json, say, store_url
 from kvtrace.cli.output import Force, check_output, output_file
 from kvtrace.cli.progress import step_bar
 from kvtrace.errors import UsageError
@@ -25,10 +25,7 @@ def report_command(
         help="Runs (or step addresses) to show, in order.")],
     output: Annotated[Path, typer.Option(
         "-o", "--output", help="HTML file to write (an existing one only with --force).")],
-    model: Annotated[str | None, typer.Option(
-        "--model",
-        help="Model folder whose tokenizer counts the oracle bound (default: the embedded "
-        "model's).")] = None,
+    model: Model = None,
     no_tokens: Annotated[bool, typer.Option(
         "--no-tokens",
         help="Load no tokenizer: no oracle-bound bars (the provider's cached tokens still "

@@ -22,6 +22,7 @@ import typer
 from kvtrace.cli.app import (
     Dtype,
     Json,
+    Model,
     Precision,
     announce_conversion,
     app,
@@ -65,10 +66,6 @@ BackendOption = Annotated[str, typer.Option(
     "--backend", callback=_check_backend,
     help="'local' (the engine with its two-tier KV cache) or the base URL of an "
     "OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1.")]
-Model = Annotated[str | None, typer.Option(
-    "--model",
-    help="Local: a transformers model folder (default: the embedded SmolLM2-135M-Instruct). "
-    "Remote: the model name sent to the server (default: the recorded one).")]
 TokenizerOption = Annotated[str | None, typer.Option(
     "--tokenizer",
     help="Remote only: a local model folder, or 'default' for the embedded model, whose "
@@ -409,9 +406,7 @@ def branch_command(
 def analyze_command(
     ctx: typer.Context,
     run: Annotated[str, typer.Argument(help="The run (or step) to analyze.")],
-    model: Annotated[str | None, typer.Option(
-        "--model",
-        help="Model folder whose tokenizer to use (default: the embedded model).")] = None,
+    model: Model = None,
     prices: Annotated[Path | None, typer.Option(
         "--prices",
         help="Prices per million tokens by model (JSON, or TOML ending in .toml; see "

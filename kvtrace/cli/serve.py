@@ -17,6 +17,7 @@ import typer
 from kvtrace.cli.app import (
     Dtype,
     Json,
+    Model,
     Precision,
     app,
     print_json,
@@ -37,10 +38,6 @@ Upstream = Annotated[str | None, typer.Option(
     "--upstream",
     help="Forward to this OpenAI-compatible server (its base URL, e.g. "
     "https://api.openai.com/v1) instead of answering with the local engine.")]
-Model = Annotated[str | None, typer.Option(
-    "--model",
-    help="Local mode: a transformers model folder (default: the embedded "
-    "SmolLM2-135M-Instruct).")]
 Run = Annotated[str | None, typer.Option(
     "--run",
     help="Record into this run (default: a new run per start; the X-Kvtrace-Run header "

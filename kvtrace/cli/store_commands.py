@@ -13,11 +13,11 @@ import os
 import shutil
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
-from kvtrace.cli.app import Json, app, print_json, print_json_items, say, store_url
+from kvtrace.cli.app import Json, app, print_json, print_json_items, read_edit, say, store_url
 from kvtrace.cli.output import Force, output_file
 from kvtrace.cli.progress import step_bar
 from kvtrace.errors import UsageError
@@ -25,6 +25,7 @@ from kvtrace.formats import Format, export_file, import_file, subagent_runs
 from kvtrace.store import ReflogEntry, RunInfo, Store, import_into, init_store, open_store
 from kvtrace.store.kinds import CUT_NOTE, edit_of, is_cut
 from kvtrace.store.present.compare import compare
+from kvtrace.store.present.shown import MAX_SHOWN, shown_value
 from kvtrace.store.present.summary import step_summary
 
 
@@ -184,9 +185,12 @@ def show(
     ctx: typer.Context,
     spec: Annotated[str, typer.Argument(
         help="Step address: RUN, RUN@N, RUN~K or id prefix.")],
+    full: Annotated[bool, typer.Option(
+        "--full", help=f"Show every value whole (by default one longer than {MAX_SHOWN:,} "
+        "characters is cut, saying how much; --json is always whole).")] = False,
     as_json: Json = False,
 ) -> None:
-    """Show one step: its metadata, full content and notes."""
+    """Show one step: its metadata, content and notes."""
     with _store(ctx) as store:
         step = store.show(spec)
         notes = store.notes(step.id)
@@ -198,13 +202,25 @@ def show(
     say(f"kind   {step.kind}   depth {step.depth}   recorded {_when(step.recorded_at)}")
     if is_cut(step):
         say(f"{CUT_NOTE}: never served as an answer (--from and replay ask the model here)")
+    num_cut = 0
+
+    def text(value: Any, **dumps: Any) -> str:
+        nonlocal num_cut
+        if not full:
+            value, cut = shown_value(value)
+            num_cut += cut
+        return json.dumps(value, ensure_ascii=False, **dumps)
+
     for key, value in step.meta.items():
-        say(f"{key}: {json.dumps(value, ensure_ascii=False)}")
+        say(f"{key}: {text(value)}")
     for key, value in step.to_dict()["content"].items():
         say(f"--- {key}")
-        say(json.dumps(value, indent=2, ensure_ascii=False))
+        say(text(value, indent=2))
     for note in notes:
         say(f"note ({note.author or 'anonymous'}, {_when(note.created_at)}): {note.text}")
+    if num_cut:
+        say(f"{num_cut} value(s) cut at {MAX_SHOWN:,} characters: kvtrace show --full {spec} "
+            "shows them whole")
 
 
 @app.command()
@@ -212,11 +228,17 @@ def fork(
     ctx: typer.Context,
     spec: Annotated[str, typer.Argument(help="Step to fork at.")],
     new: Annotated[str, typer.Argument(help="Name of the new run.")],
+    edit: Annotated[str | None, typer.Option(
+        "--edit",
+        help="A JSON file mapping the step's content fields to new values (e.g. "
+        '{"result": "..."} for a tool call): the new run ends on an edited copy.')] = None,
     as_json: Json = False,
 ) -> None:
-    """Start a new run at any step of any run (O(1): nothing is copied)."""
+    """Start a new run at any step of any run (O(1): nothing is copied), or at an edited
+    copy of that step (--edit)."""
+    changes = read_edit(edit) if edit is not None else None
     with _store(ctx) as store:
-        run = store.fork(spec, new)
+        run = store.fork(spec, new, edit=changes)
     head = run.head
     if as_json:
         print_json({"run": run.name, "head": head.id if head else None,

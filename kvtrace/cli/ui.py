@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from kvtrace.cli.app import Json, announce_conversion, app, print_json, say, store_url
+from kvtrace.cli.app import Json, Model, announce_conversion, app, print_json, say, store_url
 from kvtrace.cli.serve import check_listening
 from kvtrace.paths import default_cache_dir
 from kvtrace.store import open_store
@@ -34,9 +34,7 @@ def ui_command(
         "--api-key", envvar=API_KEY_ENV,
         help="Key a browser must log in with ($KVTRACE_UI_API_KEY); needed with a --host other "
         "than loopback.")] = None,
-    model: Annotated[str | None, typer.Option(
-        "--model", help="Model folder for replays and for the oracle bound's tokenizer "
-        "(default: the embedded model).")] = None,
+    model: Model = None,
     no_tokens: Annotated[bool, typer.Option(
         "--no-tokens", help="Load no tokenizer: step pages show no oracle bound.")] = False,
     no_replay: Annotated[bool, typer.Option(

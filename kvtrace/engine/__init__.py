@@ -13,7 +13,7 @@ on kvtrace.store, kvtrace.replay or kvtrace.cli.
 from kvtrace.engine.batch import DecodeBatcher
 from kvtrace.engine.cache import DEFAULT_BLOCK_SIZE, KVCache, PrefixHit, TierStats
 from kvtrace.engine.folders import build_tiny_model, default_model_dir
-from kvtrace.engine.generate import GenerateResult, generate, settle
+from kvtrace.engine.generate import GenerateOptions, GenerateResult, generate, generate_with, settle
 from kvtrace.engine.layers import LayerKind, ModelLayout
 from kvtrace.engine.model import Engine, load_engine
 from kvtrace.engine.numerics import request_reproducible_gemm
@@ -28,6 +28,7 @@ __all__ = [
     "ChatTokenizer",
     "DecodeBatcher",
     "Engine",
+    "GenerateOptions",
     "GenerateResult",
     "KVCache",
     "LayerKind",
@@ -40,6 +41,7 @@ __all__ = [
     "build_tiny_model",
     "default_model_dir",
     "generate",
+    "generate_with",
     "load_engine",
     "load_tokenizer",
     "open_cache",

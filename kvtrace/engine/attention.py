@@ -43,7 +43,7 @@ Cost of the tiles: the same FLOPs as plain attention, plus a few temporary tenso
 `kv_heads * tiles * rows * TILE` floats, read by four passes (the score
 product, the softmax, the value product, the fold); the softmax's one pass
 replaced separate max, subtract, exp and denominator passes: an attention
-call 7-15 % faster (docs/benchmarks.md, session 16). Those temporaries are
+call 7-15 % faster (docs/benchmarks.md). Those temporaries are
 bounded: a forward of more than `QUERY_BLOCK_ROWS` rows, or whose scores
 would pass `SCORE_BYTES`, is split into blocks of query rows (a multiple of
 16 each), each block attending to the keys up to its last row.
@@ -52,7 +52,7 @@ row the same bits by the rules above (at 5k tokens of context a 430-row
 forward's scores alone would be ~80 MB per layer call). The row bound is
 for speed: a block's early rows no longer score the keys only its later
 rows see (a cold prefill's chunks of 512 rows attend ~20 % faster in
-blocks of 256, docs/benchmarks.md, session 19). The temporaries
+blocks of 256, docs/benchmarks.md). The temporaries
 live in per-thread buffers kept from call to call (`scratch`), not in new
 allocations each layer. Decode steps (one
 query row per sequence, decode.py) go to `decode_attention.py` instead
@@ -85,7 +85,7 @@ FLASH_BLOCK = 512
 KERNEL_ATTR = "_kvtrace_attention"  # on the model's config: "flash" where `flash_rows_hold`
 FLASH = "flash"
 # 128 keys: the value product's batched matmuls and the tile fold halve against 64 (an
-# extension prefill ~6 % faster in bfloat16, docs/benchmarks.md, session 18); 256 pads too far.
+# extension prefill ~6 % faster in bfloat16, docs/benchmarks.md); 256 pads too far.
 TILE = 128
 ROUTER_KWARG = "kvtrace_rows"  # a decode step's per-sequence K/V (decode.py's RowRouter)
 SCORE_BYTES = 32 * 1024**2

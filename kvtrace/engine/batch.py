@@ -41,8 +41,8 @@ step (a padded step 62-65 ms on the first thread, 97-124 on another;
 docs/benchmarks.md, "where the regression is"): each thread gets its own
 OpenMP team, and once libgomp manages more threads than there are CPUs it
 stops spinning, so every parallel region waits for a woken worker (a
-bfloat16 `mul` of 96 x 1536: 27 µs alone, 93 µs on a second thread;
-session 18). `DecodeBatcher.loading` therefore loads the engine on the
+bfloat16 `mul` of 96 x 1536: 27 µs alone, 93 µs on a second thread).
+`DecodeBatcher.loading` therefore loads the engine on the
 engine thread itself, before anything else in the process computes; a
 server uses it.
 
@@ -54,11 +54,11 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from kvtrace.engine.decode import decode_step
-from kvtrace.engine.generate import GenerateResult, Generation, begin
+from kvtrace.engine.generate import GenerateOptions, GenerateResult, Generation, begin
 from kvtrace.engine.heap import HeapTrimmer
 from kvtrace.engine.model import Engine
 from kvtrace.engine.prefill import ROW_MULTIPLE
@@ -80,11 +80,11 @@ class _Job:
         *,
         work: Callable[[], Any] | None = None,
         prompt_ids: Sequence[int] = (),
-        options: dict[str, Any] | None = None,
+        options: GenerateOptions | None = None,
     ) -> None:
         self.work = work
         self.prompt_ids = prompt_ids
-        self.options = options or {}
+        self.options = options
         self.done = threading.Event()
         self.result: Any = None
         self.error: BaseException | None = None
@@ -162,38 +162,13 @@ class DecodeBatcher:
             raise result
         return result
 
-    def generate(
-        self,
-        prompt_ids: Sequence[int],
-        *,
-        max_new_tokens: int,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        stop_ids: Iterable[int] | None = None,
-        insert_output: bool = True,
-        block_size: int | None = None,
-        draft_ids: Sequence[int] | None = None,
-        defer_output: bool = False,
-        is_cancelled: Callable[[], bool] | None = None,
-    ) -> GenerateResult:
-        """`kvtrace.engine.generate(engine, cache, prompt_ids, ...)`, decoded with the others.
+    def generate(self, prompt_ids: Sequence[int], options: GenerateOptions) -> GenerateResult:
+        """`kvtrace.engine.generate_with(engine, cache, prompt_ids, options)`, decoded with
+        the others.
 
         Blocks until the generation is over; the same result, tokens and
-        logits as alone. `is_cancelled` is asked on the engine thread.
+        logits as alone. `options.is_cancelled` is asked on the engine thread.
         """
-        options = {
-            "max_new_tokens": max_new_tokens,
-            "temperature": temperature,
-            "top_p": top_p,
-            "seed": seed,
-            "stop_ids": None if stop_ids is None else list(stop_ids),
-            "insert_output": insert_output,
-            "block_size": block_size,
-            "draft_ids": draft_ids,
-            "defer_output": defer_output,
-            "is_cancelled": is_cancelled,
-        }
         result: GenerateResult = self._wait(_Job(prompt_ids=list(prompt_ids), options=options))
         return result
 
@@ -298,7 +273,7 @@ class DecodeBatcher:
         return taken
 
     def _admit(self, job: _Job) -> None:
-        is_cancelled = job.options.get("is_cancelled")
+        is_cancelled = job.options.is_cancelled if job.options is not None else None
         try:
             if job.work is None and is_cancelled is not None and is_cancelled():
                 raise GenerationCancelledError("generation cancelled before it started")
@@ -306,7 +281,8 @@ class DecodeBatcher:
             if job.work is not None:
                 job.succeed(job.work())
                 return
-            begun = begin(self.engine, self.cache, job.prompt_ids, **job.options)
+            assert job.options is not None  # a generation's job carries its options
+            begun = begin(self.engine, self.cache, job.prompt_ids, job.options)
         except BaseException as exc:  # the caller's to handle; the others go on
             job.fail(exc)
             return

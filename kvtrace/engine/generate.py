@@ -94,6 +94,23 @@ class GenerateResult:
     draft: DraftVerdict | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class GenerateOptions:
+    """How one generation runs: `generate`'s keywords as one value, which `begin` and the
+    batcher take (arguments as `generate`'s)."""
+
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_ids: Iterable[int] | None = None
+    insert_output: bool = True
+    block_size: int | None = None
+    draft_ids: Sequence[int] | None = None
+    defer_output: bool = False
+    is_cancelled: Callable[[], bool] | None = None
+
+
 def draft_margin(dtype: torch.dtype) -> float | None:
     """The top-1/top-2 logit gap below which a drafted token is left to decoding.
 
@@ -139,21 +156,17 @@ def generate(
     (decode.py), so the tokens and logits equal that batcher's, whatever else
     it decodes alongside.
     """
-    begun = begin(
-        engine,
-        cache,
-        prompt_ids,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        seed=seed,
-        stop_ids=stop_ids,
-        insert_output=insert_output,
-        block_size=block_size,
-        draft_ids=draft_ids,
-        defer_output=defer_output,
-        is_cancelled=is_cancelled,
-    )
+    options = GenerateOptions(
+        max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
+        stop_ids=stop_ids, insert_output=insert_output, block_size=block_size,
+        draft_ids=draft_ids, defer_output=defer_output, is_cancelled=is_cancelled)
+    return generate_with(engine, cache, prompt_ids, options, padded_decode=padded_decode)
+
+
+def generate_with(engine: Engine, cache: PrefixCache | None, prompt_ids: Sequence[int],
+                  options: GenerateOptions, *, padded_decode: bool = False) -> GenerateResult:
+    """`generate` with its options as one value (what a caller that holds them passes on)."""
+    begun = begin(engine, cache, prompt_ids, options)
     if isinstance(begun, GenerateResult):
         return begun
     while not begun.advance():
@@ -161,27 +174,14 @@ def generate(
     return begun.finish()
 
 
-def begin(
-    engine: Engine,
-    cache: PrefixCache | None,
-    prompt_ids: Sequence[int],
-    *,
-    max_new_tokens: int,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    seed: int | None = None,
-    stop_ids: Iterable[int] | None = None,
-    insert_output: bool = True,
-    block_size: int | None = None,
-    draft_ids: Sequence[int] | None = None,
-    defer_output: bool = False,
-    is_cancelled: Callable[[], bool] | None = None,
-) -> GenerateResult | Generation:
+def begin(engine: Engine, cache: PrefixCache | None, prompt_ids: Sequence[int],
+          options: GenerateOptions) -> GenerateResult | Generation:
     """`generate` up to its first decode step: the result (an accepted draft), or the
     generation to step (`advance`, `decode_step`, `finish`), alone or in a batch (batch.py).
-
-    Arguments as `generate`'s.
     """
+    max_new_tokens, temperature, top_p = options.max_new_tokens, options.temperature, options.top_p
+    seed, stop_ids, block_size = options.seed, options.stop_ids, options.block_size
+    insert_output, draft_ids = options.insert_output, options.draft_ids
     if max_new_tokens < 0:
         raise UsageError("max_new_tokens must be >= 0")
     if temperature < 0 or not 0 < top_p <= 1:
@@ -241,8 +241,8 @@ def begin(
         stops=stops,
         max_new_tokens=max_new_tokens,
         insert_output=insert_output,
-        defer_output=defer_output,
-        is_cancelled=is_cancelled,
+        defer_output=options.defer_output,
+        is_cancelled=options.is_cancelled,
     )
 
 

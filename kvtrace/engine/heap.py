@@ -17,8 +17,8 @@ soak's RSS went"), though `malloc_trim(0)` gives those pages back.
 Two ways out, measured. Fixing the threshold at 128 KiB (what the server
 did before, `mallopt(M_MMAP_THRESHOLD)`) maps and unmaps every transient
 tensor of that size, and the page faults made the server's prefill
-1.3-1.6x slower than the same work in one process (docs/benchmarks.md,
-session 18). Keeping glibc's default and trimming instead costs a
+1.3-1.6x slower than the same work in one process (docs/benchmarks.md).
+Keeping glibc's default and trimming instead costs a
 `malloc_trim(0)` now and then: `HeapTrimmer` tells the engine thread when,
 after `IDLE_TRIM_S` without work and every `BUSY_TRIM_S` of continuous
 work, between forwards (never during one). One-shot commands (replay,

@@ -32,7 +32,7 @@ output layer on a prefill's last position (one row unless a span of
 logits is asked for, prefill.py; the two are never compared bit for bit),
 ~4 ms a request at 128 rows. The cost is the padding and the
 smaller products: a 96-row extension multiplies 128 rows, a 512-row chunk
-four products of 128 (docs/benchmarks.md, session 21: the default model's
+four products of 128 (docs/benchmarks.md: the default model's
 cold prefill ~20 % slower than unpinned in bfloat16, an extension ~12 %).
 """
 
@@ -47,7 +47,7 @@ import torch.nn.functional as F
 
 from kvtrace.engine.numerics import fixed_count_rows_hold
 
-ROWS = 128  # rows per pinned product (module docstring; docs/benchmarks.md, session 21)
+ROWS = 128  # rows per pinned product (module docstring; docs/benchmarks.md)
 _PROBE_OFFSETS = (1, 16, 57)
 
 

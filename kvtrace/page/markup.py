@@ -3,7 +3,8 @@
 Every recorded value (content, names, notes) goes through `escape`: first
 `kvtrace.inert` shows its control, format and bidi characters as escapes,
 then `html.escape` quotes it for text and attribute values alike. A value
-longer than `MAX_TEXT` characters is cut, saying how much was left out.
+longer than `MAX_SHOWN` characters is cut by the one rule of every surface
+(store/present/shown.py), saying how much was left out and how to get it.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ import json
 from typing import Any
 
 from kvtrace.inert import inert
+from kvtrace.store.present.shown import shown
 
-MAX_TEXT = 200_000  # characters of one value shown; `kvtrace show` has the rest
+WHOLE = "kvtrace show --full STEP shows it whole"  # where a cut value's rest is
 
 
 def escape(value: Any) -> str:
@@ -30,7 +32,7 @@ def pre_block(value: Any) -> str:
         text = value
     else:
         text = json.dumps(value, indent=2, ensure_ascii=False, default=str)
-    return f"<pre>{escape(cut(text, MAX_TEXT))}</pre>"
+    return f"<pre>{escape(shown(text, whole=WHOLE))}</pre>"
 
 
 def parsed_arguments(arguments: Any) -> Any:

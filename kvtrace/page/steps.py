@@ -19,8 +19,7 @@ from kvtrace.apis.chat import tool_calls_of
 from kvtrace.page.contents import PageRun, PageStep, Prompt
 from kvtrace.page.graph import kind_class
 from kvtrace.page.markup import (
-    MAX_TEXT,
-    cut,
+    WHOLE,
     escape,
     parsed_arguments,
     percent,
@@ -30,6 +29,7 @@ from kvtrace.page.markup import (
 )
 from kvtrace.rendering import content_text
 from kvtrace.store.kinds import ModelCall, StepKind, ToolCall, view
+from kvtrace.store.present.shown import shown
 
 
 def run_section(index: int, run: PageRun) -> Iterator[str]:
@@ -165,7 +165,7 @@ def message_html(message: Any) -> str:
     parts = [f'<div class="msg role-{escape(role)}"><span class="role">{escape(role)}</span>'
              + (f" <span class=\"mono\">{escape(label)}</span>" if label else "")]
     if message.get("reasoning_content"):
-        reasoning = cut(message["reasoning_content"], MAX_TEXT)
+        reasoning = shown(message["reasoning_content"], whole=WHOLE)
         parts.append(f"<pre>[reasoning] {escape(reasoning)}</pre>")
     content = message.get("content")
     if content is not None:

@@ -160,24 +160,16 @@ class LocalBackend:
                  is_cancelled: Callable[[], bool] | None = None) -> CallResult:
         """`request`'s answer; `is_cancelled` may stop it between decode steps (the engine's
         `generate`: GenerationCancelledError)."""
-        from functools import partial
-
-        from kvtrace.engine import generate
+        from kvtrace.engine import GenerateOptions, generate_with
 
         prompt = self._prompt_ids(request)
         params = request.params
-        run = (self._batcher.generate if self._batcher is not None
-               else partial(generate, self._engine, self._cache))
-        out = run(
-            prompt,
-            max_new_tokens=params.max_new_tokens,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            seed=params.seed,
-            draft_ids=request.draft_ids,
-            defer_output=self._defer_output,
-            is_cancelled=is_cancelled,
-        )
+        options = GenerateOptions(
+            max_new_tokens=params.max_new_tokens, temperature=params.temperature,
+            top_p=params.top_p, seed=params.seed, draft_ids=request.draft_ids,
+            defer_output=self._defer_output, is_cancelled=is_cancelled)
+        out = (self._batcher.generate(prompt, options) if self._batcher is not None
+               else generate_with(self._engine, self._cache, prompt, options))
         ids = list(out.token_ids)
         # A backend that stores its output, or does not credit owed output, reports only
         # KV the cache held, even on a cache another backend owes output to.

@@ -14,9 +14,9 @@ bytes themselves (every step written before migration 0007); `packed1`:
    `DICTIONARY`, a fixed sample of body keys, so that the keys every body
    repeats cost a few bytes instead of their length.
 
-A body of 460 bytes, most of it hex, is kept in about 190 (docs/benchmarks.md,
-issue 22). `packed1` pins the dictionary: a new dictionary is a new codec.
-A body is packed only when that is smaller. Every row written goes through
+A body of 460 bytes, most of it hex, is kept in about 190
+(docs/benchmarks.md). `packed1` pins the dictionary: a new dictionary is a
+new codec. A body is packed only when that is smaller. Every row written goes through
 `encode`, every read through `decode`; fsck decodes and re-hashes every
 body, and a body that does not decode is an IntegrityError (a problem in
 fsck's report), never a wrong body.

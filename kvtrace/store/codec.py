@@ -12,7 +12,7 @@ sees. The `blobs.codec` column says how `data` holds the content:
   the dictionary (raw content, zstd's "prefix" mode). An agent's tool
   result is stored twice by design: as the tool step's `result` and inside
   the next model call's `tool` message, which the store keeps as a delta
-  against the result (issue 22: about a fifth of an imported trajectory's
+  against the result (about a fifth of an imported trajectory's
   bytes). A delta is written in the same statement as its base's row, so
   the base exists wherever the delta does, and blobs are never deleted.
 

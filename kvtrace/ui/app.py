@@ -177,6 +177,15 @@ class UiServer:
                 previous if item.step.kind == StepKind.MODEL_CALL else None,
                 self.jobs.last_step_report(item.step.id)))
 
+        @app.get("/step.json")
+        def step_json(at: str) -> Response:
+            """The step whole, as `kvtrace show --json` prints it: the way to a value the page
+            cuts (store/present/shown.py)."""
+            step = store.show(at)
+            body = {**step.to_dict(), "notes": [n.to_dict() for n in store.notes(step.id)]}
+            return Response(json.dumps(body, ensure_ascii=False, indent=2),
+                            media_type="application/json")
+
         @app.get("/diff")
         def diff_page(request: Request, a: str, b: str) -> Response:
             comparison = compare(store, a, b)

@@ -25,6 +25,7 @@ from kvtrace.replay import StepReport
 from kvtrace.store import RunInfo, Step
 from kvtrace.store.kinds import ModelCall, StepKind, ToolCall
 from kvtrace.store.present.compare import Comparison
+from kvtrace.store.present.shown import MAX_SHOWN
 from kvtrace.store.present.summary import step_summary
 from kvtrace.ui.guard import CSRF_FIELD
 
@@ -233,7 +234,12 @@ def step_page(frame: Frame, address: str, run: str | None, item: PageStep,
                      '<label>by <input name="author" size="12"></label>'
                      '<button type="submit">add note</button>', ident="note-form")]
     edit = _edit_field(step)
-    if edit is not None:
+    if edit is not None and len(edit[1]) > MAX_SHOWN:
+        actions.append(f'<p class="meta" id="fork-form">the {escape(edit[0])} is '
+                       f"{len(edit[1]):,} characters, past what this page edits "
+                       f"({MAX_SHOWN:,}): fork with an edit from the CLI (kvtrace fork "
+                       f"{escape(step.short_id)} NEW --edit FILE)</p>")
+    elif edit is not None:
         field_name, value, is_text = edit
         actions.append(_form(
             frame, "/action/fork", {"at": step.id, "field": field_name,
@@ -249,8 +255,10 @@ def step_page(frame: Frame, address: str, run: str | None, item: PageStep,
                              ident="revert-here-form"))
     where = (f'of run <a href="{escape(link("/run", name=run))}">{escape(run)}</a>'
              if run else "")
+    whole = escape(link("/step.json", at=step.id))
     body = (f'<h1>step <code>{escape(address)}</code></h1><p class="meta">{escape(step.kind)} '
-            f"{where} · {escape(step.short_id)} · {escape(when(step.recorded_at))}</p>"
+            f"{where} · {escape(step.short_id)} · {escape(when(step.recorded_at))} · "
+            f'<a href="{whole}" id="whole-step">whole step (JSON)</a></p>'
             f"{usage}<div class=\"actions\">{''.join(actions)}</div>"
             f'<div class="body" id="step-body">{step_body(item, previous)}</div>')
     return document(frame, f"kvtrace ui: {address}", body)

@@ -7,7 +7,7 @@ import torch
 
 from kvtrace.engine import KVCache
 from kvtrace.engine.decode import decode_step
-from kvtrace.engine.generate import Generation, begin
+from kvtrace.engine.generate import GenerateOptions, Generation, begin
 
 
 def sampling(i: int) -> dict:
@@ -25,8 +25,8 @@ def decode_together(engine, prompts: list[list[int]], chosen: list[int], num_ste
     """
     generations = []
     for i in chosen:
-        begun = begin(engine, cache, prompts[i], max_new_tokens=num_steps + 1, stop_ids=(),
-                      **sampling(i))
+        begun = begin(engine, cache, prompts[i], GenerateOptions(
+            max_new_tokens=num_steps + 1, stop_ids=(), **sampling(i)))
         assert isinstance(begun, Generation)
         begun.decoding.detach()
         generations.append(begun)

@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from kvtrace.engine import KVCache, generate, prefill
+from kvtrace.engine import GenerateOptions, KVCache, generate, prefill
 from kvtrace.engine.batch import DecodeBatcher
 from kvtrace.engine.decode import decode_forward, decode_rows, row_multiple
 from kvtrace.engine.decode_attention import SPLIT_BLOCK
@@ -45,7 +45,7 @@ def test_the_probed_multiple_is_one_whose_forwards_give_a_16_row_forwards_bits(
     prompt = tokens(90, seed=5)
     seen = {}
     for width in sorted({multiple, 16}):
-        begun = begin(tiny_engine, None, prompt, max_new_tokens=4, stop_ids=())
+        begun = begin(tiny_engine, None, prompt, GenerateOptions(max_new_tokens=4, stop_ids=()))
         assert isinstance(begun, Generation)
         begun.advance()
         decode_forward(tiny_engine, [begun.decoding], width)
@@ -103,7 +103,7 @@ def _run_together(batcher: DecodeBatcher, requests, **extra) -> list:
     def run(i: int) -> None:
         prompt, options = requests[i]
         try:
-            results[i] = batcher.generate(prompt, **options, **extra)
+            results[i] = batcher.generate(prompt, GenerateOptions(**options, **extra))
         except Exception as exc:  # the test asserts on it
             results[i] = exc
 
@@ -203,7 +203,7 @@ def test_closed_batcher_refuses_jobs(tiny_engine):
     batcher = DecodeBatcher(tiny_engine, None)
     batcher.close()
     with pytest.raises(UsageError, match="closed"):
-        batcher.generate([5, 6, 7], max_new_tokens=2)
+        batcher.generate([5, 6, 7], GenerateOptions(max_new_tokens=2))
     with pytest.raises(UsageError, match="max_batch"):
         DecodeBatcher(tiny_engine, None, max_batch=0)
 

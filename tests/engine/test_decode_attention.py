@@ -25,7 +25,7 @@ from kvtrace.engine.decode_attention import (
 from kvtrace.engine.decode_attention import (
     decode_attention as attend,
 )
-from kvtrace.engine.generate import Generation, begin
+from kvtrace.engine.generate import GenerateOptions, Generation, begin
 from kvtrace.errors import CacheError
 from tests.engine.batch_checks import (
     assert_batch_sizes_match_alone,
@@ -42,7 +42,8 @@ def _prompts(tokens) -> list[list[int]]:
 
 
 def _begin(engine, prompt: list[int], i: int) -> Generation:
-    begun = begin(engine, None, prompt, max_new_tokens=8, stop_ids=(), **sampling(i))
+    begun = begin(engine, None, prompt,
+                  GenerateOptions(max_new_tokens=8, stop_ids=(), **sampling(i)))
     assert isinstance(begun, Generation)
     return begun
 

@@ -20,6 +20,7 @@ import torch
 from kvtrace.engine import (
     DecodeBatcher,
     Engine,
+    GenerateOptions,
     KVCache,
     LayerKind,
     StateCache,
@@ -203,7 +204,8 @@ def test_batched_decoding_gives_each_request_what_it_gets_alone(family_engine, t
 
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
             together = list(pool.map(
-                lambda p: batcher.generate(p, max_new_tokens=5, stop_ids=()), prompts))
+                lambda p: batcher.generate(p, GenerateOptions(max_new_tokens=5, stop_ids=())),
+                prompts))
     finally:
         batcher.close()
     assert [r.token_ids for r in together] == [r.token_ids for r in alone]

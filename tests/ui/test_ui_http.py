@@ -260,3 +260,19 @@ def test_cli_ui_serves_the_store_and_stops_on_ctrl_c_with_a_stream_open(tmp_path
         if process.poll() is None:
             process.kill()
         process.communicate(timeout=30)
+
+
+def test_a_huge_value_is_cut_on_the_step_page_with_the_way_to_the_whole(store, start_ui):
+    from kvtrace.store.present.shown import MAX_SHOWN
+
+    huge = "y" * (MAX_SHOWN * 10)
+    store.run("main").record_tool_call("read_file", {"path": "/dump"}, huge)
+    ui = start_ui(store)
+    page = ui.client.get("/step?at=main")
+    assert page.status_code == 200
+    assert len(page.text) < 3 * MAX_SHOWN  # the page holds the cut value, not the 200,000
+    assert f"{MAX_SHOWN * 9:,} more characters" in page.text
+    assert "past what this page edits" in page.text and "<textarea" not in page.text
+    link = html.unescape(page.text.split('id="whole-step"')[0].rsplit('href="', 1)[1])
+    whole = ui.client.get(link.split('"')[0])
+    assert whole.status_code == 200 and whole.json()["content"]["result"] == huge

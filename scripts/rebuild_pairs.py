@@ -10,7 +10,7 @@ CPU time and context switches, the CPU time of everything else on the
 machine, the load): a slow trial whose CPU time is the fast ones' waited
 for a core; one whose CPU time grew did more work, or worked slower.
 
-Usage: .venv/bin/python bench/rebuild_pairs.py [PAIRS]   (default 4; needs the
+Usage: .venv/bin/python scripts/rebuild_pairs.py [PAIRS]   (default 4; needs the
 agent fixture, which `kvtrace bench replay --shape agent` records once).
 """
 

@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
 # Long reliability runs (docs/reliability.md): concurrent, lock-step and SIGKILLed
 # writer processes on a new SQLite store and, if given, a new PostgreSQL schema;
-# then the hypothesis properties at 1,000 examples each. Results in bench/results/.
-# Usage: bash bench/stress.sh [POSTGRESQL_URL]   e.g. postgresql://postgres@127.0.0.1:5432/test
+# then the hypothesis properties at 1,000 examples each. Results in scripts/results/.
+# Usage: bash scripts/stress.sh [POSTGRESQL_URL]   e.g. postgresql://postgres@127.0.0.1:5432/test
 set -euo pipefail
 cd "$(dirname "$0")/.."
 make install >/dev/null
-mkdir -p bench/results
+mkdir -p scripts/results
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 echo "== stress: SQLite" >&2
 .venv/bin/python -m kvtrace.bench.stress all "sqlite:///$tmp/store.db" \
-  | tee bench/results/stress-sqlite.jsonl
+  | tee scripts/results/stress-sqlite.jsonl
 if [ $# -ge 1 ]; then
   schema="kvt_stress_$$"
   echo "== stress: PostgreSQL (schema $schema)" >&2
@@ -22,7 +22,7 @@ with sa.create_engine(url).begin() as conn:
     conn.execute(sa.text(f"CREATE SCHEMA {sys.argv[2]}"))
 PY
   .venv/bin/python -m kvtrace.bench.stress all "$1?options=-csearch_path%3D$schema" \
-    | tee bench/results/stress-postgresql.jsonl || status=$?
+    | tee scripts/results/stress-postgresql.jsonl || status=$?
   .venv/bin/python - "$1" "$schema" <<'PY'
 import sys, sqlalchemy as sa
 url = sys.argv[1].replace("postgresql://", "postgresql+psycopg://", 1)
@@ -34,4 +34,4 @@ fi
 echo "== hypothesis properties, 1,000 examples each" >&2
 KVTRACE_HYPOTHESIS_EXAMPLES=1000 .venv/bin/pytest -q -p no:cacheprovider \
   tests/store/test_properties.py --hypothesis-show-statistics \
-  | tee bench/results/properties.txt
+  | tee scripts/results/properties.txt

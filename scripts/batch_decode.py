@@ -17,7 +17,7 @@ is the wall time less every prefill and output insert. Every generation
 decodes exactly NEW tokens (no stop ids), and both sides' tokens are checked
 equal.
 
-Usage: .venv/bin/python bench/batch_decode.py [TRIALS] [NEW]   (default 2, 64)
+Usage: .venv/bin/python scripts/batch_decode.py [TRIALS] [NEW]   (default 2, 64)
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from kvtrace.engine import KVCache, generate, load_engine, prefill
+from kvtrace.engine import GenerateOptions, KVCache, generate, load_engine, prefill
 from kvtrace.engine.batch import DecodeBatcher
 from kvtrace.paths import default_cache_dir
 
@@ -64,7 +64,7 @@ def together(engine, cache, prompts, new):
         gate.wait()
 
     def run(i):
-        results[i] = batcher.generate(prompts[i], max_new_tokens=new, stop_ids=())
+        results[i] = batcher.generate(prompts[i], GenerateOptions(max_new_tokens=new, stop_ids=()))
 
     holder = threading.Thread(target=batcher.call, args=(hold,))
     holder.start()

@@ -1,6 +1,6 @@
 """Soak test of `kvtrace serve` (local mode): N concurrent clients for T seconds, on loopback.
 
-    .venv/bin/python bench/soak.py --clients 4 --seconds 60 [--model tiny|PATH]
+    .venv/bin/python scripts/soak.py --clients 4 --seconds 60 [--model tiny|PATH]
 
 Starts the server in its own process (the same ChatServer and uvicorn runner
 as `kvtrace serve`, on 127.0.0.1, port chosen by the kernel) with a new
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="RSS growth allowed besides the KV memory tier, its objects and "
                         "the store's caches (SQLite's page cache, the allocator's slack)")
     parser.add_argument("--probe-memory", metavar="OUT", type=Path,
-                        help="write the server's memory samples to OUT (bench/soak_memory.py)")
+                        help="write the server's memory samples to OUT (scripts/soak_memory.py)")
     parser.add_argument("--probe-every", type=float, default=30.0,
                         help="seconds between memory samples (with --probe-memory)")
     parser.add_argument("--tracemalloc", type=int, default=0, metavar="FRAMES",
@@ -349,7 +349,7 @@ def _report(folder: Path, args: argparse.Namespace, clients: Clients, *, elapsed
     growth = (rss.end - rss.start) / 2**20
     is_rss_ok = growth <= budget["total"]
     report = {
-        "command": f"bench/soak.py --clients {args.clients} --seconds {args.seconds:g}"
+        "command": f"scripts/soak.py --clients {args.clients} --seconds {args.seconds:g}"
                    + (f" --model {args.model}" if args.model else ""),
         "model": clients.model, "clients": args.clients, "seconds": round(elapsed, 1),
         "requests_served": served, "requests_by_kind": clients.kinds,

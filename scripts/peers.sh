@@ -3,12 +3,12 @@
 # workload, both cold, the same tokens checked through vLLM's /tokenize: each number format,
 # vLLM's default block size (128) and the smallest its CPU
 # attention kernel takes (multiples of 32), then with one busy process per core. JSON in
-# bench/results/peers-*.json (docs/benchmarks.md quotes them).
-# Usage: bash bench/peers.sh [CASE ...]   (default: all; a case is a name below)
+# scripts/results/peers-*.json (docs/benchmarks.md quotes them).
+# Usage: bash scripts/peers.sh [CASE ...]   (default: all; a case is a name below)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-mkdir -p bench/results
+mkdir -p scripts/results
 cores=$(nproc)
 declare -A cases=(
   [float32]="--dtype float32"
@@ -26,5 +26,5 @@ for name in "${names[@]}"; do
   echo "== kvtrace bench fork --peer vllm ${cases[$name]}" >&2
   # shellcheck disable=SC2086
   .venv/bin/kvtrace bench fork --peer vllm ${cases[$name]} --json \
-    | tee "bench/results/peers-$name.json"
+    | tee "scripts/results/peers-$name.json"
 done

@@ -1,7 +1,8 @@
 """Where a soaked server's memory goes: RSS beside malloc's counts, Python's heap, the caches.
 
-    .venv/bin/python bench/soak.py --model tiny --seconds 600 --probe-memory OUT [--tracemalloc 12]
-    .venv/bin/python bench/soak_memory.py OUT          # what grew, from the samples and snapshots
+    .venv/bin/python scripts/soak.py --model tiny --seconds 600 --probe-memory OUT \
+        [--tracemalloc 12]
+    .venv/bin/python scripts/soak_memory.py OUT          # what grew, from the samples and snapshots
 
 Why each figure: RSS alone cannot tell memory that is held (retained
 objects, a cache filling) from memory that was freed but not given back to

@@ -1,4 +1,4 @@
-"""bench/soak.py in short: 3 clients for 4 seconds against a real server process, tiny model,
+"""scripts/soak.py in short: 3 clients for 4 seconds against a real server process, tiny model,
 with clients that give up on long answers and drop streams among them."""
 
 from __future__ import annotations
