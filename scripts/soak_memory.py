@@ -90,9 +90,7 @@ class Probe:
                                "malloc": mallinfo(), "threads": threading.active_count(),
                                "gc_objects": len(gc.get_objects())}
         if self.store is not None:
-            lists = self.store._lists
-            row["store"] = {"lists": len(lists), "list_items": lists.num_items,
-                            "known": len(self.store._known)}
+            row["store"] = self.store.held()
         if self.cache is not None:
             stats = self.cache.memory_stats()
             row["kv_memory"] = {"nodes": stats.num_entries, "tokens": stats.num_tokens,
@@ -144,10 +142,10 @@ STORE_ITEM_BYTES = 8
 
 def server_state(store: Any, cache: Any) -> dict[str, int]:
     """What the server holds that its RSS budget counts (printed by the soak's server)."""
-    stats = cache.memory_stats()
+    stats, held = cache.memory_stats(), store.held()
     return {"tier_nodes": stats.num_entries, "tier_tokens": stats.num_tokens,
-            "tier_bytes": stats.num_bytes, "store_steps": len(store._known),
-            "store_lists": len(store._lists), "store_list_items": store._lists.num_items}
+            "tier_bytes": stats.num_bytes, "store_steps": held["known"],
+            "store_lists": held["lists"], "store_list_items": held["list_items"]}
 
 
 def rss_budget(memory_mib: int, other_mib: int, state: dict[str, int]) -> dict[str, float]:

@@ -15,12 +15,15 @@ LANE, ROW, MARGIN = 22, 22, 14  # graph geometry in pixels
 CHAR_PX = 7.5  # the width of one character of the labels' 12 px monospace font
 
 
-def graph_section(page: Page) -> str:
-    nodes = page.nodes
+def graph_section(page: Page, depths: range | None = None) -> str:
+    """The branch graph of `page`; with `depths`, of the steps at those depths only (a page of
+    a long run's steps: as tall as the page, not as the run)."""
+    nodes = page.nodes if depths is None else [n for n in page.nodes if n.depth in depths]
     if not nodes:
         return '<section id="graph"><h2>Branch graph</h2><p>no steps yet</p></section>'
     where = {node.step_id: node for node in nodes}
-    max_depth = max(node.depth for node in nodes)
+    top = min(node.depth for node in nodes)
+    max_depth = max(node.depth for node in nodes) - top + 1
     text_x = MARGIN * 2 + LANE * len(page.lanes)
     height = MARGIN * 2 + ROW * (max_depth - 1) + 8
     rows: dict[int, list[GraphNode]] = {}
@@ -36,17 +39,17 @@ def graph_section(page: Page) -> str:
         parent = where.get(node.parent_id) if node.parent_id else None
         if parent is None:
             continue
-        (x1, y1), (x2, y2) = _xy(parent), _xy(node)
+        (x1, y1), (x2, y2) = _xy(parent, top), _xy(node, top)
         middle = (y1 + y2) / 2
         out.append(f'<path class="edge" d="M{x1} {y1} C{x1} {middle} {x2} {middle} {x2} {y2}"/>')
     for node in nodes:
-        x, y = _xy(node)
+        x, y = _xy(node, top)
         circle = (f'<circle class="node kind-{kind_class(node.kind)}" cx="{x}" cy="{y}" r="6">'
                   f"<title>@{node.depth} {escape(node.kind)} {escape(node.summary)}</title>"
                   "</circle>")
         out.append(f'<a href="#{node.anchor}">{circle}</a>' if node.anchor else circle)
     for depth, line in lines:
-        y = MARGIN + ROW * (depth - 1) + 4
+        y = MARGIN + ROW * (depth - top) + 4
         out.append(f'<text x="{text_x}" y="{y}">{line}</text>')
     out.append("</svg>")
     lanes = " ".join(f"<span>lane {i + 1}: <code>{escape(name)}</code></span>"
@@ -77,8 +80,8 @@ def _lines(rows: dict[int, list[GraphNode]]) -> tuple[list[tuple[int, str]], int
     return lines, longest
 
 
-def _xy(node: GraphNode) -> tuple[int, int]:
-    return MARGIN + LANE * node.lane, MARGIN + ROW * (node.depth - 1)
+def _xy(node: GraphNode, top: int) -> tuple[int, int]:
+    return MARGIN + LANE * node.lane, MARGIN + ROW * (node.depth - top)
 
 
 _DRAWN_KINDS = (StepKind.MODEL_CALL, StepKind.TOOL_CALL, StepKind.NOTE)

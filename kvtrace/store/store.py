@@ -204,6 +204,11 @@ class Store:
         with read_transaction(self._reader) as conn:
             return history.load_steps(conn, [resolve.step_id(conn, spec)], self._lists_cache())[0]
 
+    def held(self) -> dict[str, int]:
+        """What the store holds in memory (writer.py's caches: steps known, lists resolved,
+        their item addresses), for a long-lived process's memory accounting."""
+        return self._steps.held()
+
     def _lists_cache(self) -> store_lists.ListCache:
         """The resolved-list cache the writer keeps, emptied first when it is full (readers
         fill it too: a process that only reads, a watcher or the UI, must not hold every

@@ -59,6 +59,11 @@ class StepWriter:
         """The resolved-list cache, emptied first when it is full."""
         return self._lists.make_room()
 
+    def held(self) -> dict[str, int]:
+        """What the caches hold: steps known, lists resolved and their item addresses."""
+        return {"known": len(self._known), "lists": len(self._lists),
+                "list_items": self._lists.num_items}
+
     def append(
         self,
         name: str,

@@ -111,9 +111,7 @@ class UiServer:
 
         @app.exception_handler(KvtraceError)
         async def kvtrace_error(request: Request, exc: KvtraceError) -> Response:
-            status = (400 if isinstance(exc, UsageError) else 404
-                      if isinstance(exc, NotFoundError) else 409
-                      if isinstance(exc, ConflictError) else 500)
+            status = _status(exc)
             frame = self._frame(request)
             return self._html(frame, views.error_page(frame, status, str(exc)), status)
 
@@ -155,27 +153,17 @@ class UiServer:
             return self._html(frame, views.runs_page(frame, runs, paused, page))
 
         @app.get("/run")
-        def run_page(request: Request, name: str) -> Response:
-            page = gather(store, [name])
+        def run_page(request: Request, name: str, page: int | None = None) -> Response:
+            contents = gather(store, [name])
             moves = [e for e in store.reflog(name) if e.reason not in ("pause", "resume")]
             frame = self._frame(request)
-            return self._html(frame, views.run_page(frame, name, page, store.is_paused(name),
-                                                    len(moves) > 1))
+            return self._html(frame, views.run_page(frame, name, contents,
+                                                    store.is_paused(name), len(moves) > 1,
+                                                    page))
 
         @app.get("/step")
         def step_page(request: Request, at: str) -> Response:
-            page = gather(store, [at], self.tokenizer, tokenizer_name=self.tokenizer_name)
-            steps = page.runs[0].steps
-            if not steps:
-                raise UsageError(f"{at!r} is an empty run: it has no step to show")
-            item = steps[-1]
-            previous = next((s for s in reversed(steps[:-1])
-                             if s.step.kind == StepKind.MODEL_CALL), None)
-            frame = self._frame(request)
-            return self._html(frame, views.step_page(
-                frame, at, self._run_of(at), item,
-                previous if item.step.kind == StepKind.MODEL_CALL else None,
-                self.jobs.last_step_report(item.step.id)))
+            return self._step_page(request, at)
 
         @app.get("/step.json")
         def step_json(at: str) -> Response:
@@ -329,7 +317,14 @@ class UiServer:
             handler = handlers.get(action)
             if handler is None:
                 raise UsageError(f"no action {action!r}: use one of {', '.join(handlers)}")
-            where, message = await run_in_threadpool(handler, form)
+            try:
+                where, message = await run_in_threadpool(handler, form)
+            except KvtraceError as exc:
+                if action != "fork" or not form.get("at"):
+                    raise
+                draft = views.Draft(form.get("name", ""), form.get("value", ""), str(exc))
+                return await run_in_threadpool(self._step_page, request, form["at"],
+                                               draft=draft, status=_status(exc))
             done = secrets.token_urlsafe(8)
             while len(self._flashes) >= MAX_FLASHES:  # redirects never followed: drop the oldest
                 self._flashes.pop(next(iter(self._flashes)))
@@ -390,6 +385,23 @@ class UiServer:
             "note": note, "pause": pause, "resume": resume, "revert": revert, "undo": undo,
             "fork": fork, "replay": replay}
 
+    def _step_page(self, request: Request, at: str, *, draft: views.Draft | None = None,
+                   status: int = 200) -> Response:
+        """Step `at`'s page; with `draft`, its fork form holds what a failed fork was sent
+        (the name and the edit), under the error, so that nothing typed is lost."""
+        page = gather(self.store, [at], self.tokenizer, tokenizer_name=self.tokenizer_name)
+        steps = page.runs[0].steps
+        if not steps:
+            raise UsageError(f"{at!r} is an empty run: it has no step to show")
+        item = steps[-1]
+        previous = next((s for s in reversed(steps[:-1])
+                         if s.step.kind == StepKind.MODEL_CALL), None)
+        frame = self._frame(request)
+        return self._html(frame, views.step_page(
+            frame, at, self._run_of(at), item,
+            previous if item.step.kind == StepKind.MODEL_CALL else None,
+            self.jobs.last_step_report(item.step.id), draft), status)
+
     async def _form(self, request: Request) -> dict[str, str]:
         """A form-encoded body as a dict (the last value of a repeated field), size-capped."""
         kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
@@ -422,3 +434,9 @@ def _choice(form: dict[str, str], name: str, choices: list[str]) -> str:
     if value not in choices:
         raise UsageError(f"{name} {value!r} is not one of {', '.join(choices)}", param=name)
     return value
+
+
+def _status(exc: KvtraceError) -> int:
+    """The HTTP status of an error: bad input 400, unknown 404, a conflict 409, else 500."""
+    return (400 if isinstance(exc, UsageError) else 404 if isinstance(exc, NotFoundError)
+            else 409 if isinstance(exc, ConflictError) else 500)

@@ -19,11 +19,12 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
+from kvtrace.errors import UsageError
 from kvtrace.page.contents import Page, PageStep
 from kvtrace.page.render import STYLE, escape, graph_section, step_bars, step_body, when
 from kvtrace.replay import StepReport
 from kvtrace.store import RunInfo, Step
-from kvtrace.store.kinds import ModelCall, StepKind, ToolCall
+from kvtrace.store.kinds import ModelCall, StepKind, ToolCall, edit_of
 from kvtrace.store.present.compare import Comparison
 from kvtrace.store.present.shown import MAX_SHOWN
 from kvtrace.store.present.summary import step_summary
@@ -45,7 +46,10 @@ textarea { width: 100%; min-height: 120px; font-family: ui-monospace, monospace;
 .flash { background: #e7f5ec; border: 1px solid #9fd3b1; padding: 4px 8px; border-radius: 4px; }
 .error { background: #fdecea; border: 1px solid #f1a899; padding: 4px 8px; border-radius: 4px; }
 .paused { color: #a1260d; font-weight: 600; }
-.cols { display: grid; grid-template-columns: 1fr 1fr; gap: 12px; }
+.cols { display: grid; grid-template-columns: minmax(0, 1fr) minmax(0, 1fr); gap: 12px; }
+.cols td, .diff pre { overflow-wrap: anywhere; }
+.diff pre { white-space: pre-wrap; }
+.badge.edited { background: #fff1d6; }
 .diff .add { background: #e6ffec; } .diff .del { background: #ffebe9; }
 .diff .hunk { color: #6f42c1; }
 .diff pre span { display: block; }
@@ -57,6 +61,7 @@ textarea { width: 100%; min-height: 120px; font-family: ui-monospace, monospace;
 
 ERROR_TITLES = {400: "bad request", 401: "key needed", 403: "refused", 404: "not found",
                 409: "conflict", 421: "wrong host"}
+RUN_PAGE_STEPS = 200  # steps a run page lists and draws; a longer run is paged
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +125,10 @@ def runs_page(frame: Frame, runs: list[RunInfo], paused: set[str], page: Page | 
             f'<label>compare <select name="a">{options}</select></label>'
             f'<label>with <select name="b">{options}</select></label>'
             '<button type="submit">side by side</button></form>') if len(runs) > 1 else ""
-    graph = graph_section(page) if page is not None else ""
+    graph = ""
+    if page is not None and page.nodes:  # the latest RUN_PAGE_STEPS depths of the drawn runs
+        deepest = max(node.depth for node in page.nodes)
+        graph = graph_section(page, range(max(1, deepest - RUN_PAGE_STEPS + 1), deepest + 1))
     body = (f"<h1>runs</h1><p class=\"meta\">{len(runs)} runs · heads update live</p>"
             '<table class="list" id="runs"><thead><tr><th>run</th><th>steps</th>'
             "<th>head</th><th>state</th><th></th></tr></thead>"
@@ -164,9 +172,18 @@ _RUNS_SCRIPT = """
 # -- one run -------------------------------------------------------------------------------
 
 
-def run_page(frame: Frame, name: str, page: Page, is_paused: bool, num_moves: int) -> str:
+def run_page(frame: Frame, name: str, page: Page, is_paused: bool, num_moves: int,
+             number: int | None = None) -> str:
+    """Run `name`'s page: its actions, and page `number` of its steps (RUN_PAGE_STEPS each,
+    from step 1; None: the last, which holds the head), drawn and listed."""
     run = page.runs[0]
-    steps = run.steps
+    all_steps = run.steps
+    last = max(1, -(-len(all_steps) // RUN_PAGE_STEPS))
+    number = last if number is None else number
+    if not 1 <= number <= last:
+        raise UsageError(f"page {number} of run {name!r}: it has pages 1 to {last}")
+    depths = range((number - 1) * RUN_PAGE_STEPS + 1, number * RUN_PAGE_STEPS + 1)
+    steps = [s for s in all_steps if s.step.depth in depths]
     pause = (_form(frame, "/action/resume", {"run": name}, '<button type="submit">resume'
                    "</button>", ident="resume-form") if is_paused else
              _form(frame, "/action/pause", {"run": name}, '<button type="submit">pause</button>',
@@ -174,9 +191,10 @@ def run_page(frame: Frame, name: str, page: Page, is_paused: bool, num_moves: in
     undo = (_form(frame, "/action/undo", {"run": name}, '<button type="submit">undo last move'
                   "</button>", ident="undo-form") if num_moves else "")
     revert = ""
-    if len(steps) > 1:
+    if len(all_steps) > 1:
         options = "".join(f'<option value="{s.step.depth}">@{s.step.depth} '
-                          f"{escape(s.step.kind)}</option>" for s in steps[:-1])
+                          f"{escape(s.step.kind)}</option>" for s in steps
+                          if s.step.depth < len(all_steps))
         revert = _form(frame, "/action/revert", {"run": name},
                        f'<label>revert to <select name="to">{options}</select></label>'
                        '<button type="submit">revert</button>', ident="revert-form")
@@ -186,11 +204,12 @@ def run_page(frame: Frame, name: str, page: Page, is_paused: bool, num_moves: in
                    '<button type="submit">start</button>', ident="replay-form")
     state = '<span class="paused">paused</span> · ' if is_paused else ""
     rows = "".join(step_row(name, item) for item in steps)
+    pages = _pager(name, number, last, depths, len(all_steps))
     body = (f"<h1>run <code>{escape(name)}</code></h1>"
-            f'<p class="meta">{state}{len(steps)} steps · '
+            f'<p class="meta">{state}{len(all_steps)} steps · '
             f'<a href="{escape(link("/tail", name=name))}">live tail</a></p>'
-            f'<div class="actions">{pause}{undo}{revert}{replay}</div>'
-            f"{graph_section(page)}"
+            f'<div class="actions">{pause}{undo}{revert}{replay}</div>{pages}'
+            f"{graph_section(page, depths)}"
             + (f'<p class="problem">no oracle bound: {escape(run.token_problem)}</p>'
                if run.token_problem else "")
             + '<h2>steps</h2><table class="list" id="steps"><tbody>'
@@ -198,11 +217,31 @@ def run_page(frame: Frame, name: str, page: Page, is_paused: bool, num_moves: in
     return document(frame, f"kvtrace ui: {name}", body)
 
 
+def _pager(name: str, number: int, last: int, depths: range, num_steps: int) -> str:
+    """Where this page of a long run's steps is, with links to the others (none: one page)."""
+    if last == 1:
+        return ""
+
+    def to(page: int, label: str) -> str:
+        return f'<a href="{escape(link("/run", name=name, page=str(page)))}">{label}</a>'
+
+    around = [to(1, "first")] if number > 1 else []
+    around += [to(number - 1, "earlier")] if number > 1 else []
+    around += [to(number + 1, "later")] if number < last else []
+    around += [to(last, "last (the head)")] if number < last else []
+    shown = f"steps {depths.start} to {min(depths.stop - 1, num_steps)} of {num_steps}"
+    return (f'<p class="meta" id="pager">page {number} of {last}: {shown} · '
+            f"{' · '.join(around)}</p>")
+
+
 def step_row(run: str, item: PageStep) -> str:
     """One step of a run as a table row (also what the live tail appends)."""
     step = item.step
     notes = (f'<span class="badge">{len(item.notes)} note{"s" if len(item.notes) > 1 else ""}'
              "</span>" if item.notes else "")
+    copied = edit_of(step)
+    if copied is not None:  # a fork's edited head: marked wherever it is listed, as in the CLI
+        notes += f'<span class="badge edited">edited copy of {escape(copied[:12])}</span>'
     address = f"{run}@{step.depth}"
     return (f'<tr id="r0-s{step.depth}" data-step="{escape(step.id)}">'
             f'<td class="mono">@{step.depth}</td><td><i class="dot kind-{_kind(step.kind)}"></i>'
@@ -225,8 +264,18 @@ def _kind(kind: str) -> str:
 # -- one step ------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
+class Draft:
+    """What a fork that failed was sent, shown again under its error: nothing typed is lost."""
+
+    name: str
+    value: str
+    error: str
+
+
 def step_page(frame: Frame, address: str, run: str | None, item: PageStep,
-              previous: PageStep | None, replayed: tuple[str, StepReport] | None) -> str:
+              previous: PageStep | None, replayed: tuple[str, StepReport] | None,
+              draft: Draft | None = None) -> str:
     step = item.step
     usage = _usage_section(item, replayed)
     actions = [_form(frame, "/action/note", {"at": step.id, "back": address},
@@ -241,11 +290,18 @@ def step_page(frame: Frame, address: str, run: str | None, item: PageStep,
                        f"{escape(step.short_id)} NEW --edit FILE)</p>")
     elif edit is not None:
         field_name, value, is_text = edit
+        name = ""
+        failed = ""
+        if draft is not None:
+            name, value = draft.name, draft.value
+            failed = (f'<p class="error" id="fork-error">fork failed: {escape(draft.error)} '
+                      "(your edit is kept below: fix it and fork again)</p>")
         actions.append(_form(
             frame, "/action/fork", {"at": step.id, "field": field_name,
                                     "as_text": "1" if is_text else "0"},
-            f"<h4>fork with an edited {escape(field_name)}</h4>"
-            '<label>new run <input name="name" required size="30"></label>'
+            f"<h4>fork with an edited {escape(field_name)}</h4>{failed}"
+            f'<label>new run <input name="name" required size="30" value="{escape(name)}">'
+            "</label>"
             f'<textarea name="value" id="edit-value">{escape(value)}</textarea>'
             + ("" if is_text else "<p class=\"meta\">JSON</p>")
             + '<button type="submit">fork</button>', css="block", ident="fork-form"))

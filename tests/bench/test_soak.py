@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SOAK = Path(__file__).resolve().parents[2] / "bench" / "soak.py"
+SOAK = Path(__file__).resolve().parents[2] / "scripts" / "soak.py"
 
 
 def test_a_short_soak_records_each_delivered_answer_once_and_no_undelivered_one_as_complete():

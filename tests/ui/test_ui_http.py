@@ -165,16 +165,21 @@ def test_a_fork_of_an_anthropic_call_edits_its_response_in_its_own_shape(store, 
     ({"at": "main@2", "name": "main", "field": "result", "value": "1", "as_text": "1"},
      "main"),
 ])
-def test_a_bad_fork_form_is_a_4xx_with_one_line_and_changes_nothing(store, start_ui, form,
-                                                                      message):
+def test_a_bad_fork_form_is_a_4xx_with_one_line_that_keeps_the_edit_and_changes_nothing(
+        store, start_ui, form, message):
     record_hostile_runs(store)
     ui = start_ui(store)
     before = _state(store)
     response = ui.client.post("/action/fork", data={**form, "csrf": ui.token()})
     assert response.status_code in (400, 409)
-    error = response.text.split('id="error">')[1].split("</p>")[0]
+    error = response.text.split('id="fork-error">')[1].split("</p>")[0]
     assert message in html.unescape(error) and "\n" not in error
     assert _state(store) == before
+    # The step's page again, what was typed kept in the form: nothing is lost.
+    assert 'id="fork-form"' in response.text
+    assert f'<textarea name="value" id="edit-value">{html.escape(form["value"])}</textarea>' in (
+        response.text)
+    assert f'name="name" required size="30" value="{html.escape(form["name"])}"' in response.text
 
 
 def test_a_request_for_another_host_name_is_refused(store, start_ui):
@@ -276,3 +281,36 @@ def test_a_huge_value_is_cut_on_the_step_page_with_the_way_to_the_whole(store, s
     link = html.unescape(page.text.split('id="whole-step"')[0].rsplit('href="', 1)[1])
     whole = ui.client.get(link.split('"')[0])
     assert whole.status_code == 200 and whole.json()["content"]["result"] == huge
+
+
+def test_a_long_run_page_lists_and_draws_one_page_of_steps(store, start_ui):
+    from kvtrace.ui.views import RUN_PAGE_STEPS
+
+    run = store.run("long")
+    num_steps = 2 * RUN_PAGE_STEPS + 10
+    for i in range(num_steps):
+        run.record_tool_call("calc", {"x": i}, i)
+    ui = start_ui(store)
+    head = ui.client.get("/run?name=long").text  # the last page: the head's
+    assert f"page 3 of 3: steps {2 * RUN_PAGE_STEPS + 1} to {num_steps} of {num_steps}" in head
+    assert head.count('href="/step?at=long%40') == num_steps - 2 * RUN_PAGE_STEPS
+    first = ui.client.get("/run?name=long&page=1").text
+    assert "@1 " in first and f"@{RUN_PAGE_STEPS + 1} " not in first
+    height = int(first.split('<svg')[1].split('height="')[1].split('"')[0])
+    assert height < 40 * RUN_PAGE_STEPS  # one page of rows tall, not the run's
+    refused = ui.client.get("/run?name=long&page=4")
+    assert refused.status_code == 400 and "pages 1 to 3" in refused.text
+    runs = ui.client.get("/").text
+    assert int(runs.split('<svg')[1].split('height="')[1].split('"')[0]) < 40 * RUN_PAGE_STEPS
+
+
+def test_the_diff_page_marks_an_edited_copy_and_wraps_long_strings(store, start_ui):
+    run = store.run("main")
+    for i in range(3):
+        run.record_tool_call("calc", {"x": i}, "z" * 3000 if i == 2 else i)
+    store.fork("main@3", "what-if", edit={"result": "short"})
+    ui = start_ui(store)
+    page = ui.client.get("/diff?a=main&b=what-if").text
+    original = store.show("main@3").short_id
+    assert f"edited copy of {original}" in page
+    assert "minmax(0, 1fr)" in page and "overflow-wrap: anywhere" in page
