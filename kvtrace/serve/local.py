@@ -44,22 +44,10 @@ cache, not stored before the reply (`LocalBackend.owing_output`): a later
 prompt that holds it computes it in its own forward and reports it
 computed, and one that never does never pays for it.
 
-Rendering: `engine.chat_tokens(messages, tools=...)` (kvtrace/rendering.py:
-the model's template when it renders tools, else the documented fallback)
-of the request's conversation in chat shape (for Anthropic and Responses,
-the chat view the store reads their steps back in), and the generated text
-is parsed back into an assistant message with `parse_assistant_text` when
-the request offers tools (and its tool choice is not "none"); each API
-words its tool calls its own way. Sampling is greedy unless the request
-sets `temperature > 0` (then, when none is given, the seed of the agent
-the request came from, agents.py, or a random one, and it is recorded as
-chosen so `replay --mode verify` can reproduce it). `stop` strings
-(`stop_sequences`) cut the text after generation. Local streaming sends the
-answer as the API's SSE events once it is generated: the engine has no
-per-token callback; it is recorded just before the stream's last event
-(`data: [DONE]`, `message_stop`, `response.completed`) is sent, so a client
-that has read a whole stream finds it in the store, and a stream the client
-drops is recorded marked incomplete.
+How a request is rendered (the model's template, or the documented fallback
+when it renders no tools), sampled (greedy unless it sets a temperature;
+the seed then recorded), stopped and streamed (the answer's events once it
+is generated, recorded just before the last one) is in docs/serve.md.
 """
 
 from __future__ import annotations

@@ -90,6 +90,9 @@ class Store:
         self._write = self._tx.write
         self._reader = reader(engine)
         self._steps = StepWriter(self._tx.write, self._tx.batch_moves)  # appends, its caches
+        # Record a step after `parent` and move run `name` onto it, atomically (used by Run;
+        # StepWriter.append says how), called again where the database aborted it.
+        self.append = retried(self._steps.append)
         self.url = url
 
     @property
@@ -573,23 +576,3 @@ class Store:
 
         with self._write() as conn:
             return read_bundle(conn, io.BytesIO(data), name)
-
-    # -- appending (used by Run) -----------------------------------------------
-
-    @retried
-    def append(
-        self,
-        name: str,
-        parent: Step | None,
-        kind: str,
-        payload: Mapping[str, Any],
-        meta: Mapping[str, Any],
-        raw: Mapping[str, bytes] | None = None,
-        lists: Mapping[str, list[Any] | store_lists.Extension] | None = None,
-        *,
-        new_run: str | None = None,
-    ) -> Step:
-        """Record a step after `parent` and move run `name` onto it, atomically (see
-        `StepWriter.append`, writer.py); retried where the database was busy."""
-        return self._steps.append(name, parent, kind, payload, meta, raw, lists,
-                                  new_run=new_run)
