@@ -29,76 +29,32 @@ change with it, as a real conversation's do.
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+from tests.canned import CannedServer, Reply
 
 ANTHROPIC_MODEL = "claude-canned-4-5-20250929"
 RESPONSES_MODEL = "gpt-canned-5-2025-08-07"
 SIGNATURE = "EqQBCkYIBhgCKkDcanned" + "Zm9vYmFy" * 24  # base64-looking, as real signatures are
 
 
-class _Server:
-    """An http.server on a free loopback port that hands each POST body to `answer`."""
+class _Server(CannedServer):
+    """A canned server that hands each POST body of its API's `path` to `answer`, or to
+    `events` when it asks for a stream."""
 
     path = ""
+    prefix = ""
 
-    def __init__(self) -> None:
-        self.seen: list[dict[str, Any]] = []
-        self.num_calls = 0
-        self._lock = threading.Lock()
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                data = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                with server._lock:
-                    server.num_calls += 1
-                    number = server.num_calls
-                server.seen.append({"path": self.path, "body": data,
-                                    "headers": {k.lower(): v for k, v in self.headers.items()}})
-                if self.path.split("?")[0] != server.path:
-                    self._send(404, b'{"error": "no such path"}')
-                    return
-                body = json.loads(data)
-                if body.get("stream"):
-                    self.send_response(200)
-                    self.send_header("Content-Type", "text/event-stream")
-                    self.send_header("Cache-Control", "no-cache")
-                    self.end_headers()
-                    for event in server.events(body, number):
-                        self.wfile.write(event)
-                        self.wfile.flush()
-                    return  # HTTP/1.0: the body ends when the connection closes
-                self._send(200, json.dumps(server.answer(body, number)).encode())
-
-            def _send(self, status: int, body: bytes) -> None:
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._httpd.daemon_threads = True
-        self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
-
-    @property
-    def url(self) -> str:
-        host, port = self._httpd.server_address[:2]
-        return f"http://{host}:{port}"
-
-    def start(self) -> _Server:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._httpd.shutdown()
-        self._httpd.server_close()
+    def on_post(self, reply: Reply, path: str, data: bytes, number: int) -> None:
+        if path != self.path:
+            reply.send(404, b'{"error": "no such path"}')
+            return
+        body = json.loads(data)
+        if body.get("stream"):
+            reply.stream(list(self.events(body, number)), no_cache=True)
+            return
+        reply.send(200, json.dumps(self.answer(body, number)).encode())
 
     def answer(self, body: dict[str, Any], number: int) -> dict[str, Any]:
         raise NotImplementedError

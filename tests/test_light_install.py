@@ -91,4 +91,5 @@ def test_a_command_that_needs_an_extra_names_it_in_one_line(light_venv, tmp_path
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"error: kvtrace {' '.join(command)} needs the '{extra}' extra")
     assert f"pip install 'kvtrace[{extra}]'" in lines[0]

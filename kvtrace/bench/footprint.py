@@ -1,6 +1,6 @@
 """What the store's files hold: file bytes over the distinct content bytes of an import.
 
-`store_bytes_over_distinct` (scripts/store.py) counts blob and step-body
+`store_bytes_over_distinct` (kvtrace/bench/store.py) counts blob and step-body
 bytes; a user's disk holds more: row headers, indexes, page slack, the WAL.
 This imports tau-bench-shaped trajectories (conversations.py: 60 calls each,
 each from its own seed, so nothing dedups across them) through the OpenAI

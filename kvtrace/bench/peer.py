@@ -4,7 +4,7 @@ The workload is what a fork experiment sends a model server: a recorded run
 and K forks of it taken at different steps (`fork_steps`), replayed side
 by side, their calls interleaved (call 1 of each run, then call 2 of each,
 ...), as the requests of experiments running at once reach a server. The
-run is scripts/fork.py's ten-call agent (a ~2,000-token system prompt, a tool
+run is kvtrace/bench/fork.py's ten-call agent (a ~2,000-token system prompt, a tool
 that writes a file), recorded on the local engine; each fork is the same
 agent run with `--from base@S` and an edited step S (its answer replaced),
 so it parts from the run there and goes on live.
@@ -15,7 +15,7 @@ client (replay's `RemoteBackend`, rebuild mode: each recorded prompt with
 sent as "", which llama.cpp's server requires):
 
 - kvtrace: `kvtrace serve` on the local engine in its own process, as a
-  user runs it (scripts/servers.py), a new server with an empty KV cache each
+  user runs it (kvtrace/bench/servers.py), a new server with an empty KV cache each
   trial (the radix tree keeps every branch), sent the recorded requests;
 - the peer: any OpenAI-compatible server, or vLLM's CPU build started here
   (`--peer vllm`, from `make bench-peers`), sent the conversation as

@@ -173,7 +173,7 @@ def run_conversation_bench(
 ) -> dict[str, Any]:
     """Bytes a `num_calls`-call tool-calling conversation takes in the store.
 
-    The conversation (scripts/conversations.py) is recorded as its model calls,
+    The conversation (kvtrace/bench/conversations.py) is recorded as its model calls,
     as the tracer and the server record it; `with_tool_steps` also records a
     tool_call step per tool result, as an import does (each result is then
     stored twice: as the step's result and inside the next prompt's `tool`

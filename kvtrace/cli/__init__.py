@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
         print("aborted", file=sys.stderr)
         sys.exit(1)
     except ModuleNotFoundError as exc:  # a part of kvtrace this install left out, or a bug
-        line = missing_extra(exc, state.command.name if state.command else None)
+        line = missing_extra(exc, " ".join(state.path) or None)
         if line is None:
             _unexpected(exc)
         _error(line)

@@ -38,6 +38,7 @@ class CliState:
 
     store_url: str | None = None
     command: Command | None = None  # the command being run: its flags name errors
+    path: tuple[str, ...] = ()  # the names that led to it ("bench", "store")
 
 
 class _Group(TyperGroup):
@@ -48,7 +49,9 @@ class _Group(TyperGroup):
     ) -> tuple[str | None, Command | None, list[str]]:
         name, command, rest = super().resolve_command(ctx, args)
         if command is not None:
-            ctx.ensure_object(CliState).command = command
+            state = ctx.ensure_object(CliState)
+            state.command = command
+            state.path = (*state.path, command.name or "")
         return name, command, rest
 
 

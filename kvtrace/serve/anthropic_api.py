@@ -19,8 +19,8 @@ In local mode the request is rendered as its chat view (apis/__init__.py,
 the form the recorded step is read back in), and `MessagesReply` answers
 with a Messages `message`: a `text` block, then one `tool_use` block per
 tool call parsed from the output (ids `toolu_…`, `input` the arguments
-object; when a call's arguments are not a JSON object the whole output is
-answered as text, since `input` must be one), `stop_reason` (`tool_use`,
+object, empty arguments an empty one; when a call's arguments spell no JSON
+object the whole output is answered as text, since `input` must be one), `stop_reason` (`tool_use`,
 `stop_sequence`, `max_tokens` or `end_turn`), and `usage` in Anthropic's
 terms: `input_tokens` excludes cache reads, `cache_read_input_tokens` is
 the prefix the KV cache served, `cache_creation_input_tokens` is 0 (the

@@ -6,7 +6,7 @@ the server's default run (given, or named at start: `serve-YYYYMMDD-HHMMSS`).
 `Recording.sink(request)` decides once per request where its step goes: a
 `RunSink` on that run, or `DISCARD` when the server was given no store. An
 answerer hands its sink a `StepWrite` (a function of the run's `Recorder`
-and the server's `Redactor` that writes one step, e.g. exchange.py's
+and the server's `Redactor` that writes one step, e.g. capture.py's
 `record_exchange`) and never asks whether it is recording; an answer that
 must not be recorded (a 4xx from the upstream) is sent to `DISCARD`.
 

@@ -13,7 +13,7 @@ are dropped) or the upstream has its own `api_key` (then that is sent
 instead: as `x-api-key` under `/messages`, Anthropic's header, else as a
 bearer token).
 
-What is recorded is exchange.py's model_call (or http) step, as the httpx
+What is recorded is capture.py's model_call (or http) step, as the httpx
 transports record it; a 4xx from the upstream is returned and not recorded.
 A stream is recorded when its last event arrives (before it is passed on):
 chat's `data: [DONE]`, Anthropic's `message_stop`, a Responses stream's

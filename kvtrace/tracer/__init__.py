@@ -7,7 +7,7 @@
   every exchange of an httpx- or httpx2-based client (the OpenAI and
   Anthropic SDKs take an `http_client`; clients.py), chat completions,
   Anthropic Messages and OpenAI Responses calls as model_call steps, plain
-  or streamed (exchange.py, endpoints.py, the sse*.py readers);
+  or streamed (capture.py, endpoints.py, the API modules of kvtrace/apis);
 - `ReplayTransport` / `AsyncReplayTransport`: their twins that answer from
   the recording (VCR-like modes `none`, `new_episodes`, `all`);
 - `replaying(run, until=K)`: the tracer's replay mode, in which the
@@ -15,7 +15,7 @@
   steps 1..K, then go live on a fork (replay_mode.py).
 
 `kvtrace serve`, the recording HTTP server, is `kvtrace.serve`: it records
-through this package (exchange.py decides what an exchange becomes).
+through this package (capture.py decides what an exchange becomes).
 
 Layering: imports the store only (tests/test_layers.py); never the engine,
 replay, the server or the CLI. The transports load httpx on first use, so

@@ -1,6 +1,6 @@
 """The Anthropic Messages and OpenAI Responses APIs as HTTP endpoints, for recording and replay.
 
-What exchange.py (recording), matching.py and served.py (replay) all need to know of
+What capture.py (recording), matching.py and served.py (replay) all need to know of
 a `POST …/v1/messages` (Anthropic) or `POST …/responses` (OpenAI) exchange:
 
 - `endpoint_for(method, url)`: which API a request speaks, by its path;

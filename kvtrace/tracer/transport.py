@@ -7,11 +7,11 @@ One class serves both libraries (clients.py says how). `RecordingTransport(run,
 inner=None)` hands each request to `inner` (by default a plain
 `HTTPTransport()` of the request's library) and returns the response with its
 body wrapped: the bytes pass through to the client as they arrive (an SSE
-stream stays a stream), and the exchange is recorded (exchange.py) once the
+stream stays a stream), and the exchange is recorded (capture.py) once the
 body has been read to its end or the client closes it, whichever comes
 first. A chat stream closed before its end (and before `data: [DONE]`) is
 recorded as abandoned, with what had arrived; an Anthropic or Responses
-stream is complete when its terminal event arrived (exchange.py). The bodies recorded are
+stream is complete when its terminal event arrived (capture.py). The bodies recorded are
 content-decoded; the client receives the upstream's bytes unchanged.
 `AsyncRecordingTransport` is the same for `httpx.AsyncClient` and
 `httpx2.AsyncClient`.

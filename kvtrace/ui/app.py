@@ -172,7 +172,9 @@ class UiServer:
             step = store.show(at)
             body = {**step.to_dict(), "notes": [n.to_dict() for n in store.notes(step.id)]}
             return Response(json.dumps(body, ensure_ascii=False, indent=2),
-                            media_type="application/json")
+                            media_type="application/json",
+                            headers={"X-Content-Type-Options": "nosniff",
+                                     "Cache-Control": "no-store"})
 
         @app.get("/diff")
         def diff_page(request: Request, a: str, b: str) -> Response:
@@ -322,7 +324,8 @@ class UiServer:
             except KvtraceError as exc:
                 if action != "fork" or not form.get("at"):
                     raise
-                draft = views.Draft(form.get("name", ""), form.get("value", ""), str(exc))
+                draft = views.Draft(form.get("name", ""),
+                                    form.get("value", "").replace("\r\n", "\n"), str(exc))
                 return await run_in_threadpool(self._step_page, request, form["at"],
                                                draft=draft, status=_status(exc))
             done = secrets.token_urlsafe(8)
@@ -362,7 +365,7 @@ class UiServer:
 
         def fork(form: dict[str, str]) -> tuple[str, str]:
             at, name, field = _field(form, "at"), _field(form, "name"), _field(form, "field")
-            text = form.get("value", "")
+            text = form.get("value", "").replace("\r\n", "\n")  # a textarea sends CRLF
             value: Any = text
             if form.get("as_text") != "1":
                 try:

@@ -191,10 +191,10 @@ def run_page(frame: Frame, name: str, page: Page, is_paused: bool, num_moves: in
     undo = (_form(frame, "/action/undo", {"run": name}, '<button type="submit">undo last move'
                   "</button>", ident="undo-form") if num_moves else "")
     revert = ""
-    if len(all_steps) > 1:
-        options = "".join(f'<option value="{s.step.depth}">@{s.step.depth} '
-                          f"{escape(s.step.kind)}</option>" for s in steps
-                          if s.step.depth < len(all_steps))
+    options = "".join(f'<option value="{s.step.depth}">@{s.step.depth} '
+                      f"{escape(s.step.kind)}</option>" for s in steps
+                      if s.step.depth < len(all_steps))
+    if options:  # the earlier steps of this page (a page holding only the head has none)
         revert = _form(frame, "/action/revert", {"run": name},
                        f'<label>revert to <select name="to">{options}</select></label>'
                        '<button type="submit">revert</button>', ident="revert-form")

@@ -183,18 +183,29 @@ def test_no_colour_means_two_things_in_the_report():
     assert len(kinds) == 4 and len(bars) == 4 and not kinds & bars
 
 
-def test_steps_of_unrelated_runs_at_one_depth_widen_the_graph_instead_of_clipping(store):
-    """Issue 41, item 13: their labels share a line, which ran past a fixed-width box."""
+def test_unrelated_runs_get_rows_of_their_own_and_a_fork_shares_its_depth_s_line(store):
+    """Issue 41, item 13: labels of unrelated runs shared one line, which ran past the box."""
     import re
 
-    from kvtrace.page.graph import CHAR_PX, graph_section
+    from kvtrace.page.graph import CHAR_PX, ROW, graph_section
 
     names = [f"experiment-{i}" for i in range(8)]
     for name in names:
         store.run(name).record_tool_call("lookup", {"city": f"City number {name}"},
                                          f"A long result for {name}, with several words")
     section = graph_section(gather(store, names, ByteTokenizer(), tokenizer_name="bytes"))
+    lines = [html.unescape(re.sub(r"<[^>]+>", "", line))
+             for line in re.findall(r"<text [^>]*>(.*?)</text>", section)]
+    assert len(lines) == len(names) and not any(" | " in line for line in lines)
+    assert sorted(int(y) for y in re.findall(r'<text x="\d+" y="(\d+)"', section)) == [
+        14 + ROW * row + 4 for row in range(len(names))]
     width = int(re.search(r'<svg [^>]*width="(\d+)"', section).group(1))
-    line = re.sub(r"<[^>]+>", "", re.findall(r"<text [^>]*>(.*?)</text>", section)[0])
     x = int(re.search(r'<text x="(\d+)"', section).group(1))
-    assert width >= x + len(html.unescape(line)) * CHAR_PX
+    assert width >= x + max(len(line) for line in lines) * CHAR_PX
+
+    store.fork(f"{names[0]}@1", "related").record_tool_call("lookup", {"city": "B"}, "b")
+    store.run(names[0]).record_tool_call("lookup", {"city": "A"}, "a")
+    section = graph_section(gather(store, [names[0], "related"], ByteTokenizer(),
+                                   tokenizer_name="bytes"))
+    lines = re.findall(r"<text [^>]*>(.*?)</text>", section)
+    assert len(lines) == 2 and " | " in lines[1]  # one tree: depth 2 holds both runs' steps

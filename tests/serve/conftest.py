@@ -5,7 +5,7 @@
 - `serve_upstream`: `kvtrace serve --upstream URL` on a loopback port (the
   `canned_upstream` of tests/conftest.py, or another server, behind it);
 - `canned_apis`: an upstream speaking Anthropic Messages and OpenAI Responses
-  (tests/serve/canned_apis.py).
+  (tests/serve/canned_proxied.py).
 """
 
 from __future__ import annotations
@@ -76,8 +76,8 @@ def serve_upstream(serve_started) -> Callable[..., Any]:
 
 @pytest.fixture
 def canned_apis() -> Iterator[Any]:
-    """tests/serve/canned_apis.py's Anthropic and Responses upstream, on a free loopback port."""
-    from tests.serve.canned_apis import CannedApis
+    """tests/serve/canned_proxied.py's Anthropic and Responses upstream, on a free loopback port."""
+    from tests.serve.canned_proxied import CannedApis
 
     server = CannedApis().start()
     yield server

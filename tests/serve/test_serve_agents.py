@@ -4,7 +4,7 @@ The agent is a plain script (tests write it to a file and run it as its own
 process): two function tools, the SDK's default model provider (the
 Responses API, configured only by the environment `kvtrace record` sets).
 A tiny random model cannot be led to call tools, so the tool-calling agent
-runs in upstream mode against tests/serve/canned_apis.py, whose scripted
+runs in upstream mode against tests/serve/canned_proxied.py, whose scripted
 model calls each tool once and then answers; a toolless agent runs against
 the local engine with the default model (marked slow).
 """

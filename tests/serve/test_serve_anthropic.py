@@ -2,7 +2,7 @@
 
 Local mode: a tiny random model (and, marked slow, the default model for
 tool calls), real stores on SQLite and PostgreSQL, real loopback sockets.
-Upstream mode: tests/serve/canned_apis.py behind the server.
+Upstream mode: tests/serve/canned_proxied.py behind the server.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 from kvtrace.apis import ProviderApi
 from kvtrace.store.kinds import ModelCall, view
 from tests.canned import all_blob_bytes, all_step_meta
-from tests.serve.canned_apis import CANNED_MESSAGE, CANNED_MESSAGE_STREAM
+from tests.serve.canned_proxied import CANNED_MESSAGE, CANNED_MESSAGE_STREAM
 from tests.serve.conftest import SERVER_KEY, recorded_steps
 
 ASKED = "claude-sonnet-4-5"  # a name an unchanged agent sends; the local model answers it

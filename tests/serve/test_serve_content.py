@@ -3,7 +3,7 @@
 
 A real server on a loopback port, a real store on SQLite and PostgreSQL (the
 `store` fixture), the tiny random model in local mode; the canned upstreams
-of tests/canned.py and tests/serve/canned_apis.py in upstream mode.
+of tests/canned.py and tests/serve/canned_proxied.py in upstream mode.
 """
 
 from __future__ import annotations

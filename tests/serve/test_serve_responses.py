@@ -1,7 +1,7 @@
 """`kvtrace serve` speaks the OpenAI Responses API, driven by the official `openai` SDK.
 
 Local mode: a tiny random model, real stores on SQLite and PostgreSQL, real
-loopback sockets. Upstream mode: tests/serve/canned_apis.py behind the
+loopback sockets. Upstream mode: tests/serve/canned_proxied.py behind the
 server. Codex's WebSocket attempt is answered 426, tried with a real
 WebSocket client (the `websockets` package).
 """
@@ -17,7 +17,7 @@ import pytest
 
 from kvtrace.apis import ProviderApi
 from kvtrace.store.kinds import ModelCall, view
-from tests.serve.canned_apis import CANNED_RESPONSE, CANNED_RESPONSE_STREAM
+from tests.serve.canned_proxied import CANNED_RESPONSE, CANNED_RESPONSE_STREAM
 from tests.serve.conftest import SERVER_KEY, recorded_steps
 
 ASKED = "gpt-4o-mini"  # a name an unchanged agent sends; the local model answers it

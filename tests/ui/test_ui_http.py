@@ -281,6 +281,8 @@ def test_a_huge_value_is_cut_on_the_step_page_with_the_way_to_the_whole(store, s
     link = html.unescape(page.text.split('id="whole-step"')[0].rsplit('href="', 1)[1])
     whole = ui.client.get(link.split('"')[0])
     assert whole.status_code == 200 and whole.json()["content"]["result"] == huge
+    assert whole.headers["x-content-type-options"] == "nosniff"
+    assert whole.headers["cache-control"] == "no-store"
 
 
 def test_a_long_run_page_lists_and_draws_one_page_of_steps(store, start_ui):
@@ -302,6 +304,12 @@ def test_a_long_run_page_lists_and_draws_one_page_of_steps(store, start_ui):
     assert refused.status_code == 400 and "pages 1 to 3" in refused.text
     runs = ui.client.get("/").text
     assert int(runs.split('<svg')[1].split('height="')[1].split('"')[0]) < 40 * RUN_PAGE_STEPS
+    assert 'id="revert-form"' in head
+    run.record_tool_call("calc", {"x": "more"}, 0)  # a page that holds only the head's step
+    for i in range(RUN_PAGE_STEPS - 10):
+        run.record_tool_call("calc", {"x": i}, i)
+    last = ui.client.get("/run?name=long").text
+    assert "page 4 of 4" in last and 'id="revert-form"' not in last
 
 
 def test_the_diff_page_marks_an_edited_copy_and_wraps_long_strings(store, start_ui):
@@ -314,3 +322,16 @@ def test_the_diff_page_marks_an_edited_copy_and_wraps_long_strings(store, start_
     original = store.show("main@3").short_id
     assert f"edited copy of {original}" in page
     assert "minmax(0, 1fr)" in page and "overflow-wrap: anywhere" in page
+
+
+def test_a_failed_fork_keeps_a_multi_line_edit_as_typed(store, start_ui):
+    record_hostile_runs(store)
+    ui = start_ui(store)
+    typed = "line one\r\nline two"  # what a browser sends for a textarea's two lines
+    response = ui.client.post("/action/fork", data={
+        "at": "main@2", "name": "main", "field": "result", "value": typed, "as_text": "1",
+        "csrf": ui.token()})
+    assert response.status_code in (400, 409)
+    kept = response.text.split('id="edit-value">')[1].split("</textarea>")[0]
+    assert kept == "line one\nline two"  # no \x0d at the line's end: it forks as typed
+

@@ -1,6 +1,6 @@
 """A canned upstream that speaks Anthropic Messages and OpenAI Responses, for `serve --upstream`.
 
-`CannedApis` is a separate implementation (http.server) answering with
+`CannedApis` (on tests/canned.py's one `CannedServer`) answers with
 fixed bytes — odd spacing and key order included, so "returned unchanged"
 means byte for byte:
 
@@ -24,11 +24,9 @@ headers and body.
 from __future__ import annotations
 
 import json
-import select
-import socket
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+from tests.canned import CannedServer, Reply
 
 CANNED_MESSAGE = (
     b'{"id":"msg_canned_1", "type":"message","role":"assistant","model":"claude-canned",\n'
@@ -158,77 +156,25 @@ def _last_user_text(body: dict[str, Any]) -> str | None:
     return None
 
 
-class CannedApis:
+class CannedApis(CannedServer):
     """The server (see the module docstring)."""
 
-    def __init__(self) -> None:
-        self.seen: list[dict[str, Any]] = []
-        self.release = threading.Event()
-        self.abandoned: list[str] = []
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def _send(self, body: bytes) -> None:
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def _stream(self, events: list[bytes], *, hang: bool) -> None:
-                self.send_response(200)
-                self.send_header("Content-Type", "text/event-stream")
-                self.end_headers()
-                for event in events[:2] if hang else events:
-                    self.wfile.write(event)
-                    self.wfile.flush()
-                if hang:
-                    while not server.release.wait(0.02):
-                        readable, _, _ = select.select([self.connection], [], [], 0)
-                        if readable and not self.connection.recv(1, socket.MSG_PEEK):
-                            server.abandoned.append(self.path)
-                            return
-
-            def do_POST(self) -> None:
-                data = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                server.seen.append({"path": self.path, "body": data, "headers": {
-                    k.lower(): v for k, v in self.headers.items()}})
-                body = json.loads(data)
-                hang = _last_user_text(body) == "hang"
-                stream = bool(body.get("stream"))
-                if self.path == "/v1/messages":
-                    if stream:
-                        self._stream(CANNED_MESSAGE_STREAM, hang=hang)
-                    else:
-                        self._send(CANNED_MESSAGE)
-                elif body.get("tools"):
-                    answer = scripted_response(body)
-                    if stream:
-                        self._stream(response_events(answer), hang=hang)
-                    else:
-                        self._send(json.dumps(answer).encode())
-                elif stream:
-                    self._stream(CANNED_RESPONSE_STREAM, hang=hang)
-                else:
-                    self._send(CANNED_RESPONSE)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._httpd.daemon_threads = True
-        self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
-
-    @property
-    def url(self) -> str:
-        host, port = self._httpd.server_address[:2]
-        return f"http://{host}:{port}/v1"
-
-    def start(self) -> CannedApis:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self.release.set()
-        self._httpd.shutdown()
-        self._httpd.server_close()
+    def on_post(self, reply: Reply, path: str, data: bytes, number: int) -> None:
+        body = json.loads(data)
+        hang = _last_user_text(body) == "hang"
+        stream = bool(body.get("stream"))
+        if path == "/v1/messages":
+            if stream:
+                reply.stream(CANNED_MESSAGE_STREAM, hang=hang)
+            else:
+                reply.send(200, CANNED_MESSAGE)
+        elif body.get("tools"):
+            answer = scripted_response(body)
+            if stream:
+                reply.stream(response_events(answer), hang=hang)
+            else:
+                reply.send(200, json.dumps(answer).encode())
+        elif stream:
+            reply.stream(CANNED_RESPONSE_STREAM, hang=hang)
+        else:
+            reply.send(200, CANNED_RESPONSE)
