@@ -157,10 +157,14 @@ _WRITE_ARGS = {  # every command with -o: its arguments besides -o
 }
 
 
+# -o names a folder here: a non-empty one is refused without --force (tests/workspace).
+_FOLDER_OUTPUT = {"workspace"}
+
+
 def test_every_command_with_an_output_file_is_checked_for_overwrites():
     with_output = {name for name, command in _commands()
                    if any("-o" in p.opts for p in _options(command))}
-    assert with_output == set(_WRITE_ARGS)
+    assert with_output == set(_WRITE_ARGS) | _FOLDER_OUTPUT
     for name, command in _commands():
         if name in with_output:
             assert any("--force" in p.opts for p in _options(command)), name

@@ -1,5 +1,5 @@
-"""Layers import one way: apis -> store -> formats, tracer; engine -> replay -> serve; page,
-mcp, ui -> cli (as dulwich)."""
+"""Layers import one way: apis -> store -> formats, tracer, workspace; engine -> replay ->
+serve; page, mcp, ui -> cli (as dulwich)."""
 
 from __future__ import annotations
 
@@ -20,13 +20,14 @@ ALLOWED = {
     "replay": {"replay", "apis", "store", "engine"},
     "formats": {"formats", "apis", "store"},
     "tracer": {"tracer", "apis", "store"},
-    "serve": {"serve", "apis", "tracer", "store", "replay"},
+    "workspace": {"workspace", "store"},
+    "serve": {"serve", "apis", "tracer", "store", "replay", "workspace"},
     "page": {"page", "apis", "store", "replay"},
     "mcp": {"mcp", "apis", "store", "engine", "replay", "serve"},
     "bench": {"bench", "apis", "store", "engine", "replay", "formats", "tracer", "serve"},
     "ui": {"ui", "apis", "page", "store", "replay", "serve"},
     "cli": {"cli", "apis", "store", "engine", "replay", "bench", "formats", "tracer", "serve",
-            "page", "mcp", "ui"},
+            "page", "mcp", "ui", "workspace"},
 }
 # The package's own module re-exports the public surface: the light layers only, so that
 # `import kvtrace` loads neither torch nor the server.

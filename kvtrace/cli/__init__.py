@@ -29,6 +29,7 @@ from kvtrace.cli import (  # noqa: F401  (registers commands)
     serve,
     store_commands,
     ui,
+    workspace,
 )
 from kvtrace.cli.app import CliState, app, flag_message
 from kvtrace.errors import KvtraceError

@@ -9,7 +9,6 @@ the commands so that `kvtrace --help` stays fast.
 from __future__ import annotations
 
 import dataclasses
-import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -17,30 +16,18 @@ import typer
 
 from kvtrace.cli.app import Dtype, Json, Model, Precision, cache_app, print_json, say
 from kvtrace.errors import UsageError
+from kvtrace.paths import parse_size
 
 if TYPE_CHECKING:
     from kvtrace.engine import Engine
     from kvtrace.engine.maintenance import CacheStats
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 
 CacheDir = Annotated[Path | None, typer.Option(
     "--cache-dir", help="kvtrace cache folder (default: $KVTRACE_CACHE or ~/.cache/kvtrace).")]
 BlockSize = Annotated[int, typer.Option(
     "--block-size",
     help="Disk block size in tokens (must match the one the blocks were written with).")]
-
-
-def parse_size(text: str) -> int:
-    """Bytes from '1500', '2G', '512MiB', '1.5GB' (k/M/G/T, decimal; Ki/Mi/Gi binary)."""
-    match = _SIZE.match(text)
-    if match is None:
-        raise UsageError(f"not a byte size: {text!r} (examples: 500000000, 500M, 2GiB)")
-    number, unit = float(match.group(1)), (match.group(2) or "").lower()
-    base = 1024 if unit.endswith("ib") or unit.endswith("i") else 1000
-    prefix = unit[:1] if unit[:1] in "kmgt" else ""
-    exponent = "kmgt".index(prefix) + 1 if prefix else 0
-    return int(number * base**exponent)
 
 
 def _load(model: str | None, root: Path) -> Engine:
@@ -98,6 +85,8 @@ def stats(
         + (f" (last: {result.last_failed_write})" if result.last_failed_write else "")
         + ("" if result.is_disk_writable else "; a read-only folder cannot count its own")
     )
+    say(f"evicted          {result.num_evicted_blocks:,} blocks past the disk budget "
+        "($KVTRACE_KV_DISK_MAX; `cache gc` not counted)")
     say(
         f"memory tier      {result.memory_entries} entries, {result.memory_bytes:,} B "
         f"(budget {result.memory_max_bytes:,} B; empty in a new process)"

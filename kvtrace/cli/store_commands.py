@@ -137,14 +137,37 @@ def _branches(num_branches: int, runs: list[str] | None) -> str:
     return f"{which} this step" + (f" (runs: {', '.join(runs)})" if runs else "")
 
 
+def _diff_files(ctx: typer.Context, a: str, b: str, *, as_json: bool) -> None:
+    from kvtrace.workspace.steps import file_diff
+
+    with _store(ctx) as store:
+        found = file_diff(store, a, b)
+    if as_json:
+        print_json(found.to_dict())
+        return
+    say(f"files from {a} ({found.a.short_id}) to {b} ({found.b.short_id}): "
+        + (f"{len(found.changes)} changed" if found.changes else "the same"))
+    for change in found.changes:
+        say(f"  {change.status:<7} {change.path}")
+    for change in found.changes:
+        if found.diffs.get(change.path):
+            say("\n".join(found.diffs[change.path]))
+
+
 @app.command()
 def diff(
     ctx: typer.Context,
     a: Annotated[str, typer.Argument(help="A run or step address.")],
     b: Annotated[str, typer.Argument(help="Another run or step address.")],
+    files: Annotated[bool, typer.Option(
+        "--files", help="The files added, removed and changed between the two steps' "
+        "workspace snapshots (record --workspace), with a diff of each text file.")] = False,
     as_json: Json = False,
 ) -> None:
     """Where two runs part, and what differs at the first step whose content differs."""
+    if files:
+        _diff_files(ctx, a, b, as_json=as_json)
+        return
     with _store(ctx) as store:
         result = compare(store, a, b)
     if as_json:

@@ -22,7 +22,8 @@ and a SHA-256 checksum of the three tensors. Invariants:
   caller recomputes and rewrites it — corrupt KV is never used;
 - eviction (`gc`) removes only tails — blocks that no other block names as
   parent — least recently used first (reads refresh the file's mtime), so a
-  surviving block's ancestors always survive with it.
+  surviving block's ancestors always survive with it; a cache at its budget
+  evicts through `evict_to_budget`, which logs and counts what went.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from typing import TypeVar
 
 import torch
 
-from kvtrace.engine.faults import FaultLog, count_failed_write, reserve_count
+from kvtrace.engine.faults import FaultLog, count_evictions, count_failed_write, reserve_count
 from kvtrace.errors import BlockWriteError
 
 BLOCK_FORMAT = "kvtrace-kv-block-v1"
@@ -327,6 +328,16 @@ class BlockStore:
                 if num_children[parent.key] == 0:
                     heapq.heappush(heap, (parent.is_readable, parent.mtime, parent.key))
         return GcResult(removed, removed_bytes, len(blocks), total)
+
+    def evict_to_budget(self, max_bytes: int) -> GcResult:
+        """`gc` for a cache at its budget: what it evicts is logged in `faults` and
+        counted in the folder's record (faults.py), so the command that evicted says so
+        and `cache stats` counts it (a `kvtrace cache gc` the user asks for is not)."""
+        result = self.gc(max_bytes)
+        if result.num_blocks_removed:
+            self.faults.evicted(result.num_blocks_removed, result.num_bytes_removed, max_bytes)
+            count_evictions(self.root, result.num_blocks_removed)
+        return result
 
     def _discard(self, path: Path, key: str, reason: str) -> None:
         self.num_corrupt += 1

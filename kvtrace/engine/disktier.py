@@ -106,14 +106,7 @@ class DiskTier:
         faults = self.store.faults.take()
         if self._writer is None:
             return faults
-        behind = self._writer.store.faults.take()
-        return DiskFaults(
-            folder=faults.folder,
-            num_failed_writes=faults.num_failed_writes + behind.num_failed_writes,
-            write_reasons=tuple(dict.fromkeys(faults.write_reasons + behind.write_reasons)),
-            num_damaged=faults.num_damaged + behind.num_damaged,
-            damaged=faults.damaged + behind.damaged,
-        )
+        return faults.plus(self._writer.store.faults.take())
 
     def blocks(self) -> list[BlockInfo]:
         """Every block of this engine's fingerprint (reads every header; flushes first)."""
@@ -152,4 +145,4 @@ class DiskTier:
         else:
             self._total += written
         if self._total > self.max_bytes:
-            self._total = self.store.gc(self.max_bytes).num_bytes_left
+            self._total = self.store.evict_to_budget(self.max_bytes).num_bytes_left

@@ -19,7 +19,7 @@ import torch
 
 from kvtrace.engine.cache import DEFAULT_BLOCK_SIZE, DEFAULT_MEMORY_BYTES
 from kvtrace.engine.disk import BlockInfo, BlockStore, GcResult
-from kvtrace.engine.faults import read_failed_writes
+from kvtrace.engine.faults import read_disk_record
 from kvtrace.engine.model import Engine
 from kvtrace.engine.modelstate import ModelState
 from kvtrace.engine.prefill import kv_rows, prefill
@@ -40,7 +40,8 @@ class CacheStats:
 
     `num_failed_writes` counts block writes that failed in every process
     that could record it (faults.py: a read-only folder cannot), the last
-    one's reason in `last_failed_write`; `is_disk_writable` and
+    one's reason in `last_failed_write`; `num_evicted_blocks` those evicted
+    past a budget (`$KVTRACE_KV_DISK_MAX`), not by `gc`; `is_disk_writable` and
     `disk_free_bytes` say whether the folder can take blocks now.
     """
 
@@ -59,6 +60,7 @@ class CacheStats:
     memory_max_bytes: int
     num_failed_writes: int = 0
     last_failed_write: str | None = None
+    num_evicted_blocks: int = 0
     is_disk_writable: bool = True
     disk_free_bytes: int | None = None
 
@@ -100,7 +102,7 @@ def cache_stats(
     every = [info for info in files if info.part == "rows"]
     mine = [info for info in every if info.fingerprint == engine.fingerprint]
     mine_bytes = sum(info.num_bytes for info in files if info.fingerprint == engine.fingerprint)
-    failures = read_failed_writes(Path(disk_dir))
+    failures = read_disk_record(Path(disk_dir))
     is_writable, free = folder_space(Path(disk_dir))
     return CacheStats(
         model=engine.name,
@@ -118,6 +120,7 @@ def cache_stats(
         memory_max_bytes=DEFAULT_MEMORY_BYTES,
         num_failed_writes=failures.num_failed_writes,
         last_failed_write=failures.last_reason,
+        num_evicted_blocks=failures.num_evicted_blocks,
         is_disk_writable=is_writable,
         disk_free_bytes=free,
     )

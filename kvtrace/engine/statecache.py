@@ -370,7 +370,7 @@ class StateCache:
         if self._disk_total is None:
             self._disk_total = sum(info.num_bytes for info in self.disk.scan())
         if self._disk_total > self.disk_bytes:
-            self._disk_total = self.disk.gc(self.disk_bytes).num_bytes_left
+            self._disk_total = self.disk.evict_to_budget(self.disk_bytes).num_bytes_left
 
 
 def checkpoint_blocks(engine: Engine, block_size: int) -> int:

@@ -263,22 +263,17 @@ def _fitting(model_steps: list[Step], tokenizer: Tokenizer | None, mode: ReplayM
 
 
 class _FaultNotes:
-    """The cache's faults as report notes: a damaged block where found, failed writes once."""
+    """The cache's faults as report notes: a damaged block where found; failed writes and
+    evictions once, at the end."""
 
     def __init__(self) -> None:
-        self.num_failed_writes = 0
-        self.num_uncounted = 0
-        self.reasons: dict[str, None] = {}
-        self.folder = ""
+        self.total: DiskFaults | None = None
 
     def add(self, faults: DiskFaults | None, where: str) -> list[str]:
-        """Notes for the blocks found damaged (`where`: the step); failed writes kept for later."""
+        """Notes for the blocks found damaged (`where`: the step); the rest kept for later."""
         if not faults:
             return []
-        self.folder = faults.folder
-        self.num_failed_writes += faults.num_failed_writes
-        self.num_uncounted += faults.num_uncounted
-        self.reasons.update(dict.fromkeys(faults.write_reasons))
+        self.total = faults if self.total is None else self.total.plus(faults)
         notes = [f"{where}: KV block {fault.key[:16]} on disk failed its check "
                  f"({fault.reason}): "
                  + ("it was deleted and its tokens were recomputed" if fault.is_deleted else
@@ -290,12 +285,11 @@ class _FaultNotes:
         return notes
 
     def write_notes(self) -> list[str]:
-        if not self.num_failed_writes:
+        if self.total is None:
             return []
-        from kvtrace.engine.faults import failed_writes_line  # no torch: stdlib only
+        from kvtrace.engine.faults import disk_faults_lines  # no torch: stdlib only
 
-        return [failed_writes_line(self.num_failed_writes, list(self.reasons), self.folder,
-                                   self.num_uncounted)]
+        return disk_faults_lines(self.total)
 
 
 def _prepare(

@@ -244,7 +244,8 @@ def open_local_backend(
 
     `model` is a model folder, or None for the embedded default, converted
     once under `cache_dir/models`. Disk KV blocks go to `kv_dir` (default
-    `cache_dir/kv`, where `kvtrace cache` looks): another `kv_dir` gives a
+    `cache_dir/kv`, where `kvtrace cache` looks), bounded by
+    `$KVTRACE_KV_DISK_MAX` (paths.py): another `kv_dir` gives a
     fresh, empty cache that still reuses the converted model. `on_convert` is
     told before that one-time conversion (`load_engine`).
 
@@ -255,6 +256,10 @@ def open_local_backend(
     many threads. `dtype`: the engine's number format (`load_engine`; None:
     float32).
     """
+    from kvtrace.paths import kv_disk_budget
+
+    disk_bytes = kv_disk_budget()  # a budget that is no size fails before anything loads
+
     from kvtrace.engine import load_engine, open_cache
     from kvtrace.engine.batch import DecodeBatcher
     from kvtrace.engine.maintenance import default_kv_dir
@@ -263,7 +268,7 @@ def open_local_backend(
         engine = load_engine(model, cache_dir=cache_dir, on_convert=on_convert, dtype=dtype)
         if not use_cache:
             return engine, None
-        options: dict[str, Any] = {}
+        options: dict[str, Any] = {"disk_bytes": disk_bytes}
         if memory_bytes is not None:
             options["memory_bytes"] = memory_bytes
         disk_dir = kv_dir or default_kv_dir(cache_dir)

@@ -184,6 +184,8 @@ class ChatServer:
             check_content_type(request.headers.get("content-type"))
         body = await self._body(request)
         await sink.check_open()
+        if request.method == "POST":  # a call: its step names the folder as it was now
+            await sink.snapshot()
         return await self.answerer.answer(request, body, sink)
 
     def _authorize(self, request: Request) -> None:

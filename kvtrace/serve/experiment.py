@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from kvtrace.serve.app import ChatServer
     from kvtrace.serve.recording import RunStats
     from kvtrace.tracer.prefix import PrefixSummary
+    from kvtrace.workspace.verdicts import Verdict
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +70,7 @@ class AgentRun:
     stats: RunStats | None  # what was recorded live on its fork (None: nothing)
     diverged_at: int | None  # depth of its first step unlike agent 1's (None: alike)
     output: str  # the last response's text
+    verdict: Verdict | None = None  # what `--verify` said of it (None: not asked)
 
     @property
     def is_live(self) -> bool:
@@ -86,6 +88,7 @@ class AgentRun:
             "cached_tokens": stats.cached_tokens if stats else 0,
             "completion_tokens": stats.completion_tokens if stats else 0,
             "diverged_at": self.diverged_at, "output": self.output,
+            "verdict": self.verdict.to_dict() if self.verdict is not None else None,
         }
 
 
@@ -112,14 +115,29 @@ class ExperimentReport:
         return sum(self.rerun_s(run) for run in self.runs)
 
     @property
+    def num_passed(self) -> int:
+        return sum(1 for run in self.runs if run.verdict is not None and run.verdict.passed)
+
+    @property
+    def num_failed(self) -> int:
+        return sum(1 for run in self.runs if run.verdict is not None and not run.verdict.passed)
+
+    @property
+    def is_verified(self) -> bool:
+        return any(run.verdict is not None for run in self.runs)
+
+    @property
     def exit_code(self) -> int:
-        """The first agent's exit code that is not 0, else 0."""
-        return next((run.exit_code for run in self.runs if run.exit_code), 0)
+        """The first agent's exit code that is not 0, else 1 when a verdict failed (as a
+        test runner exits), else 0."""
+        return next((run.exit_code for run in self.runs if run.exit_code),
+                    1 if self.num_failed else 0)
 
     @classmethod
-    def of(cls, store: Store, spec: str, server: ChatServer,
-           exits: Sequence[AgentExit]) -> ExperimentReport:
-        """The report of `exits`, agents of `server` (made with `from_run=spec`)."""
+    def of(cls, store: Store, spec: str, server: ChatServer, exits: Sequence[AgentExit],
+           verdicts: Mapping[int, Verdict | None] | None = None) -> ExperimentReport:
+        """The report of `exits`, agents of `server` (made with `from_run=spec`), with each
+        agent's verdict by its number where it was graded."""
         summaries = getattr(server.answerer, "summaries", None)
         prefixes = getattr(server.answerer, "prefixes", None)
         if summaries is None or prefixes is None:
@@ -137,7 +155,7 @@ class ExperimentReport:
             AgentRun(ended.agent, ended.exit_code, ended.seconds,
                      prefixes[ended.agent.index].summary, path,
                      server.stats.get(ended.agent.fork), diverged_at(reference, path),
-                     final_output(path))
+                     final_output(path), (verdicts or {}).get(ended.agent.index))
             for ended, path in zip(exits, paths, strict=True))
         recorded = sum(float(ModelCall(step).timings.get("total_s") or 0.0)
                        for step in store.path(spec) if step.kind == StepKind.MODEL_CALL)
@@ -153,4 +171,6 @@ class ExperimentReport:
             "rerun_source": "the parent's recorded model-call durations up to step K, plus "
                             "each agent's own time here (measured)",
             "exit_code": self.exit_code,
+            **({"passed": self.num_passed, "failed": self.num_failed} if self.is_verified
+               else {}),
         }

@@ -47,7 +47,11 @@ from kvtrace.tracer.recorder import Recorder
 from kvtrace.tracer.redact import Redactor
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from starlette.requests import Request
+
+    from kvtrace.workspace import Snapshotter
 
 RUN_HEADER = "x-kvtrace-run"
 MAX_RECORDERS = 64  # runs whose Recorder (and head step) the writer keeps (module docstring)
@@ -94,6 +98,10 @@ class Sink(Protocol):
     def record_later(self, write: StepWrite) -> None:
         """Write the step without waiting for it."""
 
+    async def snapshot(self) -> None:
+        """Take the run's workspace snapshot, if it has one, for the step this request
+        writes (called once, before the answer is computed)."""
+
 
 class _Discard:
     """The sink of an answer that is not recorded."""
@@ -105,6 +113,9 @@ class _Discard:
         return None
 
     def record_later(self, write: StepWrite) -> None:
+        return None
+
+    async def snapshot(self) -> None:
         return None
 
 
@@ -121,6 +132,14 @@ class Recording:
         self.stats: dict[str, RunStats] = {}
         self._writer = (StoreWriter(store, Redactor(redact_headers), self.stats)
                         if store is not None else None)
+
+    def snapshot_workspace(self, run: str, folder: Path) -> None:
+        """Snapshot `folder` before each model call recorded into `run` (`record --workspace`;
+        kvtrace/workspace): the call's meta names the tree."""
+        if self._writer is not None:
+            from kvtrace.workspace import Snapshotter
+
+            self._writer.snapshotters[run] = Snapshotter(self._writer.store, folder)
 
     def sink(self, request: Request) -> Sink:
         """Where the answer to `request` is recorded (the run header checked here): the
@@ -153,6 +172,8 @@ class StoreWriter:
     """Writes steps into a store's runs on one thread, one Recorder per run; counts them."""
 
     def __init__(self, store: Store, redactor: Redactor, stats: dict[str, RunStats]) -> None:
+        self.store = store
+        self.snapshotters: dict[str, Snapshotter] = {}  # by run: `record --workspace`
         self._store = store
         self._redactor = redactor
         self._stats = stats
@@ -173,23 +194,32 @@ class StoreWriter:
         if await loop.run_in_executor(self._worker, self._is_paused, run):
             raise paused_error(run, is_answered=is_answered)
 
-    async def record(self, run: str, write: StepWrite) -> None:
+    async def snapshot(self, run: str) -> str | None:
+        """The run's workspace snapshot, taken now on the writer's thread (None: none taken)."""
+        snapshotter = self.snapshotters.get(run)
+        if snapshotter is None:
+            return None
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._worker, snapshotter.take)
+
+    async def record(self, run: str, write: StepWrite, workspace: str | None = None) -> None:
         loop = asyncio.get_running_loop()
         try:  # shielded: a write the caller stops waiting for (its client left) still happens
-            await asyncio.shield(loop.run_in_executor(self._worker, self._write, run, write))
+            await asyncio.shield(loop.run_in_executor(self._worker, self._write, run, write,
+                                                      workspace))
         except RunPausedError as exc:  # paused after check_open, while the answer was computed
             raise paused_error(run, is_answered=True) from exc
         except StoreFullError as exc:
             raise store_full_error(str(exc), is_answered=True) from exc
 
-    def record_later(self, run: str, write: StepWrite) -> None:
-        self._worker.submit(self._write_later, run, write)
+    def record_later(self, run: str, write: StepWrite, workspace: str | None = None) -> None:
+        self._worker.submit(self._write_later, run, write, workspace)
 
-    def _write_later(self, run: str, write: StepWrite) -> None:
+    def _write_later(self, run: str, write: StepWrite, workspace: str | None) -> None:
         """`_write` for an answer already sent (a stream): a full disk is counted and logged,
         not raised into a future nobody reads."""
         with contextlib.suppress(StoreFullError):
-            self._write(run, write)
+            self._write(run, write, workspace)
 
     def close(self) -> None:
         self._worker.shutdown(wait=True)
@@ -200,7 +230,7 @@ class StoreWriter:
         except RunNotFoundError:  # made by its first step: not paused
             return False
 
-    def _write(self, run: str, write: StepWrite) -> Step:
+    def _write(self, run: str, write: StepWrite, workspace: str | None = None) -> Step:
         try:
             recorder = self._recorders.get(run)
             if recorder is None:  # a new run is written too: inside, for a full disk
@@ -208,7 +238,11 @@ class StoreWriter:
                 if len(self._recorders) > MAX_RECORDERS:
                     self._recorders.popitem(last=False)
             self._recorders.move_to_end(run)
-            step = write(recorder, self._redactor)
+            recorder.workspace = workspace  # one writer thread: no other write sees it
+            try:
+                step = write(recorder, self._redactor)
+            finally:
+                recorder.workspace = None
         except StoreFullError as exc:
             self._full(str(exc))
             raise
@@ -227,21 +261,25 @@ class StoreWriter:
         self._full_at = time.monotonic()
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RunSink:
-    """A sink on one run of the store."""
+    """A sink on one run of the store (and the workspace snapshot its request was asked in)."""
 
     writer: StoreWriter
     run: str
+    workspace: str | None = None
 
     async def check_open(self, *, is_answered: bool = False) -> None:
         await self.writer.check_open(self.run, is_answered=is_answered)
 
+    async def snapshot(self) -> None:
+        self.workspace = await self.writer.snapshot(self.run)
+
     async def record(self, write: StepWrite) -> None:
-        await self.writer.record(self.run, write)
+        await self.writer.record(self.run, write, self.workspace)
 
     def record_later(self, write: StepWrite) -> None:
-        self.writer.record_later(self.run, write)
+        self.writer.record_later(self.run, write, self.workspace)
 
 
 def store_full_error(reason: str, *, is_answered: bool) -> APIError:

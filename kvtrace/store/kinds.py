@@ -53,6 +53,7 @@ from kvtrace.store.records import Step
 from kvtrace.store.usage import Usage
 
 # Keys a view writes in `meta` (module-private names on purpose: read through the views).
+WORKSPACE = "workspace"  # a model call's meta: its workspace snapshot (ModelCall.workspace)
 _MODEL, _PARAMS, _USAGE, _TIMINGS, _EXTRA, _API = (
     "model", "params", "usage", "timings", "extra", "api")
 _TOOL, _ERROR, _CALL_ID, _AUTHOR, _TOTAL_S, _COMPLETE, _NOT_MODEL_CALL = (
@@ -113,13 +114,22 @@ class ModelCall(_View):
     def meta(*, model: str, params: Mapping[str, Any] | None = None,
              usage: Mapping[str, Any] | None = None, timings: Mapping[str, Any] | None = None,
              extra: Mapping[str, Any] | None = None,
-             api: ProviderApi = ProviderApi.OPENAI_CHAT) -> dict[str, Any]:
+             api: ProviderApi = ProviderApi.OPENAI_CHAT,
+             workspace: str | None = None) -> dict[str, Any]:
         """The meta a model call is recorded with (None or empty values are not recorded)."""
         meta: dict[str, Any] = {_MODEL: model, _PARAMS: params or None, _USAGE: usage or None,
-                                _TIMINGS: timings or None, _EXTRA: extra or None}
+                                _TIMINGS: timings or None, _EXTRA: extra or None,
+                                WORKSPACE: workspace}
         if api != ProviderApi.OPENAI_CHAT:
             meta[_API] = str(api)
         return meta
+
+    @property
+    def workspace(self) -> str | None:
+        """The address of the agent's folder's snapshot taken when this call was asked
+        (`record --workspace`; kvtrace/workspace), or None."""
+        value = self.step.meta.get(WORKSPACE)
+        return value if isinstance(value, str) else None
 
     @property
     def chat(self) -> ChatView:

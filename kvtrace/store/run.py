@@ -90,6 +90,7 @@ class Run:
         prior: list[dict[str, Any]] | None = None,
         response_settings: Mapping[str, Any] | None = None,
         continues: bool = False,
+        workspace: str | None = None,
     ) -> Step:
         """Record one model call: the conversation and tools sent, the response received.
 
@@ -118,6 +119,10 @@ class Run:
         history: what an importer of a long conversation uses. OpenAI chat
         calls only (the other APIs check tool results against the whole
         conversation).
+
+        `workspace`: the address of a snapshot of the agent's folder taken when
+        the call was asked (kvtrace/workspace: its tree and files are blobs
+        already stored).
         """
         if not isinstance(model, str) or not model:
             raise UsageError("model must name the model that answered (a non-empty string)")
@@ -138,6 +143,7 @@ class Run:
         meta = ModelCall.meta(
             model=model, params=_mapping(params, "params"), usage=_mapping(usage, "usage"),
             timings=_mapping(timings, "timings"), extra=_mapping(extra, "extra"), api=api,
+            workspace=workspace,
         )
         step = self.store.append(self.name, self._head, StepKind.MODEL_CALL, payload, meta,
                                  raw, lists=given)

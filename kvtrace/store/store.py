@@ -31,10 +31,11 @@ from kvtrace.errors import (
     StepNotFoundError,
     UsageError,
 )
-from kvtrace.store import bodies, codec, graph, history, resolve, validation
+from kvtrace.store import bodies, codec, encoding, graph, history, resolve, validation
 from kvtrace.store import lists as store_lists
 from kvtrace.store import notes as step_notes
 from kvtrace.store.backend import (
+    insert_ignore,
     read_transaction,
     reader,
     retried,
@@ -62,6 +63,7 @@ from kvtrace.store.refs import (
 )
 from kvtrace.store.schema import (
     PAUSE_REASONS,
+    blobs,
     reflog,
     refs,
     steps,
@@ -313,11 +315,30 @@ class Store:
 
     def read_blob(self, address: str) -> bytes:
         """The bytes stored at `address`."""
+        return self.read_blobs([address])[address]
+
+    def read_blobs(self, addresses: list[str]) -> dict[str, bytes]:
+        """The bytes stored at each of `addresses` (a StepNotFoundError names one missing)."""
         with read_transaction(self._reader) as conn:
-            found = codec.read(conn, [address])
-        if address not in found:
-            raise StepNotFoundError(f"no blob {address[:12]} in the store")
-        return found[address]
+            found = codec.read(conn, addresses)
+        missing = [address for address in addresses if address not in found]
+        if missing:
+            raise StepNotFoundError(f"no blob {missing[0][:12]} in the store")
+        return found
+
+    @retried
+    def write_blobs(self, contents: list[bytes], *, base: codec.Base | None = None
+                    ) -> list[str]:
+        """Keep each of `contents` as a blob (those held already are left as they are); their
+        addresses. `base`: a stored blob they may be kept as deltas against (codec.py).
+
+        For content no step names in its payload: a workspace snapshot's files
+        and trees (kvtrace/workspace), which a model call's meta names."""
+        rows = {encoding.sha256_hex(content): content for content in contents}
+        with self._write() as conn:
+            insert_ignore(conn, blobs, [codec.row(address, content, base)
+                                        for address, content in rows.items()], "hash")
+        return list(rows)
 
     # -- moving refs -----------------------------------------------------------
 

@@ -43,6 +43,7 @@ class Recorder:
     def __init__(self, run: Run) -> None:
         self._run = run
         self._lock = threading.Lock()
+        self.workspace: str | None = None  # the snapshot the next model calls name
 
     def __repr__(self) -> str:
         return f"Recorder({self._run!r})"
@@ -74,7 +75,10 @@ class Recorder:
             return write(self._run)
 
     def record_model_call(self, messages: Any, response: Any, **fields: Any) -> Step:
-        """`Run.record_model_call`, serialised (same arguments)."""
+        """`Run.record_model_call`, serialised (same arguments); `workspace` defaults to the
+        recorder's (a recording server sets it to the snapshot taken for the request)."""
+        if self.workspace is not None:
+            fields.setdefault("workspace", self.workspace)
         return self.append(lambda run: run.record_model_call(messages, response, **fields))
 
     def record_tool_call(self, name: str, arguments: Any, result: Any, **fields: Any) -> Step:

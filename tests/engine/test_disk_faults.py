@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from kvtrace.cli import app
 from kvtrace.engine import KVCache, prefill
 from kvtrace.engine.disk import BlockStore
-from kvtrace.engine.faults import BlockFault, read_failed_writes
+from kvtrace.engine.faults import BlockFault, read_disk_record
 from kvtrace.engine.maintenance import cache_stats
 from kvtrace.errors import BlockWriteError
 from tests.mounts import fill, make_read_only, tmpfs
@@ -42,7 +42,7 @@ def test_a_full_disk_fails_block_writes_but_not_the_prefill(tiny_engine, tokens,
         assert faults.folder == str(mount / "kv") and faults.num_damaged == 0
         assert not cache.take_disk_faults()  # taken once
         assert not list((mount / "kv").rglob("*.safetensors"))  # no temporary file left
-        assert read_failed_writes(mount / "kv").num_failed_writes == 1
+        assert read_disk_record(mount / "kv").num_failed_writes == 1
 
 
 def test_a_failed_write_raises_block_write_error_and_leaves_no_temporary_file(
@@ -174,7 +174,7 @@ def test_the_count_survives_a_disk_that_fills_up_after_the_first_block(
             prefill(tiny_engine, cache, tokens(2 * B + 1, seed=seed))
         faults = cache.take_disk_faults()
         assert (faults.num_failed_writes, faults.num_uncounted) == (3, 0)
-        assert read_failed_writes(kv).num_failed_writes == 3
+        assert read_disk_record(kv).num_failed_writes == 3
         assert (kv / WRITE_FAILURES_FILE).stat().st_size > 0
         assert not fallback_path(kv).exists()
 
@@ -193,7 +193,7 @@ def test_a_disk_full_before_any_record_counts_in_the_fallback_and_stats_add_it(
             prefill(tiny_engine, cache, tokens(2 * B + 1, seed=94))
             faults = cache.take_disk_faults()
             assert faults.num_failed_writes == 1 and faults.num_uncounted == 0
-            assert read_failed_writes(kv).num_failed_writes == 1  # from the fallback
+            assert read_disk_record(kv).num_failed_writes == 1  # from the fallback
             stats = cache_stats(tiny_engine, kv, block_size=B)
             assert stats.num_failed_writes == 1
         finally:

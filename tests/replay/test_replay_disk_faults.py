@@ -107,3 +107,32 @@ def test_a_damaged_block_is_named_in_the_report_and_recomputed(
     _damage(store.path(key))
     code, out, _ = _replay(capsys, recorded, tiny_engine)  # the table's notes say it too
     assert code == 0 and f"note: {note}" in " ".join(out.split())
+
+
+def test_a_replay_past_the_disk_budget_says_what_was_evicted(
+    recorded, tiny_engine, tmp_path, monkeypatch, capsys
+):
+    """Issue 41, item 6: a disk tier at its budget ($KVTRACE_KV_DISK_MAX) evicts, and says so."""
+    monkeypatch.setenv("KVTRACE_CACHE", str(tmp_path / "cache"))
+    block = 64 * tiny_engine.kv_bytes_per_token
+    monkeypatch.setenv("KVTRACE_KV_DISK_MAX", str(2 * block + block // 2))
+    code, out, err = _replay(capsys, recorded, tiny_engine, "--json")
+    assert (code, err) == (0, "")
+    [note] = json.loads(out)["notes"]
+    assert "reached its budget" in note and "evicted" in note
+    assert len(list((tmp_path / "cache" / "kv").rglob("*.safetensors"))) <= 2
+
+    code, out, _ = _kvtrace(capsys, "cache", "stats", "--model", str(tiny_engine.path))
+    assert code == 0 and "evicted          " in out
+
+
+def test_a_disk_budget_that_is_no_size_is_refused_before_loading(
+    recorded, tiny_engine, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setenv("KVTRACE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("KVTRACE_KV_DISK_MAX", "lots")
+    code, out, err = _replay(capsys, recorded, tiny_engine)
+    assert code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1
+    assert "$KVTRACE_KV_DISK_MAX" in err and "'lots'" in err
+    assert not (tmp_path / "cache" / "kv").exists()

@@ -263,3 +263,31 @@ def test_record_says_what_a_full_kv_disk_did_not_write(tmp_path, monkeypatch, ca
         finally:
             for kv in {Path(p).parent for p in cache.rglob("*")} | {cache / "kv"}:
                 fallback_path(kv).unlink(missing_ok=True)
+
+
+def test_record_says_what_the_disk_budget_evicted(tmp_path, monkeypatch, capfd,
+                                                  tiny_model_folder):
+    """Issue 41, item 6: a disk tier at its budget ends `record` with what it evicted."""
+    import json
+
+    from kvtrace.cli import main
+
+    monkeypatch.setenv("KVTRACE_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("KVTRACE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("KVTRACE_KV_DISK_MAX", "1")  # one byte: every block written is evicted
+    monkeypatch.delenv("KVTRACE_STORE", raising=False)
+    agent = [sys.executable, str(AGENT), "--calls", "3"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["record", "--model", str(tiny_model_folder), "--run", "base", "--",
+              *agent, "--folder", str(tmp_path / "a")])
+    err = capfd.readouterr().err
+    assert exit_info.value.code in (0, None), err
+    line = next(x for x in err.splitlines() if "evicted" in x)
+    assert line.startswith("kvtrace record: ") and "reached its budget of 1 B" in line
+    with pytest.raises(SystemExit):
+        main(["record", "--model", str(tiny_model_folder), "--from", "base@2", "--json", "--",
+              *agent, "--folder", str(tmp_path / "b")])
+    out = capfd.readouterr().out
+    faults = json.loads(out[out.index("{"):])["cache_faults"]
+    assert faults["evicted_blocks"] >= 1 and faults["disk_budget"] == 1
+    assert not list((tmp_path / "cache" / "kv").rglob("*.safetensors"))
