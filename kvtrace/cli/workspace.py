@@ -25,6 +25,7 @@ def workspace_command(
     as_json: Json = False,
 ) -> None:
     """Write the files of the agent's folder as they were when step K's call was asked."""
+    from kvtrace.store.kinds import workspace_of
     from kvtrace.workspace import restore
     from kvtrace.workspace.steps import snapshot_at
 
@@ -35,7 +36,7 @@ def workspace_command(
         step, tree = snapshot_at(store, spec)
         done = restore(store, tree, output, force=force)
     if as_json:
-        print_json({"step": step.id, "workspace": step.meta.get("workspace"),
+        print_json({"step": step.id, "workspace": workspace_of(step),
                     "folder": done.folder, "files": done.num_files, "links": done.num_links,
                     "bytes": done.num_bytes, "omitted": done.omitted})
         return

@@ -118,18 +118,18 @@ class ModelCall(_View):
              workspace: str | None = None) -> dict[str, Any]:
         """The meta a model call is recorded with (None or empty values are not recorded)."""
         meta: dict[str, Any] = {_MODEL: model, _PARAMS: params or None, _USAGE: usage or None,
-                                _TIMINGS: timings or None, _EXTRA: extra or None,
-                                WORKSPACE: workspace}
+                                _TIMINGS: timings or None, _EXTRA: extra or None}
         if api != ProviderApi.OPENAI_CHAT:
             meta[_API] = str(api)
+        if workspace is not None:  # absent otherwise: older steps keep their ids
+            meta[WORKSPACE] = workspace
         return meta
 
     @property
     def workspace(self) -> str | None:
         """The address of the agent's folder's snapshot taken when this call was asked
         (`record --workspace`; kvtrace/workspace), or None."""
-        value = self.step.meta.get(WORKSPACE)
-        return value if isinstance(value, str) else None
+        return workspace_of(self.step)
 
     @property
     def chat(self) -> ChatView:
@@ -444,3 +444,18 @@ def edit_of(step: Step) -> str | None:
 
 def _dict(value: Any) -> dict[str, Any]:
     return dict(value) if isinstance(value, Mapping) else {}
+
+
+def workspace_of(step: Step) -> str | None:
+    """The workspace snapshot a step names (a model call recorded with `--workspace`), or
+    None, whatever the step's kind."""
+    value = step.meta.get(WORKSPACE)
+    return value if isinstance(value, str) else None
+
+
+def verdict_meta(step: Step) -> tuple[int, float, bool]:
+    """A `verdict` step's (exit code, seconds, timed out) (kvtrace/workspace/verdicts.py)."""
+    code, seconds = step.meta.get("exit_code"), step.meta.get("seconds")
+    return (code if isinstance(code, int) else -1,
+            float(seconds) if isinstance(seconds, int | float) else 0.0,
+            bool(step.meta.get("timed_out")))

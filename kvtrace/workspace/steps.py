@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvtrace.errors import UsageError
-from kvtrace.store.kinds import WORKSPACE
+from kvtrace.store.kinds import workspace_of
 from kvtrace.workspace.snapshot import tree_of
 from kvtrace.workspace.tree import Change, Tree, changes
 
@@ -26,8 +26,7 @@ MAX_DIFF_BYTES = 1_000_000  # a file larger than this on either side is listed, 
 
 
 def _named(step: Step) -> str | None:
-    value = step.meta.get(WORKSPACE)
-    return value if isinstance(value, str) else None
+    return workspace_of(step)
 
 
 def snapshot_at(store: Store, spec: str) -> tuple[Step, Tree]:

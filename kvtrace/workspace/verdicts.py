@@ -96,11 +96,11 @@ def verdict_of(step: Step) -> Verdict | None:
     """The verdict a step holds, or None when it is no verdict."""
     if step.kind != VERDICT:
         return None
-    code = step.meta.get("exit_code")
-    return Verdict(str(step.content.get("command", "")),
-                   code if isinstance(code, int) else -1,
-                   float(step.meta.get("seconds") or 0.0),
-                   str(step.content.get("output", "")), bool(step.meta.get("timed_out")))
+    from kvtrace.store.kinds import verdict_meta
+
+    code, seconds, timed_out = verdict_meta(step)
+    return Verdict(str(step.content.get("command", "")), code, seconds,
+                   str(step.content.get("output", "")), timed_out)
 
 
 def latest_verdict(path: list[Step] | tuple[Step, ...]) -> Verdict | None:
