@@ -25,6 +25,7 @@ from kvtrace.cli import (  # noqa: F401  (registers commands)
     cache,
     mcp,
     page,
+    record,
     replay,
     serve,
     store_commands,

@@ -150,7 +150,9 @@ def print_json_items(items: Iterable[Any]) -> None:
 
 
 # Where a command's option is named otherwise than the API parameter an error names.
-_PARAM_ALIASES = {"import": {"name": "run"}}  # Store.import_bundle(name=) is import's --run
+# A library parameter that a command spells otherwise: Store.import_bundle(name=) is
+# import's --run, run_verify(timeout_s=) is verify's --timeout.
+_PARAM_ALIASES = {"import": {"name": "run"}, "verify": {"timeout_s": "timeout"}}
 
 
 def flag_message(exc: KvtraceError, command: Command | None) -> str:

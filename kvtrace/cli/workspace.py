@@ -29,9 +29,6 @@ def workspace_command(
     from kvtrace.workspace import restore
     from kvtrace.workspace.steps import snapshot_at
 
-    if output.is_dir() and any(output.iterdir()) and not force:  # before opening anything
-        raise UsageError(f"-o {output} is not empty: give --force to write into it "
-                         "(files the snapshot names are overwritten, others left)")
     with open_store(store_url(ctx), create=False) as store:
         step, tree = snapshot_at(store, spec)
         done = restore(store, tree, output, force=force)
@@ -63,8 +60,6 @@ def verify_command(
     check_command(cmd)
     if not workdir.is_dir():
         raise UsageError(f"--workdir {workdir}: not a folder")
-    if not timeout > 0:
-        raise UsageError(f"--timeout {timeout:g}: give seconds > 0")
     with open_store(store_url(ctx), create=False) as store:
         if not store.has_run(run):
             raise UsageError(f"no run {run!r}: `kvtrace runs` lists them")

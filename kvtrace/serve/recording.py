@@ -137,9 +137,7 @@ class Recording:
         """Snapshot `folder` before each model call recorded into `run` (`record --workspace`;
         kvtrace/workspace): the call's meta names the tree."""
         if self._writer is not None:
-            from kvtrace.workspace import Snapshotter
-
-            self._writer.snapshotters[run] = Snapshotter(self._writer.store, folder)
+            self._writer.watch_workspace(run, folder)
 
     def sink(self, request: Request) -> Sink:
         """Where the answer to `request` is recorded (the run header checked here): the
@@ -172,9 +170,8 @@ class StoreWriter:
     """Writes steps into a store's runs on one thread, one Recorder per run; counts them."""
 
     def __init__(self, store: Store, redactor: Redactor, stats: dict[str, RunStats]) -> None:
-        self.store = store
-        self.snapshotters: dict[str, Snapshotter] = {}  # by run: `record --workspace`
         self._store = store
+        self._snapshotters: dict[str, Snapshotter] = {}  # by run: `record --workspace`
         self._redactor = redactor
         self._stats = stats
         self._recorders: OrderedDict[str, Recorder] = OrderedDict()  # last written, last
@@ -194,9 +191,14 @@ class StoreWriter:
         if await loop.run_in_executor(self._worker, self._is_paused, run):
             raise paused_error(run, is_answered=is_answered)
 
+    def watch_workspace(self, run: str, folder: Path) -> None:
+        from kvtrace.workspace import Snapshotter
+
+        self._snapshotters[run] = Snapshotter(self._store, folder)
+
     async def snapshot(self, run: str) -> str | None:
         """The run's workspace snapshot, taken now on the writer's thread (None: none taken)."""
-        snapshotter = self.snapshotters.get(run)
+        snapshotter = self._snapshotters.get(run)
         if snapshotter is None:
             return None
         loop = asyncio.get_running_loop()

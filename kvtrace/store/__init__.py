@@ -34,6 +34,7 @@ from kvtrace.store.kinds import (
     ProviderApi,
     StepKind,
     ToolCall,
+    VerdictStep,
     view,
 )
 from kvtrace.store.names import validate_run_name
@@ -72,6 +73,7 @@ __all__ = [
     "Store",
     "ToolCall",
     "Usage",
+    "VerdictStep",
     "default_url",
     "import_into",
     "init_store",

@@ -59,6 +59,7 @@ _MODEL, _PARAMS, _USAGE, _TIMINGS, _EXTRA, _API = (
 _TOOL, _ERROR, _CALL_ID, _AUTHOR, _TOTAL_S, _COMPLETE, _NOT_MODEL_CALL = (
     "tool", "error", "call_id", "author", "total_s", "complete", "not_model_call")
 _KEY_ORDER = "key_order"
+_EXIT_CODE, _PASSED, _SECONDS, _TIMED_OUT = "exit_code", "passed", "seconds", "timed_out"
 EDIT_OF = "edit_of"  # a step forked with an edit names the step it copies
 STREAM_FIELD = "stream"  # a model call's raw field: the SSE body as it arrived
 RESPONSE_SETTINGS = "response_settings"  # a model call's payload field (see ModelCall)
@@ -73,6 +74,7 @@ class StepKind(StrEnum):
     TOOL_CALL = "tool_call"
     HTTP = "http"
     NOTE = "note"
+    VERDICT = "verdict"
 
 
 @dataclass(frozen=True, slots=True)
@@ -399,10 +401,48 @@ class NoteStep(_View):
         return author if isinstance(author, str) else None
 
 
-View = ModelCall | ToolCall | HttpExchange | NoteStep
-_VIEWS: dict[str, type[ModelCall] | type[ToolCall] | type[HttpExchange] | type[NoteStep]] = {
+class VerdictStep(_View):
+    """What a verify command said of a run (kvtrace/workspace/verdicts.py): payload `command`
+    and `output` (its tail), meta `exit_code`, `passed`, `seconds`, `timed_out`."""
+
+    KIND = StepKind.VERDICT
+
+    @staticmethod
+    def meta(*, exit_code: int, seconds: float, timed_out: bool) -> dict[str, Any]:
+        return {_EXIT_CODE: exit_code, _PASSED: exit_code == 0, _SECONDS: round(seconds, 3),
+                _TIMED_OUT: timed_out}
+
+    @property
+    def command(self) -> str:
+        return str(self.step.content.get("command", ""))
+
+    @property
+    def output(self) -> str:
+        return str(self.step.content.get("output", ""))
+
+    @property
+    def exit_code(self) -> int:
+        code = self.step.meta.get(_EXIT_CODE)
+        return code if isinstance(code, int) else -1
+
+    @property
+    def passed(self) -> bool:
+        return self.exit_code == 0
+
+    @property
+    def seconds(self) -> float:
+        value = self.step.meta.get(_SECONDS)
+        return float(value) if isinstance(value, int | float) else 0.0
+
+    @property
+    def timed_out(self) -> bool:
+        return self.step.meta.get(_TIMED_OUT) is True
+
+
+View = ModelCall | ToolCall | HttpExchange | NoteStep | VerdictStep
+_VIEWS: dict[str, type[View]] = {
     StepKind.MODEL_CALL: ModelCall, StepKind.TOOL_CALL: ToolCall,
-    StepKind.HTTP: HttpExchange, StepKind.NOTE: NoteStep,
+    StepKind.HTTP: HttpExchange, StepKind.NOTE: NoteStep, StepKind.VERDICT: VerdictStep,
 }
 
 
@@ -452,10 +492,3 @@ def workspace_of(step: Step) -> str | None:
     value = step.meta.get(WORKSPACE)
     return value if isinstance(value, str) else None
 
-
-def verdict_meta(step: Step) -> tuple[int, float, bool]:
-    """A `verdict` step's (exit code, seconds, timed out) (kvtrace/workspace/verdicts.py)."""
-    code, seconds = step.meta.get("exit_code"), step.meta.get("seconds")
-    return (code if isinstance(code, int) else -1,
-            float(seconds) if isinstance(seconds, int | float) else 0.0,
-            bool(step.meta.get("timed_out")))

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 from kvtrace.errors import UsageError
 from kvtrace.store.codec import Base
 from kvtrace.store.encoding import sha256_hex
-from kvtrace.workspace.tree import Entry, Tree, make_tree
+from kvtrace.workspace.tree import Entry, Tree, make_tree, parse
 
 if TYPE_CHECKING:
     import pathspec
@@ -86,8 +86,8 @@ class Snapshotter:
         tree = make_tree(entries)
         data = tree.encode()
         address = sha256_hex(data)
-        if self._last is not None and self._last[0] == address and not new_blobs:
-            return address
+        if self._last is not None and self._last[0] == address:
+            return address  # the same tree: every blob it names is stored already
         if new_blobs:
             self.store.write_blobs(list(new_blobs.values()))
             self._stored.update(new_blobs)
@@ -186,6 +186,4 @@ def _file_hash(path: Path) -> str:
 
 def tree_of(store: Store, address: str) -> Tree:
     """The stored tree at `address`."""
-    from kvtrace.workspace.tree import parse
-
     return parse(store.read_blob(address))

@@ -3,7 +3,8 @@
 `kvtrace record --verify CMD` (with or without `--from` / `--n`) runs CMD
 through the shell in each agent's folder once the agent has exited, and
 `kvtrace verify RUN --cmd CMD` grades a run after the fact. The outcome is
-appended to the run as a step of kind `verdict` (`VerdictStep` reads it):
+appended to the run as a step of kind `verdict` (store/kinds.py's
+`VerdictStep` reads it):
 
 - payload `command`, and `output`: the tail of what CMD printed (stdout and
   stderr together, at most `MAX_OUTPUT` characters), kept as a tool result
@@ -26,9 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from kvtrace.errors import UsageError
-from kvtrace.store import Step, Store
+from kvtrace.store import Step, StepKind, Store
+from kvtrace.store.kinds import VerdictStep
 
-VERDICT = "verdict"
 MAX_OUTPUT = 4000  # characters of the output's tail kept
 DEFAULT_TIMEOUT_S = 600.0
 TIMED_OUT = 124
@@ -65,7 +66,7 @@ def run_verify(command: str, folder: Path, *, timeout_s: float = DEFAULT_TIMEOUT
                env: dict[str, str] | None = None) -> Verdict:
     """Run `command` through the shell in `folder`; its verdict (module docstring)."""
     if timeout_s <= 0:
-        raise UsageError(f"--verify-timeout {timeout_s:g}: give seconds > 0")
+        raise UsageError(f"timeout_s={timeout_s:g}: give seconds > 0", param="timeout_s")
     started = time.perf_counter()
     process = subprocess.Popen(command, shell=True, cwd=folder, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -87,28 +88,23 @@ def run_verify(command: str, folder: Path, *, timeout_s: float = DEFAULT_TIMEOUT
 def record_verdict(store: Store, run: str, verdict: Verdict) -> Step:
     """Append `verdict` to `run` (made if it has no step yet) as a `verdict` step."""
     return store.run(run).record(
-        VERDICT, {"command": verdict.command, "output": verdict.output},
-        meta={"exit_code": verdict.exit_code, "passed": verdict.passed,
-              "seconds": round(verdict.seconds, 3), "timed_out": verdict.timed_out})
+        StepKind.VERDICT, {"command": verdict.command, "output": verdict.output},
+        meta=VerdictStep.meta(exit_code=verdict.exit_code, seconds=verdict.seconds,
+                              timed_out=verdict.timed_out))
 
 
 def verdict_of(step: Step) -> Verdict | None:
     """The verdict a step holds, or None when it is no verdict."""
-    if step.kind != VERDICT:
+    if step.kind != StepKind.VERDICT:
         return None
-    from kvtrace.store.kinds import verdict_meta
-
-    code, seconds, timed_out = verdict_meta(step)
-    return Verdict(str(step.content.get("command", "")), code, seconds,
-                   str(step.content.get("output", "")), timed_out)
+    held = VerdictStep(step)
+    return Verdict(held.command, held.exit_code, held.seconds, held.output, held.timed_out)
 
 
 def latest_verdict(path: list[Step] | tuple[Step, ...]) -> Verdict | None:
-    """The last verdict on a run's path, or None."""
-    for step in reversed(path):
-        if step.kind == VERDICT:
-            return verdict_of(step)
-    return None
+    """The last verdict on a run's path, or None (what `kvtrace runs --verdict` filters on)."""
+    return next((verdict_of(step) for step in reversed(path)
+                 if step.kind == StepKind.VERDICT), None)
 
 
 def _tail(text: str) -> str:

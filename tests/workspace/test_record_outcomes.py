@@ -141,3 +141,16 @@ def test_k_agents_each_get_a_verdict_in_the_table_and_the_json(home, capfd, tiny
         sys.executable, str(AGENT), "--calls", "3")
     assert code == 0, err
     assert "2 of 2 passed" in err and " test " in err and "pass " in err
+
+
+def test_verify_refuses_a_timeout_that_is_no_time_in_its_own_flag(home, capfd):
+    code, _, err = _kvtrace(capfd, "verify", "r", "--cmd", "true")
+    assert code == 2 and "store" in err  # no store yet: nothing made
+    with open_store(f"sqlite:///{home / 'home' / 'store.db'}") as store:
+        store.run("r").record_note("a run to grade")
+    code, _, err = _kvtrace(capfd, "verify", "nothing", "--cmd", "true")
+    assert code == 2 and "no run 'nothing'" in err
+    code, _, err = _kvtrace(capfd, "verify", "r", "--cmd", "true", "--timeout", "0")
+    assert code == 2 and err.strip() == "error: --timeout 0: give seconds > 0"
+    code, out, _ = _kvtrace(capfd, "log", "r")
+    assert "verdict" not in out

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kvtrace.store.kinds import ModelCall, StepKind, ToolCall, is_cut
+from kvtrace.store.kinds import ModelCall, StepKind, ToolCall, VerdictStep, is_cut
 from kvtrace.store.records import Step
 
 
@@ -46,4 +46,9 @@ def _summary(step: Step) -> str:
         error = f" error={tool.error}" if tool.error else ""
         args = snippet(tool.arguments, 30)
         return f"{tool.tool}({args}) -> {snippet(tool.result, 40)}{error}"
+    if step.kind == StepKind.VERDICT:
+        verdict = VerdictStep(step)
+        outcome = ("passed" if verdict.passed else "timed out" if verdict.timed_out
+                   else f"FAILED (exit code {verdict.exit_code})")
+        return f"{outcome} in {verdict.seconds:.1f} s: {snippet(verdict.command, 60)}"
     return snippet({k: v for k, v in step.content.items() if not isinstance(v, bytes)})
