@@ -54,6 +54,28 @@ def bench_store(
     _print_figures(run_store_bench(url, num_appends=num_appends), as_json)
 
 
+@bench_app.command("workspace")
+def bench_workspace(
+    num_files: Annotated[int, typer.Option("--files", help="Files in the folder.")] = 1000,
+    total_mb: Annotated[float, typer.Option("--mb", help="Their size in all, MB.")] = 50.0,
+    num_changed: Annotated[int, typer.Option(
+        "--changed", help="Files rewritten between two snapshots.")] = 3,
+    rounds: Annotated[int, typer.Option("--rounds", help="Snapshots timed.")] = 30,
+    as_json: Json = False,
+) -> None:
+    """What `record --workspace` costs per model call: a snapshot where few files changed,
+    and the store's growth over the bytes that changed."""
+    from kvtrace.bench.workspace import run_workspace_bench
+
+    if min(num_files, num_changed, rounds) < 1 or num_changed * rounds > num_files:
+        raise UsageError("--files, --changed and --rounds must be >= 1, and --changed x "
+                         "--rounds at most --files (each round rewrites files not yet rewritten)")
+    if not total_mb > 0:
+        raise UsageError(f"--mb {total_mb:g}: give a size > 0")
+    _print_figures(run_workspace_bench(num_files=num_files, total_mb=total_mb,
+                                       num_changed=num_changed, rounds=rounds), as_json)
+
+
 @bench_app.command("appends")
 def bench_appends(
     urls: Annotated[list[str] | None, typer.Argument(

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 from kvtrace.errors import UsageError
 from kvtrace.store.codec import Base
 from kvtrace.store.encoding import sha256_hex
-from kvtrace.workspace.tree import Entry, Tree, make_tree, parse
+from kvtrace.workspace.tree import Entry, Tree, entry_bytes, parse, tree_bytes
 
 if TYPE_CHECKING:
     import pathspec
@@ -47,13 +47,11 @@ RACY_NS = 2_000_000_000  # a file changed this recently is read again (module do
 
 @dataclass(frozen=True, slots=True)
 class _Known:
-    """What the index keeps of a file: its stat, and the entry it gave."""
+    """What the index keeps of a file: its stat, the entry it gave, and the entry's bytes."""
 
-    mtime_ns: int
-    size: int
-    inode: int
-    mode: int
+    stat: tuple[int, int, int, int]  # mtime_ns, size, inode, mode
     entry: Entry
+    encoded: bytes
 
 
 class Snapshotter:
@@ -65,6 +63,7 @@ class Snapshotter:
         self.folder = Path(folder).resolve()
         self.max_file_bytes = max_file_bytes
         self._index: dict[str, _Known] = {}
+        self._order: list[str] = []  # the index's paths, sorted (a tree's order)
         self._stored: set[str] = set()  # blob addresses this snapshotter wrote or found
         self._last: tuple[str, bytes] | None = None  # the previous tree: address, bytes
         self.num_files_read = 0  # files whose bytes the last `take` read (for benchmarks)
@@ -74,25 +73,33 @@ class Snapshotter:
         started = time.time_ns()
         self.num_files_read = 0
         ignore = _ignore_spec(self.folder)
-        entries: list[Entry] = []
         new_blobs: dict[str, bytes] = {}
         index: dict[str, _Known] = {}
+        num_reused = 0
         for path, info in self._walk(ignore):
-            entry = self._entry(path, info, started, new_blobs)
-            index[path] = _Known(info.st_mtime_ns, info.st_size, info.st_ino, info.st_mode,
-                                 entry)
-            entries.append(entry)
+            seen = (info.st_mtime_ns, info.st_size, info.st_ino, info.st_mode)
+            known = self._index.get(path)
+            if known is not None and known.stat == seen and started - seen[0] > RACY_NS:
+                index[path] = known
+                num_reused += 1
+            else:
+                entry = self._entry(path, info, new_blobs)
+                index[path] = _Known(seen, entry, entry_bytes(entry))
+        if num_reused == len(index) == len(self._index) and self._last is not None:
+            return self._last[0]  # no path added, gone or read again: the same tree
+        if index.keys() != self._index.keys():  # a path came or went: sort again
+            self._order = sorted(index)
         self._index = index
-        tree = make_tree(entries)
-        data = tree.encode()
+        data = tree_bytes([index[path].encoded for path in self._order])
         address = sha256_hex(data)
         if self._last is not None and self._last[0] == address:
             return address  # the same tree: every blob it names is stored already
-        if new_blobs:
-            self.store.write_blobs(list(new_blobs.values()))
-            self._stored.update(new_blobs)
         base = Base(*self._last) if self._last is not None else None
-        self.store.write_blobs([data], base=base)
+        with self.store.batch():  # one transaction for the files and their tree
+            if new_blobs:
+                self.store.write_blobs(list(new_blobs.values()))
+            self.store.write_blobs([data], base=base)
+        self._stored.update(new_blobs)
         self._last = (address, data)
         return address
 
@@ -108,31 +115,31 @@ class Snapshotter:
             except OSError:
                 continue  # vanished or unreadable: not in the snapshot
             for item in items:
-                rel = f"{prefix}{item.name}"
+                name = item.name
+                if not name.isascii() and not _is_text(name):
+                    continue  # a name that is no UTF-8 cannot be named in a tree
+                rel = prefix + name
+                if item.is_dir(follow_symlinks=False):  # from the listing: no stat
+                    if name in NEVER_WALKED or (ignore and ignore.match_file(rel + "/")):
+                        continue
+                    pending.append(rel + "/")
+                    continue
                 try:
                     info = item.stat(follow_symlinks=False)
                 except OSError:
                     continue
-                if stat.S_ISDIR(info.st_mode):
-                    if item.name in NEVER_WALKED or (ignore and ignore.match_file(rel + "/")):
-                        continue
-                    pending.append(rel + "/")
-                elif stat.S_ISREG(info.st_mode) or stat.S_ISLNK(info.st_mode):
+                if stat.S_ISREG(info.st_mode) or stat.S_ISLNK(info.st_mode):
                     if ignore and ignore.match_file(rel):
                         continue
                     found.append((rel, info))
         return found
 
-    def _entry(self, path: str, info: os.stat_result, started: int,
-               new_blobs: dict[str, bytes]) -> Entry:
-        known = self._index.get(path)
-        if (known is not None and known.mtime_ns == info.st_mtime_ns
-                and known.size == info.st_size and known.inode == info.st_ino
-                and known.mode == info.st_mode and started - info.st_mtime_ns > RACY_NS):
-            return known.entry
+    def _entry(self, path: str, info: os.stat_result, new_blobs: dict[str, bytes]) -> Entry:
+        """The entry of a path the index cannot vouch for: read (and hashed) now."""
         full = self.folder / path
         if stat.S_ISLNK(info.st_mode):
-            return Entry(path, link=os.readlink(full))
+            target = os.readlink(full)
+            return Entry(path, link=target if _is_text(target) else "?")
         mode = stat.S_IMODE(info.st_mode)
         if info.st_size > self.max_file_bytes:
             return Entry(path, mode, info.st_size, sha256=_file_hash(full),
@@ -164,6 +171,15 @@ def workspace_folder(agent_folder: Path, spec: str) -> Path:
     if folder.exists() and not folder.is_dir():
         raise UsageError(f"--workspace {spec}: {folder} is not a folder")
     return folder
+
+
+def _is_text(name: str) -> bool:
+    """Whether a name from the file system is valid UTF-8 (else it holds surrogate escapes)."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _ignore_spec(folder: Path) -> pathspec.PathSpec | None:

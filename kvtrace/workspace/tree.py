@@ -74,8 +74,7 @@ class Tree:
     entries: tuple[Entry, ...]
 
     def encode(self) -> bytes:
-        return canonical_json({"v": TREE_VERSION, "kind": TREE_KIND,
-                               "entries": [entry.to_json() for entry in self.entries]})
+        return tree_bytes([entry_bytes(entry) for entry in self.entries])
 
     @property
     def address(self) -> str:
@@ -87,6 +86,20 @@ class Tree:
     @property
     def num_bytes(self) -> int:
         return sum(entry.size for entry in self.entries if entry.link is None)
+
+
+def entry_bytes(entry: Entry) -> bytes:
+    """An entry's canonical JSON (unchecked: only str and int, names valid UTF-8, which
+    snapshot.py makes sure of); a snapshotter keeps it with the entry."""
+    return canonical_json(entry.to_json(), is_checked=False)
+
+
+def tree_bytes(entries: list[bytes]) -> bytes:
+    """A tree's canonical JSON from its entries' (`entry_bytes`, sorted by path): the bytes
+    `canonical_json` gives the whole object ("entries" < "kind" < "v"), without encoding
+    again the entries a snapshot kept (a test holds the two equal)."""
+    return b'{"entries":[' + b",".join(entries) + b'],"kind":"%s","v":%d}' % (
+        TREE_KIND.encode(), TREE_VERSION)
 
 
 def make_tree(entries: Iterable[Entry]) -> Tree:

@@ -148,3 +148,22 @@ def test_a_workspace_must_be_a_folder_inside_the_agents_folder(tmp_path):
         workspace_folder(tmp_path, "file.txt")
     with pytest.raises(UsageError, match="inside the agent's folder"):
         workspace_folder(tmp_path, "/etc")
+
+
+def test_a_tree_from_kept_entry_bytes_is_its_canonical_json(store, project):
+    from kvtrace.store.encoding import canonical_json
+
+    tree = tree_of(store, Snapshotter(store, project, max_file_bytes=4096).take())
+    whole = canonical_json({"v": 1, "kind": "kvtrace-workspace",
+                            "entries": [entry.to_json() for entry in tree.entries]})
+    assert tree.encode() == whole
+
+
+def test_a_name_that_is_no_utf8_is_left_out_not_fatal(store, tmp_path):
+    folder = tmp_path / "names"
+    folder.mkdir()
+    (folder / "ok.txt").write_text("fine\n")
+    with open(os.path.join(os.fsencode(folder), b"bad-\xff.txt"), "wb") as fh:
+        fh.write(b"x")
+    tree = tree_of(store, Snapshotter(store, folder).take())
+    assert [entry.path for entry in tree.entries] == ["ok.txt"]
