@@ -11,6 +11,7 @@ import dataclasses
 import os
 import shutil
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -46,6 +47,7 @@ from kvtrace.store import Store, open_store
 if TYPE_CHECKING:
     from kvtrace.serve import ChatServer
     from kvtrace.serve.experiment import ExperimentReport
+    from kvtrace.workspace.tree import Tree
     from kvtrace.workspace.verdicts import Verdict
 
 NumAgents = Annotated[int | None, typer.Option(
@@ -113,6 +115,9 @@ def record_command(
         workspace_folder(Path(workdir.replace("{i}", "1")) if workdir else Path.cwd(), workspace)
     outcome = _Outcome(workspace, verify, verify_timeout)
     with open_store(store_url(ctx)) as store:
+        start = _start_tree(store, from_run, workdir, num_agents)
+        if start is not None:  # the fork is snapshotted too
+            outcome = dataclasses.replace(outcome, workspace=workspace or ".")
         server = chat_server(store, upstream=upstream, model=model, run=run, run_prefix="record",
                               api_key=None, upstream_api_key=upstream_api_key,
                               redact_headers=redact_header or [], max_queue=MAX_QUEUE,
@@ -120,6 +125,9 @@ def record_command(
                               strict_model=strict_model, from_run=from_run, edit=edit,
                               command="record", num_agents=num_agents, seed=seed,
                               workdir=workdir, dtype=dtype)
+        if start is not None:
+            outcome.fill(store, start, [agent.workdir for agent in server.agents]
+                         or [Path(workdir or ".").resolve()])
         if server.agents and from_run is not None:
             outcome.watch(server, [(agent.fork, agent.workdir) for agent in server.agents])
             _record_agents(store, server, from_run, command, outcome, as_json=as_json)
@@ -166,6 +174,14 @@ class _Outcome:
             server.recording.snapshot_workspace(
                 run, workspace_folder(folder or Path.cwd(), self.workspace))
 
+    def fill(self, store: Store, tree: Tree, folders: Sequence[Path | None]) -> None:
+        """Write `tree` into each agent's workspace before it starts (`_start_tree`)."""
+        from kvtrace.workspace import restore
+        from kvtrace.workspace.snapshot import workspace_folder
+
+        for folder in folders:
+            restore(store, tree, workspace_folder(folder or Path.cwd(), self.workspace or "."))
+
     def grade(self, store: Store, run: str, folder: Path | None) -> Verdict | None:
         """Run the verify command in the agent's folder; its verdict, appended to `run`."""
         from kvtrace.workspace.verdicts import record_verdict, run_verify
@@ -175,6 +191,28 @@ class _Outcome:
         verdict = run_verify(self.verify, folder or Path.cwd(), timeout_s=self.verify_timeout)
         record_verdict(store, run, verdict)
         return verdict
+
+
+def _start_tree(store: Store, from_run: str | None, workdir: str | None,
+                num_agents: int | None) -> Tree | None:
+    """Where a fork's agents start, with `--from RUN@K --workdir`: RUN's folder as its first
+    recorded call saw it (None: no --workdir, or RUN has no snapshot). Each agent's folder
+    must be missing or empty, checked here, before anything loads."""
+    from kvtrace.workspace.steps import first_snapshot
+
+    if from_run is None or workdir is None:
+        return None
+    tree = first_snapshot(store, from_run)
+    if tree is None:
+        return None
+    count = num_agents or 1
+    for index in range(1, count + 1):
+        folder = Path(workdir.replace("{i}", str(index)))
+        if folder.is_dir() and any(folder.iterdir()):
+            raise UsageError(f"--workdir {folder} is not empty: the fork starts from "
+                             f"{from_run.split('@')[0]}'s recorded workspace, written into "
+                             "it; give a new or empty folder")
+    return tree
 
 
 def _say_verdict(verdict: Verdict, run: str) -> None:

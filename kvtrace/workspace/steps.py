@@ -42,6 +42,16 @@ def snapshot_at(store: Store, spec: str) -> tuple[Step, Tree]:
     return step, tree_of(store, address)
 
 
+def first_snapshot(store: Store, spec: str) -> Tree | None:
+    """The first snapshot on the path to `spec`: the folder as the run's first recorded
+    call saw it, where a fork of the run starts (`record --from RUN@K --workdir`)."""
+    for step in store.path(spec):
+        address = _named(step)
+        if address is not None:
+            return tree_of(store, address)
+    return None
+
+
 def latest_snapshot(store: Store, spec: str) -> tuple[Step, Tree] | None:
     """The last snapshot on the path to `spec` (itself included), or None."""
     for step in reversed(store.path(spec)):

@@ -154,3 +154,44 @@ def test_verify_refuses_a_timeout_that_is_no_time_in_its_own_flag(home, capfd):
     assert code == 2 and err.strip() == "error: --timeout 0: give seconds > 0"
     code, out, _ = _kvtrace(capfd, "log", "r")
     assert "verdict" not in out
+
+
+def test_a_fork_starts_from_the_recorded_workspace_and_is_snapshotted_too(
+    home, capfd, tiny_model_folder
+):
+    base = home / "base"
+    base.mkdir()
+    (base / "seed.txt").write_text("the starting tree\n")
+    code, _, err = _kvtrace(capfd, "record", "--model", str(tiny_model_folder), "--run", "base",
+                            "--workdir", str(base), "--workspace", ".", "--",
+                            sys.executable, str(AGENT), "--calls", "3")
+    assert code == 0, err
+    busy = home / "busy"
+    busy.mkdir()
+    (busy / "mine.txt").write_text("the user's\n")
+    code, _, err = _kvtrace(capfd, "record", "--model", str(tiny_model_folder),
+                            "--from", "base@2", "--workdir", str(busy), "--",
+                            sys.executable, str(AGENT), "--calls", "3")
+    assert code == 2 and "is not empty" in err and (busy / "mine.txt").read_text() == "the user's\n"
+
+    code, out, err = _kvtrace(
+        capfd, "record", "--model", str(tiny_model_folder), "--from", "base@2", "--n", "2",
+        "--workdir", str(home / "runs" / "{i}"), "--json", "--",
+        sys.executable, str(AGENT), "--calls", "3")
+    assert code == 0, err
+    forks = [agent["run"] for agent in json.loads(out[out.index("{"):])["agents"]]
+    with open_store(f"sqlite:///{home / 'home' / 'store.db'}", create=False) as store:
+        recorded = [ModelCall(s).workspace for s in store.path("base")]
+        for i, fork in enumerate(forks, start=1):
+            assert (home / "runs" / str(i) / "seed.txt").read_text() == "the starting tree\n"
+            live = [ModelCall(s).workspace for s in store.path(fork)]
+            # Answered alike from the same start, the agent left the same files at call 3.
+            assert live == recorded
+            assert store.path(fork)[-1].id != store.path("base")[-1].id  # call 3 was live
+
+    code, _, err = _kvtrace(capfd, "record", "--model", str(tiny_model_folder),
+                            "--from", "base@2", "--run", "solo", "--workdir", str(home / "solo"),
+                            "--", sys.executable, str(AGENT), "--calls", "3")
+    assert code == 0, err
+    assert (home / "solo" / "seed.txt").read_text() == "the starting tree\n"
+    assert len((home / "solo" / "notes.txt").read_text().splitlines()) == 3
