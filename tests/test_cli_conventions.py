@@ -194,6 +194,7 @@ _BAD_VALUES = {  # (command, option): a command line with a bad value for it
     ("export", "--format"): ["export", "main", "--format", "csv"],
     ("import", "--format"): ["import", "main.kvtrace", "--format", "csv"],
     ("mcp", "--transport"): ["mcp", "--transport", "carrier-pigeon"],
+    ("runs", "--verdict"): ["runs", "--verdict", "maybe"],
     ("replay", "--dtype"): ["replay", "main", "--dtype", "int4"],
     ("cache size", "--dtype"): ["cache", "size", "--tokens", "10", "--dtype", "int8"],
     ("checkout", "--dtype"): ["checkout", "main", "--dtype", "float64"],

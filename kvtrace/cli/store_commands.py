@@ -7,6 +7,7 @@ the move, the note, the imported run, the written file."""
 from __future__ import annotations
 
 import datetime
+import enum
 import io
 import json
 import os
@@ -59,6 +60,14 @@ def init(
     say(f"kvtrace store ready at {url}")
 
 
+class VerdictFilter(enum.StrEnum):
+    """`runs --verdict`: a run's latest verdict, or none."""
+
+    PASSED = "passed"
+    FAILED = "failed"
+    NONE = "none"
+
+
 @app.command()
 def runs(
     ctx: typer.Context,
@@ -66,6 +75,9 @@ def runs(
         "--limit", "-n", help="Show at most this many runs (a page).")] = None,
     after: Annotated[str | None, typer.Option(
         "--after", help="Start after this run name (the last one of the previous page).")] = None,
+    verdict: Annotated[VerdictFilter | None, typer.Option(
+        "--verdict", help="Only runs whose latest verdict (record --verify, kvtrace verify) "
+        "passed, failed, or that have none; shows each run's verdict.")] = None,
     as_json: Json = False,
 ) -> None:
     """List runs (branches) by name with their head and length."""
@@ -73,12 +85,30 @@ def runs(
         raise UsageError("--limit must be at least 1")
     with _store(ctx) as store:
         infos = store.runs(limit=limit, after=after)
+        graded = _verdicts(store, infos, verdict) if verdict is not None else None
+    if graded is not None:
+        infos = [info for info in infos if info.name in graded]
     if as_json:
-        print_json([info.to_dict() for info in infos])
+        print_json([{**info.to_dict(), **({"verdict": graded[info.name]} if graded else {})}
+                    for info in infos])
         return
     for info in infos:
         head = info.head_id[:12] if info.head_id else "(empty)"
-        say(f"{info.name:30} {head:12} {info.depth:6} steps")
+        shown = f" {graded[info.name] or '-'}" if graded is not None else ""
+        say(f"{info.name:30} {head:12} {info.depth:6} steps{shown}")
+
+
+def _verdicts(store: Store, infos: list[RunInfo], wanted: VerdictFilter) -> dict[str, str | None]:
+    """The runs of `infos` whose verdict is `wanted`, each with it ('passed', 'failed', None)."""
+    from kvtrace.workspace.verdicts import run_verdict
+
+    found: dict[str, str | None] = {}
+    for info in infos:
+        verdict = run_verdict(store, info.name) if info.head_id else None
+        said = None if verdict is None else "passed" if verdict.passed else "failed"
+        if (said or "none") == wanted.value:
+            found[info.name] = said
+    return found
 
 
 @app.command()

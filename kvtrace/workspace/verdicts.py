@@ -101,10 +101,13 @@ def verdict_of(step: Step) -> Verdict | None:
     return Verdict(held.command, held.exit_code, held.seconds, held.output, held.timed_out)
 
 
-def latest_verdict(path: list[Step] | tuple[Step, ...]) -> Verdict | None:
-    """The last verdict on a run's path, or None (what `kvtrace runs --verdict` filters on)."""
-    return next((verdict_of(step) for step in reversed(path)
-                 if step.kind == StepKind.VERDICT), None)
+def run_verdict(store: Store, run: str) -> Verdict | None:
+    """A run's verdict: its latest verdict step's, found walking back from its head (verdicts
+    are appended last, so this reads one step per graded run), or None."""
+    for step in store.log(run, lists=False):
+        if step.kind == StepKind.VERDICT:
+            return verdict_of(step)
+    return None
 
 
 def _tail(text: str) -> str:

@@ -195,3 +195,21 @@ def test_a_fork_starts_from_the_recorded_workspace_and_is_snapshotted_too(
     assert code == 0, err
     assert (home / "solo" / "seed.txt").read_text() == "the starting tree\n"
     assert len((home / "solo" / "notes.txt").read_text().splitlines()) == 3
+
+
+def test_runs_filter_by_verdict_and_log_says_it(home, capfd):
+    with open_store(f"sqlite:///{home / 'home' / 'store.db'}") as store:
+        for name in ("good", "bad", "ungraded"):
+            store.run(name).record_note(f"{name} did its work")
+    assert _kvtrace(capfd, "verify", "good", "--cmd", "true")[0] == 0
+    assert _kvtrace(capfd, "verify", "bad", "--cmd", "exit 3")[0] == 1
+    code, out, _ = _kvtrace(capfd, "runs", "--verdict", "passed")
+    assert code == 0 and [line.split()[0] for line in out.splitlines()] == ["good"]
+    code, out, _ = _kvtrace(capfd, "runs", "--verdict", "failed", "--json")
+    assert [(r["name"], r["verdict"]) for r in json.loads(out)] == [("bad", "failed")]
+    code, out, _ = _kvtrace(capfd, "runs", "--verdict", "none")
+    assert [line.split()[0] for line in out.splitlines()] == ["ungraded"]
+    code, out, _ = _kvtrace(capfd, "log", "bad")
+    assert "verdict" in out and "FAILED (exit code 3)" in out
+    code, _, err = _kvtrace(capfd, "runs", "--verdict", "maybe")
+    assert code == 2 and len(err.strip().splitlines()) == 1
