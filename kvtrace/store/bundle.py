@@ -7,7 +7,8 @@ one line per blob ``{"blob": ADDRESS, "data": BASE64}``, per step
 ``{"note": STEP_ID, "author", "text", "created_at"}``.
 
 A step with list fields (version-2 model calls, see lists.py) brings its
-list items as blob lines too; the base steps its lists build on are its
+list items as blob lines too, and one whose meta names a workspace tree
+brings the tree and its files (trees.py); the base steps its lists build on are its
 ancestors, so they are in the bundle. Bundles of version 1 still import.
 
 Import checks the shape of every line and recomputes every address and id
@@ -29,7 +30,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from kvtrace.errors import ConflictError, IntegrityError, UsageError
-from kvtrace.store import bodies, codec, history, jsontext, lists
+from kvtrace.store import bodies, codec, history, jsontext, lists, trees
 from kvtrace.store.backend import insert_ignore
 from kvtrace.store.encoding import decode_body, decode_json_blob, is_address
 from kvtrace.store.history import chunks, skip_in_memory
@@ -58,6 +59,7 @@ def write_bundle(
         rows = {r.id: r for r in conn.execute(sa.select(steps).where(steps.c.id.in_(part)))}
         kept = {step_id: bodies.decode(row.body, row.body_codec) for step_id, row in rows.items()}
         needs = {step_id: _blobs_of(body) for step_id, body in kept.items()}
+        _add_workspaces(conn, kept, needs)
         wanted = sorted(set().union(*needs.values()) - written)
         data = codec.read(conn, wanted)
         for step_id in part:
@@ -117,6 +119,16 @@ def _check_list_bases(
                     f"bundle step {step_id[:12]} builds its {field!r} on a step that is "
                     "not one of its ancestors"
                 )
+
+
+def _add_workspaces(conn: Connection, kept: dict[str, bytes],
+                    needs: dict[str, list[str]]) -> None:
+    """A step that names a workspace tree brings the tree and its files (trees.py)."""
+    named = {step_id: trees.tree_of_body(json.loads(body)) for step_id, body in kept.items()}
+    files = trees.reached(conn, [tree for tree in named.values() if tree is not None])
+    for step_id, tree in named.items():
+        if tree is not None:  # a tree that is gone is reported as a missing blob
+            needs[step_id] = list(dict.fromkeys([*needs[step_id], tree, *(files[tree] or [])]))
 
 
 def _blobs_of(body: bytes) -> list[str]:

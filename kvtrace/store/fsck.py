@@ -38,7 +38,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Row
 
 from kvtrace.errors import IntegrityError, UsageError
-from kvtrace.store import bodies, codec, lists
+from kvtrace.store import bodies, codec, lists, trees
 from kvtrace.store.encoding import decode_body, decode_json_blob
 from kvtrace.store.fsck_refs import check_notes, check_refs, check_time
 from kvtrace.store.history import ancestor_in_memory, chunks, skip_in_memory
@@ -146,6 +146,7 @@ class _StepPass:
             self._check_bases(rows[step_id], found)
         self._check_chains(entries)
         self._check_blob_refs(values, entries)
+        self._check_workspaces(values)
 
     # -- history -------------------------------------------------------------------
 
@@ -284,6 +285,30 @@ class _StepPass:
             missing.difference_update(present)
         if missing:
             self._report_missing(values, entries, missing)
+
+    def _check_workspaces(self, values: dict[str, dict[str, Any]]) -> None:
+        """A workspace tree a step names, and the files it names, are in the store."""
+        named = {step_id: tree for step_id, value in values.items()
+                 if (tree := trees.tree_of_body(value)) is not None}
+        if not named:
+            return
+        try:
+            files = trees.reached(self._conn, named.values())
+        except IntegrityError:  # a damaged blob: the blob pass reports it
+            return
+        wanted = sorted({address for found in files.values() for address in found or []})
+        present: set[str] = set()
+        for part in chunks(wanted):
+            present.update(self._conn.execute(
+                sa.select(blobs.c.hash).where(blobs.c.hash.in_(part))).scalars())
+        for step_id, tree in named.items():
+            if files[tree] is None:
+                self._problems.append(
+                    f"step {step_id[:12]}: workspace tree {tree[:12]} is missing")
+            for address in files[tree] or []:
+                if address not in present:
+                    self._problems.append(f"step {step_id[:12]}: workspace file blob "
+                                          f"{address[:12]} (tree {tree[:12]}) is missing")
 
     def _report_missing(self, values: dict[str, dict[str, Any]],
                         entries: dict[str, dict[str, Any]], missing: set[str]) -> None:

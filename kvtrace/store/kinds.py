@@ -50,10 +50,10 @@ from kvtrace.apis import (
 from kvtrace.errors import UsageError
 from kvtrace.store.lists import shared_prefix
 from kvtrace.store.records import Step
+from kvtrace.store.trees import WORKSPACE
 from kvtrace.store.usage import Usage
 
 # Keys a view writes in `meta` (module-private names on purpose: read through the views).
-WORKSPACE = "workspace"  # a model call's meta: its workspace snapshot (ModelCall.workspace)
 _MODEL, _PARAMS, _USAGE, _TIMINGS, _EXTRA, _API = (
     "model", "params", "usage", "timings", "extra", "api")
 _TOOL, _ERROR, _CALL_ID, _AUTHOR, _TOTAL_S, _COMPLETE, _NOT_MODEL_CALL = (

@@ -28,9 +28,7 @@ from typing import Any
 
 from kvtrace.errors import IntegrityError
 from kvtrace.store.encoding import canonical_json, sha256_hex
-
-TREE_KIND = "kvtrace-workspace"
-TREE_VERSION = 1
+from kvtrace.store.trees import TREE_KIND, TREE_VERSION
 
 
 @dataclass(frozen=True, slots=True)
