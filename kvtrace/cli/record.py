@@ -119,12 +119,12 @@ def record_command(
         if start is not None:  # the fork is snapshotted too
             outcome = dataclasses.replace(outcome, workspace=workspace or ".")
         server = chat_server(store, upstream=upstream, model=model, run=run, run_prefix="record",
-                              api_key=None, upstream_api_key=upstream_api_key,
-                              redact_headers=redact_header or [], max_queue=MAX_QUEUE,
-                              max_body_bytes=MAX_BODY_BYTES, upstream_timeout=upstream_timeout,
-                              strict_model=strict_model, from_run=from_run, edit=edit,
-                              command="record", num_agents=num_agents, seed=seed,
-                              workdir=workdir, dtype=dtype)
+                             api_key=None, upstream_api_key=upstream_api_key,
+                             redact_headers=redact_header or [], max_queue=MAX_QUEUE,
+                             max_body_bytes=MAX_BODY_BYTES, upstream_timeout=upstream_timeout,
+                             strict_model=strict_model, from_run=from_run, edit=edit,
+                             command="record", num_agents=num_agents, seed=seed,
+                             workdir=workdir, dtype=dtype)
         if start is not None:
             outcome.fill(store, start, [agent.workdir for agent in server.agents]
                          or [Path(workdir or ".").resolve()])

@@ -72,12 +72,12 @@ API_KEY_ENV = "KVTRACE_SERVE_API_KEY"
 
 
 def chat_server(store: Store, *, upstream: str | None, model: str | None, run: str | None,
-                 run_prefix: str, api_key: str | None, upstream_api_key: str | None,
-                 redact_headers: list[str], max_queue: int, max_body_bytes: int,
-                 upstream_timeout: float, strict_model: bool, from_run: str | None = None,
-                 edit: str | None = None, command: str = "serve", num_agents: int | None = None,
-                 seed: int | None = None, workdir: str | None = None,
-                 dtype: Precision = Precision.AUTO) -> ChatServer:
+                run_prefix: str, api_key: str | None, upstream_api_key: str | None,
+                redact_headers: list[str], max_queue: int, max_body_bytes: int,
+                upstream_timeout: float, strict_model: bool, from_run: str | None = None,
+                edit: str | None = None, command: str = "serve", num_agents: int | None = None,
+                seed: int | None = None, workdir: str | None = None,
+                dtype: Precision = Precision.AUTO) -> ChatServer:
     """Check the options (before any model loads), then build the server; with `from_run`,
     warm the local engine's KV with the recorded prefix first (fromrun.py); with
     `num_agents`, for that many copies of the agent (agents.py)."""
@@ -199,11 +199,11 @@ def serve_command(
     check_listening(host, port, api_key, env=API_KEY_ENV, what="server")
     with open_store(store_url(ctx)) as store:
         server = chat_server(store, upstream=upstream, model=model, run=run, run_prefix="serve",
-                              api_key=api_key, upstream_api_key=upstream_api_key,
-                              redact_headers=redact_header or [], max_queue=max_queue,
-                              max_body_bytes=max_body_bytes, upstream_timeout=upstream_timeout,
-                              strict_model=strict_model, from_run=from_run, edit=edit,
-                              dtype=dtype)
+                             api_key=api_key, upstream_api_key=upstream_api_key,
+                             redact_headers=redact_header or [], max_queue=max_queue,
+                             max_body_bytes=max_body_bytes, upstream_timeout=upstream_timeout,
+                             strict_model=strict_model, from_run=from_run, edit=edit,
+                             dtype=dtype)
         running = BackgroundServer(server.app, host=host, port=port).start()
         say(f"kvtrace serve: {running.url} ({server.answerer.description}), recording into run "
             f"'{server.default_run}' of {store.display_url}; Ctrl-C stops", err=True)

@@ -1,11 +1,11 @@
 """A disk tier at its budget says what it evicted (issue 41, item 6).
 
 `$KVTRACE_KV_DISK_MAX` (or `KVCache(disk_bytes=...)`) bounds the KV folder:
-past it, the least recently used tail blocks are evicted. That used to be
-silent; now each eviction is logged beside the failed writes (the closing
-line of replay, record and serve says it), counted on disk for `kvtrace
-cache stats` in any later process, and a budget that is no size is refused
-in one line before anything loads.
+past it, the least recently used tail blocks are evicted. Each eviction is
+logged beside the failed writes (the closing line of replay, record and
+serve says it) and counted on disk for `kvtrace cache stats` in any later
+process; a budget that is no size is refused in one line before anything
+loads.
 """
 
 from __future__ import annotations
