@@ -62,6 +62,10 @@ Workdir = Annotated[str | None, typer.Option(
     "--workdir",
     help="COMMAND's working folder, made if missing; with --n, {i} in it is the agent's "
     "number (e.g. 'runs/agent-{i}').")]
+Models = Annotated[str | None, typer.Option(
+    "--models",
+    help="With --n: A,B,...: agent i answered by model (i - 1) mod their number; locally each "
+    "a model folder or .gguf (an engine, cache and batcher each), upstream a model name.")]
 Workspace = Annotated[str | None, typer.Option(
     "--workspace",
     help="Snapshot DIR (inside COMMAND's folder; e.g. '.') before each model call: files kept "
@@ -91,6 +95,7 @@ def record_command(
     num_agents: NumAgents = None,
     seed: AgentSeed = None,
     workdir: Workdir = None,
+    models: Models = None,
     workspace: Workspace = None,
     verify: Verify = None,
     verify_timeout: VerifyTimeout = 600.0,
@@ -124,7 +129,8 @@ def record_command(
                              max_body_bytes=MAX_BODY_BYTES, upstream_timeout=upstream_timeout,
                              strict_model=strict_model, from_run=from_run, edit=edit,
                              command="record", num_agents=num_agents, seed=seed,
-                             workdir=workdir, dtype=dtype)
+                             workdir=workdir, dtype=dtype,
+                             models=models.split(",") if models is not None else None)
         if start is not None:
             outcome.fill(store, start, [agent.workdir for agent in server.agents]
                          or [Path(workdir or ".").resolve()])
@@ -280,6 +286,14 @@ def render_experiment(report: ExperimentReport) -> None:
     say(f"kvtrace record: {num} agents took {report.wall_s:.1f} s together; a full re-run of "
         f"each would also compute {report.spec}'s {calls} model calls again: +{prefix:.1f} s "
         f"each by their recorded durations ({num * prefix:.1f} s for the {num})", err=True)
+    groups = report.by_model()
+    for group in groups if len(groups) > 1 else []:
+        agents = ", ".join(str(i) for i in group["agents"])
+        passed = (f"{group['passed']} of {group['graded']} passed, " if group["graded"]
+                  else "")
+        say(f"kvtrace record: {group['model']} (agents {agents}): {passed}"
+            f"{group['prompt_tokens']:,} prompt tokens ({group['cached_tokens']:,} cached), "
+            f"{group['completion_tokens']:,} out, {group['seconds']:.1f} s", err=True)
     if verified:
         graded = report.num_passed + report.num_failed
         say(f"kvtrace record: {report.num_passed} of {graded} passed "

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -30,6 +31,7 @@ from kvtrace.store import Store, open_store, validate_run_name
 
 if TYPE_CHECKING:
     from kvtrace.engine.faults import DiskFaults
+    from kvtrace.replay.local import LocalBackend
     from kvtrace.serve import ChatServer, RunStats
 
 Upstream = Annotated[str | None, typer.Option(
@@ -77,16 +79,20 @@ def chat_server(store: Store, *, upstream: str | None, model: str | None, run: s
                 upstream_timeout: float, strict_model: bool, from_run: str | None = None,
                 edit: str | None = None, command: str = "serve", num_agents: int | None = None,
                 seed: int | None = None, workdir: str | None = None,
-                dtype: Precision = Precision.AUTO) -> ChatServer:
+                dtype: Precision = Precision.AUTO, models: list[str] | None = None
+                ) -> ChatServer:
     """Check the options (before any model loads), then build the server; with `from_run`,
     warm the local engine's KV with the recorded prefix first (fromrun.py); with
-    `num_agents`, for that many copies of the agent (agents.py)."""
+    `num_agents`, for that many copies of the agent (agents.py), answered by `models` in
+    turn when given (models.py)."""
     from kvtrace.serve import make_server
     from kvtrace.serve.app import check_api_key
     from kvtrace.serve.recording import new_run_name
 
     if upstream is not None and model is not None:
         raise UsageError("--model is for local mode: with --upstream the upstream's model answers")
+    if models is not None:
+        _check_models(models, model=model, num_agents=num_agents, is_local=upstream is None)
     if upstream is not None and dtype is Precision.BFLOAT16:
         raise UsageError("--dtype is for local mode: with --upstream the upstream computes")
     if upstream is not None and strict_model:
@@ -122,34 +128,76 @@ def chat_server(store: Store, *, upstream: str | None, model: str | None, run: s
     run = validate_run_name(run) if run is not None else new_run_name(store, run_prefix)
     if from_run is not None:
         store.path(from_run)  # an unknown RUN@K fails here, before any model loads
-    backend = None
+    backends: list[LocalBackend] = []
     if upstream is None:
         from kvtrace.replay import open_local_backend
 
-        # Loaded on the engine thread that will decode (DecodeBatcher.loading).
-        backend = open_local_backend(model, cache_dir=default_cache_dir(), batching=True,
-                                     dtype=dtype.value)
-        layout = backend.engine.layout
-        if not layout.is_plain:  # which cache each layer keeps, and where hits can resume
-            say(f"kvtrace {command}: {backend.engine.name}: {layout.describe()}; cache hits "
-                f"resume at block boundaries", err=True)
-    server = make_server(backend=backend, upstream=upstream, store=store, run=run,
+        names: list[str | None] = list(models) if models else [model]
+        for name in names:
+            # Loaded on the engine thread that will decode (DecodeBatcher.loading).
+            backends.append(open_local_backend(name, cache_dir=default_cache_dir(),
+                                               batching=True, dtype=dtype.value))
+            layout = backends[-1].engine.layout
+            if not layout.is_plain:  # which cache each layer keeps, and where hits resume
+                say(f"kvtrace {command}: {backends[-1].engine.name}: {layout.describe()}; "
+                    "cache hits resume at block boundaries", err=True)
+    named = [backend.engine.name for backend in backends]
+    if len(set(named)) < len(named):
+        for backend in backends:
+            backend.close()
+        raise UsageError(f"--models: two models are named alike ({', '.join(named)}): the "
+                         "report tells them apart by name; give folders named differently")
+    server = make_server(backend=backends or None, upstream=upstream,
+                         upstream_models=models if upstream is not None and models else (),
+                         store=store, run=run,
                          api_key=api_key, upstream_api_key=upstream_api_key,
                          redact_headers=redact_headers, max_queue=max_queue,
                          max_body_bytes=max_body_bytes, upstream_timeout=upstream_timeout,
                          strict_model=strict_model, from_run=from_run, edit=changes,
                          agents=agents)
-    if from_run is not None and backend is not None:
+    if from_run is not None:
         from kvtrace.serve.fromrun import warm
 
-        tokens = warm(store, from_run, backend)
-        say(f"kvtrace {command}: the KV of {from_run}'s {tokens:,} prompt tokens is warm",
-            err=True)
+        for backend in backends:
+            tokens = warm(store, from_run, backend)
+            say(f"kvtrace {command}: the KV of {from_run}'s {tokens:,} prompt tokens is warm"
+                + (f" in {backend.engine.name}" if len(backends) > 1 else ""), err=True)
     return server
 
 
+def _check_models(models: list[str], *, model: str | None, num_agents: int | None,
+                  is_local: bool) -> None:
+    """`--models A,B,...`: with --n, not with --model, and locally each a folder or file."""
+    if num_agents is None:
+        raise UsageError("--models answers the K agents of --n in turn: give --from RUN@K "
+                         "--n K too")
+    if model is not None:
+        raise UsageError("give --model or --models, not both")
+    if len(models) < 2 or not all(models) or len(set(models)) < len(models):
+        raise UsageError(f"--models {','.join(models)!r}: name two or more different ones, "
+                         "separated by commas")
+    if is_local:
+        for name in models:
+            if not Path(name).exists():
+                raise UsageError(f"--models: {name} is no model folder or GGUF file here "
+                                 "(locally each model is a folder or a .gguf file)")
+
+
 def say_model_rule(server: ChatServer, command: str) -> None:
-    """Local mode: the one line that says which model answers which names."""
+    """The one line that says which model answers which names (local mode), or which agents
+    (several models)."""
+    from kvtrace.serve.models import ByAgent
+
+    inner = getattr(server.answerer, "inner", server.answerer)  # behind FromRecording
+    if isinstance(inner, ByAgent):
+        agents: dict[str | None, list[str]] = {}
+        for agent in server.agents:
+            agents.setdefault(inner.model_of(agent.index), []).append(str(agent.index))
+        said = "; ".join(f"{name}: agents {', '.join(numbers)}"
+                         for name, numbers in agents.items())
+        say(f"kvtrace {command}: agent i is answered by model (i - 1) mod "
+            f"{len(inner.models)}: {said}", err=True)
+        return
     model = server.answerer.model
     if model is None:
         return

@@ -39,6 +39,7 @@ from kvtrace.errors import UsageError
 from kvtrace.serve.agents import Agent
 from kvtrace.serve.answerer import Answerer
 from kvtrace.serve.app import DEFAULT_MAX_BODY_BYTES, ChatServer, check_api_key
+from kvtrace.serve.models import ByAgent, ModelNamed
 from kvtrace.serve.recording import Recording, RunStats
 from kvtrace.serve.runner import BackgroundServer
 from kvtrace.serve.upstream import DEFAULT_TIMEOUT_S, UpstreamAnswerer
@@ -54,8 +55,9 @@ __all__ = ["Answerer", "BackgroundServer", "ChatServer", "RunStats", "make_serve
 
 def make_server(
     *,
-    backend: LocalBackend | None = None,
+    backend: LocalBackend | Sequence[LocalBackend] | None = None,
     upstream: str | None = None,
+    upstream_models: Sequence[str] = (),
     store: Store | None = None,
     run: str | None = None,
     api_key: str | None = None,
@@ -95,7 +97,10 @@ def make_server(
     (agents.py: `make_agents`), K copies of the agent are answered at once,
     agent i at `/a/i/v1`, each on its own fork and with its own seed (`run`
     is then only the default run of requests that name no agent, answered
-    404); `FromRecording.summaries` says what each did.
+    404); `FromRecording.summaries` says what each did. Several models
+    (`backend` a list of backends, or `upstream_models` names sent upstream)
+    answer the agents in turn, agent i by model (i - 1) mod their number
+    (models.py: `ByAgent`).
     """
     if max_body_bytes < 1:
         raise UsageError(f"max_body_bytes must be >= 1, not {max_body_bytes}")
@@ -105,7 +110,10 @@ def make_server(
     if backend is not None and upstream is None:
         from kvtrace.serve.local import LocalAnswerer  # imports replay: not for upstream mode
 
-        answerer = LocalAnswerer(backend, max_queue=max_queue, strict_model=strict_model)
+        backends = list(backend) if isinstance(backend, Sequence) else [backend]
+        locals_ = [LocalAnswerer(b, max_queue=max_queue, strict_model=strict_model)
+                   for b in backends]
+        answerer = locals_[0] if len(locals_) == 1 else ByAgent(locals_)
     elif upstream is not None and backend is None:
         if strict_model:
             raise UsageError("strict_model is for a local backend: with upstream=, the "
@@ -113,9 +121,17 @@ def make_server(
         answerer = UpstreamAnswerer(upstream, api_key=upstream_api_key,
                                     forwards_authorization=api_key is None,
                                     timeout=upstream_timeout)
+        if len(upstream_models) == 1:
+            answerer = ModelNamed(answerer, upstream_models[0])
+        elif upstream_models:
+            answerer = ByAgent([ModelNamed(answerer, name) for name in upstream_models],
+                               shared=answerer)
     else:
         raise UsageError("make_server answers from a local backend or from an upstream URL: "
                          "give exactly one of backend= and upstream=")
+    if isinstance(answerer, ByAgent) and not agents:
+        raise UsageError("several models answer K agents, agent i by model (i - 1) mod the "
+                         "number of models: give agents= too", param="backend")
     if agents and from_run is None:
         raise UsageError("agents are K copies of an agent forked at one step: give from_run "
                          "too", param="agents")

@@ -71,6 +71,7 @@ class AgentRun:
     diverged_at: int | None  # depth of its first step unlike agent 1's (None: alike)
     output: str  # the last response's text
     verdict: Verdict | None = None  # what `--verify` said of it (None: not asked)
+    model: str | None = None  # the model that answered its live calls
 
     @property
     def is_live(self) -> bool:
@@ -89,6 +90,7 @@ class AgentRun:
             "completion_tokens": stats.completion_tokens if stats else 0,
             "diverged_at": self.diverged_at, "output": self.output,
             "verdict": self.verdict.to_dict() if self.verdict is not None else None,
+            "model": self.model,
         }
 
 
@@ -113,6 +115,21 @@ class ExperimentReport:
     def rerun_total_s(self) -> float:
         """The K re-runs one after another."""
         return sum(self.rerun_s(run) for run in self.runs)
+
+    def by_model(self) -> list[dict[str, Any]]:
+        """Each model's agents, pass rate, tokens and time (`--models`: one entry each)."""
+        groups: dict[str | None, list[AgentRun]] = {}
+        for run in self.runs:
+            groups.setdefault(run.model, []).append(run)
+        return [{
+            "model": model, "agents": [run.agent.index for run in runs],
+            "passed": sum(1 for run in runs if run.verdict is not None and run.verdict.passed),
+            "graded": sum(1 for run in runs if run.verdict is not None),
+            "prompt_tokens": sum(run.stats.prompt_tokens for run in runs if run.stats),
+            "cached_tokens": sum(run.stats.cached_tokens for run in runs if run.stats),
+            "completion_tokens": sum(run.stats.completion_tokens for run in runs if run.stats),
+            "seconds": round(max(run.seconds for run in runs), 3),
+        } for model, runs in groups.items()]
 
     @property
     def num_passed(self) -> int:
@@ -151,11 +168,14 @@ class ExperimentReport:
                 served = prefix.served
                 paths.append(tuple(store.path(served[-1].id)) if served else ())
         reference = paths[0] if paths else ()
+        model_of = getattr(getattr(server.answerer, "inner", None), "model_of", None)
         runs = tuple(
             AgentRun(ended.agent, ended.exit_code, ended.seconds,
                      prefixes[ended.agent.index].summary, path,
                      server.stats.get(ended.agent.fork), diverged_at(reference, path),
-                     final_output(path), (verdicts or {}).get(ended.agent.index))
+                     final_output(path), (verdicts or {}).get(ended.agent.index),
+                     model_of(ended.agent.index) if model_of is not None
+                     else server.answerer.model)
             for ended, path in zip(exits, paths, strict=True))
         recorded = sum(float(ModelCall(step).timings.get("total_s") or 0.0)
                        for step in store.path(spec) if step.kind == StepKind.MODEL_CALL)
@@ -173,4 +193,5 @@ class ExperimentReport:
             "exit_code": self.exit_code,
             **({"passed": self.num_passed, "failed": self.num_failed} if self.is_verified
                else {}),
+            "models": self.by_model(),
         }
