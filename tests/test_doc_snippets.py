@@ -12,6 +12,9 @@ snippets see what the earlier ones did. The folder links the repository's
   dropped, `&&` separating); each `kvtrace ...` command is one test, run
   through the real CLI in-process (`kvtrace.cli.main`), which must exit 0.
   Any other program (make, curl, .venv/bin/python ...) must be marked skipped.
+  In a command, `$PWD` is the document's folder, and `python` right after
+  `--` (the program `kvtrace record` runs) is the interpreter running the
+  tests, which has the agents' SDKs.
 - The embedded model is replaced by a tiny random model with its tokenizer
   (`load_engine()` / `load_tokenizer()` with no name load it), so replay,
   continue, branch and report run in seconds; `$KVTRACE_CACHE` and `$HOME`
@@ -31,8 +34,10 @@ document's snippets build on each other, so select them together (`-k README`).
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
+import sys
 import textwrap
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -279,6 +284,9 @@ def _run_command(snippet: Snippet, capsys) -> tuple[int, str]:
             f"{snippet.doc}:{snippet.line}: `{snippet.code}` is not a plain kvtrace command "
             "(another program, a pipe or a redirection): mark it <!-- doc-test: skip \"...\" "
             "(reason) --> or make it one")
+    argv = [arg.replace("$PWD", os.getcwd()) for arg in argv]
+    if "--" in argv and argv[argv.index("--") + 1:][:1] == ["python"]:
+        argv[argv.index("--") + 1] = sys.executable
     try:
         main(argv[1:])
     except SystemExit as exc:

@@ -37,8 +37,10 @@ def workspace_command(
                     "folder": done.folder, "files": done.num_files, "links": done.num_links,
                     "bytes": done.num_bytes, "omitted": done.omitted})
         return
-    say(f"wrote {done.num_files} files ({done.num_bytes:,} bytes) and {done.num_links} links "
-        f"into {done.folder}: the folder as step {spec} ({step.short_id}) was asked")
+    files = f"{done.num_files} file{'' if done.num_files == 1 else 's'}"
+    links = f"{done.num_links} link{'' if done.num_links == 1 else 's'}"
+    say(f"wrote {files} ({done.num_bytes:,} bytes) and {links} into {done.folder}: the "
+        f"folder as step {spec} ({step.short_id}) was asked")
     for path in done.omitted:
         say(f"  not written: {path} (over the size limit when recorded: kept by hash only)")
 
