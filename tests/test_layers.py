@@ -23,7 +23,7 @@ ALLOWED = {
     "workspace": {"workspace", "store"},
     "serve": {"serve", "apis", "tracer", "store", "replay", "workspace"},
     "page": {"page", "apis", "store", "replay"},
-    "mcp": {"mcp", "apis", "store", "engine", "replay", "serve"},
+    "mcp": {"mcp", "apis", "store", "engine", "replay", "serve", "workspace"},
     "bench": {"bench", "apis", "store", "engine", "replay", "formats", "tracer", "serve",
               "workspace"},
     "ui": {"ui", "apis", "page", "store", "replay", "serve"},

@@ -81,11 +81,14 @@ def runs(
     as_json: Json = False,
 ) -> None:
     """List runs (branches) by name with their head and length."""
+    from kvtrace.workspace.verdicts import runs_by_verdict
+
     if limit is not None and limit < 1:
         raise UsageError("--limit must be at least 1")
     with _store(ctx) as store:
         infos = store.runs(limit=limit, after=after)
-        graded = _verdicts(store, infos, verdict) if verdict is not None else None
+        graded = (runs_by_verdict(store, [info.name for info in infos], verdict.value)
+                   if verdict is not None else None)
     if graded is not None:
         infos = [info for info in infos if info.name in graded]
     if as_json:
@@ -98,17 +101,7 @@ def runs(
         say(f"{info.name:30} {head:12} {info.depth:6} steps{shown}")
 
 
-def _verdicts(store: Store, infos: list[RunInfo], wanted: VerdictFilter) -> dict[str, str | None]:
-    """The runs of `infos` whose verdict is `wanted`, each with it ('passed', 'failed', None)."""
-    from kvtrace.workspace.verdicts import run_verdict
 
-    found: dict[str, str | None] = {}
-    for info in infos:
-        verdict = run_verdict(store, info.name) if info.head_id else None
-        said = None if verdict is None else "passed" if verdict.passed else "failed"
-        if (said or "none") == wanted.value:
-            found[info.name] = said
-    return found
 
 
 @app.command()

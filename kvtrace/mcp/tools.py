@@ -41,6 +41,7 @@ from kvtrace.store.kinds import edit_of
 from kvtrace.store.present.compare import compare
 from kvtrace.store.records import ReflogEntry
 from kvtrace.store.watch import WatchEvent
+from kvtrace.workspace.verdicts import runs_by_verdict
 
 MAX_WATCH_S = 300.0
 WATCH_POLL_S = 0.05  # SQLite: how often a waiting watch looks (PostgreSQL is woken by NOTIFY)
@@ -68,11 +69,21 @@ class Tools:
 
     # -- reading -------------------------------------------------------------------------
 
-    def list_runs(self) -> dict[str, Any]:
+    def list_runs(
+        self,
+        verdict: Annotated[Literal["passed", "failed", "none"] | None, Field(
+            description="Only runs whose latest verdict (record --verify, kvtrace verify) "
+            "passed, failed, or that have none; each then has its `verdict`.")] = None,
+    ) -> dict[str, Any]:
         """Every run (branch): its name, head step id, number of steps and creation time.
 
-        Same as `kvtrace runs --json`, under `runs`."""
-        return {"runs": [info.to_dict() for info in self.store.runs()]}
+        Same as `kvtrace runs --json` (`--verdict`), under `runs`."""
+        infos = self.store.runs()
+        if verdict is None:
+            return {"runs": [info.to_dict() for info in infos]}
+        graded = runs_by_verdict(self.store, [info.name for info in infos], verdict)
+        return {"runs": [{**info.to_dict(), "verdict": graded[info.name]}
+                         for info in infos if info.name in graded]}
 
     def log(
         self,

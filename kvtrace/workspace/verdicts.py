@@ -110,6 +110,21 @@ def run_verdict(store: Store, run: str) -> Verdict | None:
     return None
 
 
+def runs_by_verdict(store: Store, runs: list[str], wanted: str) -> dict[str, str | None]:
+    """The runs among `runs` whose latest verdict is `wanted` ('passed', 'failed', or 'none'
+    for no verdict), each with it ('passed', 'failed', None): `runs --verdict`, MCP's
+    `list_runs(verdict=)`."""
+    if wanted not in ("passed", "failed", "none"):
+        raise UsageError(f"verdict={wanted!r}: give passed, failed or none", param="verdict")
+    found: dict[str, str | None] = {}
+    for run in runs:
+        verdict = run_verdict(store, run)
+        said = None if verdict is None else "passed" if verdict.passed else "failed"
+        if (said or "none") == wanted:
+            found[run] = said
+    return found
+
+
 def _tail(text: str) -> str:
     if len(text) <= MAX_OUTPUT:
         return text
