@@ -85,7 +85,8 @@ def test_upstream_agents_name_their_models_upstream(home, capfd, canned_upstream
     before = len(canned_upstream.seen)
     code, out, err = _kvtrace(
         capfd, "record", "--upstream", canned_upstream.url, "--from", "base@1", "--n", "2",
-        "--models", "model-a,model-b", "--workdir", str(home / "runs" / "{i}"), "--json", "--",
+        "--models", "model-a,model-b", "--workdir", str(home / "runs" / "{i}"),
+        "--workspace", ".", "--verify", "test -f notes.txt", "--json", "--",
         sys.executable, str(AGENT), "--calls", "3")
     assert code == 0, err
     sent = [json.loads(seen["body"])["model"] for seen in canned_upstream.seen[before:]
@@ -93,6 +94,11 @@ def test_upstream_agents_name_their_models_upstream(home, capfd, canned_upstream
     assert sorted(sent) == ["model-a", "model-a", "model-b", "model-b"]
     report = json.loads(out[out.index("{"):])
     assert [agent["model"] for agent in report["agents"]] == ["model-a", "model-b"]
+    assert (report["passed"], report["failed"]) == (2, 0)  # upstream: graded the same way
+    with open_store(f"sqlite:///{home / 'home' / 'store.db'}", create=False) as store:
+        for agent in report["agents"]:
+            live = [s for s in store.path(agent["run"]) if s.kind == StepKind.MODEL_CALL][1:]
+            assert live and all(ModelCall(s).workspace for s in live)
 
 
 @pytest.mark.parametrize("args, says", [
