@@ -146,6 +146,11 @@ class BackendError(ReplayError):
     """A remote OpenAI-compatible backend failed or answered malformed data."""
 
 
+class EngineRefusedError(BackendError):
+    """A remote engine has no endpoint for a question beyond chat completions (its tokens,
+    its cache reset), or refused it; the message says which (kvtrace/replay/engines.py)."""
+
+
 class TracerError(KvtraceError):
     """The tracer (transports, `kvtrace serve`, `kvtrace record`) cannot proceed."""
 

@@ -24,7 +24,8 @@ from kvtrace.inert import inert
 
 if TYPE_CHECKING:
     from kvtrace.replay.analyze import Analysis, ProviderCache
-    from kvtrace.replay.report import ReplayReport, StepReport
+    from kvtrace.replay.engines import EngineFacts
+    from kvtrace.replay.report import ReplayReport, StepReport, Totals
     from kvtrace.replay.runs import RunOutcome, RunsReport
 
 
@@ -64,11 +65,8 @@ def render_replay(report: ReplayReport, console: Console | None = None) -> None:
     if report.uncached is not None:
         summary += f"; uncached {report.uncached.wall_s:.2f} s, speed-up {report.speedup:.1f}x"
     console.print(summary)
-    if t.oracle_resume_tokens is not None and t.oracle_resume_tokens != t.oracle_tokens:
-        console.print(
-            f"oracle at the model's resume points (block boundaries of its window or state "
-            f"layers): {_pct(t.oracle_resume_hit_rate)}; the token-exact oracle: "
-            f"{_pct(t.oracle_hit_rate)} (the gap is what the model forces, not the cache)")
+    for line in _oracle_lines(report.engine, t, report.reset):
+        console.print(inert(line), markup=False, highlight=False)
     drafts = [s.draft for s in report.steps if s.draft is not None]
     if drafts:
         # Verdicts come from the local engine: kvtrace.engine (and torch) is loaded already.
@@ -90,10 +88,45 @@ def render_replay(report: ReplayReport, console: Console | None = None) -> None:
             )
     if any(s.reused_tokens is None for s in report.steps):
         console.print("?: unknown (the backend does not report cached tokens)")
+    counted = _counters_line(report.engine_counters)
+    if counted is not None:
+        console.print(counted)
     for note in report.notes:
         console.print(inert(f"note: {note}"), markup=False, highlight=False)
     if report.stopped is not None:
         console.print(inert(report.stopped.line()), markup=False, highlight=False)
+
+
+def _oracle_lines(engine: EngineFacts | None, t: Totals, reset: str | None) -> list[str]:
+    """How a remote engine's cache started, what the oracle was counted in, and the oracle
+    where a cache can resume when that is short of token-exact: a model's window or state
+    layers, a remote engine's whole blocks."""
+    lines = [] if reset is None else [f"the engine's cache was emptied first ({reset})"]
+    if engine is not None:
+        lines.append(f"oracle counted in {engine.tokens or 'no token ids'}; the engine caches "
+                     f"in blocks of {engine.block_size} token"
+                     f"{'' if engine.block_size == 1 else 's'} ({engine.block_size_from})")
+    if t.oracle_resume_tokens is not None and t.oracle_resume_tokens != t.oracle_tokens:
+        where = ("the engine's block boundaries" if engine is not None else
+                 "the model's resume points (block boundaries of its window or state layers)")
+        forced = "the engine" if engine is not None else "the model"
+        lines.append(f"oracle at {where}: {_pct(t.oracle_resume_hit_rate)}; the token-exact "
+                     f"oracle: {_pct(t.oracle_hit_rate)} (the gap is what {forced} forces, "
+                     "not the prompts)")
+    return lines
+
+
+def _counters_line(counters: dict[str, int] | None) -> str | None:
+    """The engine's own cache counters over the replay (vLLM's /metrics), LMCache's included."""
+    if not counters or not counters.get("queried_tokens"):
+        return None
+    line = (f"the engine's counters: {counters.get('hit_tokens', 0):,} of "
+            f"{counters['queried_tokens']:,} prompt tokens hit its prefix cache")
+    if counters.get("external_queried_tokens"):
+        served = counters.get("external_hit_tokens", 0)
+        line += (f"; its external KV tier (LMCache) served {served:,} of "
+                 f"{counters['external_queried_tokens']:,} it was asked for")
+    return line
 
 
 def render_runs(report: RunsReport, console: Console | None = None) -> None:
@@ -154,6 +187,13 @@ def render_runs(report: RunsReport, console: Console | None = None) -> None:
     if any(s.reused_tokens is None for o in report.runs if o.report is not None
            for s in o.report.steps):
         console.print("?: unknown (the backend does not report cached tokens)")
+    for line in _oracle_lines(report.engine, t, report.reset):
+        console.print(inert(line), markup=False, highlight=False)
+    counted = _counters_line(report.engine_counters)
+    if counted is not None:
+        console.print(counted)
+    for note in report.notes:
+        console.print(inert(f"note: {note}"), markup=False, highlight=False)
     # A note many runs share (no tokenizer, say) is printed once, naming its runs.
     noted: dict[str, list[str]] = {}
     replayed = [o for o in report.runs if o.report is not None]

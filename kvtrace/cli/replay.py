@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, cast
@@ -70,6 +71,15 @@ TokenizerOption = Annotated[str | None, typer.Option(
     "--tokenizer",
     help="Remote only: a local model folder, or 'default' for the embedded model, whose "
     "tokenizer computes the oracle bound and token positions.")]
+ResetCache = Annotated[bool, typer.Option(
+    "--reset-cache",
+    help="Remote: empty the engine's prefix cache first, so the replay starts cold (vLLM's "
+    "/reset_prefix_cache in dev mode, SGLang's /flush_cache, llama.cpp's slot erase); where "
+    "the engine refuses, a note says so and the replay goes on.")]
+EngineBlockSize = Annotated[int | None, typer.Option(
+    "--engine-block-size", min=1,
+    help="Remote: the block size the engine's cache reuses whole, where it does not say "
+    "(vLLM's /metrics and SGLang's /get_server_info do): the oracle is also shown at it.")]
 ApiKey = Annotated[str | None, typer.Option(
     "--api-key", envvar="KVTRACE_API_KEY",
     help="Bearer token for a remote backend ($KVTRACE_API_KEY); never recorded.")]
@@ -104,6 +114,7 @@ def _backend(
     backend: str, model: str | None, *, no_cache: bool = False,
     tokenizer: str | None = None, api_key: str | None = None, retries: int | None = None,
     batching: bool = False, dtype: Precision = Precision.AUTO,
+    engine_block_size: int | None = None,
 ) -> Backend:
     """The backend the options name, loaded when the API first uses it; `batching`: a local
     one loaded on the engine thread that decodes generations together (for `branch`)."""
@@ -115,6 +126,9 @@ def _backend(
         raise UsageError("--dtype is for the local backend: a remote server computes as it does")
     if backend != "local" and no_cache:
         raise UsageError("--no-cache works with the local backend only")
+    if backend == "local" and engine_block_size is not None:
+        raise UsageError("--engine-block-size is for remote backends: the local engine "
+                         "knows its own")
 
     def load() -> Backend:
         from kvtrace.engine import load_tokenizer
@@ -131,9 +145,17 @@ def _backend(
                                              on_convert=announce_conversion)
         retry = RetryPolicy(max_attempts=retries + 1) if retries is not None else None
         return RemoteBackend(backend, model=model, api_key=api_key, tokenizer=local_tokenizer,
-                             retry=retry)
+                             retry=retry, block_size=engine_block_size)
 
     return cast("Backend", _Lazy(load))
+
+
+@dataclass(frozen=True, slots=True)
+class _Remote:
+    """What `replay` asks of a remote engine besides answers: a cold start, its block size."""
+
+    reset_cache: bool
+    block_size: int | None
 
 
 @contextmanager
@@ -174,6 +196,8 @@ def replay_command(
     dtype: Dtype = Precision.AUTO,
     tokenizer: TokenizerOption = None,
     api_key: ApiKey = None,
+    reset_cache: ResetCache = False,
+    engine_block_size: EngineBlockSize = None,
     no_cache: Annotated[bool, typer.Option(
         "--no-cache",
         help="Compute every token (local backend): the uncached baseline.")] = False,
@@ -195,6 +219,10 @@ def replay_command(
 
     if no_draft and mode is not ReplayMode.VERIFY:
         raise UsageError("--no-draft applies to --mode verify only")
+    if reset_cache and backend == "local":
+        raise UsageError("--reset-cache empties a remote engine's cache: the local engine "
+                         "replays uncached with --no-cache")
+    remote = _Remote(reset_cache, engine_block_size)
     names = runs or []
     if not names and not every:
         raise UsageError("name a run to replay (or several, a glob such as 'eval-*', or --all)")
@@ -203,29 +231,31 @@ def replay_command(
                      mode=mode, to=to, backend=backend, model=model, dtype=dtype,
                      tokenizer=tokenizer,
                      api_key=api_key, no_cache=no_cache, compare_uncached=compare_uncached,
-                     use_drafts=not no_draft, as_json=as_json)
+                     use_drafts=not no_draft, as_json=as_json, remote=remote)
         return
     _replay_one(ctx, names[0], retries=retries, mode=mode, to=to, backend=backend, model=model,
                 dtype=dtype, tokenizer=tokenizer, api_key=api_key, no_cache=no_cache,
-                compare_uncached=compare_uncached, use_drafts=not no_draft, as_json=as_json)
+                compare_uncached=compare_uncached, use_drafts=not no_draft, as_json=as_json,
+                remote=remote)
 
 
 def _replay_one(
     ctx: typer.Context, run: str, *, retries: int | None, mode: ReplayMode, to: str | None,
     backend: str, model: str | None, dtype: Precision, tokenizer: str | None,
     api_key: str | None, no_cache: bool, compare_uncached: bool, use_drafts: bool,
-    as_json: bool,
+    as_json: bool, remote: _Remote,
 ) -> None:
     """`replay RUN`: one run, its table of steps (`kvtrace.replay.replay`)."""
     from kvtrace.cli.render import progress_bar, render_replay
     from kvtrace.replay import replay
 
     chosen = _backend(backend, model, no_cache=no_cache, tokenizer=tokenizer, api_key=api_key,
-                      retries=retries, dtype=dtype)
+                      retries=retries, dtype=dtype, engine_block_size=remote.block_size)
     with _closing(chosen), open_store(store_url(ctx), create=False) as store:
         if as_json:
             report = replay(store, run, chosen, to=to, mode=mode,
-                            compare_uncached=compare_uncached, use_drafts=use_drafts)
+                            compare_uncached=compare_uncached, use_drafts=use_drafts,
+                            reset_cache=remote.reset_cache)
             print_json(report.to_dict())
             if report.stopped is not None:
                 raise typer.Exit(1)
@@ -233,10 +263,8 @@ def _replay_one(
         with progress_bar(f"{mode} {run}") as on_step:
             report = replay(store, run, chosen, to=to, mode=mode,
                             compare_uncached=compare_uncached, use_drafts=use_drafts,
-                            on_step=on_step)
+                            on_step=on_step, reset_cache=remote.reset_cache)
     render_replay(report)
-    if backend != "local" and tokenizer is None:
-        say("(pass --tokenizer FOLDER, the server's model folder, for the oracle bound)")
     if report.is_match is False or report.stopped is not None:
         raise typer.Exit(1)
 
@@ -245,7 +273,7 @@ def _replay_many(
     ctx: typer.Context, names: list[str], *, every: bool, concurrency: int,
     retries: int | None, mode: ReplayMode, to: str | None, backend: str, model: str | None,
     dtype: Precision, tokenizer: str | None, api_key: str | None, no_cache: bool,
-    compare_uncached: bool, use_drafts: bool, as_json: bool,
+    compare_uncached: bool, use_drafts: bool, as_json: bool, remote: _Remote,
 ) -> None:
     """`replay RUN RUN ...`, a glob or `--all`: one report of every run
     (`kvtrace.replay.replay_runs`); exit 1 when a run failed or differs."""
@@ -260,21 +288,20 @@ def _replay_many(
         raise UsageError("--concurrency above 1 needs a remote --backend URL: the local "
                          "engine answers one call at a time")
     chosen = _backend(backend, model, no_cache=no_cache, tokenizer=tokenizer, api_key=api_key,
-                      retries=retries, dtype=dtype)
+                      retries=retries, dtype=dtype, engine_block_size=remote.block_size)
     with _closing(chosen), open_store(store_url(ctx), create=False) as store:
         selected = select_runs(store, names, every=every)
         if as_json:
             report = replay_runs(store, selected, chosen, concurrency=concurrency, mode=mode,
-                                 use_drafts=use_drafts)
+                                 use_drafts=use_drafts, reset_cache=remote.reset_cache)
             print_json(report.to_dict())
         else:
             with runs_progress(len(selected), f"{mode} {len(selected)} runs") as progress:
                 report = replay_runs(store, selected, chosen, concurrency=concurrency,
-                                     mode=mode, use_drafts=use_drafts, progress=progress)
+                                     mode=mode, use_drafts=use_drafts, progress=progress,
+                                     reset_cache=remote.reset_cache)
     if not as_json:
         render_runs(report)
-        if backend != "local" and tokenizer is None:
-            say("(pass --tokenizer FOLDER, the server's model folder, for the oracle bound)")
     if not report.is_ok:
         raise typer.Exit(1)
 

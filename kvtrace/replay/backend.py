@@ -25,6 +25,7 @@ from kvtrace.errors import UsageError
 if TYPE_CHECKING:  # the engine imports torch: its types only, here
     from kvtrace.engine.faults import DiskFaults
     from kvtrace.engine.generate import DraftVerdict
+    from kvtrace.replay.engines import EngineFacts
 
 Message = dict[str, Any]
 
@@ -124,6 +125,10 @@ class CallResult:
     seed: int | None = None  # the sampling seed actually used (recorded, so verify can reuse it)
     draft: DraftVerdict | None = None  # the verdict, when the backend checked the draft
     retries: tuple[str, ...] = ()  # one reason per failed attempt it retried ("HTTP 503")
+    # Rebuild: whether the cache now holds the recorded output too. A remote engine is sent
+    # the prompt only (it cannot be fed an output), so what it caches of the output comes
+    # with the next prompt, and the oracle must not count it before then.
+    is_output_fed: bool = True
 
     @property
     def computed_tokens(self) -> int | None:
@@ -158,6 +163,23 @@ class Backend(Protocol):
     def resume_every(self) -> int:
         """Where a cache hit can end: every token (1), or block boundaries of this many
         tokens (a model with window or state layers, kvtrace/engine/layers.py)."""
+        ...
+
+    @property
+    def engine_facts(self) -> EngineFacts | None:
+        """What a remote engine said of its tokens and block size (engines.py); None for
+        the local engine, whose tokenizer and blocks are kvtrace's own."""
+        ...
+
+    def engine_counters(self) -> dict[str, int] | None:
+        """A remote engine's prefix-cache counters now (engines.read_counters), which a
+        replay reports the growth of; None where there are none (local)."""
+        ...
+
+    def reset_cache(self) -> str:
+        """Empty a remote engine's prefix cache so a replay starts cold; the endpoint that did.
+        BackendError where the engine refused; UsageError for the local engine (replay it
+        uncached with `without_cache`)."""
         ...
 
     def generate(self, request: CallRequest) -> CallResult:

@@ -36,9 +36,10 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from kvtrace.apis.chat import arguments_equal, tool_calls_of
-from kvtrace.errors import KvtraceError, ReplayError, UsageError
+from kvtrace.errors import BackendError, KvtraceError, ReplayError, UsageError
 from kvtrace.rendering import content_text, parse_assistant_text
 from kvtrace.replay.backend import Backend, CallRequest, Message, SamplingParams, Tokenizer
+from kvtrace.replay.engines import counters_grown
 from kvtrace.replay.oracle import PrefixOracle, common_prefix_length
 from kvtrace.replay.recording import (
     context_limit,
@@ -83,17 +84,30 @@ def replay(
     compare_uncached: bool = False,
     use_drafts: bool = True,
     on_step: ProgressCallback | None = None,
+    reset_cache: bool = False,
 ) -> ReplayReport:
     """Replay the run (or step) `spec` from its root through `backend`, up to step `to`.
 
     With `compare_uncached`, the same replay is then run again with caching
     off, and the report carries it (`report.uncached`, `report.speedup`).
     `use_drafts=False` makes verify decode every response token by token even
-    where the backend could check the recorded one in one pass.
+    where the backend could check the recorded one in one pass. `reset_cache`
+    empties a remote engine's cache first (`cold_start`).
     """
     path = steps_to_replay(store, spec, to=to, mode=mode)
-    return replay_steps(spec, path, backend, mode=mode, compare_uncached=compare_uncached,
-                        use_drafts=use_drafts, on_step=on_step)
+    reset, refused = cold_start(backend) if reset_cache else (None, None)
+    report = replay_steps(spec, path, backend, mode=mode, compare_uncached=compare_uncached,
+                          use_drafts=use_drafts, on_step=on_step)
+    return replace(report, reset=reset, notes=[*([refused] if refused else []), *report.notes])
+
+
+def cold_start(backend: Backend) -> tuple[str | None, str | None]:
+    """Empty the backend's cache: (the endpoint that did, None), or (None, the line saying
+    it could not, and that the replay goes on with what the engine holds)."""
+    try:
+        return backend.reset_cache(), None
+    except BackendError as exc:
+        return None, f"the cache was not reset: {exc}; the replay starts on what it holds"
 
 
 def replay_steps(
@@ -106,16 +120,23 @@ def replay_steps(
     use_drafts: bool = True,
     on_step: ProgressCallback | None = None,
     tokenizer: Tokenizer | None = None,
+    count_engine: bool = True,
 ) -> ReplayReport:
     """`replay` of steps already read (`steps_to_replay`): no store needed from here on.
 
     `tokenizer` stands in for the backend's (`replay_runs` hands in one that
-    several threads may share).
+    several threads may share). `count_engine=False` leaves a remote engine's
+    counters unread: runs replayed at once share them (`replay_runs` reads them
+    around all of its runs).
     """
     mode = replay_mode(mode)
     uncached_backend = backend.without_cache() if compare_uncached else None  # fails early
     tokenizer = tokenizer or backend.tokenizer
+    before = backend.engine_counters() if count_engine else None
     report = _replay_path(spec, path, backend, tokenizer, mode, use_drafts, on_step)
+    if before is not None:
+        report = replace(report, engine_counters=counters_grown(before,
+                                                                backend.engine_counters()))
     if uncached_backend is not None:
         uncached = _replay_path(spec, path, uncached_backend, tokenizer, mode, use_drafts,
                                 on_step)
@@ -179,8 +200,9 @@ def _replay_path(
 ) -> ReplayReport:
     model_steps = [s for s in path if s.kind == StepKind.MODEL_CALL]
     tool_steps = sum(1 for s in path if s.kind == StepKind.TOOL_CALL)
-    notes: list[str] = []
-    if tokenizer is None:
+    engine = backend.engine_facts
+    notes: list[str] = list(engine.notes) if engine is not None else []
+    if tokenizer is None and (engine is None or not engine.notes):
         notes.append("no tokenizer for this backend: oracle bound and token positions unknown "
                      "(give the backend the tokenizer of the server's model)")
     num_fitting, stopped, broken = _fitting(model_steps, tokenizer, mode, use_drafts)
@@ -205,7 +227,7 @@ def _replay_path(
                                            request.prompt_ids, tools=request.tools)
         else:
             result = backend.rebuild(request)
-            fed = request.output_ids
+            fed = request.output_ids if result.is_output_fed else None
         retried.extend(result.retries)
         if request.prompt_ids is not None:
             oracle.add([*request.prompt_ids, *(fed or [])], label=step.id)
@@ -220,8 +242,9 @@ def _replay_path(
             is_match, mismatch = _compare(expected, result.text, fed, tokenizer)
         step_report = StepReport.of(
             index, step, result, oracle_tokens=oracle_tokens,
-            output_tokens=len(fed) if fed is not None else 0, is_match=is_match,
+            output_tokens=len(fed or request.output_ids or []), is_match=is_match,
             mismatch=mismatch, resume_every=backend.resume_every,
+            oracle_prompt_tokens=len(request.prompt_ids) if request.prompt_ids else None,
         )
         reports.append(step_report)
         notes.extend(faults.add(backend.take_cache_faults(), f"step @{step.depth}"))
@@ -238,7 +261,7 @@ def _replay_path(
                      f"({tally(retried)}); every step got its answer")
     wall = time.perf_counter() - started
     return ReplayReport(spec, path[-1].id, mode, backend.name, backend.model, reports,
-                        tool_steps, wall, notes=notes, stopped=stopped)
+                        tool_steps, wall, notes=notes, stopped=stopped, engine=engine)
 
 
 def _fitting(model_steps: list[Step], tokenizer: Tokenizer | None, mode: ReplayMode,

@@ -36,7 +36,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from kvtrace.errors import BackendError, ReplayError
+from kvtrace.errors import BackendError, ReplayError, UsageError
 from kvtrace.replay.backend import Backend, CallRequest, CallResult, Tokenizer
 from kvtrace.replay.recording import output_text
 
@@ -147,6 +147,20 @@ class LocalBackend:
         if self._cache is None or self._engine.layout.is_plain:
             return 1
         return self._cache.block_size
+
+    @property
+    def engine_facts(self) -> None:
+        """None: the tokenizer and blocks are kvtrace's own (resume_every says the blocks)."""
+        return None
+
+    def engine_counters(self) -> None:
+        """None: the report counts this cache's tiers itself."""
+        return None
+
+    def reset_cache(self) -> str:
+        raise UsageError("resetting the cache is for a remote engine: the local engine "
+                         "replays uncached with --no-cache, or from an empty KV folder "
+                         "($KVTRACE_CACHE)", param="reset_cache")
 
     def take_cache_faults(self) -> DiskFaults | None:
         """The disk tier's faults since last asked (see `KVCache.take_disk_faults`)."""

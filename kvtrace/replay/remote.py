@@ -18,10 +18,17 @@ client is thread-safe and keeps a pool of connections.
 
 Every httpx error becomes a BackendError (`raise ... from exc`) whose message
 names the URL, the attempts made and what to check.
+
+What the engine says of itself beyond chat completions (engines.py) is asked
+once, at first need: its own token ids for the oracle (preferred over
+`tokenizer`, which is the fallback), the block size its cache reuses whole,
+and its cache counters. What it could not say becomes a note of the report.
 """
 
 from __future__ import annotations
 
+import threading
+from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -29,6 +36,14 @@ import httpx
 from kvtrace.errors import BackendError, UsageError
 from kvtrace.rendering import assistant_text
 from kvtrace.replay.backend import Backend, CallRequest, CallResult, Tokenizer
+from kvtrace.replay.engines import (
+    EngineFacts,
+    engine_block_size,
+    probe_tokenizer,
+    read_counters,
+    reset_cache,
+    server_root,
+)
 from kvtrace.replay.retry import Attempts, RetryPolicy, tally
 from kvtrace.store.usage import Usage
 
@@ -38,7 +53,9 @@ class RemoteBackend:
 
     `model` is the name sent with each request; without one, each call sends
     the model its recording names. `retry` says how failed requests are sent
-    again (module docstring).
+    again (module docstring). `tokenizer` counts the oracle where the engine
+    gives no token ids of its own (`engine_tokens=False`: never asked);
+    `block_size` is the engine's cache block size where it does not say.
     """
 
     def __init__(
@@ -50,6 +67,8 @@ class RemoteBackend:
         tokenizer: Tokenizer | None = None,
         timeout_s: float = 600.0,
         retry: RetryPolicy | None = None,
+        engine_tokens: bool = True,
+        block_size: int | None = None,
     ) -> None:
         if not base_url.startswith(("http://", "https://")):
             raise UsageError(f"backend URL {base_url!r} must start with http:// or https://")
@@ -57,6 +76,14 @@ class RemoteBackend:
         self._model = model
         self._tokenizer = tokenizer
         self._retry = retry or RetryPolicy()
+        if block_size is not None and block_size < 1:
+            raise UsageError(f"the engine's block size must be at least 1, not {block_size}",
+                             param="block_size")
+        self._engine_tokens = engine_tokens
+        self._block_size = block_size
+        self._facts: EngineFacts | None = None
+        self._engine_tokenizer: Tokenizer | None = None
+        self._learning = threading.Lock()
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # No pool limit: the caller bounds the requests in flight (replay_runs' concurrency),
         # and a connection kept per thread saves a reconnect per request.
@@ -74,7 +101,26 @@ class RemoteBackend:
 
     @property
     def tokenizer(self) -> Tokenizer | None:
-        return self._tokenizer
+        """The engine's own where it gives token ids, else the one given (or None)."""
+        self.engine_facts  # noqa: B018 (asks the engine once)
+        return self._engine_tokenizer or self._tokenizer
+
+    @property
+    def engine_facts(self) -> EngineFacts:
+        """What the engine said of its tokens and block size (asked once, at first need)."""
+        with self._learning:
+            if self._facts is None:
+                self._facts = self._learn()
+            return self._facts
+
+    def engine_counters(self) -> dict[str, int] | None:
+        """The engine's prefix-cache counters now (engines.read_counters; None: it has none)."""
+        return read_counters(self._client, server_root(self._base_url))
+
+    def reset_cache(self) -> str:
+        """Empty the engine's prefix cache, so a replay starts cold; the endpoint that did.
+        BackendError, saying what the engine answered, where it has no reset."""
+        return reset_cache(self._client, server_root(self._base_url))
 
     @property
     def is_concurrent(self) -> bool:
@@ -109,15 +155,15 @@ class RemoteBackend:
 
     def rebuild(self, request: CallRequest) -> CallResult:
         body = {"messages": request.messages, "max_tokens": 1, "temperature": 0.0}
-        return self._complete(request, body)
+        return replace(self._complete(request, body), is_output_fed=False)
 
     def settle(self) -> None:
         """Nothing to do: the server keeps its own cache."""
 
     @property
     def resume_every(self) -> int:
-        """Unknown for a remote server: its cache is counted against the token-exact bound."""
-        return 1
+        """The engine's block size: its cache reuses whole blocks (1 where it is unknown)."""
+        return self.engine_facts.block_size
 
     def take_cache_faults(self) -> None:
         """None: the server's cache is its own business (and its own log's)."""
@@ -178,6 +224,35 @@ class RemoteBackend:
             decode_s=0.0,
             retries=tuple(attempts.retried),
         )
+
+
+    def _learn(self) -> EngineFacts:
+        root = server_root(self._base_url)
+        notes = []
+        engine_tokenizer, why = (probe_tokenizer(self._client, root, self._model)
+                                 if self._engine_tokens else (None, None))
+        fallback = getattr(self._tokenizer, "name", "the tokenizer given")
+        if engine_tokenizer is not None:
+            self._engine_tokenizer = engine_tokenizer
+            tokens: str | None = engine_tokenizer.name
+        elif self._tokenizer is not None:
+            tokens = f"{fallback} (--tokenizer)"
+            if why is not None:
+                notes.append(f"{why}: the oracle is counted with {tokens}, whose template may "
+                             "differ from the engine's")
+        else:
+            tokens = None
+            if why is not None:
+                notes.append(f"{why}: no oracle bound (pass --tokenizer, the engine's model "
+                             "folder)")
+        if self._block_size is not None:
+            size, source = self._block_size, "--engine-block-size"
+        else:
+            found, source = engine_block_size(self._client, root)
+            size = found or 1
+            if found is None:
+                source = "unknown: counted token by token"
+        return EngineFacts(tokens, size, source, tuple(notes))
 
 
 def _reused(cached: int | None, prompt_tokens: int) -> int | None:

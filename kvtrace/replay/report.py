@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from kvtrace.engine.generate import DraftVerdict
     from kvtrace.replay.backend import CallResult
+    from kvtrace.replay.engines import EngineFacts
     from kvtrace.store import Step
 
 
@@ -80,8 +81,13 @@ class StepReport:
     mismatch: Mismatch | None = None
     draft: DraftVerdict | None = None  # verify: the verdict when the recording was checked
     # The oracle at the model's resume points: the token-exact bound cut back to the last
-    # block boundary where a window or state model can resume (= oracle_tokens otherwise).
+    # block boundary where a window or state model can resume, or a remote engine's cache
+    # (whole blocks) can (= oracle_tokens otherwise).
     oracle_resume_tokens: int | None = None
+    # The prompt as the tokenizer that counted the oracle sees it: the engine's own where
+    # it has a tokenize endpoint, else --tokenizer, whose template may render more or fewer
+    # tokens than prompt_tokens (the engine's count). The oracle's rate is over this.
+    oracle_prompt_tokens: int | None = None
 
     @classmethod
     def of(
@@ -95,6 +101,7 @@ class StepReport:
         is_match: bool | None = None,
         mismatch: Mismatch | None = None,
         resume_every: int = 1,
+        oracle_prompt_tokens: int | None = None,
     ) -> StepReport:
         """The report of model call `step`, answered by a backend as `result`."""
         return cls(
@@ -114,6 +121,7 @@ class StepReport:
             mismatch=mismatch,
             draft=result.draft,
             oracle_resume_tokens=_at_resume(oracle_tokens, resume_every),
+            oracle_prompt_tokens=oracle_prompt_tokens,
         )
 
     @property
@@ -122,7 +130,7 @@ class StepReport:
 
     @property
     def oracle_hit_rate(self) -> float | None:
-        return _rate(self.oracle_tokens, self.prompt_tokens)
+        return _rate(self.oracle_tokens, self.oracle_prompt_tokens or self.prompt_tokens)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -138,6 +146,7 @@ class StepReport:
             "oracle_tokens": self.oracle_tokens,
             "oracle_hit_rate": _round(self.oracle_hit_rate),
             "oracle_resume_tokens": self.oracle_resume_tokens,
+            "oracle_prompt_tokens": self.oracle_prompt_tokens,
             "output_tokens": self.output_tokens,
             "prefill_s": round(self.prefill_s, 4),
             "decode_s": round(self.decode_s, 4),
@@ -164,6 +173,7 @@ class Totals:
     matching_steps: int | None
     first_mismatch: int | None  # index of the first step that differs (verify)
     oracle_resume_tokens: int | None = None  # StepReport's, summed
+    oracle_prompt_tokens: int | None = None  # StepReport's, summed
 
     @classmethod
     def of(cls, steps: Sequence[StepReport]) -> Totals:
@@ -183,6 +193,7 @@ class Totals:
             matching_steps=sum(1 for s in verified if s.is_match) if verified else None,
             first_mismatch=first,
             oracle_resume_tokens=_sum(s.oracle_resume_tokens for s in steps),
+            oracle_prompt_tokens=_sum(s.oracle_prompt_tokens for s in steps),
         )
 
     @property
@@ -191,11 +202,11 @@ class Totals:
 
     @property
     def oracle_hit_rate(self) -> float | None:
-        return _rate(self.oracle_tokens, self.prompt_tokens)
+        return _rate(self.oracle_tokens, self.oracle_prompt_tokens or self.prompt_tokens)
 
     @property
     def oracle_resume_hit_rate(self) -> float | None:
-        return _rate(self.oracle_resume_tokens, self.prompt_tokens)
+        return _rate(self.oracle_resume_tokens, self.oracle_prompt_tokens or self.prompt_tokens)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -210,6 +221,7 @@ class Totals:
             "oracle_hit_rate": _round(self.oracle_hit_rate),
             "oracle_resume_tokens": self.oracle_resume_tokens,
             "oracle_resume_hit_rate": _round(self.oracle_resume_hit_rate),
+            "oracle_prompt_tokens": self.oracle_prompt_tokens,
             "output_tokens": self.output_tokens,
             "prefill_s": round(self.prefill_s, 4),
             "decode_s": round(self.decode_s, 4),
@@ -263,6 +275,9 @@ class ReplayReport:
     uncached: ReplayReport | None = None  # --compare-uncached: the same replay, no cache
     notes: list[str] = field(default_factory=list)
     stopped: Stopped | None = None  # the steps before it were replayed; it and the rest not
+    engine: EngineFacts | None = None  # a remote engine: its tokens and blocks (engines.py)
+    engine_counters: dict[str, int] | None = None  # what its cache counters grew by
+    reset: str | None = None  # the endpoint that emptied the engine's cache first, if asked
 
     @property
     def total(self) -> Totals:
@@ -300,6 +315,9 @@ class ReplayReport:
             "total": total,
             "notes": list(self.notes),
             "stopped": self.stopped.to_dict() if self.stopped is not None else None,
+            "engine": None if self.engine is None else self.engine.to_dict(),
+            "engine_counters": self.engine_counters,
+            "reset": self.reset,
         }
 
 

@@ -38,14 +38,15 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from fnmatch import fnmatchcase
 from typing import Any, Protocol
 
 from kvtrace.errors import KvtraceError, UsageError
 from kvtrace.replay.backend import Backend, Tokenizer
-from kvtrace.replay.driver import replay_mode, replay_steps, steps_to_replay
+from kvtrace.replay.driver import cold_start, replay_mode, replay_steps, steps_to_replay
+from kvtrace.replay.engines import EngineFacts, counters_grown
 from kvtrace.replay.report import ReplayMode, ReplayReport, StepReport, Totals
 from kvtrace.store import Step, Store
 from kvtrace.store.kinds import StepKind
@@ -100,6 +101,10 @@ class RunsReport:
     concurrency: int
     runs: list[RunOutcome]
     wall_s: float
+    engine: EngineFacts | None = None  # a remote engine: its tokens and blocks (engines.py)
+    engine_counters: dict[str, int] | None = None  # what its cache counters grew by, in all
+    reset: str | None = None  # the endpoint that emptied the engine's cache first, if asked
+    notes: list[str] = field(default_factory=list)  # the replay's own (each run has its own)
 
     @property
     def total(self) -> Totals:
@@ -138,6 +143,10 @@ class RunsReport:
             "concurrency": self.concurrency,
             "runs": [outcome.to_dict() for outcome in self.runs],
             "total": total,
+            "engine": None if self.engine is None else self.engine.to_dict(),
+            "engine_counters": self.engine_counters,
+            "reset": self.reset,
+            "notes": list(self.notes),
         }
 
 
@@ -193,12 +202,14 @@ def replay_runs(
     mode: ReplayMode | str = ReplayMode.REBUILD,
     use_drafts: bool = True,
     progress: RunsProgress | None = None,
+    reset_cache: bool = False,
 ) -> RunsReport:
     """Replay each of `runs` (names or step addresses, see `select_runs`) from its root.
 
     Up to `concurrency` runs at once, each with one request in flight; more
     than one needs a backend that takes concurrent calls
     (`backend.is_concurrent`: a remote server, a batching local backend).
+    `reset_cache` empties a remote engine's cache once, before the first run.
     """
     mode = replay_mode(mode)
     if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
@@ -215,6 +226,8 @@ def replay_runs(
             "concurrency=1, or through a backend that takes concurrent calls (a remote "
             "server)", param="concurrency")
     tokenizer = _SharedTokenizer(backend.tokenizer) if backend.tokenizer is not None else None
+    reset, refused = cold_start(backend) if reset_cache else (None, None)
+    counters_before = backend.engine_counters()
     stop = threading.Event()
     outcomes: dict[int, RunOutcome] = {}
     pending: dict[Future[RunOutcome], int] = {}
@@ -240,8 +253,12 @@ def replay_runs(
         pool.shutdown(wait=True, cancel_futures=True)
         raise
     pool.shutdown()
+    wall_s = time.perf_counter() - started
     return RunsReport(mode, backend.name, backend.model, concurrency,
-                      [outcomes[i] for i in range(len(names))], time.perf_counter() - started)
+                      [outcomes[i] for i in range(len(names))], wall_s,
+                      engine=backend.engine_facts,
+                      engine_counters=counters_grown(counters_before, backend.engine_counters()),
+                      reset=reset, notes=[refused] if refused else [])
 
 
 def _collect(pending: dict[Future[RunOutcome], int], outcomes: dict[int, RunOutcome]) -> None:
@@ -286,7 +303,7 @@ class _Job:
         try:
             report = replay_steps(self.name, self.path, self.backend, mode=self.mode,
                                   use_drafts=self.use_drafts, on_step=on_step,
-                                  tokenizer=self.tokenizer)
+                                  tokenizer=self.tokenizer, count_engine=False)
             outcome = RunOutcome(self.name, report, report.wall_s)
             if report.stopped is not None:  # past the model's context: failed there
                 outcome = RunOutcome(self.name, None, report.wall_s,

@@ -45,6 +45,7 @@ MODELS_PATH = "/v1/models"
 # vLLM's /tokenize for chat messages, at the server's root as vLLM and SGLang have it: the ids a
 # prompt renders to, which engine benchmarks compare across servers. Local mode only.
 TOKENIZE_PATH = "/tokenize"
+DETOKENIZE_PATH = "/detokenize"  # vLLM's too: {"tokens": [...]} -> {"prompt": text}
 
 
 @dataclass(frozen=True, slots=True)

@@ -59,7 +59,7 @@ from kvtrace.serve.anthropic_api import (
     error_body,
     is_anthropic_path,
 )
-from kvtrace.serve.api import CHAT_PATH, MODELS_PATH, TOKENIZE_PATH
+from kvtrace.serve.api import CHAT_PATH, DETOKENIZE_PATH, MODELS_PATH, TOKENIZE_PATH
 from kvtrace.serve.openapi import chat_operation, messages_operation, responses_operation
 from kvtrace.serve.recording import DISCARD, Recording, RunStats
 from kvtrace.serve.request import APIError, check_content_type, failed_answer
@@ -67,7 +67,7 @@ from kvtrace.serve.responses_api import RESPONSES_PATH
 
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 JSON_PATHS = frozenset({CHAT_PATH, MESSAGES_PATH, COUNT_TOKENS_PATH, RESPONSES_PATH,
-                        TOKENIZE_PATH})
+                        TOKENIZE_PATH, DETOKENIZE_PATH})
 UPGRADE_REQUIRED = 426
 
 
@@ -155,10 +155,11 @@ class ChatServer:
                 await websocket.close(code=1008, reason=error.message[:120])
 
         @app.post(TOKENIZE_PATH, include_in_schema=False)
+        @app.post(DETOKENIZE_PATH, include_in_schema=False)
         async def tokenize(request: Request) -> Response:
             if not is_local:
-                raise APIError(404, f"POST {TOKENIZE_PATH} is served in local mode only: ask "
-                               "the upstream server's own", code="not_found")
+                raise APIError(404, f"POST {request.url.path} is served in local mode only: "
+                               "ask the upstream server's own", code="not_found")
             return await self._answer(request)
 
         async def other(request: Request, path: str) -> Response:

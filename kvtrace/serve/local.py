@@ -74,7 +74,13 @@ from kvtrace.serve.anthropic_api import (
     parse_messages_request,
     stream_error_event,
 )
-from kvtrace.serve.api import CHAT_PATH, MODELS_PATH, TOKENIZE_PATH, parse_chat_request
+from kvtrace.serve.api import (
+    CHAT_PATH,
+    DETOKENIZE_PATH,
+    MODELS_PATH,
+    TOKENIZE_PATH,
+    parse_chat_request,
+)
 from kvtrace.serve.chat_reply import ChatReply
 from kvtrace.serve.disconnect import ClosingStream, client_left, unless_client_leaves
 from kvtrace.serve.generation import Generation, LocalCall, Reply
@@ -103,9 +109,9 @@ DIALECTS = {
     RESPONSES_PATH: Dialect(lambda data: parse_responses_request(data, is_local=True),
                             ResponsesReply),
 }
-# /tokenize (api.py): a chat completions body (no max_tokens needed), with a generation prompt.
-TOKENIZING = Dialect(lambda data: parse_chat_request(_generation_prompt_only(data),
-                                                     is_local=True), ChatReply)
+# /tokenize (api.py): a chat completions body (no max_tokens needed), less its
+# add_generation_prompt (`_generation_prompt`).
+TOKENIZING = Dialect(lambda data: parse_chat_request(data, is_local=True), ChatReply)
 COUNTING = Dialect(lambda data: parse_messages_request(data, is_counted_only=True),
                    MessagesReply)  # count_tokens: prepared as a Messages call, never answered
 
@@ -197,9 +203,13 @@ class LocalAnswerer:
             _, prompt = await loop.run_in_executor(self._preparer, self.prepare, COUNTING, body)
             return JSONResponse({"input_tokens": len(prompt)})
         if route == ("POST", TOKENIZE_PATH):  # the prompt's ids, as vLLM's /tokenize gives them
-            _, prompt = await loop.run_in_executor(self._preparer, self.prepare, TOKENIZING, body)
+            prompt = await loop.run_in_executor(self._preparer, self._tokenize, body)
             return JSONResponse({"count": len(prompt), "tokens": prompt,
                                  "max_model_len": self._backend.engine.max_context_tokens})
+        if route == ("POST", DETOKENIZE_PATH):  # their text, as vLLM's /detokenize gives it
+            ids = _token_ids(body)
+            text = await loop.run_in_executor(self._preparer, self._detokenize, ids)
+            return JSONResponse({"prompt": text})
         dialect = DIALECTS.get(request.url.path) if request.method == "POST" else None
         if dialect is None:
             raise APIError(404, f"{request.method} {request.url.path} is not served in local "
@@ -236,6 +246,23 @@ class LocalAnswerer:
                     sink.record_later(reply.step(url, is_complete=False))
 
         return ClosingStream(stream(), media_type="text/event-stream")
+
+    def _tokenize(self, body: bytes) -> list[int]:
+        """/tokenize: the prompt's ids, or with `add_generation_prompt: false` the
+        conversation's as the template closes it (what replay reads an output's ids from)."""
+        generation_prompt, data = _generation_prompt(body, self.model)
+        call, prompt = self.prepare(TOKENIZING, data)
+        if generation_prompt:
+            return prompt
+        return self._backend.engine.chat_tokens(call.messages, tools=call.tools,
+                                                add_generation_prompt=False)
+
+    def _detokenize(self, ids: list[int]) -> str:
+        vocab = self._backend.engine.vocab_size
+        if any(not 0 <= i < vocab for i in ids):
+            raise APIError(400, f"tokens: every id must be in 0..{vocab - 1}", param="tokens",
+                           code="invalid_value")
+        return self._backend.engine.decode(ids, skip_special_tokens=False)
 
     def prepare(self, dialect: Dialect, body: bytes) -> tuple[LocalCall, list[int]]:
         """The checked request and its prompt's token ids (on the prepare thread)."""
@@ -364,15 +391,26 @@ def _text_bytes(messages: list[dict[str, Any]]) -> int:
     return total
 
 
-def _generation_prompt_only(data: bytes) -> bytes:
-    """A /tokenize body less `add_generation_prompt`, which must be true or absent (kvtrace
-    renders every prompt with the generation prompt); the rest is a chat request's."""
+def _generation_prompt(data: bytes, model: str) -> tuple[bool, bytes]:
+    """A /tokenize body's `add_generation_prompt` (true when absent, as vLLM's), and the body
+    less it, naming `model` where it names none (vLLM's /tokenize needs no model): the rest
+    is a chat request's."""
     body = parse_json(data)
-    if not isinstance(body, dict) or "add_generation_prompt" not in body:
-        return data
-    if body["add_generation_prompt"] is not True:
-        raise APIError(400, "add_generation_prompt: kvtrace renders every prompt with the "
-                       "generation prompt; send true or leave it out",
+    if not isinstance(body, dict):
+        return True, data
+    value = body.get("add_generation_prompt", True)
+    if not isinstance(value, bool):
+        raise APIError(400, "add_generation_prompt must be true or false",
                        param="add_generation_prompt", code="invalid_value")
-    rest = {k: v for k, v in body.items() if k != "add_generation_prompt"}
-    return json.dumps(rest, ensure_ascii=False).encode()
+    rest = {"model": model} | {k: v for k, v in body.items() if k != "add_generation_prompt"}
+    return value, json.dumps(rest, ensure_ascii=False).encode()
+
+
+def _token_ids(data: bytes) -> list[int]:
+    """A /detokenize body's `tokens`: a list of ids."""
+    body = parse_json(data)
+    ids = body.get("tokens") if isinstance(body, dict) else None
+    if not isinstance(ids, list) or not all(type(i) is int for i in ids):
+        raise APIError(400, "tokens: send a list of token ids", param="tokens",
+                       code="invalid_value")
+    return ids

@@ -115,6 +115,9 @@ class StandInServer:
 
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if self.path != "/v1/chat/completions":  # a chat server only (no /tokenize)
+                    self.send_error(404)
+                    return
                 server.enter(body)
                 try:
                     failed = server.failure(body) if server.failure is not None else None

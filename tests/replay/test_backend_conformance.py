@@ -213,5 +213,16 @@ def test_name_model_and_tokenizer_describe_the_backend(subject):
     backend = subject.backend
     assert backend.name == "local" or backend.name.startswith("http://127.0.0.1:")
     assert backend.model == subject.engine.name
-    assert backend.tokenizer is subject.engine
+    if backend.name == "local":
+        assert backend.tokenizer is subject.engine and backend.engine_facts is None
+        return
+    # kvtrace serve has /tokenize: the remote backend counts in the engine's own ids, not in
+    # the tokenizer it was given (the fallback), and says so.
+    assert backend.tokenizer is not subject.engine
+    assert backend.engine_facts.tokens.startswith("the engine's own tokens (/tokenize")
+    messages = [{"role": "user", "content": "Name a colour."}]
+    answered = [*messages, {"role": "assistant", "content": "Red."}]
+    assert backend.tokenizer.chat_tokens(messages) == subject.engine.chat_tokens(messages)
+    assert backend.tokenizer.chat_tokens(answered, add_generation_prompt=False) == (
+        subject.engine.chat_tokens(answered, add_generation_prompt=False))
 

@@ -316,7 +316,7 @@ def test_cli_reports_a_failed_run_with_its_reason_and_exits_1(cli_store, capsys,
     assert code == 1 and err == ""
     text = " ".join(out.split())  # Rich wraps long lines at the console's width
     assert "4 runs: 3 ok, 1 failed" in text
-    assert text.count("no tokenizer for this backend") == 1  # one note for the runs sharing it
+    assert text.count("no oracle bound") == 1  # one note for the runs sharing it
     assert (f"failed: doomed at @1: {server.url} answered HTTP 503, after 2 attempts (HTTP 503 "
             'x1): {"error": {"message": "stand-in failure"}}') in text
     code, out, _ = _kv(capsys, "--store", cli_store, "replay", "eval-0", "eval-2",

@@ -351,12 +351,23 @@ def test_tokenize_gives_the_prompt_ids_the_engine_renders(sqlite_store, serve_lo
         expected = tiny_engine.chat_tokens(messages, tools=extra.get("tools"))
         assert reply.json() == {"count": len(expected), "tokens": expected,
                                 "max_model_len": tiny_engine.max_context_tokens}
+    # Closed by the template, no generation prompt: the ids replay reads an output's from.
+    answered = [*messages, {"role": "assistant", "content": "Hello."}]
+    closed = httpx.post(f"{root}/tokenize", json={"messages": answered,
+                                                  "add_generation_prompt": False})
+    expected = tiny_engine.chat_tokens(answered, add_generation_prompt=False)
+    assert closed.status_code == 200 and closed.json()["tokens"] == expected
+    assert expected != tiny_engine.chat_tokens(answered)  # the generation prompt is left out
+    text = httpx.post(f"{root}/detokenize", json={"tokens": expected})
+    assert text.json() == {"prompt": tiny_engine.decode(expected, skip_special_tokens=False)}
     # Bad input: a clear 4xx, nothing recorded.
-    for body, param in (({"model": "any", "messages": messages, "add_generation_prompt": False},
-                         "add_generation_prompt"),
-                        ({"model": "any", "messages": messages,
-                          "add_generation_prompt": "yes"}, "add_generation_prompt"),
-                        ({"model": "any"}, "messages")):
-        refused = httpx.post(f"{root}/tokenize", json=body)
+    for path, body, param in (
+        ("/tokenize", {"model": "any", "messages": messages, "add_generation_prompt": "yes"},
+         "add_generation_prompt"),
+        ("/tokenize", {"model": "any"}, "messages"),
+        ("/detokenize", {"tokens": "1 2"}, "tokens"),
+        ("/detokenize", {"tokens": [tiny_engine.vocab_size]}, "tokens"),
+    ):
+        refused = httpx.post(f"{root}{path}", json=body)
         assert refused.status_code == 400 and refused.json()["error"]["param"] == param
     assert sqlite_store.runs() == [] or all(r.name != "tok" for r in sqlite_store.runs())
