@@ -67,6 +67,20 @@ def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+def _special_tokens(text: str) -> list[int]:
+    """ByteTokenizer's ids of a rendered text, its <s> and </s> read as the special tokens
+    (llama.cpp's /tokenize with parse_special)."""
+    ids: list[int] = []
+    for index, part in enumerate(text.split("<s>")):
+        if index:
+            ids.append(BOS)
+        for inner, piece in enumerate(part.split("</s>")):
+            if inner:
+                ids.append(EOS)
+            ids += list(piece.encode())
+    return ids
+
+
 # What `failure(body)` may answer instead of a completion: (status, headers), or DROP to
 # close the connection without any answer.
 Failure = tuple[int, dict[str, str]] | str | None
@@ -92,8 +106,13 @@ class StandInServer:
         fail_status: int | None = None,
         failure: Callable[[dict[str, Any]], Failure] | None = None,
         hold_first_until: int = 0,
+        engine: str | None = None,
+        page_size: int = 1,
     ) -> None:
         self.tokenizer = ByteTokenizer()
+        self.engine = engine  # None: chat completions only; else ENGINE_SHAPES' endpoints
+        self.page_size = page_size  # its cache reuses whole pages of this many tokens
+        self.num_resets = 0
         self.answer = answer
         self.reports_cached = reports_cached
         self.fail_status = fail_status
@@ -113,10 +132,24 @@ class StandInServer:
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"  # keep-alive, as real servers: a pool reuses sockets
 
+            def do_GET(self) -> None:
+                self.do_POST()
+
             def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                if self.path != "/v1/chat/completions":  # a chat server only (no /tokenize)
-                    self.send_error(404)
+                length = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(length)) if length else {}
+                if self.path != "/v1/chat/completions":  # the engine's own endpoints, if any
+                    with server._lock:
+                        answered = server.engine_endpoint(self.command, self.path, body)
+                    if answered is None:
+                        self.send_error(404)
+                        return
+                    status, payload = answered
+                    data = (payload if isinstance(payload, str) else json.dumps(payload)).encode()
+                    self.send_response(status)
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
                     return
                 server.enter(body)
                 try:
@@ -176,6 +209,7 @@ class StandInServer:
         prompt = self.tokenizer.chat_tokens(body["messages"])
         cached = max((_lcp(prompt, s) for s in self.seen), default=0)
         cached = min(cached, len(prompt) - 1)
+        cached -= cached % self.page_size
         text = self.answer(body["messages"])[: max(1, int(body.get("max_tokens", 256)))]
         if body.get("max_tokens") == 1:
             text = text[:1]
@@ -204,6 +238,38 @@ class StandInServer:
             ],
             "usage": usage,
         }
+
+    def engine_endpoint(self, method: str, path: str, body: dict[str, Any]
+                        ) -> tuple[int, Any] | None:
+        """The engine shape's own endpoints (ENGINE_SHAPES), as that engine answers them;
+        None: no such route (a 404)."""
+        if self.engine is None:
+            return None
+        route = (method, path.split("?")[0])
+        if self.engine == "sglang":  # /tokenize of text only; a page size; /flush_cache
+            if route == ("POST", "/tokenize"):
+                if "prompt" not in body:
+                    return 400, {"detail": "prompt: field required"}
+                return 200, {"tokens": self.tokenizer.encode(body["prompt"])}
+            if route == ("GET", "/get_server_info"):
+                return 200, {"page_size": self.page_size, "model_path": "stand-in"}
+            if route == ("POST", "/flush_cache"):
+                self.seen.clear()
+                self.num_resets += 1
+                return 200, "Cache flushed."
+        if self.engine == "llama.cpp":  # the template as text, then its tokens; slot erase
+            if route == ("POST", "/apply-template"):
+                ids = self.tokenizer.chat_tokens(body["messages"])
+                return 200, {"prompt": self.tokenizer.decode(ids, skip_special_tokens=False)}
+            if route == ("POST", "/tokenize"):
+                return 200, {"tokens": _special_tokens(body["content"])}
+            if route == ("GET", "/slots"):
+                return 200, [{"id": 0}, {"id": 1}]
+            if method == "POST" and path.startswith("/slots/") and "action=erase" in path:
+                self.seen.clear()
+                self.num_resets += 1
+                return 200, {"id_slot": int(path.split("/")[2].split("?")[0]), "n_erased": 1}
+        return None
 
     def __enter__(self) -> StandInServer:
         self._thread.start()
