@@ -22,6 +22,11 @@ Servers (`server`):
   the wheel does not build llama.cpp's own `llama-server`), so it shows what
   a one-slot server gives. It refuses tool calls in messages, so its runs
   are the same conversations as plain text (`record_eval_set(as_text=True)`);
+- `vllm`: vLLM's CPU build (`make bench-peers`) on the same model's folder,
+  started once (its start compiles for a minute or more) and emptied before
+  each case with its dev-mode cache reset (`replay_runs(reset_cache=True)`);
+  its scheduler batches the requests in flight, prompts and decodes alike.
+  The oracle is counted in its own tokens (its /tokenize);
 - `slots`: a STAND-IN, not an engine: a loopback server that answers any chat
   request after a fixed `latency_ms`, at most `slots` at a time. It measures
   the client's side alone: how close `replay_runs` gets to the ideal of a
@@ -40,19 +45,19 @@ import json
 import os
 import tempfile
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
 from kvtrace.bench.conversations import tool_calling_conversation
-from kvtrace.bench.servers import kvtrace_serve, llama_cpp_server
+from kvtrace.bench.servers import kvtrace_serve, llama_cpp_server, vllm_server
 from kvtrace.rendering import assistant_text
 from kvtrace.replay import RemoteBackend, replay_runs
 from kvtrace.replay.backend import Tokenizer
 from kvtrace.replay.runs import RunsReport
 from kvtrace.store import Store, open_store
 
-SERVERS = ("serve", "llama-cpp", "slots")
+SERVERS = ("serve", "llama-cpp", "vllm", "slots")
 MODEL_NAME = "bench"
 
 
@@ -102,23 +107,28 @@ def run_multireplay_bench(
     """Time `replay_runs` of the eval set at each concurrency (module docstring)."""
     if server not in SERVERS and not server.startswith(("http://", "https://")):
         raise ValueError(f"server must be one of {', '.join(SERVERS)} or a URL")
-    tokenizer = None if server == "slots" else _tokenizer(model, cache_dir)
+    tokenizer = None if server in ("slots", "vllm") else _tokenizer(model, cache_dir)
     load_before = os.getloadavg()
     walls: dict[int, list[float]] = {c: [] for c in concurrency}
     reports: dict[int, RunsReport] = {}
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
         root = Path(tmp)
         store = open_store(f"sqlite:///{root / 'runs.db'}")
         names = record_eval_set(store, num_runs=num_runs, num_calls=num_calls,
                                 as_text=server == "llama-cpp")
+        started = None  # vLLM: one server for every case, reset before each
+        if server == "vllm":
+            started = stack.enter_context(vllm_server(root / "vllm", model=model,
+                                                      cache_dir=cache_dir, alias=MODEL_NAME))
         for trial in range(trials):
             order = concurrency if trial % 2 == 0 else tuple(reversed(concurrency))
             for level in order:
-                with _server(server, root / f"case-{trial}-{level}", model=model,
+                with _server(started or server, root / f"case-{trial}-{level}", model=model,
                              cache_dir=cache_dir, slots=slots, latency_ms=latency_ms,
                              llama_python=llama_python) as url, \
                         RemoteBackend(url, model=MODEL_NAME, tokenizer=tokenizer) as backend:
-                    report = replay_runs(store, names, backend, concurrency=level, mode=mode)
+                    report = replay_runs(store, names, backend, concurrency=level, mode=mode,
+                                         reset_cache=started is not None)
                 walls[level].append(report.wall_s)
                 if report.wall_s <= min(walls[level]):
                     reports[level] = report
@@ -127,7 +137,8 @@ def run_multireplay_bench(
     low, high = min(concurrency), max(concurrency)
     described = {"slots": f"slots (stand-in: {slots} at a time, {latency_ms:g} ms each, no "
                           "model)",
-                 "llama-cpp": "llama-cpp (llama-cpp-python's server: one request at a time)"}
+                 "llama-cpp": "llama-cpp (llama-cpp-python's server: one request at a time)",
+                 "vllm": "vllm (vLLM's CPU build, its cache reset before each case)"}
     return {
         "server": described.get(server, server),
         "mode": mode,
@@ -165,6 +176,8 @@ def _case(walls: list[float], report: RunsReport) -> dict[str, Any]:
         "hit_rate": None if total.hit_rate is None else round(total.hit_rate, 4),
         "oracle_hit_rate": None if total.oracle_hit_rate is None else
         round(total.oracle_hit_rate, 4),
+        "reset": report.reset,
+        "engine_counters": report.engine_counters,
     }
 
 

@@ -292,6 +292,7 @@ def bench_multireplay(
         "--server",
         help="serve: kvtrace serve on the local model, in its own process; llama-cpp: "
         "llama-cpp-python's server (.venv-llama, make test-integration; one request at a time); "
+        "vllm: vLLM's CPU build (.venv-vllm, make bench-peers; reset before each case); "
         "slots: a stand-in that answers after --latency-ms, --slots at a time (no model); "
         "or the URL of a running server.")] = "serve",
     num_runs: Annotated[int, typer.Option("--runs", min=1, help="Runs in the set.")] = 8,

@@ -434,6 +434,11 @@ def analyze_command(
     ctx: typer.Context,
     run: Annotated[str, typer.Argument(help="The run (or step) to analyze.")],
     model: Model = None,
+    backend: Annotated[str | None, typer.Option(
+        "--backend", callback=lambda v: None if v is None else _check_backend(v),
+        help="Count in the token ids of the engine at this base URL, rendered by its own "
+        "template (its /tokenize: vLLM, kvtrace serve; llama.cpp's /apply-template), as a "
+        "replay through it counts.")] = None,
     prices: Annotated[Path | None, typer.Option(
         "--prices",
         help="Prices per million tokens by model (JSON, or TOML ending in .toml; see "
@@ -444,17 +449,22 @@ def analyze_command(
 
     Tokenizer only (no forward pass). With --prices, the cost per step and in total.
     """
+    import httpx
+
     from kvtrace.cli.render import render_analysis
     from kvtrace.engine import load_tokenizer
     from kvtrace.replay import analyze
+    from kvtrace.replay.engines import engine_tokenizer
     from kvtrace.replay.prices import read_prices
 
+    if backend is not None and (model is not None or backend == "local"):
+        raise UsageError("--backend URL counts in a remote engine's tokens: drop --model, or "
+                         "--backend")
     price_list = read_prices(prices) if prices is not None else None
-    tokenizer = cast(
-        "Tokenizer", _Lazy(lambda: load_tokenizer(model, cache_dir=default_cache_dir(),
-                                                  on_convert=announce_conversion))
-    )
-    with open_store(store_url(ctx), create=False) as store:
+    with httpx.Client() as client, open_store(store_url(ctx), create=False) as store:
+        tokenizer = cast("Tokenizer", engine_tokenizer(client, backend) if backend else _Lazy(
+            lambda: load_tokenizer(model, cache_dir=default_cache_dir(),
+                                   on_convert=announce_conversion)))
         analysis = analyze(store, run, tokenizer, prices=price_list)
     if as_json:
         print_json(analysis.to_dict())

@@ -80,10 +80,12 @@ class ServerTokenizer:
     """The engine's own tokenizer, behind its HTTP endpoints (module docstring), as replay's
     `Tokenizer`: the oracle and token positions are then in the ids the engine saw.
 
-    Stop tokens are not known over HTTP, so `eos_token_ids` is empty: a recorded output is
-    then the whole tail the template puts after the prompt (its end-of-turn token and what
-    follows it), which is what the next prompt holds too. Answers are kept: a replay asks
-    for each prompt more than once. Thread-safe (httpx's client is; the memo has a lock).
+    The stop token is not served over HTTP; it is learned from two renderings of a short
+    answered turn that differ only in the answer: the tokens both end with are how the
+    template closes an assistant turn, and the first of them is where a generation stops
+    (SmolLM2's `<|im_end|>` before its newline; Llama 3's `<|eot_id|>`). Answers are kept:
+    a replay asks for each prompt more than once. Thread-safe (httpx's client is; the memo
+    has a lock).
     """
 
     def __init__(self, client: httpx.Client, root: str, model: str | None, *,
@@ -94,6 +96,7 @@ class ServerTokenizer:
         self._llama_cpp = llama_cpp
         self._memo: dict[str, list[int]] = {}
         self._lock = threading.Lock()
+        self._stops: tuple[int, ...] | None = None
         self.max_context_tokens: int | None = None
 
     @property
@@ -103,7 +106,26 @@ class ServerTokenizer:
 
     @property
     def eos_token_ids(self) -> Sequence[int]:
-        return ()
+        """The token that closes an assistant turn (class docstring); () if none is seen."""
+        if self._stops is None:
+            self._stops = self._closing_token()
+        return self._stops
+
+    def _closing_token(self) -> tuple[int, ...]:
+        asked = [{"role": "user", "content": "Hi"}]
+        try:
+            start = self.chat_tokens(asked)
+            tails = [self.chat_tokens([*asked, {"role": "assistant", "content": answer}],
+                                      add_generation_prompt=False) for answer in ("a", "b")]
+        except EngineRefusedError:
+            return ()
+        if any(tail[: len(start)] != start for tail in tails):
+            return ()
+        a, b = (tail[len(start):] for tail in tails)
+        shared = 0
+        while shared < min(len(a), len(b)) and a[-1 - shared] == b[-1 - shared]:
+            shared += 1
+        return (a[-shared],) if 0 < shared < len(a) else ()
 
     def chat_tokens(self, messages: Sequence[Mapping[str, Any]], *,
                     add_generation_prompt: bool = True,
@@ -175,6 +197,15 @@ def probe_tokenizer(client: httpx.Client, root: str, model: str | None
         except EngineRefusedError as exc:
             reasons.append(str(exc))
     return None, f"the engine gives no token ids for chat messages ({reasons[0]})"
+
+
+def engine_tokenizer(client: httpx.Client, base_url: str) -> ServerTokenizer:
+    """The tokenizer of the engine at `base_url` (`probe_tokenizer`), or EngineRefusedError
+    saying why it has none."""
+    tokenizer, why = probe_tokenizer(client, server_root(base_url), None)
+    if tokenizer is None:
+        raise EngineRefusedError(f"{why}: count with --model, the engine's model folder")
+    return tokenizer
 
 
 def engine_block_size(client: httpx.Client, root: str) -> tuple[int | None, str]:

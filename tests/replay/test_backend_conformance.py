@@ -225,4 +225,7 @@ def test_name_model_and_tokenizer_describe_the_backend(subject):
     assert backend.tokenizer.chat_tokens(messages) == subject.engine.chat_tokens(messages)
     assert backend.tokenizer.chat_tokens(answered, add_generation_prompt=False) == (
         subject.engine.chat_tokens(answered, add_generation_prompt=False))
+    # The stop token, learned from the engine's renderings, is one of the model's own.
+    stops = backend.tokenizer.eos_token_ids
+    assert len(stops) == 1 and set(stops) <= set(subject.engine.eos_token_ids)
 

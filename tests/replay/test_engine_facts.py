@@ -197,3 +197,27 @@ def test_cli_replay_json_carries_the_engine_and_its_reset(replay_store, stand_in
     assert data["engine"]["tokens"] is None  # neither the engine's nor --tokenizer's
     assert data["total"]["oracle_tokens"] is None
     assert any("no oracle bound" in note for note in data["notes"])
+
+
+def test_analyze_counts_in_the_engines_tokens(replay_store, tiny_engine, kvtrace_serve,
+                                              stand_in_server, tmp_path, capfd):
+    from kvtrace.engine import KVCache
+    from kvtrace.replay import analyze
+    from kvtrace.replay.local import LocalBackend
+
+    _record(replay_store)
+    server = kvtrace_serve(LocalBackend(tiny_engine, KVCache(tiny_engine,
+                                                             disk_dir=tmp_path / "kv")))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--store", replay_store.url, "analyze", "r", "--backend", server.url, "--json"])
+    out, err = capfd.readouterr()
+    assert exit_info.value.code in (0, None), err
+    counted = json.loads(out)
+    expected = analyze(replay_store, "r", tiny_engine).to_dict()  # the same tokenizer, here
+    assert counted["steps"] == expected["steps"] and counted["steps"][1]["oracle_tokens"] > 0
+    plain = stand_in_server(_answer)  # chat completions only: nothing to count with
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--store", replay_store.url, "analyze", "r", "--backend", plain.url])
+    _, err = capfd.readouterr()
+    assert exit_info.value.code != 0 and len(err.strip().splitlines()) == 1
+    assert "gives no token ids for chat messages" in err and "--model" in err
