@@ -36,9 +36,11 @@ from typing import Any
 import httpx
 
 from kvtrace.bench.servers import vllm_server
+from kvtrace.errors import EngineRefusedError
 from kvtrace.paths import default_cache_dir
 from kvtrace.rendering import template_messages
 from kvtrace.replay.backend import CallRequest, SamplingParams
+from kvtrace.replay.engines import ServerTokenizer, reset_cache, server_root
 from kvtrace.replay.oracle import common_prefix_length
 from kvtrace.replay.recording import prompt_ids, step_messages, step_tools
 from kvtrace.replay.remote import RemoteBackend
@@ -46,8 +48,6 @@ from kvtrace.store import ModelCall, Step
 
 UNRELATED = [{"role": "user", "content": "Unrelated: say one word."}]
 UNRELATED_PROMPT = "one unrelated prompt"  # how `make_cold` says it made a peer cold that way
-# Endpoints that empty a server's prefix cache, tried in order: vLLM's (dev mode), SGLang's.
-_RESETS = ("/reset_prefix_cache", "/flush_cache")
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,12 +176,6 @@ class TokenCheck:
         return {"checked": self.checked, "agree": True}
 
 
-def server_root(url: str) -> str:
-    """A server's root from its API base URL (…/v1 off): where /tokenize and resets live."""
-    url = url.rstrip("/")
-    return url[: -len("/v1")] if url.endswith("/v1") else url
-
-
 def peer_messages(step: Step, *, native_tools: bool) -> tuple[list[dict[str, Any]],
                                                              list[dict[str, Any]] | None]:
     """(messages, tools) of a recorded call as kvtrace's template sees them (module docstring),
@@ -217,19 +211,11 @@ def check_tokens(client: httpx.Client, root: str, model: str | None,
     """Ask the peer's `/tokenize` for each request's ids and compare them with `expected`
     (kvtrace's); raises TokenMismatchError at the first that differs."""
     for index, (request, ids) in enumerate(zip(requests, expected, strict=True)):
-        body: dict[str, Any] = {"messages": request.messages, "add_generation_prompt": True}
-        if model is not None or request.model is not None:
-            body["model"] = model or request.model
-        if request.tools:
-            body["tools"] = request.tools
+        tokenizer = ServerTokenizer(client, root, model or request.model)
         try:
-            response = client.post(f"{root}/tokenize", json=body)
-        except httpx.HTTPError as exc:
-            return TokenCheck(0, f"{root}/tokenize: {exc}")
-        if response.status_code >= 400 or "tokens" not in _json(response):
-            return TokenCheck(0, f"{root}/tokenize answered HTTP {response.status_code}, "
-                                 "without token ids for chat messages")
-        theirs = [int(t) for t in _json(response)["tokens"]]
+            theirs = tokenizer.chat_tokens(request.messages, tools=request.tools)
+        except EngineRefusedError as exc:
+            return TokenCheck(0, f"{exc} (without token ids for chat messages)")
         if theirs != list(ids):
             at = next((i for i, (a, b) in enumerate(zip(theirs, ids, strict=False))
                        if a != b),
@@ -243,12 +229,10 @@ def check_tokens(client: httpx.Client, root: str, model: str | None,
 
 def make_cold(client: httpx.Client, root: str, base_url: str, model: str | None) -> str:
     """Empty the peer's prefix cache; says how (module docstring)."""
-    for path in _RESETS:
-        try:
-            if client.post(f"{root}{path}").status_code < 400:
-                return path.lstrip("/")
-        except httpx.HTTPError:
-            continue
+    try:
+        return reset_cache(client, root).lstrip("/")
+    except EngineRefusedError:
+        pass
     body = {"model": model or "default", "messages": UNRELATED, "max_tokens": 1,
             "temperature": 0.0}
     client.post(f"{base_url.rstrip('/')}/chat/completions", json=body).raise_for_status()

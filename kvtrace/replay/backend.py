@@ -129,6 +129,9 @@ class CallResult:
     # the prompt only (it cannot be fed an output), so what it caches of the output comes
     # with the next prompt, and the oracle must not count it before then.
     is_output_fed: bool = True
+    # A remote engine answered without usage: prompt_tokens is the tokenizer's count (0
+    # without one) and reused_tokens is None.
+    is_usage_missing: bool = False
 
     @property
     def computed_tokens(self) -> int | None:

@@ -213,6 +213,7 @@ def _replay_path(
     faults = _FaultNotes()
     reports: list[StepReport] = []
     retried: list[str] = []
+    unreported = 0  # answers without usage
     started = time.perf_counter()
     for index, step in enumerate(model_steps[:num_fitting], start=1):
         expected = _prepare(step, tokenizer, mode, use_drafts)
@@ -229,6 +230,7 @@ def _replay_path(
             result = backend.rebuild(request)
             fed = request.output_ids if result.is_output_fed else None
         retried.extend(result.retries)
+        unreported += result.is_usage_missing
         if request.prompt_ids is not None:
             oracle.add([*request.prompt_ids, *(fed or [])], label=step.id)
             if result.draft is not None and request.draft_ids:
@@ -255,6 +257,10 @@ def _replay_path(
     backend.settle()  # what verify's last output left owed: on disk, as the rest
     notes.extend(faults.add(backend.take_cache_faults(), "storing the last output"))
     notes.extend(faults.write_notes())
+    if unreported:
+        counted = "the tokenizer's count" if tokenizer is not None else "0 (no tokenizer)"
+        notes.append(f"the engine answered {unreported} of {len(reports)} calls without usage: "
+                     f"their prompt tokens are {counted} and their reuse is unknown")
     if retried:  # recovered from, but shown: a flaky server is worth knowing about
         notes.append(f"the backend was sent {len(retried)} request"
                      f"{'' if len(retried) == 1 else 's'} again after a failure "

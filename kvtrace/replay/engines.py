@@ -208,9 +208,9 @@ def engine_tokenizer(client: httpx.Client, base_url: str) -> ServerTokenizer:
     return tokenizer
 
 
-def engine_block_size(client: httpx.Client, root: str) -> tuple[int | None, str]:
+def engine_block_size(client: httpx.Client, root: str) -> tuple[int, str] | None:
     """The engine's KV block size (its prefix cache reuses whole blocks) and where it was
-    read; (None, why not) when the engine does not say."""
+    read: vLLM's /metrics, SGLang's /get_server_info; None when the engine does not say."""
     try:
         response = client.get(f"{root}/metrics", timeout=_TIMEOUT_S)
         if response.status_code == 200:
@@ -226,7 +226,7 @@ def engine_block_size(client: httpx.Client, root: str) -> tuple[int | None, str]
             return page, "its /get_server_info"
     except httpx.HTTPError:
         pass
-    return None, "the engine names no block size (vLLM's /metrics, SGLang's /get_server_info)"
+    return None
 
 
 def reset_cache(client: httpx.Client, root: str) -> str:

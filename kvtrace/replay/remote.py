@@ -204,17 +204,20 @@ class RemoteBackend:
             text = assistant_text(choice["message"])
             finish = str(choice.get("finish_reason") or "unknown")
             usage = Usage.parse(data.get("usage"))
-            if usage.prompt_tokens is None:
-                raise KeyError("usage.prompt_tokens")
-            prompt_tokens = usage.prompt_tokens
         except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
             raise BackendError(
                 f"{self._base_url} answered something that is not an OpenAI chat completion "
-                f"with usage ({type(exc).__name__}: {exc}): {response.text[:200]}"
+                f"({type(exc).__name__}: {exc}): {response.text[:200]}"
             ) from exc
+        # An answer without usage is still an answer: its prompt is counted as the tokenizer
+        # counts it (0 without one), its reuse is unknown, and the report says so.
+        counted = usage.prompt_tokens
+        prompt_tokens = counted if counted is not None else len(request.prompt_ids or [])
         return CallResult(
             prompt_tokens=prompt_tokens,
-            reused_tokens=_reused(usage.cached_tokens, prompt_tokens),
+            is_usage_missing=counted is None,
+            reused_tokens=None if counted is None else _reused(usage.cached_tokens,
+                                                                prompt_tokens),
             memory_tokens=None,
             disk_tokens=None,
             text=text,
@@ -224,7 +227,6 @@ class RemoteBackend:
             decode_s=0.0,
             retries=tuple(attempts.retried),
         )
-
 
     def _learn(self) -> EngineFacts:
         root = server_root(self._base_url)
@@ -245,13 +247,9 @@ class RemoteBackend:
             if why is not None:
                 notes.append(f"{why}: no oracle bound (pass --tokenizer, the engine's model "
                              "folder)")
-        if self._block_size is not None:
-            size, source = self._block_size, "--engine-block-size"
-        else:
-            found, source = engine_block_size(self._client, root)
-            size = found or 1
-            if found is None:
-                source = "unknown: counted token by token"
+        named = engine_block_size(self._client, root) if self._block_size is None else None
+        size, source = ((self._block_size, "--engine-block-size") if self._block_size else
+                        named or (1, "unknown: counted token by token"))
         return EngineFacts(tokens, size, source, tuple(notes))
 
 

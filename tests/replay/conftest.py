@@ -103,6 +103,7 @@ class StandInServer:
         answer: Callable[[list[dict[str, Any]]], str],
         *,
         reports_cached: bool = True,
+        reports_usage: bool = True,
         fail_status: int | None = None,
         failure: Callable[[dict[str, Any]], Failure] | None = None,
         hold_first_until: int = 0,
@@ -115,6 +116,7 @@ class StandInServer:
         self.num_resets = 0
         self.answer = answer
         self.reports_cached = reports_cached
+        self.reports_usage = reports_usage  # False: answers carry no usage at all
         self.fail_status = fail_status
         self.failure = failure
         self.seen: list[list[int]] = []
@@ -236,13 +238,13 @@ class StandInServer:
                     "message": {"role": "assistant", "content": text},
                 }
             ],
-            "usage": usage,
+            **({"usage": usage} if self.reports_usage else {}),
         }
 
     def engine_endpoint(self, method: str, path: str, body: dict[str, Any]
                         ) -> tuple[int, Any] | None:
-        """The engine shape's own endpoints (ENGINE_SHAPES), as that engine answers them;
-        None: no such route (a 404)."""
+        """The endpoints of the engine shape `engine` ("sglang", "llama.cpp") besides chat
+        completions, as that engine answers them; None: no such route (a 404)."""
         if self.engine is None:
             return None
         route = (method, path.split("?")[0])

@@ -221,3 +221,17 @@ def test_analyze_counts_in_the_engines_tokens(replay_store, tiny_engine, kvtrace
     _, err = capfd.readouterr()
     assert exit_info.value.code != 0 and len(err.strip().splitlines()) == 1
     assert "gives no token ids for chat messages" in err and "--model" in err
+
+
+def test_an_engine_that_answers_without_usage_is_replayed_and_said(
+    replay_store, stand_in_server, byte_tokenizer
+):
+    _record(replay_store, calls=3)
+    server = stand_in_server(_answer, reports_usage=False)
+    report = replay(replay_store, "r", RemoteBackend(server.url, tokenizer=byte_tokenizer))
+    assert len(report.steps) == 3  # every call replayed
+    assert all(s.reused_tokens is None for s in report.steps)  # unknown, never a guess
+    counted = [len(byte_tokenizer.chat_tokens(r["messages"])) for r in server.requests]
+    assert [s.prompt_tokens for s in report.steps] == counted  # the tokenizer's count
+    assert report.total.oracle_tokens > 0
+    assert any("answered 3 of 3 calls without usage" in note for note in report.notes)
