@@ -40,7 +40,7 @@ from kvtrace.errors import EngineRefusedError
 from kvtrace.paths import default_cache_dir
 from kvtrace.rendering import template_messages
 from kvtrace.replay.backend import CallRequest, SamplingParams
-from kvtrace.replay.engines import ServerTokenizer, reset_cache, server_root
+from kvtrace.replay.engines import ServerTokenizer, json_object, reset_cache, server_root
 from kvtrace.replay.oracle import common_prefix_length
 from kvtrace.replay.recording import prompt_ids, step_messages, step_tools
 from kvtrace.replay.remote import RemoteBackend
@@ -153,7 +153,7 @@ class PeerSide:
 def is_kvtrace_serve(client: httpx.Client, root: str) -> bool:
     """Whether the server at `root` is `kvtrace serve` (its /health names its run and queue)."""
     try:
-        health = _json(client.get(f"{root}/health"))
+        health = json_object(client.get(f"{root}/health"))
     except httpx.HTTPError:
         return False
     return health.get("status") == "ok" and "run" in health and "queue" in health
@@ -237,11 +237,3 @@ def make_cold(client: httpx.Client, root: str, base_url: str, model: str | None)
             "temperature": 0.0}
     client.post(f"{base_url.rstrip('/')}/chat/completions", json=body).raise_for_status()
     return UNRELATED_PROMPT
-
-
-def _json(response: httpx.Response) -> dict[str, Any]:
-    try:
-        data = response.json()
-    except ValueError:
-        return {}
-    return data if isinstance(data, dict) else {}

@@ -221,7 +221,7 @@ def engine_block_size(client: httpx.Client, root: str) -> tuple[int, str] | None
         pass
     try:
         response = client.get(f"{root}/get_server_info", timeout=_TIMEOUT_S)
-        page = _json(response).get("page_size") if response.status_code == 200 else None
+        page = json_object(response).get("page_size") if response.status_code == 200 else None
         if isinstance(page, int) and page > 0:
             return page, "its /get_server_info"
     except httpx.HTTPError:
@@ -321,13 +321,13 @@ def _post(client: httpx.Client, url: str, body: dict[str, Any]) -> dict[str, Any
         detail = _error_message(response)
         raise EngineRefusedError(f"{url} answered HTTP {response.status_code}"
                                  + (f": {detail}" if detail else ""))
-    return _json(response)
+    return json_object(response)
 
 
 def _error_message(response: httpx.Response) -> str | None:
     """The message of a JSON error body (OpenAI's `error.message`, FastAPI's `detail`), at
     most a line; None for any other body (an HTML page says nothing worth a report line)."""
-    data = _json(response)
+    data = json_object(response)
     error = data.get("error")
     message = error.get("message") if isinstance(error, dict) else error or data.get("detail")
     return " ".join(str(message).split())[:160] if message else None
@@ -340,7 +340,8 @@ def _ids(data: Mapping[str, Any], key: str, url: str) -> list[int]:
     return list(ids)
 
 
-def _json(response: httpx.Response) -> dict[str, Any]:
+def json_object(response: httpx.Response) -> dict[str, Any]:
+    """The JSON object an endpoint answered ({} for anything else: not JSON, a list)."""
     try:
         data = response.json()
     except ValueError:

@@ -21,23 +21,42 @@ LLAMA_PYTHON = Path(os.environ.get("KVTRACE_LLAMA_PYTHON", ROOT / ".venv-llama/b
 BUILD_LOG = ROOT / ".venv-llama" / "build.log"
 
 
-def _why_unavailable() -> str | None:
+def _why_not(python: Path, module: str, log: Path, what: str) -> str | None:
+    """Why `what` cannot run here (None: it can): not asked for, not installed, or broken."""
     if not os.environ.get("KVTRACE_INTEGRATION"):
         return "integration tests run with `make test-integration`"
-    if not LLAMA_PYTHON.exists():
-        return f"llama-cpp-python is not installed: no {LLAMA_PYTHON} (see {BUILD_LOG})"
-    check = subprocess.run([str(LLAMA_PYTHON), "-c", "import llama_cpp.server"],
-                           capture_output=True, text=True)
+    if not python.exists():
+        return f"{what} is not installed: no {python} (see {log})"
+    check = subprocess.run([str(python), "-c", f"import {module}"], capture_output=True,
+                           text=True)
     if check.returncode != 0:
-        return (f"llama-cpp-python[server] does not import in {LLAMA_PYTHON}: "
-                f"{check.stderr.strip().splitlines()[-1:]} (build log: {BUILD_LOG})")
+        return (f"{what} does not import in {python}: "
+                f"{check.stderr.strip().splitlines()[-1:]} (log: {log})")
     return None
+
+
+def kv(capfd, *argv: str) -> tuple[int, str, str]:
+    """`kvtrace ARGV` in-process: its exit code, stdout and stderr."""
+    from kvtrace.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(list(argv))
+    out, err = capfd.readouterr()
+    return int(exit_info.value.code or 0), out, err
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    """A fresh kvtrace home (its default store) in a temporary folder."""
+    monkeypatch.setenv("KVTRACE_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("KVTRACE_STORE", raising=False)
+    return tmp_path
 
 
 @pytest.fixture(scope="session")
 def llama_server(tmp_path_factory) -> Iterator[str]:
     """The base URL (…/v1) of a running llama.cpp server with the default model's GGUF."""
-    reason = _why_unavailable()
+    reason = _why_not(LLAMA_PYTHON, "llama_cpp.server", BUILD_LOG, "llama-cpp-python[server]")
     if reason:
         pytest.skip(reason)
     from kvtrace.bench.servers import llama_cpp_server
@@ -51,25 +70,13 @@ VLLM_PYTHON = Path(os.environ.get("KVTRACE_VLLM_PYTHON", ROOT / ".venv-vllm/bin/
 VLLM_LOG = ROOT / ".venv-vllm" / "install.log"
 
 
-def _why_no_vllm() -> str | None:
-    if not os.environ.get("KVTRACE_INTEGRATION"):
-        return "integration tests run with `make test-integration`"
-    if not VLLM_PYTHON.exists():
-        return f"vLLM's CPU build is not installed: no {VLLM_PYTHON} (see {VLLM_LOG})"
-    check = subprocess.run([str(VLLM_PYTHON), "-c", "import vllm.entrypoints.openai.api_server"],
-                           capture_output=True, text=True)
-    if check.returncode != 0:
-        return (f"vLLM does not import in {VLLM_PYTHON}: "
-                f"{check.stderr.strip().splitlines()[-1:]} (install log: {VLLM_LOG})")
-    return None
-
-
 @pytest.fixture(scope="session")
 def vllm_server(tmp_path_factory) -> Iterator[str]:
     """The base URL (…/v1) of vLLM's CPU build on the default model's folder, as the engine
     benchmarks start it (kvtrace/bench/servers.py): prefix caching, its 128-token blocks,
     dev mode (so its cache can be reset), cached tokens in usage."""
-    reason = _why_no_vllm()
+    reason = _why_not(VLLM_PYTHON, "vllm.entrypoints.openai.api_server", VLLM_LOG,
+                      "vLLM's CPU build")
     if reason:
         pytest.skip(reason)
     from kvtrace.bench.servers import vllm_server as started

@@ -8,29 +8,14 @@ import textwrap
 
 import httpx
 import openai
-import pytest
 
 from kvtrace import open_store
-from kvtrace.cli import main
 from kvtrace.serve import BackgroundServer, make_server
 from kvtrace.tracer import RecordingTransport
+from tests.integration.conftest import kv
 
 MESSAGES = [{"role": "system", "content": "You are a helpful assistant."},
             {"role": "user", "content": "Name three colours."}]
-
-
-def kv(capfd, *argv: str) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as exit_info:
-        main(list(argv))
-    out, err = capfd.readouterr()
-    return int(exit_info.value.code or 0), out, err
-
-
-@pytest.fixture
-def home(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVTRACE_HOME", str(tmp_path / "home"))
-    monkeypatch.delenv("KVTRACE_STORE", raising=False)
-    return tmp_path
 
 
 def test_serve_upstream_records_llama_cpp_answers_unchanged_streamed_and_not(

@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from kvtrace import open_store
-from kvtrace.cli import main
+from tests.integration.conftest import kv
 
 SYSTEM = "You are a helpful assistant who answers in one short sentence. " * 12  # > 128 tokens
 AGENT = textwrap.dedent(f"""
@@ -28,19 +28,11 @@ AGENT = textwrap.dedent(f"""
 """)
 
 
-def kv(capfd, *argv: str) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as exit_info:
-        main(list(argv))
-    out, err = capfd.readouterr()
-    return int(exit_info.value.code or 0), out, err
-
-
 @pytest.fixture
-def home(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVTRACE_HOME", str(tmp_path / "home"))
-    monkeypatch.delenv("KVTRACE_STORE", raising=False)
-    (tmp_path / "agent.py").write_text(AGENT)
-    return tmp_path
+def agent(home):
+    """The SDK agent's script, in the home's folder."""
+    (home / "agent.py").write_text(AGENT)
+    return home / "agent.py"
 
 
 def _record_conversation(name: str, turns: int = 3) -> None:
@@ -83,8 +75,8 @@ def test_replay_counts_in_vllms_tokens_and_blocks_from_a_cold_cache(home, vllm_s
     assert not report["notes"]
 
 
-def test_record_an_sdk_agent_then_fork_two_agents_onto_vllm(home, vllm_server, capfd):
-    agent = str(home / "agent.py")
+def test_record_an_sdk_agent_then_fork_two_agents_onto_vllm(agent, vllm_server, capfd):
+    agent = str(agent)
     code, out, err = kv(capfd, "record", "--upstream", vllm_server, "--run", "base", "--json",
                         "--", sys.executable, agent)
     assert code == 0, err
