@@ -61,6 +61,8 @@ def bench_workspace(
     num_changed: Annotated[int, typer.Option(
         "--changed", help="Files rewritten between two snapshots.")] = 3,
     rounds: Annotated[int, typer.Option("--rounds", help="Snapshots timed.")] = 30,
+    no_watch: Annotated[bool, typer.Option(
+        "--no-watch", help="Walk the folder at every snapshot (no inotify events).")] = False,
     as_json: Json = False,
 ) -> None:
     """What `record --workspace` costs per model call: a snapshot where few files changed,
@@ -73,7 +75,8 @@ def bench_workspace(
     if not total_mb > 0:
         raise UsageError(f"--mb {total_mb:g}: give a size > 0")
     _print_figures(run_workspace_bench(num_files=num_files, total_mb=total_mb,
-                                       num_changed=num_changed, rounds=rounds), as_json)
+                                       num_changed=num_changed, rounds=rounds,
+                                       watch=not no_watch), as_json)
 
 
 @bench_app.command("appends")

@@ -225,6 +225,8 @@ class StoreWriter:
 
     def close(self) -> None:
         self._worker.shutdown(wait=True)
+        for snapshotter in self._snapshotters.values():
+            snapshotter.close()
 
     def _is_paused(self, run: str) -> bool:
         try:

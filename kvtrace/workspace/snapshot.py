@@ -8,6 +8,10 @@ git's index:
 - an index of each file's (mtime, size, inode, mode) and blob: a file whose
   stat is unchanged is not read again. A file changed within `RACY_NS` of
   the walk could change again under the same mtime, so it is read anyway;
+- where the kernel can say which files changed (inotify, changes.py), only
+  those are stat-ed again: the rest of the index stands, as git's index does
+  with its fsmonitor. Whatever the events cannot vouch for, the folder is
+  walked;
 - blobs and trees this snapshotter stored are remembered, so an unchanged
   file or folder writes nothing;
 - a new tree is stored as a delta against the previous one (store/codec.py),
@@ -32,6 +36,7 @@ from typing import TYPE_CHECKING
 from kvtrace.errors import UsageError
 from kvtrace.store.codec import Base
 from kvtrace.store.encoding import sha256_hex
+from kvtrace.workspace.changes import open_watch
 from kvtrace.workspace.tree import Entry, Tree, entry_bytes, parse, tree_bytes
 
 if TYPE_CHECKING:
@@ -58,10 +63,13 @@ class Snapshotter:
     """Snapshots of one folder into one store (one thread at a time: the store's writer)."""
 
     def __init__(self, store: Store, folder: Path, *,
-                 max_file_bytes: int = MAX_FILE_BYTES) -> None:
+                 max_file_bytes: int = MAX_FILE_BYTES, watch: bool = True) -> None:
         self.store = store
         self.folder = Path(folder).resolve()
         self.max_file_bytes = max_file_bytes
+        self._watch = open_watch(self.folder, IGNORE_FILE) if watch else None
+        self._is_watched = False  # a walk has added the watches the next `take` may trust
+        self.num_walks = 0  # snapshots that walked the whole folder (for tests, benchmarks)
         self._index: dict[str, _Known] = {}
         self._order: list[str] = []  # the index's paths, sorted (a tree's order)
         self._stored: set[str] = set()  # blob addresses this snapshotter wrote or found
@@ -74,18 +82,29 @@ class Snapshotter:
         self.num_files_read = 0
         ignore = _ignore_spec(self.folder)
         new_blobs: dict[str, bytes] = {}
-        index: dict[str, _Known] = {}
+        changed = self._changed_files()
+        if changed is None:
+            self.num_walks += 1
+            found = self._walk(ignore)
+            index: dict[str, _Known] = {}
+            self._is_watched = self._watch is not None
+        else:  # the rest of the index stands: only the changed paths are looked at again
+            found = self._stat(changed, ignore)
+            index = {p: known for p, known in self._index.items() if p not in changed}
         num_reused = 0
-        for path, info in self._walk(ignore):
+        for path, info in found:
             seen = (info.st_mtime_ns, info.st_size, info.st_ino, info.st_mode)
             known = self._index.get(path)
-            if known is not None and known.stat == seen and started - seen[0] > RACY_NS:
+            # A path the kernel says changed is read again, whatever its stat says.
+            if (changed is None and known is not None and known.stat == seen
+                    and started - seen[0] > RACY_NS):
                 index[path] = known
                 num_reused += 1
             else:
                 entry = self._entry(path, info, new_blobs)
                 index[path] = _Known(seen, entry, entry_bytes(entry))
-        if num_reused == len(index) == len(self._index) and self._last is not None:
+        if (num_reused == len(found) and index.keys() == self._index.keys()
+                and self._last is not None):
             return self._last[0]  # no path added, gone or read again: the same tree
         if index.keys() != self._index.keys():  # a path came or went: sort again
             self._order = sorted(index)
@@ -103,12 +122,45 @@ class Snapshotter:
         self._last = (address, data)
         return address
 
+    def close(self) -> None:
+        """Stop watching the folder (the next `take` walks it)."""
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
+        self._is_watched = False
+
+    def _changed_files(self) -> set[str] | None:
+        """The paths to look at again (None: walk everything): from the watch, once a walk
+        has set it up and only while it can vouch for every change."""
+        if self._watch is None or not self._is_watched or self._last is None:
+            return None
+        return self._watch.changed_files()
+
+    def _stat(self, paths: set[str], ignore: pathspec.PathSpec | None
+              ) -> list[tuple[str, os.stat_result]]:
+        """The files and links among `paths` as they are now (the walk's rules: not
+        ignored, no link followed); a path gone, or now of another kind, is left out."""
+        found = []
+        for rel in paths:
+            if ignore and ignore.match_file(rel):
+                continue
+            try:
+                info = os.lstat(self.folder / rel)
+            except OSError:
+                continue
+            if stat.S_ISREG(info.st_mode) or stat.S_ISLNK(info.st_mode):
+                found.append((rel, info))
+        return found
+
     def _walk(self, ignore: pathspec.PathSpec | None) -> list[tuple[str, os.stat_result]]:
-        """Every file and link under the folder (relative '/' paths), not following links."""
+        """Every file and link under the folder (relative '/' paths), not following links.
+        Each folder is watched before it is listed (changes.py)."""
         found: list[tuple[str, os.stat_result]] = []
         pending = [""]
         while pending:
             prefix = pending.pop()
+            if self._watch is not None:
+                self._watch.add(prefix)
             try:
                 with os.scandir(self.folder / prefix if prefix else self.folder) as it:
                     items = list(it)
