@@ -14,16 +14,24 @@ import os
 import shutil
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from kvtrace.workspace import Snapshotter
 from kvtrace.workspace.changes import open_watch
 
-pytestmark = pytest.mark.skipif(
-    not sys.platform.startswith("linux") or open_watch(__import__("pathlib").Path("."),
-                                                       ".kvtraceignore") is None,
-    reason="inotify is Linux's, and needs inotify_simple (the serve extra)")
+
+def _has_inotify() -> bool:
+    watch = open_watch(Path("."), ".kvtraceignore") if sys.platform.startswith("linux") else None
+    if watch is None:
+        return False
+    watch.close()
+    return True
+
+
+pytestmark = pytest.mark.skipif(not _has_inotify(), reason="inotify is Linux's, and needs "
+                                "inotify_simple (the serve extra)")
 
 
 def _settle(folder):
