@@ -29,6 +29,7 @@ snapshot walks.
 from __future__ import annotations
 
 import contextlib
+import errno
 import sys
 from pathlib import Path
 from typing import Any
@@ -54,15 +55,18 @@ class FolderWatch:
         self._folders: dict[int, str] = {}  # watch descriptor -> its folder ('' or 'a/b/')
         self._watched: set[str] = set()
         self._lost = False  # a watch could not be added: the events cannot vouch for all
+        self._is_over_limit = False  # the user's watch limit: walk from now on, watch nothing
 
     def add(self, prefix: str) -> None:
         """Watch the folder `prefix` ('' for the root, else 'a/b/'), before it is listed."""
-        if prefix in self._watched:
+        if prefix in self._watched or self._is_over_limit:
             return
         try:
             wd = self._inotify.add_watch(str(self._root / prefix), self._mask)
-        except OSError:  # gone meanwhile, or the user's watch limit
+        except OSError as exc:  # gone meanwhile, or the user's watch limit
             self._lost = True
+            # Past the limit, every walk would add thousands of watches to drop them again.
+            self._is_over_limit = exc.errno == errno.ENOSPC
             return
         self._folders[wd] = prefix
         self._watched.add(prefix)
@@ -71,6 +75,10 @@ class FolderWatch:
         """The paths ('a/b.txt') whose entries may have changed since last asked, or None
         when the events cannot say (module docstring): then walk, and `add` again."""
         flags = self._flags
+        if self._is_over_limit:
+            if self._folders:
+                self._forget()
+            return None
         try:
             events = self._inotify.read(timeout=0)
         except OSError:
@@ -101,7 +109,7 @@ class FolderWatch:
         self._inotify.read(timeout=0)  # the removals' own IGNORED events
         self._folders.clear()
         self._watched.clear()
-        self._lost = False
+        self._lost = False  # the limit, if reached, stays: `_is_over_limit`
 
 
 def open_watch(root: Path, ignore_file: str) -> FolderWatch | None:

@@ -163,3 +163,36 @@ def test_without_the_watch_every_snapshot_walks(store, folder):
     _edit(folder / "src" / "a.py", "A = 11\n")
     walked.take()
     assert walked.num_walks == 2
+
+
+def test_past_the_watch_limit_it_walks_from_then_on_and_keeps_no_watch(store, folder):
+    """The kernel refuses a watch past the user's limit (ENOSPC): the limit is stood for by
+    a real inotify that refuses the third watch (lowering the machine's own limit would
+    reach every process on it)."""
+    import errno
+
+    from inotify_simple import INotify, flags
+
+    from kvtrace.workspace.changes import FolderWatch
+
+    class Limited(INotify):
+        added = 0
+
+        def add_watch(self, path, mask):
+            if Limited.added >= 2:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            Limited.added += 1
+            return super().add_watch(path, mask)
+
+    for name in ("x", "y", "z"):
+        (folder / name).mkdir()
+        _edit(folder / name / "f.txt", name)
+    watched = Snapshotter(store, folder)
+    watched._watch = FolderWatch(Limited(), flags, folder, ".kvtraceignore")
+    watched.take()
+    for round_ in range(3):
+        _edit(folder / "x" / "f.txt", f"round {round_}")
+        assert watched.take() == Snapshotter(store, folder, watch=False).take()
+    assert watched.num_walks == 4 and Limited.added == 2  # no watch tried past the limit
+    assert not watched._watch._folders  # the two it had were dropped
+    watched.close()
