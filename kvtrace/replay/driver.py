@@ -244,7 +244,8 @@ def _replay_path(
             is_match, mismatch = _compare(expected, result.text, fed, tokenizer)
         step_report = StepReport.of(
             index, step, result, oracle_tokens=oracle_tokens,
-            output_tokens=len(fed or request.output_ids or []), is_match=is_match,
+            output_tokens=len(fed) if fed is not None else len(request.output_ids or []),
+            is_match=is_match,
             mismatch=mismatch, resume_every=backend.resume_every,
             oracle_prompt_tokens=len(request.prompt_ids) if request.prompt_ids else None,
         )

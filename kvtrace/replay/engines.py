@@ -24,14 +24,17 @@ once, in a line the report carries, and the replay goes on with what it can meas
   engine's processes; a replay reports what they grew by.
 
 An engine's endpoints live at its root (the base URL less `/v1`). Every request here has a
-short timeout: a question the engine cannot answer must not hold up a replay.
+timeout of its own (60 s), shorter than a chat call's.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import re
 import threading
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -42,7 +45,10 @@ from kvtrace.errors import EngineRefusedError
 
 _PROBE = [{"role": "user", "content": "hi"}]
 _RESETS = ("/reset_prefix_cache", "/flush_cache")  # vLLM's (dev mode), SGLang's
-_TIMEOUT_S = 60.0
+_TIMEOUT_S = 60.0  # per request: an endpoint that hangs must not hold a replay for long
+# Renderings kept (least recently used dropped): a replay asks for each call's a few times
+# in a row, and many runs at once interleave theirs.
+_MEMO_SIZE = 1024
 # Prometheus text: `name{labels} value`, the labels optional.
 _SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+"
                      r"(?P<value>\S+)")
@@ -94,10 +100,12 @@ class ServerTokenizer:
         self._root = root
         self._model = model
         self._llama_cpp = llama_cpp
-        self._memo: dict[str, list[int]] = {}
+        self._memo: OrderedDict[bytes, list[int]] = OrderedDict()  # by the body's digest
         self._lock = threading.Lock()
         self._stops: tuple[int, ...] | None = None
         self.max_context_tokens: int | None = None
+
+    is_thread_safe = True  # replay_runs' threads may call it at once, without a lock
 
     @property
     def name(self) -> str:
@@ -137,14 +145,17 @@ class ServerTokenizer:
             body["tools"] = list(tools)
         if self._model is not None:
             body["model"] = self._model
-        key = json.dumps(body, sort_keys=True, ensure_ascii=False)
+        key = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).digest()
         with self._lock:
             known = self._memo.get(key)
-        if known is not None:
-            return list(known)
+            if known is not None:
+                self._memo.move_to_end(key)
+                return list(known)
         ids = self._llama_cpp_tokens(body) if self._llama_cpp else self._tokens(body)
         with self._lock:
             self._memo[key] = ids
+            if len(self._memo) > _MEMO_SIZE:
+                self._memo.popitem(last=False)
         return list(ids)
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
@@ -242,10 +253,10 @@ def reset_cache(client: httpx.Client, root: str) -> str:
         if response.status_code < 400:
             return path
         answers.append(f"{path}: HTTP {response.status_code}")
-    erased = _erase_slots(client, root)
-    if erased is not None:
-        return erased
-    answers.append("/slots: none listed")
+    try:
+        return _erase_slots(client, root)
+    except EngineRefusedError as exc:
+        answers.append(str(exc))
     raise EngineRefusedError(f"the engine's cache could not be emptied ({', '.join(answers)}); "
                         "vLLM resets only with VLLM_SERVER_DEV_MODE=1 set on its server")
 
@@ -262,7 +273,7 @@ def read_counters(client: httpx.Client, root: str) -> dict[str, int] | None:
     totals: dict[str, float] = {}
     for name, _, value in _samples(response.text):
         key = COUNTERS.get(name.removesuffix("_total"))
-        if key is not None:
+        if key is not None and math.isfinite(value):
             totals[key] = totals.get(key, 0.0) + value
     return {key: int(value) for key, value in totals.items()} or None
 
@@ -275,25 +286,29 @@ def counters_grown(before: Mapping[str, int] | None, after: Mapping[str, int] | 
     return {key: after[key] - before.get(key, 0) for key in after}
 
 
-def _erase_slots(client: httpx.Client, root: str) -> str | None:
-    """llama.cpp's server: erase every slot it lists; the endpoint, or None if it has none."""
+def _erase_slots(client: httpx.Client, root: str) -> str:
+    """llama.cpp's server: erase every slot it lists; the endpoint, or EngineRefusedError
+    with what it answered (it erases only when started with `--slot-save-path`)."""
     try:
         response = client.get(f"{root}/slots", timeout=_TIMEOUT_S)
         slots = response.json() if response.status_code == 200 else None
     except (httpx.HTTPError, ValueError):
-        return None
+        slots = None
     if not isinstance(slots, list) or not slots:
-        return None
+        raise EngineRefusedError("/slots: none listed")
     for slot in slots:
         slot_id = slot.get("id") if isinstance(slot, dict) else None
         if not isinstance(slot_id, int):
-            return None
+            raise EngineRefusedError("/slots: a slot without an id")
         try:
-            if client.post(f"{root}/slots/{slot_id}", params={"action": "erase"},
-                           timeout=_TIMEOUT_S).status_code >= 400:
-                return None
-        except httpx.HTTPError:
-            return None
+            answer = client.post(f"{root}/slots/{slot_id}", params={"action": "erase"},
+                                 timeout=_TIMEOUT_S)
+        except httpx.HTTPError as exc:
+            raise EngineRefusedError(f"/slots/{slot_id}?action=erase: {exc}") from exc
+        if answer.status_code >= 400:
+            raise EngineRefusedError(
+                f"/slots/{slot_id}?action=erase: HTTP {answer.status_code} (llama-server "
+                "erases slots only when started with --slot-save-path)")
     return "/slots/{id}?action=erase"
 
 

@@ -135,8 +135,8 @@ def record_generation(
     for tool calls (rendering.parse_assistant_text) and recorded as an
     assistant message with `tool_calls`.
     """
-    usage: dict[str, Any] = {
-        "prompt_tokens": result.prompt_tokens,
+    usage: dict[str, Any] = {  # what the backend did not report is left out, never guessed
+        "prompt_tokens": None if result.is_usage_missing else result.prompt_tokens,
         "completion_tokens": len(result.output_ids) if result.output_ids is not None else None,
         "cached_tokens": result.reused_tokens,
         "finish_reason": result.finish_reason,

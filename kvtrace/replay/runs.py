@@ -28,7 +28,8 @@ Threads: the store is read on the calling thread only, one run's steps when
 a slot frees up (memory holds the steps of at most `concurrency` runs); a
 worker gets a list of steps and never touches the store. The tokenizer is
 shared behind a lock (a fast Hugging Face tokenizer may refuse concurrent
-calls). `progress` is called from the worker threads. If the caller is
+calls), unless it says it is thread-safe (`is_thread_safe`: the engine's own,
+over HTTP). `progress` is called from the worker threads. If the caller is
 interrupted, every run stops after the request it has in flight.
 """
 
@@ -225,7 +226,9 @@ def replay_runs(
             f"the backend {backend.name!r} answers one call at a time: replay with "
             "concurrency=1, or through a backend that takes concurrent calls (a remote "
             "server)", param="concurrency")
-    tokenizer = _SharedTokenizer(backend.tokenizer) if backend.tokenizer is not None else None
+    tokenizer = backend.tokenizer
+    if tokenizer is not None and not getattr(tokenizer, "is_thread_safe", False):
+        tokenizer = _SharedTokenizer(tokenizer)
     reset, refused = cold_start(backend) if reset_cache else (None, None)
     counters_before = backend.engine_counters()
     stop = threading.Event()

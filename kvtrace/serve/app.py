@@ -69,6 +69,8 @@ DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 JSON_PATHS = frozenset({CHAT_PATH, MESSAGES_PATH, COUNT_TOKENS_PATH, RESPONSES_PATH,
                         TOKENIZE_PATH, DETOKENIZE_PATH})
 UPGRADE_REQUIRED = 426
+# POSTs that are no model call: nothing is recorded of them, so no snapshot is taken.
+NOT_CALLS = frozenset({COUNT_TOKENS_PATH, TOKENIZE_PATH, DETOKENIZE_PATH})
 
 
 class ChatServer:
@@ -185,8 +187,8 @@ class ChatServer:
             check_content_type(request.headers.get("content-type"))
         body = await self._body(request)
         await sink.check_open()
-        if request.method == "POST":  # a call: its step names the folder as it was now
-            await sink.snapshot()
+        if request.method == "POST" and request.url.path not in NOT_CALLS:
+            await sink.snapshot()  # a call: its step names the folder as it was now
         return await self.answerer.answer(request, body, sink)
 
     def _authorize(self, request: Request) -> None:

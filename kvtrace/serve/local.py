@@ -251,7 +251,10 @@ class LocalAnswerer:
         """/tokenize: the prompt's ids, or with `add_generation_prompt: false` the
         conversation's as the template closes it (what replay reads an output's ids from)."""
         generation_prompt, data = _generation_prompt(body, self.model)
-        call, prompt = self.prepare(TOKENIZING, data)
+        call = TOKENIZING.parse(data)
+        # A prompt past the context is tokenised all the same, as vLLM's /tokenize does: a
+        # replay counting with it stops there itself, saying so.
+        prompt = self.check(call, limit_context=False)
         if generation_prompt:
             return prompt
         return self._backend.engine.chat_tokens(call.messages, tools=call.tools,
@@ -269,8 +272,9 @@ class LocalAnswerer:
         call = dialect.parse(body)
         return call, self.check(call)
 
-    def check(self, request: LocalCall) -> list[int]:
-        """The prompt's token ids, after the checks that do not need the engine's time."""
+    def check(self, request: LocalCall, *, limit_context: bool = True) -> list[int]:
+        """The prompt's token ids, after the checks that do not need the engine's time
+        (`limit_context=False`: a prompt past the model's context too)."""
         if self.is_model_strict and request.model != self.model:
             raise APIError(404, f"the model {request.model!r} does not exist here: this server "
                            f"serves {self.model!r} (GET /v1/models)", param="model",
@@ -279,7 +283,8 @@ class LocalAnswerer:
         engine = self._backend.engine
         limit = engine.max_context_tokens
         text_bytes = _text_bytes(request.messages)
-        if self._max_prompt_bytes is not None and text_bytes > self._max_prompt_bytes:
+        if (limit_context and self._max_prompt_bytes is not None
+                and text_bytes > self._max_prompt_bytes):
             raise APIError(400, f"this model's maximum context length is {limit} tokens; the "
                            f"messages hold {text_bytes:,} bytes of text, more than {limit} "
                            "tokens can hold: shorten them", param="messages",
@@ -288,7 +293,7 @@ class LocalAnswerer:
             prompt = engine.chat_tokens(request.messages, tools=request.tools)
         except UsageError as exc:
             raise APIError(400, str(exc), param="messages", code="invalid_value") from exc
-        if limit is not None and len(prompt) >= limit:
+        if limit_context and limit is not None and len(prompt) >= limit:
             raise APIError(400, f"this model's maximum context length is {limit} tokens; the "
                            f"messages take {len(prompt)}: shorten them", param="messages",
                            code="context_length_exceeded")

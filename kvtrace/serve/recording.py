@@ -194,6 +194,9 @@ class StoreWriter:
     def watch_workspace(self, run: str, folder: Path) -> None:
         from kvtrace.workspace import Snapshotter
 
+        previous = self._snapshotters.pop(run, None)
+        if previous is not None:
+            previous.close()
         self._snapshotters[run] = Snapshotter(self._store, folder)
 
     async def snapshot(self, run: str) -> str | None:

@@ -3,7 +3,7 @@ snapshot need not stat every file: what git's fsmonitor does for its index.
 
 The snapshot adds a watch on each folder it walks, before it lists that folder, so no
 change after the listing goes unseen. Events are read when the next snapshot asks
-(`changed_files`), not by a thread: the kernel queues each one as the change happens, so
+(`changes`), not by a thread: the kernel queues each one as the change happens, so
 every change made before a snapshot starts is in the queue that snapshot drains.
 
 Only changes to files and links in watched folders are taken one by one. Anything the
@@ -15,10 +15,9 @@ folder as it always could:
 - `.kvtraceignore` changed;
 - a name that is no UTF-8.
 
-Not seen by inotify, so not by a snapshot while it watches:
-
-- a file written through a hard link from outside the folder;
-- a file written through a memory mapping.
+A file written through another of its hard links raises no event here; the snapshot
+stats every file that has more than one link, at every snapshot. A file written through a
+memory mapping raises none either, and is not seen while the folder is watched.
 
 `Snapshotter(watch=False)` always walks. Linux only, and only where `inotify_simple`
 (kvtrace's `serve` extra) is installed and the kernel grants the watches (the user's
@@ -71,14 +70,16 @@ class FolderWatch:
         self._folders[wd] = prefix
         self._watched.add(prefix)
 
-    def changed_files(self) -> set[str] | None:
-        """The paths ('a/b.txt') whose entries may have changed since last asked, or None
-        when the events cannot say (module docstring): then walk, and `add` again."""
+    def changes(self) -> tuple[set[str], bool]:
+        """The paths ('a/b.txt') whose entries may have changed since last asked, and whether
+        the events cannot vouch for every change (module docstring): then walk, which
+        `add`s the watches again. The paths are given either way: a walk reads them again
+        whatever their stat says."""
         flags = self._flags
         if self._is_over_limit:
             if self._folders:
                 self._forget()
-            return None
+            return set(), True
         try:
             events = self._inotify.read(timeout=0)
         except OSError:
@@ -90,13 +91,14 @@ class FolderWatch:
                               | flags.MOVE_SELF | flags.ISDIR) or prefix is None
                     or (not prefix and event.name == self._ignore_file)):
                 self._lost = True
-                continue
-            if event.name:
+            if prefix is not None and event.name and _is_text(event.name):
                 changed.add(prefix + event.name)
-        if self._lost or any(not _is_text(path) for path in changed):
+            elif event.name:
+                self._lost = True  # a name that is no UTF-8: the walk leaves it out
+        if self._lost:
             self._forget()
-            return None
-        return changed
+            return changed, True
+        return changed, False
 
     def close(self) -> None:
         self._inotify.close()

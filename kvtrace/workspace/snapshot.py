@@ -40,6 +40,8 @@ from kvtrace.workspace.changes import open_watch
 from kvtrace.workspace.tree import Entry, Tree, entry_bytes, parse, tree_bytes
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     import pathspec
 
     from kvtrace.store import Store
@@ -57,6 +59,10 @@ class _Known:
     stat: tuple[int, int, int, int]  # mtime_ns, size, inode, mode
     entry: Entry
     encoded: bytes
+    # Changed within RACY_NS of the snapshot that read it: it could have changed again under
+    # the same mtime, so the next snapshot reads it again (git's racily clean entries).
+    is_racy: bool = False
+    is_linked: bool = False  # more than one hard link: written through another, no event
 
 
 class Snapshotter:
@@ -71,55 +77,69 @@ class Snapshotter:
         self._is_watched = False  # a walk has added the watches the next `take` may trust
         self.num_walks = 0  # snapshots that walked the whole folder (for tests, benchmarks)
         self._index: dict[str, _Known] = {}
+        self._linked: set[str] = set()  # the index's paths with other hard links
         self._order: list[str] = []  # the index's paths, sorted (a tree's order)
         self._stored: set[str] = set()  # blob addresses this snapshotter wrote or found
         self._last: tuple[str, bytes] | None = None  # the previous tree: address, bytes
         self.num_files_read = 0  # files whose bytes the last `take` read (for benchmarks)
 
     def take(self) -> str:
-        """Snapshot the folder now; the tree's address."""
+        """Snapshot the folder now; the tree's address. One that fails (a full store) keeps
+        nothing, and the next one walks: the events it drained are gone."""
+        try:
+            return self._take()
+        except BaseException:
+            self._is_watched = False
+            raise
+
+    def _take(self) -> str:
         started = time.time_ns()
         self.num_files_read = 0
-        ignore = _ignore_spec(self.folder)
+        changed, must_walk = self._changes()
+        ignore = _ignore_spec(self.folder)  # after the events: an edit from now on is in them
         new_blobs: dict[str, bytes] = {}
-        changed = self._changed_files()
-        if changed is None:
+        if must_walk:
             self.num_walks += 1
             found = self._walk(ignore)
             index: dict[str, _Known] = {}
             self._is_watched = self._watch is not None
         else:  # the rest of the index stands: only the changed paths are looked at again
-            found = self._stat(changed, ignore)
+            linked = [p for p in self._linked if p not in changed]  # stat-ed, not read
+            found = self._stat(changed, ignore) + self._stat(linked, ignore)
             index = {p: known for p, known in self._index.items() if p not in changed}
+            for path in linked:
+                index.pop(path, None)
         num_reused = 0
         for path, info in found:
             seen = (info.st_mtime_ns, info.st_size, info.st_ino, info.st_mode)
             known = self._index.get(path)
             # A path the kernel says changed is read again, whatever its stat says.
-            if (changed is None and known is not None and known.stat == seen
-                    and started - seen[0] > RACY_NS):
+            if (path not in changed and known is not None and known.stat == seen
+                    and not known.is_racy):
                 index[path] = known
                 num_reused += 1
             else:
                 entry = self._entry(path, info, new_blobs)
-                index[path] = _Known(seen, entry, entry_bytes(entry))
+                index[path] = _Known(seen, entry, entry_bytes(entry),
+                                     is_racy=started - seen[0] <= RACY_NS,
+                                     is_linked=info.st_nlink > 1)
         if (num_reused == len(found) and index.keys() == self._index.keys()
                 and self._last is not None):
             return self._last[0]  # no path added, gone or read again: the same tree
-        if index.keys() != self._index.keys():  # a path came or went: sort again
-            self._order = sorted(index)
-        self._index = index
-        data = tree_bytes([index[path].encoded for path in self._order])
+        order = self._order if index.keys() == self._index.keys() else sorted(index)
+        data = tree_bytes([index[path].encoded for path in order])
         address = sha256_hex(data)
-        if self._last is not None and self._last[0] == address:
-            return address  # the same tree: every blob it names is stored already
-        base = Base(*self._last) if self._last is not None else None
-        with self.store.batch():  # one transaction for the files and their tree
-            if new_blobs:
-                self.store.write_blobs(list(new_blobs.values()))
-            self.store.write_blobs([data], base=base)
-        self._stored.update(new_blobs)
-        self._last = (address, data)
+        if self._last is None or self._last[0] != address:  # else every blob is stored
+            base = Base(*self._last) if self._last is not None else None
+            with self.store.batch():  # one transaction for the files and their tree
+                if new_blobs:
+                    self.store.write_blobs(list(new_blobs.values()))
+                self.store.write_blobs([data], base=base)
+            self._stored.update(new_blobs)
+            self._last = (address, data)
+        # Kept only once stored: a snapshot that failed leaves the index as it was.
+        self._index, self._order = index, order
+        self._linked = {p for p, known in index.items() if known.is_linked}
         return address
 
     def close(self) -> None:
@@ -129,14 +149,15 @@ class Snapshotter:
             self._watch = None
         self._is_watched = False
 
-    def _changed_files(self) -> set[str] | None:
-        """The paths to look at again (None: walk everything): from the watch, once a walk
-        has set it up and only while it can vouch for every change."""
+    def _changes(self) -> tuple[set[str], bool]:
+        """The paths the kernel says changed (read again, whatever their stat says), and
+        whether to walk everything: without a watch, before a walk has set it up, or
+        where the events cannot vouch for every change."""
         if self._watch is None or not self._is_watched or self._last is None:
-            return None
-        return self._watch.changed_files()
+            return set(), True
+        return self._watch.changes()
 
-    def _stat(self, paths: set[str], ignore: pathspec.PathSpec | None
+    def _stat(self, paths: Iterable[str], ignore: pathspec.PathSpec | None
               ) -> list[tuple[str, os.stat_result]]:
         """The files and links among `paths` as they are now (the walk's rules: not
         ignored, no link followed); a path gone, or now of another kind, is left out."""
@@ -189,18 +210,19 @@ class Snapshotter:
     def _entry(self, path: str, info: os.stat_result, new_blobs: dict[str, bytes]) -> Entry:
         """The entry of a path the index cannot vouch for: read (and hashed) now."""
         full = self.folder / path
-        if stat.S_ISLNK(info.st_mode):
-            target = os.readlink(full)
-            return Entry(path, link=target if _is_text(target) else "?")
         mode = stat.S_IMODE(info.st_mode)
-        if info.st_size > self.max_file_bytes:
-            return Entry(path, mode, info.st_size, sha256=_file_hash(full),
-                         omitted=f"over {self.max_file_bytes:,} bytes")
+        unread = Entry(path, mode, 0, sha256=hashlib.sha256(b"").hexdigest(),
+                       omitted="could not be read")  # vanished or unreadable meanwhile
         try:
+            if stat.S_ISLNK(info.st_mode):
+                target = os.readlink(full)
+                return Entry(path, link=target if _is_text(target) else "?")
+            if info.st_size > self.max_file_bytes:
+                return Entry(path, mode, info.st_size, sha256=_file_hash(full),
+                             omitted=f"over {self.max_file_bytes:,} bytes")
             data = full.read_bytes()
-        except OSError:  # vanished meanwhile: as if it was not there
-            return Entry(path, mode, 0, sha256=hashlib.sha256(b"").hexdigest(),
-                         omitted="could not be read")
+        except OSError:
+            return unread
         self.num_files_read += 1
         blob = sha256_hex(data)
         if blob not in self._stored:

@@ -109,10 +109,12 @@ class StandInServer:
         hold_first_until: int = 0,
         engine: str | None = None,
         page_size: int = 1,
+        erase_status: int = 200,
     ) -> None:
         self.tokenizer = ByteTokenizer()
         self.engine = engine  # None: chat completions only; else ENGINE_SHAPES' endpoints
         self.page_size = page_size  # its cache reuses whole pages of this many tokens
+        self.erase_status = erase_status  # llama.cpp: 501 without --slot-save-path
         self.num_resets = 0
         self.answer = answer
         self.reports_cached = reports_cached
@@ -268,6 +270,8 @@ class StandInServer:
             if route == ("GET", "/slots"):
                 return 200, [{"id": 0}, {"id": 1}]
             if method == "POST" and path.startswith("/slots/") and "action=erase" in path:
+                if self.erase_status != 200:
+                    return self.erase_status, {"error": {"message": "not supported"}}
                 self.seen.clear()
                 self.num_resets += 1
                 return 200, {"id_slot": int(path.split("/")[2].split("?")[0]), "n_erased": 1}

@@ -235,3 +235,12 @@ def test_an_engine_that_answers_without_usage_is_replayed_and_said(
     assert [s.prompt_tokens for s in report.steps] == counted  # the tokenizer's count
     assert report.total.oracle_tokens > 0
     assert any("answered 3 of 3 calls without usage" in note for note in report.notes)
+
+
+def test_a_llama_server_without_slot_save_path_says_how_to_reset(replay_store,
+                                                                 stand_in_server):
+    _record(replay_store, calls=2)
+    server = stand_in_server(_answer, engine="llama.cpp", erase_status=501)
+    report = replay(replay_store, "r", RemoteBackend(server.url), reset_cache=True)
+    assert report.reset is None and server.num_resets == 0 and len(report.steps) == 2
+    assert "--slot-save-path" in report.notes[0] and "HTTP 501" in report.notes[0]

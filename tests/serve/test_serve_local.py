@@ -358,6 +358,11 @@ def test_tokenize_gives_the_prompt_ids_the_engine_renders(sqlite_store, serve_lo
     expected = tiny_engine.chat_tokens(answered, add_generation_prompt=False)
     assert closed.status_code == 200 and closed.json()["tokens"] == expected
     assert expected != tiny_engine.chat_tokens(answered)  # the generation prompt is left out
+    # Past the model's context: tokenised all the same, as vLLM's is (a replay stops itself).
+    long = [{"role": "user", "content": "colour " * (tiny_engine.max_context_tokens or 4096)}]
+    past = httpx.post(f"{root}/tokenize", json={"messages": long})
+    assert past.status_code == 200 and past.json()["count"] == len(
+        tiny_engine.chat_tokens(long)) > (tiny_engine.max_context_tokens or 4096)
     text = httpx.post(f"{root}/detokenize", json={"tokens": expected})
     assert text.json() == {"prompt": tiny_engine.decode(expected, skip_special_tokens=False)}
     # Bad input: a clear 4xx, nothing recorded.

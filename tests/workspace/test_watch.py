@@ -196,3 +196,18 @@ def test_past_the_watch_limit_it_walks_from_then_on_and_keeps_no_watch(store, fo
     assert watched.num_walks == 4 and Limited.added == 2  # no watch tried past the limit
     assert not watched._watch._folders  # the two it had were dropped
     watched.close()
+
+
+def test_a_file_written_through_another_hard_link_is_seen(store, folder, tmp_path):
+    """A write through a link outside the folder raises no event in it: a file with more
+    than one link is stat-ed at every snapshot."""
+    outside = tmp_path / "outside.py"
+    os.link(folder / "src" / "a.py", outside)
+    watched = Snapshotter(store, folder)
+    before = watched.take()
+    time.sleep(0.01)
+    outside.write_text("A = 'through the other link'\n")
+    after = watched.take()
+    assert after != before and watched.num_walks == 1
+    assert after == Snapshotter(store, folder, watch=False).take()
+    watched.close()
