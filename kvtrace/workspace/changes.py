@@ -91,7 +91,7 @@ class FolderWatch:
                               | flags.MOVE_SELF | flags.ISDIR) or prefix is None
                     or (not prefix and event.name == self._ignore_file)):
                 self._lost = True
-            if prefix is not None and event.name and _is_text(event.name):
+            if prefix is not None and event.name and is_text(event.name):
                 changed.add(prefix + event.name)
             elif event.name:
                 self._lost = True  # a name that is no UTF-8: the walk leaves it out
@@ -129,7 +129,8 @@ def open_watch(root: Path, ignore_file: str) -> FolderWatch | None:
     return FolderWatch(inotify, flags, root, ignore_file)
 
 
-def _is_text(name: str) -> bool:
+def is_text(name: str) -> bool:
+    """Whether a name from the file system is valid UTF-8 (else it holds surrogate escapes)."""
     try:
         name.encode("utf-8")
     except UnicodeEncodeError:

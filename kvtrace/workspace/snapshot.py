@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 from kvtrace.errors import UsageError
 from kvtrace.store.codec import Base
 from kvtrace.store.encoding import sha256_hex
-from kvtrace.workspace.changes import open_watch
+from kvtrace.workspace.changes import is_text, open_watch
 from kvtrace.workspace.tree import Entry, Tree, entry_bytes, parse, tree_bytes
 
 if TYPE_CHECKING:
@@ -189,7 +189,7 @@ class Snapshotter:
                 continue  # vanished or unreadable: not in the snapshot
             for item in items:
                 name = item.name
-                if not name.isascii() and not _is_text(name):
+                if not name.isascii() and not is_text(name):
                     continue  # a name that is no UTF-8 cannot be named in a tree
                 rel = prefix + name
                 if item.is_dir(follow_symlinks=False):  # from the listing: no stat
@@ -216,7 +216,7 @@ class Snapshotter:
         try:
             if stat.S_ISLNK(info.st_mode):
                 target = os.readlink(full)
-                return Entry(path, link=target if _is_text(target) else "?")
+                return Entry(path, link=target if is_text(target) else "?")
             if info.st_size > self.max_file_bytes:
                 return Entry(path, mode, info.st_size, sha256=_file_hash(full),
                              omitted=f"over {self.max_file_bytes:,} bytes")
@@ -245,15 +245,6 @@ def workspace_folder(agent_folder: Path, spec: str) -> Path:
     if folder.exists() and not folder.is_dir():
         raise UsageError(f"--workspace {spec}: {folder} is not a folder")
     return folder
-
-
-def _is_text(name: str) -> bool:
-    """Whether a name from the file system is valid UTF-8 (else it holds surrogate escapes)."""
-    try:
-        name.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _ignore_spec(folder: Path) -> pathspec.PathSpec | None:

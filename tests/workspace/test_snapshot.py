@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 
 import pytest
 import sqlalchemy as sa
@@ -22,14 +21,7 @@ from kvtrace.store.schema import blobs
 from kvtrace.workspace import Snapshotter, changes, restore, tree_of
 from kvtrace.workspace.snapshot import workspace_folder
 from kvtrace.workspace.tree import parse
-
-
-def _age(folder, seconds=10):
-    """Backdate every file, as if written a while ago (the index trusts only settled stats)."""
-    then = time.time() - seconds
-    for root, _, names in os.walk(folder):
-        for name in names:
-            os.utime(os.path.join(root, name), (then, then), follow_symlinks=False)
+from tests.workspace.conftest import age
 
 
 @pytest.fixture
@@ -50,7 +42,7 @@ def project(tmp_path):
     (root / "big.dat").write_bytes(b"x" * 5000)
     os.symlink("README.md", root / "readme-link")
     os.symlink("/etc/passwd", root / "outside")
-    _age(root)
+    age(root)
     return root
 
 
@@ -78,7 +70,7 @@ def test_an_unchanged_folder_is_the_same_tree_and_reads_no_file(store, project):
     [change] = changes(tree_of(store, first), tree_of(store, second))
     assert (change.path, change.status) == ("src/pkg/mod.py", "changed")
     # Another snapshotter (a later run) of the same folder: the same tree, the same blobs.
-    _age(project)
+    age(project)
     assert Snapshotter(store, project).take() == second
 
 
@@ -87,7 +79,7 @@ def test_a_new_tree_is_kept_as_a_delta_of_the_previous_one(store, tmp_path):
     folder.mkdir()
     for i in range(300):
         (folder / f"file_{i:04}.txt").write_text(f"content {i}\n" * 20)
-    _age(folder)
+    age(folder)
     shots = Snapshotter(store, folder)
     first = shots.take()
     (folder / "file_0007.txt").write_text("changed\n")

@@ -20,6 +20,7 @@ import pytest
 
 from kvtrace.workspace import Snapshotter
 from kvtrace.workspace.changes import open_watch
+from tests.workspace.conftest import age
 
 
 def _has_inotify() -> bool:
@@ -34,14 +35,6 @@ pytestmark = pytest.mark.skipif(not _has_inotify(), reason="inotify is Linux's, 
                                 "inotify_simple (the serve extra)")
 
 
-def _settle(folder):
-    """Backdate every file a while (the stat index reads files changed in the last 2 s)."""
-    then = time.time() - 60
-    for root, _, names in os.walk(folder):
-        for name in names:
-            os.utime(os.path.join(root, name), (then, then), follow_symlinks=False)
-
-
 @pytest.fixture
 def folder(tmp_path):
     root = tmp_path / "work"
@@ -50,7 +43,7 @@ def folder(tmp_path):
     (root / "src" / "b.py").write_text("B = 2\n")
     (root / "notes.md").write_text("# notes\n")
     (root / ".kvtraceignore").write_text("*.log\n")
-    _settle(root)
+    age(root, seconds=60)
     return root
 
 
