@@ -190,6 +190,7 @@ _BAD_VALUES = {  # (command, option): a command line with a bad value for it
     ("replay", "--backend"): ["replay", "main", "--backend", "remote"],
     ("continue", "--tools"): ["continue", "main", "--steps", "1", "--tools", "all"],
     ("continue", "--backend"): ["continue", "main", "--steps", "1", "--backend", "ftp://x"],
+    ("analyze", "--backend"): ["analyze", "main", "--backend", "ftp://x"],
     ("branch", "--tools"): ["branch", "main", "--n", "2", "--tools", "all"],
     ("export", "--format"): ["export", "main", "--format", "csv"],
     ("import", "--format"): ["import", "main.kvtrace", "--format", "csv"],
