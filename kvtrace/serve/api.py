@@ -16,6 +16,7 @@ only as the store would check them. `CHAT_PATH`, `MODELS_PATH` and
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -38,7 +39,7 @@ from kvtrace.serve.request import (
 
 # Programs and tests import these from here too (the shared ones live in request.py).
 __all__ = ["CHAT_PATH", "MAX_BODY_DEPTH", "MODELS_PATH", "APIError", "ChatRequest",
-           "check_content_type", "parse_chat_request"]
+           "check_content_type", "detokenize_request", "parse_chat_request", "tokenize_request"]
 
 CHAT_PATH = "/v1/chat/completions"
 MODELS_PATH = "/v1/models"
@@ -121,3 +122,27 @@ def parse_chat_request(data: bytes, *, is_local: bool) -> ChatRequest:
                        param="n", code="invalid_value")
     return ChatRequest(body=body, messages=messages, tools=tools)
 
+
+def tokenize_request(data: bytes, model: str) -> tuple[bool, bytes]:
+    """A /tokenize body's `add_generation_prompt` (true when absent, as vLLM's), and the body
+    less it, naming `model` where it names none (vLLM's /tokenize needs no model): the rest
+    is a chat request's."""
+    body = parse_json(data)
+    if not isinstance(body, dict):
+        return True, data
+    value = body.get("add_generation_prompt", True)
+    if not isinstance(value, bool):
+        raise APIError(400, "add_generation_prompt must be true or false",
+                       param="add_generation_prompt", code="invalid_value")
+    rest = {"model": model} | {k: v for k, v in body.items() if k != "add_generation_prompt"}
+    return value, json.dumps(rest, ensure_ascii=False).encode()
+
+
+def detokenize_request(data: bytes) -> list[int]:
+    """A /detokenize body's `tokens`: a list of ids."""
+    body = parse_json(data)
+    ids = body.get("tokens") if isinstance(body, dict) else None
+    if not isinstance(ids, list) or not all(type(i) is int for i in ids):
+        raise APIError(400, "tokens: send a list of token ids", param="tokens",
+                       code="invalid_value")
+    return ids

@@ -53,7 +53,6 @@ is generated, recorded just before the last one) is in docs/serve.md.
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -79,13 +78,15 @@ from kvtrace.serve.api import (
     DETOKENIZE_PATH,
     MODELS_PATH,
     TOKENIZE_PATH,
+    detokenize_request,
     parse_chat_request,
+    tokenize_request,
 )
 from kvtrace.serve.chat_reply import ChatReply
 from kvtrace.serve.disconnect import ClosingStream, client_left, unless_client_leaves
 from kvtrace.serve.generation import Generation, LocalCall, Reply
 from kvtrace.serve.recording import Sink
-from kvtrace.serve.request import APIError, check_text_only, failed_answer, parse_json
+from kvtrace.serve.request import APIError, check_text_only, failed_answer
 from kvtrace.serve.responses_api import RESPONSES_PATH, ResponsesReply, parse_responses_request
 
 if TYPE_CHECKING:
@@ -207,7 +208,7 @@ class LocalAnswerer:
             return JSONResponse({"count": len(prompt), "tokens": prompt,
                                  "max_model_len": self._backend.engine.max_context_tokens})
         if route == ("POST", DETOKENIZE_PATH):  # their text, as vLLM's /detokenize gives it
-            ids = _token_ids(body)
+            ids = detokenize_request(body)
             text = await loop.run_in_executor(self._preparer, self._detokenize, ids)
             return JSONResponse({"prompt": text})
         dialect = DIALECTS.get(request.url.path) if request.method == "POST" else None
@@ -250,7 +251,7 @@ class LocalAnswerer:
     def _tokenize(self, body: bytes) -> list[int]:
         """/tokenize: the prompt's ids, or with `add_generation_prompt: false` the
         conversation's as the template closes it (what replay reads an output's ids from)."""
-        generation_prompt, data = _generation_prompt(body, self.model)
+        generation_prompt, data = tokenize_request(body, self.model)
         call = TOKENIZING.parse(data)
         # A prompt past the context is tokenised all the same, as vLLM's /tokenize does: a
         # replay counting with it stops there itself, saying so.
@@ -394,28 +395,3 @@ def _text_bytes(messages: list[dict[str, Any]]) -> int:
             if isinstance(text, str):
                 total += len(text.encode("utf-8"))
     return total
-
-
-def _generation_prompt(data: bytes, model: str) -> tuple[bool, bytes]:
-    """A /tokenize body's `add_generation_prompt` (true when absent, as vLLM's), and the body
-    less it, naming `model` where it names none (vLLM's /tokenize needs no model): the rest
-    is a chat request's."""
-    body = parse_json(data)
-    if not isinstance(body, dict):
-        return True, data
-    value = body.get("add_generation_prompt", True)
-    if not isinstance(value, bool):
-        raise APIError(400, "add_generation_prompt must be true or false",
-                       param="add_generation_prompt", code="invalid_value")
-    rest = {"model": model} | {k: v for k, v in body.items() if k != "add_generation_prompt"}
-    return value, json.dumps(rest, ensure_ascii=False).encode()
-
-
-def _token_ids(data: bytes) -> list[int]:
-    """A /detokenize body's `tokens`: a list of ids."""
-    body = parse_json(data)
-    ids = body.get("tokens") if isinstance(body, dict) else None
-    if not isinstance(ids, list) or not all(type(i) is int for i in ids):
-        raise APIError(400, "tokens: send a list of token ids", param="tokens",
-                       code="invalid_value")
-    return ids
