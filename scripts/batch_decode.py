@@ -7,7 +7,7 @@ tokens per second) of the same generations run one after another, on the
 default model, on a 2-core machine, with prompts of ~1-2k tokens sharing a
 prefix. Also printed: a lone generation's time per token with today's padded
 16-row decode step against the 1-row forward it replaced (emulated here as
-generate.py ran it), alternating, at the same context.
+generation.py ran it), alternating, at the same context.
 
 Each trial starts from a cache holding only the shared prefix (so both sides
 prefill the same tails). Sequential: `generate` 8 times; decode time is the
@@ -86,7 +86,7 @@ def together(engine, cache, prompts, new):
 
 
 def one_row_decode(engine, cache, prompt, new):
-    """The decode loop as generate.py ran it before batching: 1-row forwards."""
+    """The decode loop as generation.py ran it before batching: 1-row forwards."""
     pre = prefill(engine, cache, prompt)
     logits = pre.logits
     started = time.perf_counter()

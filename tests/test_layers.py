@@ -138,3 +138,25 @@ def test_no_module_imports_itself_round_a_circle():
     for name in sorted(graph):
         visit(name, [])
     assert circles == [], "import circles: " + "; ".join(circles)
+
+
+def test_the_engine_package_loads_torch_only_when_a_name_that_needs_it_is_used():
+    """`SamplingParams` lives in the engine, and the CLI's light path names it: importing the
+    package must not load torch. Each other name comes from its module on first use, and a
+    submodule imported first never stands in for the function of a like name."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "import kvtrace.cli.app, kvtrace.replay\n"
+        "from kvtrace.engine import SamplingParams\n"
+        "assert 'torch' not in sys.modules, 'torch loaded'\n"
+        "assert SamplingParams(temperature=0.5).is_greedy is False\n"
+        "import kvtrace.engine.generation, kvtrace.engine.prefilling\n"
+        "from kvtrace.engine import KVCache, generate, prefill\n"
+        "assert callable(generate) and callable(prefill) and isinstance(KVCache, type)\n"
+        "assert generate.__module__ == 'kvtrace.engine.generation'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -23,7 +23,8 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from kvtrace.replay.backend import CallRequest, SamplingParams
+from kvtrace.engine.sampling import SamplingParams
+from kvtrace.replay.backend import CallRequest
 from kvtrace.replay.local import LocalBackend
 from kvtrace.replay.recording import assistant_message, record_generation
 from kvtrace.store import Store

@@ -51,8 +51,9 @@ from kvtrace.bench.limits import machine_rates, prefill_bound_s
 from kvtrace.bench.peerserver import PeerSide, Trial, timed_replay, without_null_content
 from kvtrace.bench.servers import dtype_name, kvtrace_serve
 from kvtrace.engine.model import resolve_dtype
+from kvtrace.engine.sampling import SamplingParams
 from kvtrace.paths import default_cache_dir
-from kvtrace.replay.backend import CallRequest, SamplingParams, Tokenizer
+from kvtrace.replay.backend import CallRequest, Tokenizer
 from kvtrace.replay.oracle import PrefixOracle, common_prefix_length
 from kvtrace.replay.recording import prompt_ids, step_messages, step_tools
 from kvtrace.replay.remote import RemoteBackend

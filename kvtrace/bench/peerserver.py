@@ -36,10 +36,11 @@ from typing import Any
 import httpx
 
 from kvtrace.bench.servers import vllm_server
+from kvtrace.engine.sampling import SamplingParams
 from kvtrace.errors import EngineRefusedError
 from kvtrace.paths import default_cache_dir
 from kvtrace.rendering import template_messages
-from kvtrace.replay.backend import CallRequest, SamplingParams
+from kvtrace.replay.backend import CallRequest
 from kvtrace.replay.engines import ServerTokenizer, json_object, reset_cache, server_root
 from kvtrace.replay.oracle import common_prefix_length
 from kvtrace.replay.recording import prompt_ids, step_messages, step_tools

@@ -387,7 +387,7 @@ def _figures(engine: Any, name: str, warm: ReplayReport, cold: ReplayReport,
              uncached: ReplayReport, verify: ReplayReport | None,
              verify_decode: ReplayReport | None, bound: tuple[float, int] | None,
              feed_bound_s: float) -> dict[str, Any]:
-    from kvtrace.engine.generate import DraftVerdict
+    from kvtrace.engine.generation import DraftVerdict
 
     total = cold.total
     prompts = [s.prompt_tokens for s in cold.steps]

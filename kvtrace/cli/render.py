@@ -70,7 +70,7 @@ def render_replay(report: ReplayReport, console: Console | None = None) -> None:
     drafts = [s.draft for s in report.steps if s.draft is not None]
     if drafts:
         # Verdicts come from the local engine: kvtrace.engine (and torch) is loaded already.
-        from kvtrace.engine.generate import DraftVerdict
+        from kvtrace.engine.generation import DraftVerdict
 
         console.print(
             f"drafts: {drafts.count(DraftVerdict.ACCEPTED)} of {len(report.steps)} responses "

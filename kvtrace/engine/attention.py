@@ -7,7 +7,7 @@ machines (torch 2.13, transformers 5.24, SmolLM2-135M):
 
 - `F.linear` gives a row a different result depending on how many rows are
   multiplied with it when that count is small (1-3, 5-7, 9-11 rows), and is
-  row-invariant from 12 rows up. `kvtrace.engine.prefill` therefore always
+  row-invariant from 12 rows up. `kvtrace.engine.prefilling` therefore always
   runs chunks of exactly `block_size` rows (padding the tail), so every
   linear layer sees the same shape on the cached and the uncached path.
 - `sdpa` (and `eager`) attention reduce over the key axis in steps whose
@@ -60,7 +60,7 @@ query row per sequence, decode.py) go to `decode_attention.py` instead
 sequences that share it), each sequence's row over its own K/V, handed over
 by the step's `RowRouter` (the `ROUTER_KWARG` model argument): their KV is
 not canonical
-and is never stored (see generate.py), and the cached and uncached paths,
+and is never stored (see generation.py), and the cached and uncached paths,
 alone or batched, decode identically from identical KV, so greedy tokens
 still match bit for bit.
 """

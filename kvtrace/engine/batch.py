@@ -2,7 +2,7 @@
 
 `DecodeBatcher(engine, cache)` is the engine and its KV cache made safe to
 use from many threads: `generate` (the arguments of
-`kvtrace.engine.generate`) and `call` (any other work on the cache, e.g. a
+`kvtrace.engine.generation`) and `call` (any other work on the cache, e.g. a
 replay's rebuild prefill) queue a job and wait for it. One thread, started
 at the first job, does all the work, in a loop like a serving engine's:
 
@@ -58,10 +58,10 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from kvtrace.engine.decode import decode_step
-from kvtrace.engine.generate import GenerateOptions, GenerateResult, Generation, begin
+from kvtrace.engine.generation import GenerateOptions, GenerateResult, Generation, begin
 from kvtrace.engine.heap import HeapTrimmer
 from kvtrace.engine.model import Engine
-from kvtrace.engine.prefill import ROW_MULTIPLE
+from kvtrace.engine.prefilling import ROW_MULTIPLE
 from kvtrace.engine.statecache import PrefixCache
 from kvtrace.errors import GenerationCancelledError, UsageError
 

@@ -36,7 +36,7 @@ budget) is disktier.py. Its faults (a block that cannot be written, one
 found damaged) never stop a computation; `take_disk_faults` hands them to
 the caller to show (faults.py).
 
-The cache never computes anything: `kvtrace.engine.prefill` calls it.
+The cache never computes anything: `kvtrace.engine.prefilling` calls it.
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ class KVCache:
     `disk_dir=None` keeps the cache in memory only. `memory_bytes` bounds the
     tree (LRU leaves are evicted past it); `disk_bytes`, when set, runs a disk
     `gc` after writes that push the folder past it. `block_size` is both the
-    disk block and the prefill chunk length (see prefill.py); it must be a
+    disk block and the prefill chunk length (see prefilling.py); it must be a
     multiple of 16 (smaller matmuls are not row-invariant on CPU).
     `write_behind` writes disk blocks on a background thread (see writer.py;
     call `flush` before reading the folder by other means).

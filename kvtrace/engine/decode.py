@@ -1,7 +1,7 @@
 """Decode steps: the next token of one sequence or many, in one padded forward.
 
 Why padded: CPU GEMMs give a row the same bits whatever the row count from
-12 rows up, and not below on every machine (prefill.py, docs/cache.md). A
+12 rows up, and not below on every machine (prefilling.py, docs/cache.md). A
 decode forward therefore always runs a multiple of the engine's decode row
 multiple: each sequence's last token, one row each, then padding rows whose
 outputs are dropped. That multiple is 16 unless a probe of the engine's own
@@ -27,7 +27,7 @@ Models with window or state layers (layers.py) decode each sequence in a
 one-row forward of its own (`_step_alone`), on its `ModelState`.
 
 Decoded KV is not canonical (one query row through `sdpa`, not the tiled
-attention): it is never stored (generate.py re-prefills the output).
+attention): it is never stored (generation.py re-prefills the output).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from kvtrace.engine.decode_attention import SequenceKV, SharedPrefix, sharing_gr
 from kvtrace.engine.kvbuffer import GrowingLayer, growing_layers
 from kvtrace.engine.model import Engine
 from kvtrace.engine.modelstate import ModelState
-from kvtrace.engine.prefill import ROW_MULTIPLE, prefill
+from kvtrace.engine.prefilling import ROW_MULTIPLE, prefill
 from kvtrace.engine.threads import engine_threads
 from kvtrace.errors import CacheError
 
@@ -188,7 +188,7 @@ def decode_step(engine: Engine, sequences: Sequence[Decoding], *, padded: bool =
 
     One forward of `decode_rows(len(sequences), row_multiple(engine))` rows
     (module docstring), or, with `padded=False`, of one row per sequence:
-    what a lone generation outside a batcher runs (generate.py), with bits
+    what a lone generation outside a batcher runs (generation.py), with bits
     of its own on machines where a 1-row GEMM differs. Each sequence must
     have chosen a token since its last step.
     """

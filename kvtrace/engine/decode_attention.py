@@ -28,7 +28,7 @@ decode step keeps, decode.py):
 Only on CPU, where that kernel (`_scaled_dot_product_flash_attention_for_cpu`,
 which returns the log-sum-exp `scaled_dot_product_attention` does not) is
 found; elsewhere each row goes through `scaled_dot_product_attention` over
-its whole K/V, as before. Decoded KV is never stored (generate.py), so the
+its whole K/V, as before. Decoded KV is never stored (generation.py), so the
 split changes no stored bit.
 """
 

@@ -1,6 +1,6 @@
 """The last-position logits of the most recent sequences a cache computed.
 
-Canonical logits are a function of the tokens alone (prefill.py), so a
+Canonical logits are a function of the tokens alone (prefilling.py), so a
 prompt that repeats one of them exactly (a fork's calls before it parts, a
 retried request) needs no forward at all: its KV is all cached and its
 logits are these. They stay in memory only (~200 KB each for the default

@@ -99,7 +99,7 @@ class ModelLayout:
 
     @property
     def is_plain(self) -> bool:
-        """Every layer attends to the whole context: the fast path (cache.py, prefill.py)."""
+        """Every layer attends to the whole context: the fast path (cache.py, prefilling.py)."""
         return all(layer.kind is LayerKind.FULL for layer in self.layers)
 
     @property

@@ -22,7 +22,7 @@ from kvtrace.engine.disk import BlockInfo, BlockStore, GcResult
 from kvtrace.engine.faults import read_disk_record
 from kvtrace.engine.model import Engine
 from kvtrace.engine.modelstate import ModelState
-from kvtrace.engine.prefill import kv_rows, prefill
+from kvtrace.engine.prefilling import kv_rows, prefill
 from kvtrace.engine.statecache import resume_key
 from kvtrace.errors import UsageError
 

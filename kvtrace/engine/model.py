@@ -159,7 +159,7 @@ def _load_folder(folder: Path, cache_dir: Path, device: torch.device, dtype: tor
     check_supported(config, str(folder))
     kinds = kinds_from_config(getattr(config, "text_config", None) or config, str(folder))
     is_plain = kinds is not None and all(kind is LayerKind.FULL for kind, _ in kinds)
-    # Full attention everywhere: canonical attention, any resume offset (prefill.py). Else
+    # Full attention everywhere: canonical attention, any resume offset (prefilling.py). Else
     # the model's own attention, in block-aligned chunks (stateprefill.py).
     attn = register_canonical_attention() if is_plain else None
     try:

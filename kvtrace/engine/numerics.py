@@ -1,6 +1,6 @@
 """The numeric setting bit-identical reuse needs: GEMM rows that do not depend on the row count.
 
-Canonical prefill (prefill.py) gives a cached row the bits a cold run gives
+Canonical prefill (prefilling.py) gives a cached row the bits a cold run gives
 it only if a matrix product computes each row the same way however many
 rows it multiplies at once. Intel MKL, which torch's CPU build uses for
 `F.linear`, does not promise that: with 2 threads on an AVX-512 Xeon
@@ -17,8 +17,9 @@ padding the tiny models' parity tests fail even in strict mode.
 
 MKL reads the setting once, at its first computation in the process, so
 importing `kvtrace.engine` sets it (unless the environment already does;
-this module imports no torch, and `import kvtrace` alone, e.g. to trace an
-agent, leaves the process's MKL as it was) before the engine computes
+this module imports no torch; `kvtrace.replay` and the CLI import the
+package, for its `SamplingParams`, but `import kvtrace` alone, e.g. to trace
+an agent, leaves the process's MKL as it was) before the engine computes
 anything, and `load_engine` checks the property on the model's own layer
 shapes (`rows_are_invariant`). bfloat16 products go to oneDNN, which strict
 mode does not reach, and on CPUs with AMX they are not row-invariant: there

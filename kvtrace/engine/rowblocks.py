@@ -1,6 +1,6 @@
 """Linear layers in products of one fixed row count, where the CPU's GEMM is not row-invariant.
 
-Why this exists: canonical prefill (prefill.py) needs a matrix product to
+Why this exists: canonical prefill (prefilling.py) needs a matrix product to
 give a row the same bits however many rows it multiplies at once
 (numerics.py). MKL's strict mode gives that for float32. bfloat16 goes to
 oneDNN instead, and on CPUs with AMX (Intel Xeon, Sapphire Rapids and
@@ -21,7 +21,7 @@ stays a warning), the engine pins its linear layers
 (`pin_rows`): inside `canonical_products()`, which prefill's forwards
 enter, every linear layer multiplies in products of `ROWS` rows, the last
 one padded with zero rows. Decode steps stay outside it and multiply as
-they are: their KV is never stored (generate.py), and cached and uncached
+they are: their KV is never stored (generation.py), and cached and uncached
 runs decode from the same bits. Attention's products (attention.py) have
 fixed tile shapes in the key and head dimensions and are not probed here;
 the bfloat16 parity tests (tests/engine/test_parity.py) hold them on such a
@@ -29,7 +29,7 @@ machine.
 
 A product of one row is a fixed shape too, so it multiplies as it is: the
 output layer on a prefill's last position (one row unless a span of
-logits is asked for, prefill.py; the two are never compared bit for bit),
+logits is asked for, prefilling.py; the two are never compared bit for bit),
 ~4 ms a request at 128 rows. The cost is the padding and the
 smaller products: a 96-row extension multiplies 128 rows, a 512-row chunk
 four products of 128 (docs/benchmarks.md: the default model's

@@ -1,6 +1,6 @@
 """Prefill for models with window or state layers: block-aligned chunks, a state per block.
 
-The counterpart of prefill.py's canonical chunks for the models the radix
+The counterpart of prefilling.py's canonical chunks for the models the radix
 tree cannot serve (layers.py, statecache.py). Every forward is one chunk
 `[j·B, (j+1)·B)` at absolute block offsets (the last one shorter, never
 padded: padding would run through a recurrent state), so the forwards after

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from kvtrace.engine.sampling import SamplingParams
 from kvtrace.replay.analyze import Analysis, PrefixBreaker, analyze
-from kvtrace.replay.backend import Backend, SamplingParams
+from kvtrace.replay.backend import Backend
 from kvtrace.replay.branch import BranchReport, branch_out
 from kvtrace.replay.continuation import ContinueResult, continue_run
 from kvtrace.replay.driver import checkout, replay

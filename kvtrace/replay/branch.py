@@ -29,8 +29,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
+from kvtrace.engine.sampling import SamplingParams
 from kvtrace.errors import UsageError
-from kvtrace.replay.backend import Backend, SamplingParams
+from kvtrace.replay.backend import Backend
 from kvtrace.replay.continuation import ContinueResult, Tool, continue_run, conversation_at
 from kvtrace.replay.driver import checkout
 from kvtrace.replay.recording import response_text

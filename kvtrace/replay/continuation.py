@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtrace.apis.chat import tool_calls_of
+from kvtrace.engine.sampling import SamplingParams
 from kvtrace.errors import (
     ConflictError,
     MissingToolError,
@@ -35,7 +36,7 @@ from kvtrace.errors import (
     UsageError,
 )
 from kvtrace.rendering import content_text, parse_arguments, tool_result_content
-from kvtrace.replay.backend import Backend, CallRequest, Message, SamplingParams
+from kvtrace.replay.backend import Backend, CallRequest, Message
 from kvtrace.replay.driver import ProgressCallback
 from kvtrace.replay.oracle import PrefixOracle
 from kvtrace.replay.recording import (

@@ -36,9 +36,10 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from kvtrace.apis.chat import arguments_equal, tool_calls_of
+from kvtrace.engine.sampling import SamplingParams
 from kvtrace.errors import BackendError, KvtraceError, ReplayError, UsageError
 from kvtrace.rendering import content_text, parse_assistant_text
-from kvtrace.replay.backend import Backend, CallRequest, Message, SamplingParams, Tokenizer
+from kvtrace.replay.backend import Backend, CallRequest, Message, Tokenizer
 from kvtrace.replay.engines import counters_grown
 from kvtrace.replay.oracle import PrefixOracle, common_prefix_length
 from kvtrace.replay.recording import (

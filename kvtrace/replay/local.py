@@ -9,10 +9,10 @@ also prompt + recorded response: the draft it checked).
 
 Verify hands the engine the recorded output as a draft, checked in one
 prefill of prompt + draft, with a fallback to decoding when it is rejected (see
-`kvtrace.engine.generate`).
+`kvtrace.engine.generation`).
 
 A generated output is not re-prefilled at once: the cache owes it
-(`defer_output`, see `kvtrace.engine.generate`), and the next prompt that
+(`defer_output`, see `kvtrace.engine.generation`), and the next prompt that
 contains it computes it in its own forward. Those tokens are reported as
 memory reuse of that prompt, as they would be had the output been stored
 straight away (and the oracle counts them so). `defer_output=False` stores
@@ -177,11 +177,9 @@ class LocalBackend:
         from kvtrace.engine import GenerateOptions, generate_with
 
         prompt = self._prompt_ids(request)
-        params = request.params
-        options = GenerateOptions(
-            max_new_tokens=params.max_new_tokens, temperature=params.temperature,
-            top_p=params.top_p, seed=params.seed, draft_ids=request.draft_ids,
-            defer_output=self._defer_output, is_cancelled=is_cancelled)
+        options = GenerateOptions.sampled(
+            request.params, draft_ids=request.draft_ids, defer_output=self._defer_output,
+            is_cancelled=is_cancelled)
         out = (self._batcher.generate(prompt, options) if self._batcher is not None
                else generate_with(self._engine, self._cache, prompt, options))
         ids = list(out.token_ids)

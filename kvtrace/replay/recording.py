@@ -21,9 +21,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kvtrace.engine.sampling import SamplingParams
 from kvtrace.errors import ReplayError
 from kvtrace.rendering import assistant_text, content_text, id_seed, parse_assistant_text
-from kvtrace.replay.backend import CallResult, Message, SamplingParams, Tokenizer
+from kvtrace.replay.backend import CallResult, Message, Tokenizer
 from kvtrace.store import Run, Step
 from kvtrace.store.kinds import TOKEN_IDS_KEY, ModelCall
 

@@ -24,7 +24,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvtrace.engine.generate import DraftVerdict
+    from kvtrace.engine.generation import DraftVerdict
     from kvtrace.replay.backend import CallResult
     from kvtrace.replay.engines import EngineFacts
     from kvtrace.store import Step

@@ -15,7 +15,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvtrace.replay.backend import Backend, SamplingParams
+    from kvtrace.engine.sampling import SamplingParams
+    from kvtrace.replay.backend import Backend
     from kvtrace.replay.continuation import ContinueResult
     from kvtrace.store import Store
 

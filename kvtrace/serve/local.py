@@ -64,7 +64,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from kvtrace.errors import GenerationCancelledError, UsageError
-from kvtrace.replay.backend import CallRequest, SamplingParams
+from kvtrace.replay import SamplingParams
+from kvtrace.replay.backend import CallRequest
 from kvtrace.serve.agents import agent_of
 from kvtrace.serve.anthropic_api import (
     COUNT_TOKENS_PATH,

@@ -7,7 +7,7 @@ import torch
 
 from kvtrace.engine import KVCache
 from kvtrace.engine.decode import decode_step
-from kvtrace.engine.generate import GenerateOptions, Generation, begin
+from kvtrace.engine.generation import GenerateOptions, Generation, begin
 
 
 def sampling(i: int) -> dict:

@@ -19,7 +19,7 @@ from kvtrace.engine import GenerateOptions, KVCache, generate, prefill
 from kvtrace.engine.batch import DecodeBatcher
 from kvtrace.engine.decode import decode_forward, decode_rows, row_multiple
 from kvtrace.engine.decode_attention import SPLIT_BLOCK
-from kvtrace.engine.generate import Generation, begin
+from kvtrace.engine.generation import Generation, begin
 from kvtrace.errors import GenerationCancelledError, UsageError
 from tests.engine.batch_checks import assert_batch_sizes_match_alone, sampling
 from tests.held_engine import engine_held
@@ -209,7 +209,8 @@ def test_closed_batcher_refuses_jobs(tiny_engine):
 
 
 def test_local_backend_batching_answers_threads_as_alone(tiny_engine, tokens):
-    from kvtrace.replay.backend import CallRequest, SamplingParams
+    from kvtrace.engine.sampling import SamplingParams
+    from kvtrace.replay.backend import CallRequest
     from kvtrace.replay.local import LocalBackend
 
     prompts = _prompts(tokens, 4)
@@ -267,7 +268,8 @@ def test_a_failed_load_raises_in_the_caller_and_leaves_no_thread():
 
 
 def test_open_local_backend_batching_loads_on_its_engine_thread(tiny_folder, engine_root, tokens):
-    from kvtrace.replay.backend import CallRequest, SamplingParams
+    from kvtrace.engine.sampling import SamplingParams
+    from kvtrace.replay.backend import CallRequest
     from kvtrace.replay.local import open_local_backend
 
     backend = open_local_backend(tiny_folder, cache_dir=engine_root / "cache",

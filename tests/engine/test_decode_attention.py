@@ -25,7 +25,7 @@ from kvtrace.engine.decode_attention import (
 from kvtrace.engine.decode_attention import (
     decode_attention as attend,
 )
-from kvtrace.engine.generate import GenerateOptions, Generation, begin
+from kvtrace.engine.generation import GenerateOptions, Generation, begin
 from kvtrace.errors import CacheError
 from tests.engine.batch_checks import (
     assert_batch_sizes_match_alone,

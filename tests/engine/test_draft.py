@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvtrace.engine import KVCache, generate, prefill
-from kvtrace.engine.generate import draft_margin
+from kvtrace.engine.generation import draft_margin
 from kvtrace.errors import UsageError
 
 

@@ -8,7 +8,7 @@ import torch
 from kvtrace.engine import KVCache, generate, prefill
 from kvtrace.engine.cache import LIVE_SEQUENCES
 from kvtrace.engine.kvbuffer import growing_layers
-from kvtrace.engine.prefill import MAX_CHUNK_ROWS
+from kvtrace.engine.prefilling import MAX_CHUNK_ROWS
 
 
 def test_a_prompt_extending_the_last_sequence_starts_from_its_live_kv(tiny_engine, tokens):

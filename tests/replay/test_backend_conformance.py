@@ -26,8 +26,9 @@ from typing import Any
 
 import pytest
 
+from kvtrace.engine.sampling import SamplingParams
 from kvtrace.errors import KvtraceError, UsageError
-from kvtrace.replay.backend import Backend, CallRequest, SamplingParams
+from kvtrace.replay.backend import Backend, CallRequest
 
 CONTEXT = 256  # the conformance model's context, small so that a prompt can exceed it
 GREEDY = SamplingParams(max_new_tokens=12)

@@ -18,7 +18,7 @@ The result: a row's KV is a function of the tokens up to it only, so reusing
 cached rows at any offset, memory or disk, gives the same bits as
 recomputing them, and a hit costs the rows it computes (at most 15 padding
 rows per forward). Logits come from the last real row (or, with
-`logits_from`, from every row from there on: how generate.py checks a draft).
+`logits_from`, from every row from there on: how generation.py checks a draft).
 
 Reused KV is assembled once per prefill: when one of the cache's live
 sequences (the last ones computed, see cache.py) covers the hit, its buffers
@@ -32,7 +32,7 @@ Rules kept here for every caller:
   token is always computed, since its logits are the output (transformers
   5.x silently misbehaves given a cache that covers the whole prompt);
 - only canonical KV is stored (a decoded output is re-prefilled, at once or,
-  deferred, by the next prompt's prefill: generate.py);
+  deferred, by the next prompt's prefill: generation.py);
 - everything computed is stored: the new tail in memory (borrowed from the
   live buffers, radix.py), every full block not yet on disk; the sequence
   becomes the cache's newest live one. "Feeding" recorded

@@ -46,12 +46,14 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
+from typing import Any
 
 import torch
 
 from kvtrace.engine.decode import Decoding, decode_step
 from kvtrace.engine.model import Engine
-from kvtrace.engine.prefill import PrefillResult, prefill
+from kvtrace.engine.prefilling import PrefillResult, prefill
+from kvtrace.engine.sampling import SamplingParams
 from kvtrace.engine.statecache import PrefixCache
 from kvtrace.errors import GenerationCancelledError, UsageError
 
@@ -109,6 +111,12 @@ class GenerateOptions:
     draft_ids: Sequence[int] | None = None
     defer_output: bool = False
     is_cancelled: Callable[[], bool] | None = None
+
+    @classmethod
+    def sampled(cls, params: SamplingParams, **rest: Any) -> GenerateOptions:
+        """The options of a generation sampled as `params` say (`rest`: the other fields)."""
+        return cls(max_new_tokens=params.max_new_tokens, temperature=params.temperature,
+                   top_p=params.top_p, seed=params.seed, **rest)
 
 
 def draft_margin(dtype: torch.dtype) -> float | None:
