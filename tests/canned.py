@@ -210,8 +210,8 @@ def all_blob_bytes(store: Any) -> list[bytes]:
     """The content of every blob of the store (decompressed: a secret must not hide in a frame)."""
     import sqlalchemy as sa
 
-    from kvtrace.store import codec
-    from kvtrace.store.schema import blobs
+    from kvtrace.store.db.schema import blobs
+    from kvtrace.store.objects import codec
 
     with store.engine.connect() as conn:
         return list(codec.read(conn, conn.execute(sa.select(blobs.c.hash)).scalars()).values())
@@ -221,7 +221,7 @@ def all_step_meta(store: Any) -> list[str]:
     """Every step's stored metadata, as text."""
     import sqlalchemy as sa
 
-    from kvtrace.store.schema import steps
+    from kvtrace.store.db.schema import steps
 
     with store.engine.connect() as conn:
         return [str(row) for row in conn.execute(sa.select(steps))]

@@ -21,7 +21,7 @@ import sqlite3
 import time
 from pathlib import Path
 
-from kvtrace.store import bodies
+from kvtrace.store.objects import bodies
 
 _STEP_COLUMNS = ("id", "parent_id", "kind", "depth", "body", "recorded_at", "skip_id", "skip_depth",
                  "body_codec")

@@ -29,8 +29,9 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from kvtrace.store import StepKind, Store, bodies, open_store
-from kvtrace.store.schema import steps
+from kvtrace.store import StepKind, Store, open_store
+from kvtrace.store.db.schema import steps
+from kvtrace.store.objects import bodies
 
 KVTRACE_TABLES = ("blobs", "steps", "refs", "reflog", "notes", "alembic_version")
 
@@ -41,7 +42,7 @@ def run_footprint_bench(url: str | None = None, *, num_conversations: int = 14) 
     from kvtrace.apis.chat import normalize_message
     from kvtrace.bench.conversations import tool_calling_conversation
     from kvtrace.formats import import_document
-    from kvtrace.store.encoding import canonical_json
+    from kvtrace.store.objects.encoding import canonical_json
 
     suffix = time.time_ns()
     distinct: set[bytes] = set()
@@ -78,7 +79,7 @@ def run_footprint_bench(url: str | None = None, *, num_conversations: int = 14) 
 
 def body_bytes(conn: Connection) -> tuple[int, int]:
     """(canonical, kept): the bytes of every step body as its id hashes it, and as the
-    `steps` rows keep it (packed: store/bodies.py). Content figures count the first."""
+    `steps` rows keep it (packed: store/objects/bodies.py). Content figures count the first."""
     canonical = kept = 0
     query = sa.select(steps.c.body, steps.c.body_codec)
     for body, body_codec in conn.execution_options(yield_per=1000).execute(query):

@@ -223,7 +223,7 @@ def run_conversation_bench(
 def _distinct_bytes(calls: list[Any], api: ProviderApi) -> int:
     """Canonical bytes of the distinct messages, responses, tool list and system prompt."""
     from kvtrace.apis import stored_fields
-    from kvtrace.store.encoding import canonical_json
+    from kvtrace.store.objects.encoding import canonical_json
 
     distinct: set[bytes] = set()
     for call in calls:

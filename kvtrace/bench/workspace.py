@@ -32,7 +32,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from kvtrace.store import open_store
-from kvtrace.store.schema import blobs
+from kvtrace.store.db.schema import blobs
 from kvtrace.workspace import Snapshotter
 
 

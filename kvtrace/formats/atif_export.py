@@ -22,7 +22,7 @@ from kvtrace.formats.atif import LATEST_VERSION, USAGE_FIELDS
 from kvtrace.formats.records import Answers, arguments_value, restore
 from kvtrace.rendering import tool_result_content
 from kvtrace.store import OnStep, Store, kinds
-from kvtrace.store.lists import shared_prefix
+from kvtrace.store.objects.lists import shared_prefix
 
 
 def export_atif(store: Store, spec: str, *,

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtrace.errors import UsageError
-from kvtrace.store import jsontext
+from kvtrace.store.objects import jsontext
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,11 +29,11 @@ from kvtrace.store import (
     RunInfo,
     Step,
     Store,
-    jsontext,
     kinds,
     validate_run_name,
 )
-from kvtrace.store.encoding import canonical_json
+from kvtrace.store.objects import jsontext
+from kvtrace.store.objects.encoding import canonical_json
 
 UNKNOWN_MODEL = "unknown"
 

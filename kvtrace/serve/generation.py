@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvtrace.apis import ProviderApi, request_params, stored_fields
-from kvtrace.store.encoding import canonical_json
 from kvtrace.store.kinds import STREAM_FIELD, TOKEN_IDS_KEY
+from kvtrace.store.objects.encoding import canonical_json
 from kvtrace.tracer.endpoints import Endpoint, response_fields
 
 if TYPE_CHECKING:

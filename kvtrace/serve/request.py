@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 from kvtrace.errors import UsageError
-from kvtrace.store.encoding import MAX_DEPTH, MAX_INT_BITS
+from kvtrace.store.objects.encoding import MAX_DEPTH, MAX_INT_BITS
 
 JSON_MEDIA_TYPE = "application/json"
 # A step stores a request's values a few containers down (meta.params.NAME,

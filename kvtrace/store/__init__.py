@@ -2,17 +2,14 @@
 
 Its modules, by job (the provider APIs' shapes live below it, in kvtrace/apis):
 
-- the public surface: `store.py` (the facade), `run.py`, `records.py`,
+- the public surface, here: `store.py` (the facade), `run.py`, `records.py`,
   `kinds.py` (typed step views), `usage.py`, `names.py`, `watch.py`,
-  `notes.py`, `edits.py`, `bundle.py` (export and import of a run);
-- the object store: `encoding.py` (the canonical encoding behind every id),
-  `bodies.py`, `codec.py`, `deltas.py`, `lists.py`, `writer.py` (appends),
-  `history.py` and `graph.py` (walks and views over history), `resolve.py`,
-  `refs.py`, `batched.py`, `transactions.py`, `schema.py`, `backend.py`,
-  `migrations/`;
-- checks: `validation.py` (what enters), `fsck.py` and `fsck_refs.py`;
-- presentation: `present/` (one line per step, what differs between runs);
-- helpers: `jsontext.py`, `keyorder.py`, `recent.py`.
+  `notes.py`, `edits.py`, `bundle.py` (export and import of a run),
+  `validation.py` (what enters), `recent.py`;
+- `objects/`: the object store beneath the facade (the canonical encoding,
+  bodies, deltas, lists, the step writer, history, refs, fsck);
+- `db/`: the database (engines, tables, migrations);
+- `present/`: presentation (one line per step, what differs between runs).
 """
 
 from __future__ import annotations
@@ -26,7 +23,7 @@ from typing import TypeVar
 import sqlalchemy as sa
 
 from kvtrace.errors import StoreNotFoundError, UsageError
-from kvtrace.store.backend import create_db_engine, current_revision, migrate, safe_url
+from kvtrace.store.db.backend import create_db_engine, current_revision, migrate, safe_url
 from kvtrace.store.kinds import (
     HttpExchange,
     ModelCall,

@@ -30,14 +30,14 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from kvtrace.errors import ConflictError, IntegrityError, UsageError
-from kvtrace.store import bodies, codec, history, jsontext, lists, trees
-from kvtrace.store.backend import insert_ignore
-from kvtrace.store.encoding import decode_body, decode_json_blob, is_address
-from kvtrace.store.history import chunks, skip_in_memory
+from kvtrace.store.db.backend import insert_ignore
+from kvtrace.store.db.schema import blobs, notes, refs, steps
 from kvtrace.store.names import validate_run_name
+from kvtrace.store.objects import bodies, codec, history, jsontext, lists, trees
+from kvtrace.store.objects.encoding import decode_body, decode_json_blob, is_address
+from kvtrace.store.objects.history import chunks, skip_in_memory
+from kvtrace.store.objects.refs import create_ref
 from kvtrace.store.records import RunInfo
-from kvtrace.store.refs import create_ref
-from kvtrace.store.schema import blobs, notes, refs, steps
 from kvtrace.store.validation import check_kind, check_note, check_timestamp
 
 FORMAT = "kvtrace-bundle"

@@ -48,9 +48,9 @@ from kvtrace.apis import (
     view_messages,
 )
 from kvtrace.errors import UsageError
-from kvtrace.store.lists import shared_prefix
+from kvtrace.store.objects.lists import shared_prefix
+from kvtrace.store.objects.trees import WORKSPACE
 from kvtrace.store.records import Step
-from kvtrace.store.trees import WORKSPACE
 from kvtrace.store.usage import Usage
 
 # Keys a view writes in `meta` (module-private names on purpose: read through the views).
@@ -300,7 +300,7 @@ class ToolCall(_View):
     @property
     def returned_result(self) -> Any:
         """The result with its objects' keys in the order the tool returned them."""
-        from kvtrace.store.keyorder import in_key_order
+        from kvtrace.store.objects.keyorder import in_key_order
 
         orders = self.step.meta.get(_KEY_ORDER)
         return in_key_order(self.result, orders) if isinstance(orders, dict) else self.result

@@ -7,8 +7,8 @@ import time
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
+from kvtrace.store.db.schema import is_address_text, notes
 from kvtrace.store.records import Note
-from kvtrace.store.schema import is_address_text, notes
 
 _CHUNK = 500  # step ids per query of `on_steps` (bound parameters stay few)
 

@@ -22,7 +22,7 @@ from kvtrace.store.kinds import (
     StepKind,
     ToolCall,
 )
-from kvtrace.store.lists import Extension
+from kvtrace.store.objects.lists import Extension
 
 if TYPE_CHECKING:
     from kvtrace.store.records import Step

@@ -31,10 +31,9 @@ from kvtrace.errors import (
     StepNotFoundError,
     UsageError,
 )
-from kvtrace.store import bodies, codec, encoding, graph, history, resolve, validation
-from kvtrace.store import lists as store_lists
 from kvtrace.store import notes as step_notes
-from kvtrace.store.backend import (
+from kvtrace.store import validation
+from kvtrace.store.db.backend import (
     insert_ignore,
     read_transaction,
     reader,
@@ -42,8 +41,26 @@ from kvtrace.store.backend import (
     safe_url,
     writer,
 )
+from kvtrace.store.db.schema import (
+    PAUSE_REASONS,
+    blobs,
+    reflog,
+    refs,
+    steps,
+)
 from kvtrace.store.kinds import EDIT_OF, MEASUREMENTS, ModelCall, StepKind
 from kvtrace.store.names import normalize_run_name, validate_run_name
+from kvtrace.store.objects import bodies, codec, encoding, graph, history, resolve
+from kvtrace.store.objects import lists as store_lists
+from kvtrace.store.objects.refs import (
+    create_ref,
+    last_logged,
+    move_ref,
+    pause_entry,
+    set_paused,
+)
+from kvtrace.store.objects.transactions import Transactions
+from kvtrace.store.objects.writer import StepWriter
 from kvtrace.store.records import (
     Divergence,
     FsckReport,
@@ -54,22 +71,6 @@ from kvtrace.store.records import (
     RunInfo,
     Step,
 )
-from kvtrace.store.refs import (
-    create_ref,
-    last_logged,
-    move_ref,
-    pause_entry,
-    set_paused,
-)
-from kvtrace.store.schema import (
-    PAUSE_REASONS,
-    blobs,
-    reflog,
-    refs,
-    steps,
-)
-from kvtrace.store.transactions import Transactions
-from kvtrace.store.writer import StepWriter
 
 if TYPE_CHECKING:
     from kvtrace.store.run import Run
@@ -573,7 +574,7 @@ class Store:
 
     def fsck(self) -> FsckReport:
         """Re-hash every blob and step and check every reference; see fsck.py."""
-        from kvtrace.store.fsck import check
+        from kvtrace.store.objects.fsck import check
 
         with read_transaction(self._reader) as conn:
             return check(conn)

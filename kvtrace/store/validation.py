@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvtrace.errors import UsageError
-from kvtrace.store.encoding import MAX_KIND_LENGTH
+from kvtrace.store.objects.encoding import MAX_KIND_LENGTH
 
 MAX_AUTHOR = 200
 MAX_TIMESTAMP = 253_402_300_799.0  # 9999-12-31T23:59:59Z

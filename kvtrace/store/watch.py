@@ -22,11 +22,11 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from kvtrace.store import history
-from kvtrace.store.backend import read_transaction, reader
+from kvtrace.store.db.backend import read_transaction, reader
+from kvtrace.store.db.schema import reflog
+from kvtrace.store.objects import history
+from kvtrace.store.objects.refs import NOTIFY_CHANNEL
 from kvtrace.store.records import Step
-from kvtrace.store.refs import NOTIFY_CHANNEL
-from kvtrace.store.schema import reflog
 
 EVENT_KINDS = ("step", "moved", "pause", "resume")
 

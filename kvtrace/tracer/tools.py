@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 from kvtrace.apis.plain import to_plain
 from kvtrace.errors import UsageError
 from kvtrace.store import Step
-from kvtrace.store.keyorder import key_order
+from kvtrace.store.objects.keyorder import key_order
 from kvtrace.tracer.context import current_recorder, current_replaying, served_outcome
 
 if TYPE_CHECKING:

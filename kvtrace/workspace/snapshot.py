@@ -14,7 +14,7 @@ git's index:
   walked;
 - blobs and trees this snapshotter stored are remembered, so an unchanged
   file or folder writes nothing;
-- a new tree is stored as a delta against the previous one (store/codec.py),
+- a new tree is stored as a delta against the previous one (store/objects/codec.py),
   so a tree of 1,000 paths where 3 changed costs what changed.
 
 Not walked: `.git` and `.kvtrace` folders anywhere, and what the folder's
@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvtrace.errors import UsageError
-from kvtrace.store.codec import Base
-from kvtrace.store.encoding import sha256_hex
+from kvtrace.store.objects.codec import Base
+from kvtrace.store.objects.encoding import sha256_hex
 from kvtrace.workspace.changes import is_text, open_watch
 from kvtrace.workspace.tree import Entry, Tree, entry_bytes, parse, tree_bytes
 

@@ -1,6 +1,6 @@
 """A workspace snapshot's tree: every path of a folder with its mode and content's blob.
 
-A tree is one blob of the store: the canonical JSON (store/encoding.py) of
+A tree is one blob of the store: the canonical JSON (store/objects/encoding.py) of
 `{"v": 1, "kind": "kvtrace-workspace", "entries": [ENTRY, ...]}`, entries
 sorted by path. Its address is the snapshot's name, so an unchanged folder
 gives the same tree, and an unchanged file the same blob, in every step and
@@ -27,8 +27,8 @@ from pathlib import PurePosixPath
 from typing import Any
 
 from kvtrace.errors import IntegrityError
-from kvtrace.store.encoding import canonical_json, sha256_hex
-from kvtrace.store.trees import TREE_KIND, TREE_VERSION
+from kvtrace.store.objects.encoding import canonical_json, sha256_hex
+from kvtrace.store.objects.trees import TREE_KIND, TREE_VERSION
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,7 @@ import sqlalchemy as sa
 
 from kvtrace import RetryableError
 from kvtrace.bench.stress import run_kills, run_writers, verify
-from kvtrace.store.backend import MAX_ATTEMPTS, retried, write_transaction, writer
+from kvtrace.store.db.backend import MAX_ATTEMPTS, retried, write_transaction, writer
 
 
 def test_writers_on_their_own_runs_lose_nothing(store_url):

@@ -7,7 +7,7 @@ import pytest
 from kvtrace.errors import UsageError
 from kvtrace.formats import import_atif, import_openai
 from kvtrace.formats.records import parse_json
-from kvtrace.store.encoding import MAX_DEPTH
+from kvtrace.store.objects.encoding import MAX_DEPTH
 from tests.formats.conftest import state
 
 

@@ -22,7 +22,7 @@ import sqlalchemy as sa
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from kvtrace.store.schema import steps
+from kvtrace.store.db.schema import steps
 
 schemathesis = pytest.importorskip("schemathesis")
 

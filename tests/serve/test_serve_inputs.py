@@ -16,7 +16,7 @@ import uuid
 import httpx
 import pytest
 
-from kvtrace.store.encoding import MAX_DEPTH
+from kvtrace.store.objects.encoding import MAX_DEPTH
 
 QUESTION = [{"role": "user", "content": "Say hi."}]
 

@@ -16,9 +16,9 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from kvtrace.store import bodies, codec
-from kvtrace.store.backend import _upgrade, create_db_engine
-from kvtrace.store.schema import Address, metadata, raw_or_none
+from kvtrace.store.db.backend import _upgrade, create_db_engine
+from kvtrace.store.db.schema import Address, metadata, raw_or_none
+from kvtrace.store.objects import bodies, codec
 
 TABLES = ("blobs", "steps", "refs", "reflog", "notes")
 _ORDER = {"blobs": None, "steps": "depth", "refs": "name", "reflog": "id", "notes": "id"}

@@ -10,9 +10,9 @@ import sqlalchemy as sa
 from sqlalchemy import event
 
 from kvtrace.errors import ConflictError, RunPausedError, StoreError
-from kvtrace.store.backend import Prepared, write_transaction, writer
-from kvtrace.store.refs import _PAUSE
-from kvtrace.store.schema import notes
+from kvtrace.store.db.backend import Prepared, write_transaction, writer
+from kvtrace.store.db.schema import notes
+from kvtrace.store.objects.refs import _PAUSE
 
 
 def test_an_append_on_sqlite_is_one_write_transaction_of_five_statements(tmp_path):

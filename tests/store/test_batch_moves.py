@@ -1,4 +1,4 @@
-"""A batch's appends move their run once when the batch is done (store/batched.py), with
+"""A batch's appends move their run once when the batch is done (store/objects/batched.py), with
 every guarantee of a move one append at a time: on both backends."""
 
 from __future__ import annotations

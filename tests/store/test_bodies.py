@@ -1,4 +1,4 @@
-"""Step bodies kept packed (store/bodies.py): ids hash the canonical body, every reader
+"""Step bodies kept packed (store/objects/bodies.py): ids hash the canonical body, every reader
 and bundle sees it, fsck unpacks and re-hashes it, and steps kept before 0007 read as
 they are; on both backends."""
 
@@ -12,8 +12,8 @@ import sqlalchemy as sa
 
 from kvtrace import open_store
 from kvtrace.errors import IntegrityError
-from kvtrace.store import bodies, encoding
-from kvtrace.store.backend import _upgrade, create_db_engine
+from kvtrace.store.db.backend import _upgrade, create_db_engine
+from kvtrace.store.objects import bodies, encoding
 from tests.conftest import tamper
 
 A, B = "ab" * 32, hashlib.sha256(b"b").hexdigest()

@@ -1,4 +1,4 @@
-"""Blobs kept compressed (store/codec.py): addresses hash the content, readers and
+"""Blobs kept compressed (store/objects/codec.py): addresses hash the content, readers and
 bundles see the content, fsck decodes and re-hashes it; on both backends."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import zstandard
 
 from kvtrace import open_store
 from kvtrace.errors import IntegrityError
-from kvtrace.store import codec
+from kvtrace.store.objects import codec
 from tests.conftest import tamper
 
 LARGE = {"text": "the same sentence, again and again. " * 40}  # compresses well
@@ -131,7 +131,7 @@ def _call_and_answer(run, result: str = RESULT):
 
 def _message_address(store, call, message) -> str:
     from kvtrace.apis.chat import normalize_message
-    from kvtrace.store.encoding import canonical_json, sha256_hex
+    from kvtrace.store.objects.encoding import canonical_json, sha256_hex
 
     address = sha256_hex(canonical_json(normalize_message(message)))
     assert store.read_blob(address)  # the model call stored it under this address

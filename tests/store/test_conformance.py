@@ -23,7 +23,7 @@ from kvtrace.errors import (
     StoreError,
     UsageError,
 )
-from kvtrace.store.encoding import step_body
+from kvtrace.store.objects.encoding import step_body
 from tests.conftest import tamper
 
 MSGS = [{"role": "user", "content": "What is 2+2?"}]
@@ -461,7 +461,7 @@ def test_graph_names_the_runs_that_branch_off(store):
 
 
 def test_graph_counts_but_does_not_name_runs_past_the_cap(store, monkeypatch):
-    from kvtrace.store import graph
+    from kvtrace.store.objects import graph
 
     _linear(store, n=6)
     for name in ("a", "b"):
@@ -735,7 +735,7 @@ def test_fsck_leaves_a_blob_read_as_raw_bytes_unparsed(store):
 
 
 def test_fsck_reads_again_the_json_blobs_of_a_store_with_many_raw_blobs(store, monkeypatch):
-    from kvtrace.store import fsck
+    from kvtrace.store.objects import fsck
 
     monkeypatch.setattr(fsck, "_MAX_NOT_JSON", 1)  # as if it held more raw blobs than that
     raw = [_plant_blob(store, b"data: %d" % i) for i in range(3)]

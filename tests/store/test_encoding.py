@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvtrace.errors import UsageError
-from kvtrace.store.encoding import (
+from kvtrace.store.objects.encoding import (
     ENCODING_VERSION,
     canonical_json,
     decode_body,

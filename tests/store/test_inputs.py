@@ -16,7 +16,7 @@ import pytest
 
 from kvtrace import UsageError
 from kvtrace.errors import InvalidNameError, InvalidSpecError, RunNotFoundError
-from kvtrace.store import encoding
+from kvtrace.store.objects import encoding
 from tests.conftest import tamper
 
 
@@ -275,7 +275,7 @@ def test_an_unknown_run_is_not_found_not_a_type_error(store):
 @pytest.mark.parametrize("depth", [300, 5000])
 def test_a_too_deep_value_stored_before_the_limit_is_reported_not_a_crash(store, depth):
     from kvtrace.errors import IntegrityError
-    from kvtrace.store.schema import blobs, reflog, refs, steps
+    from kvtrace.store.db.schema import blobs, reflog, refs, steps
 
     blob = b"[" * depth + b"1" + b"]" * depth
     address = encoding.sha256_hex(blob)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from kvtrace.store.keyorder import in_key_order, key_order
+from kvtrace.store.objects.keyorder import in_key_order, key_order
 
 RETURNED = {"wrote": 3, "turn": 0, "lines": [{"text": "a", "at/~": 1}, {"a": 1, "b": 2}]}
 

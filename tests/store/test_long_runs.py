@@ -19,7 +19,7 @@ from kvtrace.bench.longrun import long_conversation
 from kvtrace.errors import UsageError
 from kvtrace.formats import import_openai
 from kvtrace.page import gather
-from kvtrace.store import codec, encoding
+from kvtrace.store.objects import codec, encoding
 
 # Past MAX_DEPTH (64) calls, so each 64th call names every message again (the encoding's rule).
 NUM_TURNS = 150

@@ -12,8 +12,8 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 
 from kvtrace import open_store
-from kvtrace.store.backend import MIGRATIONS_DIR, _upgrade, create_db_engine
-from kvtrace.store.schema import SCHEMA_REVISION, metadata
+from kvtrace.store.db.backend import MIGRATIONS_DIR, _upgrade, create_db_engine
+from kvtrace.store.db.schema import SCHEMA_REVISION, metadata
 from tests.store.old_stores import copy_as
 
 
@@ -64,7 +64,7 @@ def test_migration_files_are_named_after_their_revision():
 
 
 def test_skip_pointer_migration_fills_existing_steps(tmp_path):
-    from kvtrace.store import encoding
+    from kvtrace.store.objects import encoding
 
     url = f"sqlite:///{tmp_path / 'old.db'}"
     engine = create_db_engine(url)

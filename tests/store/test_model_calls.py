@@ -15,8 +15,8 @@ from kvtrace import open_store
 from kvtrace.apis.chat import normalize_message
 from kvtrace.bench.conversations import tool_calling_conversation
 from kvtrace.errors import IntegrityError, UsageError
-from kvtrace.store import bodies, codec, lists
-from kvtrace.store.encoding import canonical_json
+from kvtrace.store.objects import bodies, codec, lists
+from kvtrace.store.objects.encoding import canonical_json
 from tests.conftest import tamper
 
 OLD_STORE = Path(__file__).parent / "data" / "store_v1.db"

@@ -19,9 +19,9 @@ import sqlalchemy as sa
 from kvtrace import open_store
 from kvtrace.bench.footprint import body_bytes
 from kvtrace.store import Store
-from kvtrace.store.encoding import canonical_json
+from kvtrace.store.db.schema import blobs
 from kvtrace.store.kinds import ModelCall, model_calls
-from kvtrace.store.schema import blobs
+from kvtrace.store.objects.encoding import canonical_json
 from kvtrace.tracer import RecordingTransport
 from tests.canned import SECRET_KEY
 

@@ -17,7 +17,7 @@ import pytest
 import sqlalchemy as sa
 
 from kvtrace.errors import IntegrityError, UsageError
-from kvtrace.store.schema import blobs
+from kvtrace.store.db.schema import blobs
 from kvtrace.workspace import Snapshotter, changes, restore, tree_of
 from kvtrace.workspace.snapshot import workspace_folder
 from kvtrace.workspace.tree import parse
@@ -143,7 +143,7 @@ def test_a_workspace_must_be_a_folder_inside_the_agents_folder(tmp_path):
 
 
 def test_a_tree_from_kept_entry_bytes_is_its_canonical_json(store, project):
-    from kvtrace.store.encoding import canonical_json
+    from kvtrace.store.objects.encoding import canonical_json
 
     tree = tree_of(store, Snapshotter(store, project, max_file_bytes=4096).take())
     whole = canonical_json({"v": 1, "kind": "kvtrace-workspace",

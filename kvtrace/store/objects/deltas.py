@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from kvtrace.store import codec
+from kvtrace.store.objects import codec
 
 MAX_BASES = 8  # tool results of one turn (parallel tool calls) and a few more
 MAX_BASE_BYTES = 1 << 20  # a larger payload is not kept around as a base

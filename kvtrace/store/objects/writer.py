@@ -28,13 +28,14 @@ from typing import Any
 from sqlalchemy.engine import Connection
 
 from kvtrace.errors import UsageError
-from kvtrace.store import bodies, deltas, encoding, history, validation
-from kvtrace.store import lists as store_lists
-from kvtrace.store.backend import insert_ignore
-from kvtrace.store.batched import BatchedMoves
+from kvtrace.store import validation
+from kvtrace.store.db.backend import insert_ignore
+from kvtrace.store.db.schema import blobs, steps
+from kvtrace.store.objects import bodies, deltas, encoding, history
+from kvtrace.store.objects import lists as store_lists
+from kvtrace.store.objects.batched import BatchedMoves
+from kvtrace.store.objects.refs import create_ref, move_ref
 from kvtrace.store.records import Step
-from kvtrace.store.refs import create_ref, move_ref
-from kvtrace.store.schema import blobs, steps
 
 _MAX_KNOWN = 200_000
 _MAX_LISTS = 20_000  # resolved lists kept (each a tuple of its item addresses)
@@ -82,7 +83,7 @@ class StepWriter:
         step instead (a fork whose head is an edited step).
 
         `payload` fields are JSON values stored one blob each, `raw` fields
-        bytes, and `lists` fields lists stored item by item (see store/lists.py),
+        bytes, and `lists` fields lists stored item by item (see store/objects/lists.py),
         each given whole or as an `Extension` of an earlier step's list.
         Fails with ConflictError, writing nothing, if the run's head is no
         longer `parent` (another writer appended or moved it first).

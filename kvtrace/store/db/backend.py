@@ -39,7 +39,7 @@ from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.sql.compiler import SQLCompiler
 
 from kvtrace.errors import RetryableError, StoreError, StoreFullError
-from kvtrace.store.schema import SCHEMA_REVISION, Address, raw_or_none
+from kvtrace.store.db.schema import SCHEMA_REVISION, Address, raw_or_none
 
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
 _WRITE = "kvtrace_write"

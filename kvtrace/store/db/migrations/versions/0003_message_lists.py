@@ -3,7 +3,7 @@
 Revision ID: 0003_message_lists
 Revises: 0002_skip_pointers
 
-The tables do not change: version-2 step bodies (see kvtrace/store/encoding.py
+The tables do not change: version-2 step bodies (see kvtrace/store/objects/encoding.py
 and lists.py) fit the same `steps` and `blobs` rows, and steps written in
 version 1 keep their bodies and ids and still decode. The revision exists so
 that a kvtrace too old to read version-2 bodies refuses the store (it finds

@@ -16,7 +16,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from kvtrace.store.schema import notes, reflog, refs, steps
+from kvtrace.store.db.schema import notes, reflog, refs, steps
 from kvtrace.store.validation import timestamp_problem
 
 _PAGE = 1000  # rows streamed at a time

@@ -43,7 +43,7 @@ import zstandard
 from sqlalchemy.engine import Connection
 
 from kvtrace.errors import IntegrityError
-from kvtrace.store.schema import blobs, is_address_text
+from kvtrace.store.db.schema import blobs, is_address_text
 
 ZSTD = "zstd"
 DELTA = "zstd-delta"

@@ -5,7 +5,7 @@ Revises: 0006_refs_head_index
 
 A NULL codec means `body` is the canonical body itself, as every step
 written before this revision is; `packed1` means its addresses packed as
-raw bytes and the whole a zstd frame (see kvtrace/store/bodies.py). Ids
+raw bytes and the whole a zstd frame (see kvtrace/store/objects/bodies.py). Ids
 still hash the canonical body, so no id changes and nothing is rewritten:
 steps recorded before stay as they are. A kvtrace older than this revision
 refuses the store (an unknown revision) instead of reading a packed body as

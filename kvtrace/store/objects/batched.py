@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from sqlalchemy.engine import Connection
 
 from kvtrace.errors import ConflictError
-from kvtrace.store.refs import move_refs
+from kvtrace.store.objects.refs import move_refs
 
 
 @dataclass(slots=True)

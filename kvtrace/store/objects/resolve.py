@@ -15,9 +15,9 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from kvtrace.errors import IntegrityError, RunNotFoundError, StepNotFoundError
-from kvtrace.store import history
+from kvtrace.store.db.schema import refs, steps
 from kvtrace.store.names import Spec, normalize_run_name, parse_spec
-from kvtrace.store.schema import refs, steps
+from kvtrace.store.objects import history
 
 ID_LENGTH = 64  # hex characters of a step id
 

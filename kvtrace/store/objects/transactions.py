@@ -16,8 +16,8 @@ from contextlib import contextmanager
 from sqlalchemy.engine import Connection, Engine
 
 from kvtrace.errors import UsageError
-from kvtrace.store.backend import write_transaction
-from kvtrace.store.batched import BatchedMoves
+from kvtrace.store.db.backend import write_transaction
+from kvtrace.store.objects.batched import BatchedMoves
 
 
 class Transactions:

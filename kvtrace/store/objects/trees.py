@@ -17,8 +17,8 @@ from typing import Any
 
 from sqlalchemy.engine import Connection
 
-from kvtrace.store import codec
-from kvtrace.store.encoding import is_address
+from kvtrace.store.objects import codec
+from kvtrace.store.objects.encoding import is_address
 
 TREE_KIND = "kvtrace-workspace"
 TREE_VERSION = 1

@@ -9,9 +9,9 @@ from __future__ import annotations
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from kvtrace.store import history
+from kvtrace.store.db.schema import refs, steps
+from kvtrace.store.objects import history
 from kvtrace.store.records import Divergence, GraphRow
-from kvtrace.store.schema import refs, steps
 
 # The runs taking the branches that leave a chain are found by walking down
 # from each branch; past this many steps below them, or this many runs, they

@@ -38,9 +38,9 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from kvtrace.errors import IntegrityError
-from kvtrace.store import bodies
-from kvtrace.store.encoding import list_entry_problem
-from kvtrace.store.schema import steps
+from kvtrace.store.db.schema import steps
+from kvtrace.store.objects import bodies
+from kvtrace.store.objects.encoding import list_entry_problem
 
 if TYPE_CHECKING:
     from kvtrace.store.records import Step

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvtrace.errors import UsageError
-from kvtrace.store.encoding import MAX_DEPTH
+from kvtrace.store.objects.encoding import MAX_DEPTH
 
 
 def loads(

@@ -38,13 +38,13 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Row
 
 from kvtrace.errors import IntegrityError, UsageError
-from kvtrace.store import bodies, codec, lists, trees
-from kvtrace.store.encoding import decode_body, decode_json_blob
-from kvtrace.store.fsck_refs import check_notes, check_refs, check_time
-from kvtrace.store.history import ancestor_in_memory, chunks, skip_in_memory
+from kvtrace.store.db.schema import blobs, steps
+from kvtrace.store.objects import bodies, codec, lists, trees
+from kvtrace.store.objects.encoding import decode_body, decode_json_blob
+from kvtrace.store.objects.fsck_refs import check_notes, check_refs, check_time
+from kvtrace.store.objects.history import ancestor_in_memory, chunks, skip_in_memory
 from kvtrace.store.recent import Recent
 from kvtrace.store.records import FsckReport
-from kvtrace.store.schema import blobs, steps
 
 _PAGE = 1000  # rows streamed and checked together
 _RECENT_STEPS = 50_000  # steps' links kept per generation (~10 MB)

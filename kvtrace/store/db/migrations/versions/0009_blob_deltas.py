@@ -5,7 +5,7 @@ Revises: 0008_binary_ids
 
 From this revision a blob may be kept with codec `zstd-delta` (a tool
 result quoted in the next prompt's message is kept as a delta against the
-result: kvtrace/store/codec.py, deltas.py). Nothing is rewritten for it;
+result: kvtrace/store/objects/codec.py, deltas.py). Nothing is rewritten for it;
 the revision exists so that an older kvtrace refuses the store (unknown
 revision) instead of failing on a codec it does not know at some read.
 

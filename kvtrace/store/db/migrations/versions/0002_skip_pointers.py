@@ -3,7 +3,7 @@
 Revision ID: 0002_skip_pointers
 Revises: 0001_initial
 
-Adds `steps.skip_id` and `steps.skip_depth` (see kvtrace/store/history.py) and
+Adds `steps.skip_id` and `steps.skip_depth` (see kvtrace/store/objects/history.py) and
 fills them for existing steps, root first. Filling them is the one UPDATE the
 store ever runs on `steps`, so the append-only trigger is lifted for it inside
 this migration's transaction and restored before it commits.
@@ -18,7 +18,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-from kvtrace.store.history import skip_in_memory
+from kvtrace.store.objects.history import skip_in_memory
 
 revision = "0002_skip_pointers"
 down_revision = "0001_initial"

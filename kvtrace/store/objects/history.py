@@ -19,9 +19,9 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from kvtrace.errors import IntegrityError, StepNotFoundError
-from kvtrace.store import bodies, codec, lists
+from kvtrace.store.db.schema import steps
+from kvtrace.store.objects import bodies, codec, lists
 from kvtrace.store.records import Growth, Step
-from kvtrace.store.schema import steps
 
 _IN_CHUNK = 500
 

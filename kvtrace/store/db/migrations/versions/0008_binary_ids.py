@@ -7,7 +7,7 @@ Revises: 0007_step_body_codecs
 `reflog.old_head`, `reflog.new_head` and `notes.step_id` become BLOB (SQLite)
 or bytea (PostgreSQL), each value the bytes its hex spelled: half the bytes
 in every row and index that holds an address. The code reads and writes hex
-as before (kvtrace/store/schema.py `Address`); no id, body or content
+as before (kvtrace/store/db/schema.py `Address`); no id, body or content
 changes.
 
 PostgreSQL converts each column in place (`ALTER COLUMN ... TYPE bytea USING

@@ -37,8 +37,8 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 
 from kvtrace.errors import ConflictError, RunPausedError, UsageError
-from kvtrace.store.backend import Prepared
-from kvtrace.store.schema import PAUSE_CONDITION, Address, reflog, refs
+from kvtrace.store.db.backend import Prepared
+from kvtrace.store.db.schema import PAUSE_CONDITION, Address, reflog, refs
 
 REASONS = ("create", "append", "batch", "fork", "revert", "reset", "import", "pause", "resume")
 NOTIFY_CHANNEL = "kvtrace_refs"

@@ -5,7 +5,7 @@ Revises: 0004_pause_index
 
 A NULL codec means `data` is the content itself, as every blob written
 before this revision is; `zstd` means a zstd frame of it (see
-kvtrace/store/codec.py). Addresses still hash the content, so no id
+kvtrace/store/objects/codec.py). Addresses still hash the content, so no id
 changes and nothing is rewritten. A kvtrace older than this revision refuses
 the store (an unknown revision) instead of reading a compressed blob as
 content.
