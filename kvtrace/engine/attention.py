@@ -32,37 +32,26 @@ chunk holds 1 or 64 real rows, and whether the kv length ends just after it
 or a tile later. The parity tests in tests/engine hold this line.
 
 Where torch's fused CPU kernel keeps a row's bits too (`flash_rows_hold`,
-probed at every load; it holds on this project's machines, torch 2.13),
-prefill attention goes through it instead (`_flash`: keys zero-padded to
-whole blocks of `FLASH_BLOCK`, an additive causal mask): no score matrix is
-written and read back, ~7 % off the fork workload's in-process rebuild on an
-AMX Xeon (docs/benchmarks.md, "the engine against vLLM"). The engine's fingerprint names
-which of the two computed its KV. The tiles below stay for where it does not.
+probed at every load), prefill attention goes through it instead (`_flash`:
+keys zero-padded to whole blocks of `FLASH_BLOCK`, an additive causal mask),
+so no score matrix is written and read back; the engine's fingerprint names
+which of the two computed its KV. The tiles stay for where it does not.
 
-Cost of the tiles: the same FLOPs as plain attention, plus a few temporary tensors of
-`kv_heads * tiles * rows * TILE` floats, read by four passes (the score
-product, the softmax, the value product, the fold); the softmax's one pass
-replaced separate max, subtract, exp and denominator passes: an attention
-call 7-15 % faster (docs/benchmarks.md). Those temporaries are
-bounded: a forward of more than `QUERY_BLOCK_ROWS` rows, or whose scores
-would pass `SCORE_BYTES`, is split into blocks of query rows (a multiple of
-16 each), each block attending to the keys up to its last row.
-That is the same computation as a prefill chunk ending there, which gives a
-row the same bits by the rules above (at 5k tokens of context a 430-row
-forward's scores alone would be ~80 MB per layer call). The row bound is
-for speed: a block's early rows no longer score the keys only its later
-rows see (a cold prefill's chunks of 512 rows attend ~20 % faster in
-blocks of 256, docs/benchmarks.md). The temporaries
-live in per-thread buffers kept from call to call (`scratch`), not in new
-allocations each layer. Decode steps (one
-query row per sequence, decode.py) go to `decode_attention.py` instead
-(torch's flash-attention kernel, a prompt's first part read once for the
-sequences that share it), each sequence's row over its own K/V, handed over
-by the step's `RowRouter` (the `ROUTER_KWARG` model argument): their KV is
-not canonical
-and is never stored (see generation.py), and the cached and uncached paths,
-alone or batched, decode identically from identical KV, so greedy tokens
-still match bit for bit.
+The tiles cost the FLOPs of plain attention plus temporaries of
+`kv_heads * tiles * rows * TILE` floats. They are bounded: a forward of more
+than `QUERY_BLOCK_ROWS` rows, or whose scores would pass `SCORE_BYTES`, is
+split into blocks of query rows (a multiple of 16 each), each attending to
+the keys up to its last row: the computation of a prefill chunk ending there,
+so a row keeps its bits by the rules above. They live in per-thread buffers
+kept from call to call (`scratch`). What each choice saved is measured in
+docs/benchmarks.md.
+
+Decode steps (one query row per sequence, decode.py) go to
+`decode_attention.py` (torch's flash kernel, a shared prompt's keys read
+once), routed by the step's `RowRouter` (the `ROUTER_KWARG` model argument).
+Decoded KV is never stored (generation.py), and the cached and uncached
+paths, alone or batched, decode identically from identical KV, so greedy
+tokens still match bit for bit.
 """
 
 from __future__ import annotations
