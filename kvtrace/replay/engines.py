@@ -42,10 +42,14 @@ from typing import Any
 import httpx
 
 from kvtrace.errors import EngineRefusedError
+from kvtrace.replay.retry import Attempts, RetryPolicy
 
 _PROBE = [{"role": "user", "content": "hi"}]
 _RESETS = ("/reset_prefix_cache", "/flush_cache")  # vLLM's (dev mode), SGLang's
 _TIMEOUT_S = 60.0  # per request: an endpoint that hangs must not hold a replay for long
+# A question that fails in a way that may pass (a dropped connection, a 503) is asked again:
+# an engine still starting, or busy, must not leave a whole replay counted in other tokens.
+_RETRY = RetryPolicy(max_attempts=3, base_delay_s=0.25, max_delay_s=5.0)
 # Renderings kept (least recently used dropped): a replay asks for each call's a few times
 # in a row, and many runs at once interleave theirs.
 _MEMO_SIZE = 1024
@@ -223,7 +227,7 @@ def engine_block_size(client: httpx.Client, root: str) -> tuple[int, str] | None
     """The engine's KV block size (its prefix cache reuses whole blocks) and where it was
     read: vLLM's /metrics, SGLang's /get_server_info; None when the engine does not say."""
     try:
-        response = client.get(f"{root}/metrics", timeout=_TIMEOUT_S)
+        response = _ask(client, "GET", f"{root}/metrics")
         if response.status_code == 200:
             for name, labels, _ in _samples(response.text):
                 if name == "vllm:cache_config_info" and labels.get("block_size", "").isdigit():
@@ -231,7 +235,7 @@ def engine_block_size(client: httpx.Client, root: str) -> tuple[int, str] | None
     except httpx.HTTPError:
         pass
     try:
-        response = client.get(f"{root}/get_server_info", timeout=_TIMEOUT_S)
+        response = _ask(client, "GET", f"{root}/get_server_info")
         page = json_object(response).get("page_size") if response.status_code == 200 else None
         if isinstance(page, int) and page > 0:
             return page, "its /get_server_info"
@@ -246,7 +250,7 @@ def reset_cache(client: httpx.Client, root: str) -> str:
     answers = []
     for path in _RESETS:
         try:
-            response = client.post(f"{root}{path}", timeout=_TIMEOUT_S)
+            response = _ask(client, "POST", f"{root}{path}")
         except httpx.HTTPError as exc:
             answers.append(f"{path}: {type(exc).__name__}")
             continue
@@ -265,7 +269,7 @@ def read_counters(client: httpx.Client, root: str) -> dict[str, int] | None:
     """vLLM's prefix-cache counters (`COUNTERS`), each summed over its labels; None when the
     engine has no such metrics."""
     try:
-        response = client.get(f"{root}/metrics", timeout=_TIMEOUT_S)
+        response = _ask(client, "GET", f"{root}/metrics")
     except httpx.HTTPError:
         return None
     if response.status_code != 200:
@@ -290,7 +294,7 @@ def _erase_slots(client: httpx.Client, root: str) -> str:
     """llama.cpp's server: erase every slot it lists; the endpoint, or EngineRefusedError
     with what it answered (it erases only when started with `--slot-save-path`)."""
     try:
-        response = client.get(f"{root}/slots", timeout=_TIMEOUT_S)
+        response = _ask(client, "GET", f"{root}/slots")
         slots = response.json() if response.status_code == 200 else None
     except (httpx.HTTPError, ValueError):
         slots = None
@@ -301,8 +305,8 @@ def _erase_slots(client: httpx.Client, root: str) -> str:
         if not isinstance(slot_id, int):
             raise EngineRefusedError("/slots: a slot without an id")
         try:
-            answer = client.post(f"{root}/slots/{slot_id}", params={"action": "erase"},
-                                 timeout=_TIMEOUT_S)
+            answer = _ask(client, "POST", f"{root}/slots/{slot_id}",
+                          params={"action": "erase"})
         except httpx.HTTPError as exc:
             raise EngineRefusedError(f"/slots/{slot_id}?action=erase: {exc}") from exc
         if answer.status_code >= 400:
@@ -327,9 +331,16 @@ def _samples(text: str) -> list[tuple[str, dict[str, str], float]]:
     return samples
 
 
+def _ask(client: httpx.Client, method: str, url: str, **options: Any) -> httpx.Response:
+    """One request to the engine, sent again while it fails in a way that may pass
+    (`_RETRY`, by retry.py's rules); the last answer, or the last transport error."""
+    return Attempts(_RETRY).send(
+        lambda: client.request(method, url, timeout=_TIMEOUT_S, **options))
+
+
 def _post(client: httpx.Client, url: str, body: dict[str, Any]) -> dict[str, Any]:
     try:
-        response = client.post(url, json=body, timeout=_TIMEOUT_S)
+        response = _ask(client, "POST", url, json=body)
     except httpx.HTTPError as exc:
         raise EngineRefusedError(f"{url}: {type(exc).__name__}: {exc}") from exc
     if response.status_code >= 400:

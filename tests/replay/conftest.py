@@ -110,11 +110,13 @@ class StandInServer:
         engine: str | None = None,
         page_size: int = 1,
         erase_status: int = 200,
+        busy_first: int = 0,
     ) -> None:
         self.tokenizer = ByteTokenizer()
         self.engine = engine  # None: chat completions only; else ENGINE_SHAPES' endpoints
         self.page_size = page_size  # its cache reuses whole pages of this many tokens
         self.erase_status = erase_status  # llama.cpp: 501 without --slot-save-path
+        self.busy_first = busy_first  # engine endpoint requests answered 503 first (warming up)
         self.num_resets = 0
         self.answer = answer
         self.reports_cached = reports_cached
@@ -249,6 +251,9 @@ class StandInServer:
         completions, as that engine answers them; None: no such route (a 404)."""
         if self.engine is None:
             return None
+        if self.busy_first > 0:
+            self.busy_first -= 1
+            return 503, {"error": {"message": "loading"}}
         route = (method, path.split("?")[0])
         if self.engine == "sglang":  # /tokenize of text only; a page size; /flush_cache
             if route == ("POST", "/tokenize"):

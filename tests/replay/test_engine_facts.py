@@ -109,6 +109,15 @@ def test_llama_cpp_shape_renders_with_its_template_and_erases_every_slot(
     assert not report.notes
 
 
+def test_an_engine_busy_at_first_is_asked_again_for_its_tokens(replay_store, stand_in_server):
+    _record(replay_store)
+    server = stand_in_server(_answer, engine="llama.cpp", busy_first=2)  # two 503s first
+    report = replay(replay_store, "r", RemoteBackend(server.url), mode="verify")
+    assert server.busy_first == 0
+    assert report.engine.tokens.startswith("the engine's own tokens (/apply-template")
+    assert report.is_match is True and not report.notes
+
+
 def test_kvtrace_serve_tokens_a_given_block_size_and_a_refused_reset(
     replay_store, tiny_engine, kvtrace_serve, tmp_path
 ):
