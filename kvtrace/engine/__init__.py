@@ -58,14 +58,16 @@ _HOMES = {
 _HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
 
 
-def __getattr__(name: str) -> Any:
-    """A public name, imported from its module (and torch with it) on first use."""
-    module = _HOME_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module 'kvtrace.engine' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+if not TYPE_CHECKING:  # mypy reads the imports above, so a misspelled name stays an error
+
+    def __getattr__(name: str) -> Any:
+        """A public name, imported from its module (and torch with it) on first use."""
+        module = _HOME_OF.get(name)
+        if module is None:
+            raise AttributeError(f"module 'kvtrace.engine' has no attribute {name!r}")
+        value = getattr(importlib.import_module(module), name)
+        globals()[name] = value
+        return value
 
 
 __all__ = [

@@ -24,7 +24,10 @@ once, in a line the report carries, and the replay goes on with what it can meas
   engine's processes; a replay reports what they grew by.
 
 An engine's endpoints live at its root (the base URL less `/v1`). Every request here has a
-timeout of its own (60 s), shorter than a chat call's.
+timeout of its own (60 s), shorter than a chat call's, and is sent again under the caller's
+retry policy (retry.py; a remote backend passes its own, so `--retries 0` asks once): an
+engine still loading answers 503 for a while, and a replay must not count in other tokens
+for it.
 """
 
 from __future__ import annotations
@@ -47,9 +50,8 @@ from kvtrace.replay.retry import Attempts, RetryPolicy
 _PROBE = [{"role": "user", "content": "hi"}]
 _RESETS = ("/reset_prefix_cache", "/flush_cache")  # vLLM's (dev mode), SGLang's
 _TIMEOUT_S = 60.0  # per request: an endpoint that hangs must not hold a replay for long
-# A question that fails in a way that may pass (a dropped connection, a 503) is asked again:
-# an engine still starting, or busy, must not leave a whole replay counted in other tokens.
-_RETRY = RetryPolicy(max_attempts=3, base_delay_s=0.25, max_delay_s=5.0)
+# The policy where a caller names none (peer benchmarks, `analyze --backend`).
+ENGINE_RETRY = RetryPolicy(max_attempts=3, base_delay_s=0.25, max_delay_s=5.0)
 # Renderings kept (least recently used dropped): a replay asks for each call's a few times
 # in a row, and many runs at once interleave theirs.
 _MEMO_SIZE = 1024
@@ -99,8 +101,9 @@ class ServerTokenizer:
     """
 
     def __init__(self, client: httpx.Client, root: str, model: str | None, *,
-                 llama_cpp: bool = False) -> None:
+                 llama_cpp: bool = False, retry: RetryPolicy = ENGINE_RETRY) -> None:
         self._client = client
+        self._retry = retry
         self._root = root
         self._model = model
         self._llama_cpp = llama_cpp
@@ -166,7 +169,7 @@ class ServerTokenizer:
         """The text of `ids`, as the engine decodes them ("" where it cannot say)."""
         path = "/detokenize"
         try:
-            data = _post(self._client, f"{self._root}{path}", {"tokens": list(ids)}
+            data = _post(self._client, self._retry, f"{self._root}{path}", {"tokens": list(ids)}
                          | ({"model": self._model} if self._model else {}))
         except EngineRefusedError:
             return ""
@@ -174,7 +177,7 @@ class ServerTokenizer:
         return text if isinstance(text, str) else ""
 
     def _tokens(self, body: dict[str, Any]) -> list[int]:
-        data = _post(self._client, f"{self._root}/tokenize", body)
+        data = _post(self._client, self._retry, f"{self._root}/tokenize", body)
         if isinstance(data.get("max_model_len"), int):
             self.max_context_tokens = data["max_model_len"]
         return _ids(data, "tokens", f"{self._root}/tokenize")
@@ -183,18 +186,19 @@ class ServerTokenizer:
         """llama.cpp's /apply-template always adds the generation prompt: an output's tokens
         then end with the next turn's opening, which the next prompt shares up to its role,
         so the oracle's shared prefixes come out the same."""
-        rendered = _post(self._client, f"{self._root}/apply-template",
+        rendered = _post(self._client, self._retry, f"{self._root}/apply-template",
                          {"messages": body["messages"]} | (
                              {"tools": body["tools"]} if "tools" in body else {}))
         prompt = rendered.get("prompt")
         if not isinstance(prompt, str):
             raise EngineRefusedError(f"{self._root}/apply-template answered without a prompt")
-        data = _post(self._client, f"{self._root}/tokenize",
+        data = _post(self._client, self._retry, f"{self._root}/tokenize",
                      {"content": prompt, "add_special": True, "parse_special": True})
         return _ids(data, "tokens", f"{self._root}/tokenize")
 
 
-def probe_tokenizer(client: httpx.Client, root: str, model: str | None
+def probe_tokenizer(client: httpx.Client, root: str, model: str | None, *,
+                    retry: RetryPolicy = ENGINE_RETRY
                     ) -> tuple[ServerTokenizer | None, str | None]:
     """The engine's tokenizer for chat messages, or None and why not (one line).
 
@@ -204,7 +208,7 @@ def probe_tokenizer(client: httpx.Client, root: str, model: str | None
     """
     reasons = []
     for llama_cpp in (False, True):
-        tokenizer = ServerTokenizer(client, root, model, llama_cpp=llama_cpp)
+        tokenizer = ServerTokenizer(client, root, model, llama_cpp=llama_cpp, retry=retry)
         try:
             if tokenizer.chat_tokens(_PROBE):
                 return tokenizer, None
@@ -223,11 +227,12 @@ def engine_tokenizer(client: httpx.Client, base_url: str) -> ServerTokenizer:
     return tokenizer
 
 
-def engine_block_size(client: httpx.Client, root: str) -> tuple[int, str] | None:
+def engine_block_size(client: httpx.Client, root: str, *, retry: RetryPolicy = ENGINE_RETRY
+                      ) -> tuple[int, str] | None:
     """The engine's KV block size (its prefix cache reuses whole blocks) and where it was
     read: vLLM's /metrics, SGLang's /get_server_info; None when the engine does not say."""
     try:
-        response = _ask(client, "GET", f"{root}/metrics")
+        response = _ask(client, retry, "GET", f"{root}/metrics")
         if response.status_code == 200:
             for name, labels, _ in _samples(response.text):
                 if name == "vllm:cache_config_info" and labels.get("block_size", "").isdigit():
@@ -235,7 +240,7 @@ def engine_block_size(client: httpx.Client, root: str) -> tuple[int, str] | None
     except httpx.HTTPError:
         pass
     try:
-        response = _ask(client, "GET", f"{root}/get_server_info")
+        response = _ask(client, retry, "GET", f"{root}/get_server_info")
         page = json_object(response).get("page_size") if response.status_code == 200 else None
         if isinstance(page, int) and page > 0:
             return page, "its /get_server_info"
@@ -244,13 +249,13 @@ def engine_block_size(client: httpx.Client, root: str) -> tuple[int, str] | None
     return None
 
 
-def reset_cache(client: httpx.Client, root: str) -> str:
+def reset_cache(client: httpx.Client, root: str, *, retry: RetryPolicy = ENGINE_RETRY) -> str:
     """Empty the engine's prefix cache; the endpoint that did it. EngineRefusedError when none did,
     naming what each answered (vLLM's needs its server in dev mode)."""
     answers = []
     for path in _RESETS:
         try:
-            response = _ask(client, "POST", f"{root}{path}")
+            response = _ask(client, retry, "POST", f"{root}{path}")
         except httpx.HTTPError as exc:
             answers.append(f"{path}: {type(exc).__name__}")
             continue
@@ -258,18 +263,19 @@ def reset_cache(client: httpx.Client, root: str) -> str:
             return path
         answers.append(f"{path}: HTTP {response.status_code}")
     try:
-        return _erase_slots(client, root)
+        return _erase_slots(client, root, retry)
     except EngineRefusedError as exc:
         answers.append(str(exc))
     raise EngineRefusedError(f"the engine's cache could not be emptied ({', '.join(answers)}); "
                         "vLLM resets only with VLLM_SERVER_DEV_MODE=1 set on its server")
 
 
-def read_counters(client: httpx.Client, root: str) -> dict[str, int] | None:
+def read_counters(client: httpx.Client, root: str, *, retry: RetryPolicy = ENGINE_RETRY
+                  ) -> dict[str, int] | None:
     """vLLM's prefix-cache counters (`COUNTERS`), each summed over its labels; None when the
     engine has no such metrics."""
     try:
-        response = _ask(client, "GET", f"{root}/metrics")
+        response = _ask(client, retry, "GET", f"{root}/metrics")
     except httpx.HTTPError:
         return None
     if response.status_code != 200:
@@ -290,11 +296,11 @@ def counters_grown(before: Mapping[str, int] | None, after: Mapping[str, int] | 
     return {key: after[key] - before.get(key, 0) for key in after}
 
 
-def _erase_slots(client: httpx.Client, root: str) -> str:
+def _erase_slots(client: httpx.Client, root: str, retry: RetryPolicy) -> str:
     """llama.cpp's server: erase every slot it lists; the endpoint, or EngineRefusedError
     with what it answered (it erases only when started with `--slot-save-path`)."""
     try:
-        response = _ask(client, "GET", f"{root}/slots")
+        response = _ask(client, retry, "GET", f"{root}/slots")
         slots = response.json() if response.status_code == 200 else None
     except (httpx.HTTPError, ValueError):
         slots = None
@@ -305,7 +311,7 @@ def _erase_slots(client: httpx.Client, root: str) -> str:
         if not isinstance(slot_id, int):
             raise EngineRefusedError("/slots: a slot without an id")
         try:
-            answer = _ask(client, "POST", f"{root}/slots/{slot_id}",
+            answer = _ask(client, retry, "POST", f"{root}/slots/{slot_id}",
                           params={"action": "erase"})
         except httpx.HTTPError as exc:
             raise EngineRefusedError(f"/slots/{slot_id}?action=erase: {exc}") from exc
@@ -331,16 +337,18 @@ def _samples(text: str) -> list[tuple[str, dict[str, str], float]]:
     return samples
 
 
-def _ask(client: httpx.Client, method: str, url: str, **options: Any) -> httpx.Response:
-    """One request to the engine, sent again while it fails in a way that may pass
-    (`_RETRY`, by retry.py's rules); the last answer, or the last transport error."""
-    return Attempts(_RETRY).send(
+def _ask(client: httpx.Client, retry: RetryPolicy, method: str, url: str,
+         **options: Any) -> httpx.Response:
+    """One request to the engine, sent again while it fails in a way that may pass (by
+    retry.py's rules); the last answer, or the last transport error."""
+    return Attempts(retry).send(
         lambda: client.request(method, url, timeout=_TIMEOUT_S, **options))
 
 
-def _post(client: httpx.Client, url: str, body: dict[str, Any]) -> dict[str, Any]:
+def _post(client: httpx.Client, retry: RetryPolicy, url: str, body: dict[str, Any]
+          ) -> dict[str, Any]:
     try:
-        response = _ask(client, "POST", url, json=body)
+        response = _ask(client, retry, "POST", url, json=body)
     except httpx.HTTPError as exc:
         raise EngineRefusedError(f"{url}: {type(exc).__name__}: {exc}") from exc
     if response.status_code >= 400:

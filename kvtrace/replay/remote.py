@@ -22,7 +22,8 @@ names the URL, the attempts made and what to check.
 What the engine says of itself beyond chat completions (engines.py) is asked
 once, at first need: its own token ids for the oracle (preferred over
 `tokenizer`, which is the fallback), the block size its cache reuses whole,
-and its cache counters. What it could not say becomes a note of the report.
+and its cache counters, each request sent again under the same retry policy. What it
+could not say becomes a note of the report.
 """
 
 from __future__ import annotations
@@ -115,12 +116,12 @@ class RemoteBackend:
 
     def engine_counters(self) -> dict[str, int] | None:
         """The engine's prefix-cache counters now (engines.read_counters; None: it has none)."""
-        return read_counters(self._client, server_root(self._base_url))
+        return read_counters(self._client, server_root(self._base_url), retry=self._retry)
 
     def reset_cache(self) -> str:
         """Empty the engine's prefix cache, so a replay starts cold; the endpoint that did.
         BackendError, saying what the engine answered, where it has no reset."""
-        return reset_cache(self._client, server_root(self._base_url))
+        return reset_cache(self._client, server_root(self._base_url), retry=self._retry)
 
     @property
     def is_concurrent(self) -> bool:
@@ -231,7 +232,8 @@ class RemoteBackend:
     def _learn(self) -> EngineFacts:
         root = server_root(self._base_url)
         notes = []
-        engine_tokenizer, why = (probe_tokenizer(self._client, root, self._model)
+        engine_tokenizer, why = (probe_tokenizer(self._client, root, self._model,
+                                                 retry=self._retry)
                                  if self._engine_tokens else (None, None))
         fallback = getattr(self._tokenizer, "name", "the tokenizer given")
         if engine_tokenizer is not None:
@@ -247,7 +249,8 @@ class RemoteBackend:
             if why is not None:
                 notes.append(f"{why}: no oracle bound (pass --tokenizer, the engine's model "
                              "folder)")
-        named = engine_block_size(self._client, root) if self._block_size is None else None
+        named = (engine_block_size(self._client, root, retry=self._retry)
+                 if self._block_size is None else None)
         size, source = ((self._block_size, "--engine-block-size") if self._block_size else
                         named or (1, "unknown: counted token by token"))
         return EngineFacts(tokens, size, source, tuple(notes))

@@ -15,6 +15,7 @@ from kvtrace.cli import main
 from kvtrace.errors import UsageError
 from kvtrace.replay import RemoteBackend, replay
 from kvtrace.replay.engines import counters_grown, read_counters
+from kvtrace.replay.retry import NO_RETRY
 
 SYSTEM = "You are terse. " * 6
 
@@ -116,6 +117,15 @@ def test_an_engine_busy_at_first_is_asked_again_for_its_tokens(replay_store, sta
     assert server.busy_first == 0
     assert report.engine.tokens.startswith("the engine's own tokens (/apply-template")
     assert report.is_match is True and not report.notes
+
+
+def test_a_backend_without_retries_asks_the_engine_once(replay_store, stand_in_server):
+    _record(replay_store)
+    server = stand_in_server(_answer, engine="llama.cpp", busy_first=2)
+    report = replay(replay_store, "r", RemoteBackend(server.url, retry=NO_RETRY), mode="verify")
+    assert server.busy_first == 0  # /tokenize and /apply-template, once each
+    assert report.engine.tokens is None
+    assert any("503" in note and "no oracle bound" in note for note in report.notes)
 
 
 def test_kvtrace_serve_tokens_a_given_block_size_and_a_refused_reset(

@@ -119,7 +119,6 @@ def test_count_tokens_is_the_rendered_prompt_s_length_and_records_nothing(
     assert sqlite_store.runs() == []
 
 
-
 def test_a_run_recorded_by_the_server_replays_offline_through_replay_transport(
     store, serve_local
 ):
@@ -269,7 +268,6 @@ def test_the_default_model_calls_a_tool_and_the_sdk_gets_tool_use_blocks(sqlite_
 # -- upstream mode -----------------------------------------------------------------------------
 
 
-
 def test_upstream_messages_calls_become_model_call_steps(store, canned_apis, serve_upstream):
     proxy = serve_upstream(store, canned_apis.url, run="captured")
     sdk = client(proxy)
@@ -284,7 +282,6 @@ def test_upstream_messages_calls_become_model_call_steps(store, canned_apis, ser
     assert calls[1].response["tool_calls"][0]["function"]["arguments"] == '{"city": "Oslo"}'
 
 
-
 def test_with_its_own_key_the_server_sends_the_upstream_key_as_x_api_key(
     sqlite_store, canned_apis, serve_upstream
 ):
@@ -294,7 +291,6 @@ def test_with_its_own_key_the_server_sends_the_upstream_key_as_x_api_key(
     headers = canned_apis.seen[-1]["headers"]
     assert headers["x-api-key"] == "sk-ant-upstream"
     assert SERVER_KEY not in json.dumps(headers)  # the server's own key is not forwarded
-
 
 
 def test_a_stalled_upstream_stream_ends_with_an_error_event_the_sdk_raises(

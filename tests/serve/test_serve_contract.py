@@ -60,6 +60,9 @@ class Dialect:
     canned: str  # the canned upstream's fixture, and the bytes it answers with
     canned_plain: bytes
     canned_stream: list[bytes]
+    # A tool result that answers no call, and what the refusal says; None where the API
+    # has no such rule (chat completions take a tool message as it comes)
+    orphan: tuple[dict[str, Any], str] | None = None
 
     def request(self, tokens: int) -> dict[str, Any]:
         return self.ask(QUESTION, tokens)
@@ -134,7 +137,9 @@ DIALECTS = [
                                                     timeout=timeout),
         anthropic.APITimeoutError,
         lambda body: body["error"]["message"] if body.get("type") == "error" else "",
-        _messages_turn, "x-api-key", "canned_apis", CANNED_MESSAGE, CANNED_MESSAGE_STREAM),
+        _messages_turn, "x-api-key", "canned_apis", CANNED_MESSAGE, CANNED_MESSAGE_STREAM,
+        ({"model": ASKED, "max_tokens": 5, "messages": [{"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_x"}]}]}, "answers no tool_use")),
     Dialect(
         "responses", ProviderApi.OPENAI_RESPONSES, "/responses",
         lambda text, n: {"model": ASKED, "max_output_tokens": n, "input": text},
@@ -145,7 +150,11 @@ DIALECTS = [
                                               max_retries=0, timeout=timeout),
         openai.APITimeoutError,
         lambda body: body["error"]["message"],
-        _responses_turn, "authorization", "canned_apis", CANNED_RESPONSE, CANNED_RESPONSE_STREAM),
+        _responses_turn, "authorization", "canned_apis", CANNED_RESPONSE, CANNED_RESPONSE_STREAM,
+        ({"model": ASKED, "input": [
+            {"role": "user", "content": "Say hi."},
+            {"type": "function_call_output", "call_id": "call_1", "output": "a greeting"}]},
+         "no function call made before it")),
 ]
 BY_NAME = pytest.mark.parametrize("dialect", DIALECTS, ids=[d.name for d in DIALECTS])
 
@@ -254,6 +263,7 @@ def test_upstream_answers_come_back_byte_for_byte_and_are_recorded_without_the_k
     with httpx.stream("POST", proxy.url + dialect.path, json={**body, "stream": True}) as reply:
         assert reply.headers["content-type"].startswith("text/event-stream")
         received = b"".join(reply.iter_raw())
+        assert len(store.path("proxied")) == 2  # recorded before its last event was passed on
     assert received == b"".join(dialect.canned_stream)
     steps = store.path("proxied")
     assert [ModelCall(step).api for step in steps] == [dialect.api, dialect.api]
@@ -273,8 +283,10 @@ def test_upstream_mode_refuses_a_bad_request_before_forwarding_it(
     body = dialect.request(4)
     field = "input" if dialect.api is ProviderApi.OPENAI_RESPONSES else "messages"
     body[field] = 42
-    reply = httpx.post(proxy.url + dialect.path, json=body)
-    assert reply.status_code == 400 and field in dialect.error_message(reply.json())
+    refusals = [(body, field), *([dialect.orphan] if dialect.orphan else [])]
+    for bad, says in refusals:
+        reply = httpx.post(proxy.url + dialect.path, json=bad)
+        assert reply.status_code == 400 and says in dialect.error_message(reply.json())
     assert canned.seen == [] and sqlite_store.runs() == []
 
 
@@ -285,9 +297,10 @@ def test_an_upstream_stream_the_client_drops_is_closed_and_recorded_incomplete(
     canned = request.getfixturevalue(dialect.canned)
     proxy = serve_upstream(store, canned.url, run="mid-way")
     body = {**dialect.ask("hang", 5), "stream": True}
+    first_line = dialect.canned_stream[0].decode().split("\n")[0]
     with httpx.stream("POST", proxy.url + dialect.path, json=body, timeout=30) as reply:
         assert reply.status_code == 200
-        assert next(reply.iter_lines())  # the first event arrived; the client leaves
+        assert next(reply.iter_lines()) == first_line  # it arrived; the client leaves
     deadline = time.monotonic() + 10
     # the run's step, not only its name (PostgreSQL may show the name first)
     while canned.abandoned != ["/v1" + dialect.path] or not (

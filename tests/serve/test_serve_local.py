@@ -82,7 +82,6 @@ def test_a_second_request_sharing_a_prefix_reports_the_reused_tokens_as_cached(
     assert second.usage.prompt_tokens_details.cached_tokens == expected
 
 
-
 def test_no_blob_holds_the_bearer_token_or_api_keys(sqlite_store, serve_local, tiny_engine,
                                                     tmp_path):
     server = serve_local(sqlite_store, run="secrets", api_key=SERVER_KEY,

@@ -100,7 +100,6 @@ def test_plain_streamed_and_tool_requests_are_answered_in_the_responses_shape_an
     assert len(calls[2].output_ids or []) == tooled.usage.output_tokens
 
 
-
 def test_a_run_recorded_by_the_server_replays_offline_through_replay_transport(
     store, serve_local
 ):
@@ -226,7 +225,6 @@ def test_upstream_mode_answers_the_websocket_426_itself(sqlite_store, canned_api
 # -- upstream mode -----------------------------------------------------------------------------
 
 
-
 def test_upstream_responses_calls_become_model_call_steps(store, canned_apis, serve_upstream):
     proxy = serve_upstream(store, canned_apis.url, run="captured")
     sdk = client(proxy)
@@ -236,7 +234,6 @@ def test_upstream_responses_calls_become_model_call_steps(store, canned_apis, se
     assert [call.api for call in calls] == [ProviderApi.OPENAI_RESPONSES] * 2
     assert [call.response["content"] for call in calls] == ["It is sunny."] * 2
     assert calls[0].usage.cached_tokens == 40 and calls[0].usage.prompt_tokens == 50
-
 
 
 def test_upstream_mode_forwards_a_continuation_whose_calls_the_upstream_keeps(

@@ -70,7 +70,6 @@ def test_an_upstream_4xx_comes_back_unchanged_and_records_nothing(
     assert sqlite_store.runs() == []
 
 
-
 def test_other_endpoints_are_forwarded_and_recorded_as_http_steps(
     store, canned_upstream, serve_upstream
 ):
