@@ -8,6 +8,8 @@ pointed at its server by `OPENAI_BASE_URL`, as `kvtrace record` points an
 unchanged agent), so it imports nothing heavier than httpx:
 
     python -m kvtrace.bench.fork_agent --calls 10 --max-tokens 96 --temperature 0.8
+
+`--tool-seconds S`: each tool call also takes S seconds, as real agents' do.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -41,9 +44,11 @@ def write_note(folder: Path, text: str) -> str:
 
 
 def run_agent(url: str, folder: Path, *, calls: int, model: str = "gpt-4o-mini",
-              max_tokens: int = 24, temperature: float = 0.0) -> int:
+              max_tokens: int = 24, temperature: float = 0.0, tool_seconds: float = 0.0) -> int:
     """The agent against `url` (a base URL with /v1); returns the completion tokens it was
-    sent. Sampled when `temperature` > 0, sending no seed (the server chooses)."""
+    sent. Sampled when `temperature` > 0, sending no seed (the server chooses). Each tool
+    call takes `tool_seconds` more, as a real agent's tools do (running tests, reading
+    files): the time a fork's recorded prefix spends outside the model."""
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": SYSTEM},
         {"role": "user", "content": "Write the first note about the sea."}]
@@ -58,6 +63,7 @@ def run_agent(url: str, folder: Path, *, calls: int, model: str = "gpt-4o-mini",
             completion_tokens += answer.get("usage", {}).get("completion_tokens", 0)
             text = answer["choices"][0]["message"].get("content") or ""
             call_id = f"call_{turn}"
+            time.sleep(tool_seconds)
             messages += [
                 {"role": "assistant", "content": None, "tool_calls": [{
                     "id": call_id, "type": "function", "function": {
@@ -73,9 +79,11 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--model", default="gpt-4o-mini")
+    parser.add_argument("--tool-seconds", type=float, default=0.0)
     args = parser.parse_args()
     run_agent(os.environ["OPENAI_BASE_URL"], Path.cwd(), calls=args.calls, model=args.model,
-              max_tokens=args.max_tokens, temperature=args.temperature)
+              max_tokens=args.max_tokens, temperature=args.temperature,
+              tool_seconds=args.tool_seconds)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ that any model name is answered by the local model (unless --strict-model)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import sys
 from pathlib import Path
@@ -81,11 +82,12 @@ def chat_server(store: Store, *, upstream: str | None, model: str | None, run: s
                 seed: int | None = None, workdir: str | None = None,
                 dtype: Precision = Precision.AUTO, models: list[str] | None = None
                 ) -> ChatServer:
-    """Check the options (before any model loads), then build the server; with `from_run`,
-    warm the local engine's KV with the recorded prefix first (fromrun.py); with
-    `num_agents`, for that many copies of the agent (agents.py), answered by `models` in
-    turn when given (models.py)."""
-    from kvtrace.serve import make_server
+    """Check the options (before any model loads), then build the server, whose local
+    models load in the background (`_load_backend`; with `from_run`, each warmed with the
+    recorded prefix before its first live answer); with `num_agents`, for that many copies
+    of the agent (agents.py), answered by `models` in turn when given (models.py). The
+    caller waits for the load with `wait_loaded` (its errors are the load's)."""
+    from kvtrace.serve import BackendLoad, make_server
     from kvtrace.serve.app import check_api_key
     from kvtrace.serve.recording import new_run_name
 
@@ -128,41 +130,53 @@ def chat_server(store: Store, *, upstream: str | None, model: str | None, run: s
     run = validate_run_name(run) if run is not None else new_run_name(store, run_prefix)
     if from_run is not None:
         store.path(from_run)  # an unknown RUN@K fails here, before any model loads
-    backends: list[LocalBackend] = []
+    loads: list[BackendLoad] = []
     if upstream is None:
-        from kvtrace.replay import open_local_backend
+        from kvtrace.engine.folders import model_name
 
         names: list[str | None] = list(models) if models else [model]
-        for name in names:
-            # Loaded on the engine thread that will decode (DecodeBatcher.loading).
-            backends.append(open_local_backend(name, cache_dir=default_cache_dir(),
-                                               batching=True, dtype=dtype.value))
-            layout = backends[-1].engine.layout
-            if not layout.is_plain:  # which cache each layer keeps, and where hits resume
-                say(f"kvtrace {command}: {backends[-1].engine.name}: {layout.describe()}; "
-                    "cache hits resume at block boundaries", err=True)
-    named = [backend.engine.name for backend in backends]
+        root = default_cache_dir()
+        loads = [BackendLoad(model_name(name, root), functools.partial(
+            _load_backend, store, name, dtype=dtype, from_run=from_run, command=command,
+            named=len(names) > 1)) for name in names]
+    named = [load.model for load in loads]
     if len(set(named)) < len(named):
-        for backend in backends:
-            backend.close()
         raise UsageError(f"--models: two models are named alike ({', '.join(named)}): the "
                          "report tells them apart by name; give folders named differently")
-    server = make_server(backend=backends or None, upstream=upstream,
-                         upstream_models=models if upstream is not None and models else (),
-                         store=store, run=run,
-                         api_key=api_key, upstream_api_key=upstream_api_key,
-                         redact_headers=redact_headers, max_queue=max_queue,
-                         max_body_bytes=max_body_bytes, upstream_timeout=upstream_timeout,
-                         strict_model=strict_model, from_run=from_run, edit=changes,
-                         agents=agents)
-    if from_run is not None:
-        from kvtrace.serve.fromrun import warm
+    # The models load on threads of their own while the server answers (serve/loading.py).
+    return make_server(backend=loads or None, upstream=upstream,
+                       upstream_models=models if upstream is not None and models else (),
+                       store=store, run=run,
+                       api_key=api_key, upstream_api_key=upstream_api_key,
+                       redact_headers=redact_headers, max_queue=max_queue,
+                       max_body_bytes=max_body_bytes, upstream_timeout=upstream_timeout,
+                       strict_model=strict_model, from_run=from_run, edit=changes,
+                       agents=agents)
 
-        for backend in backends:
+
+def _load_backend(store: Store, name: str | None, *, dtype: Precision, from_run: str | None,
+                  command: str, named: bool) -> LocalBackend:
+    """One local model, loaded on the engine thread that will decode (DecodeBatcher.loading);
+    with `from_run`, its KV warmed with the recorded prefix (fromrun.py) before any live
+    call is answered. `named`: the lines name the model (several answer)."""
+    from kvtrace.replay import open_local_backend
+    from kvtrace.serve.fromrun import warm
+
+    backend = open_local_backend(name, cache_dir=default_cache_dir(), batching=True,
+                                 dtype=dtype.value)
+    try:
+        layout = backend.engine.layout
+        if not layout.is_plain:  # which cache each layer keeps, and where hits resume
+            say(f"kvtrace {command}: {backend.engine.name}: {layout.describe()}; cache hits "
+                "resume at block boundaries", err=True)
+        if from_run is not None:
             tokens = warm(store, from_run, backend)
             say(f"kvtrace {command}: the KV of {from_run}'s {tokens:,} prompt tokens is warm"
-                + (f" in {backend.engine.name}" if len(backends) > 1 else ""), err=True)
-    return server
+                + (f" in {backend.engine.name}" if named else ""), err=True)
+    except BaseException:
+        backend.close()
+        raise
+    return backend
 
 
 def _check_models(models: list[str], *, model: str | None, num_agents: int | None,
@@ -243,6 +257,7 @@ def serve_command(
     """A server for the OpenAI chat, Anthropic Messages and OpenAI Responses APIs that records
     every call into a run (see docs/serve.md)."""
     from kvtrace.serve import BackgroundServer
+    from kvtrace.serve.loading import wait_loaded
 
     check_listening(host, port, api_key, env=API_KEY_ENV, what="server")
     with open_store(store_url(ctx)) as store:
@@ -256,6 +271,13 @@ def serve_command(
         say(f"kvtrace serve: {running.url} ({server.answerer.description}), recording into run "
             f"'{server.default_run}' of {store.display_url}; Ctrl-C stops", err=True)
         say_model_rule(server, "serve")
+        try:
+            wait_loaded(server.answerer)  # the models load meanwhile (serve/loading.py)
+        except BaseException:
+            running.stop()
+            raise
+        if server.answerer.model is not None:
+            say(f"kvtrace serve: loaded: {server.answerer.description}", err=True)
         running.wait()
     faults = cache_faults(server)
     if as_json:

@@ -32,8 +32,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from kvtrace.errors import ModelNotFoundError, UsageError
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -58,6 +56,13 @@ def model_folder(
     if gguf is None:
         return target
     return convert_gguf(gguf, target, on_convert=on_convert)
+
+
+def model_name(name_or_path: str | os.PathLike[str] | None, root: Path) -> str:
+    """The name the engine of `name_or_path` has (its folder's), found without converting or
+    loading anything (nor importing torch): the server says it before the model loads
+    (serve/loading.py). ModelNotFoundError when there is no such model."""
+    return _gguf_source(name_or_path, root)[1].name
 
 
 def tokenizer_folder(
@@ -118,6 +123,7 @@ def convert_gguf(gguf_path: Path, target: Path, *, on_convert: OnConvert | None 
     """
 
     def read(folder: str, filename: str, tokenizer: Any) -> Callable[[Path], None]:
+        import torch
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(
@@ -261,6 +267,7 @@ def build_model_from_config(
 
     Seeded as `build_tiny_model`; the tokenizer is copied from `tokenizer_dir`.
     """
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)

@@ -39,6 +39,7 @@ from kvtrace.errors import UsageError
 from kvtrace.serve.agents import Agent
 from kvtrace.serve.answerer import Answerer
 from kvtrace.serve.app import DEFAULT_MAX_BODY_BYTES, ChatServer, check_api_key
+from kvtrace.serve.loading import BackendLoad, LoadingAnswerer
 from kvtrace.serve.models import ByAgent, ModelNamed
 from kvtrace.serve.recording import Recording, RunStats
 from kvtrace.serve.runner import BackgroundServer
@@ -50,12 +51,13 @@ if TYPE_CHECKING:
 
 DEFAULT_MAX_QUEUE = 16
 
-__all__ = ["Answerer", "BackgroundServer", "ChatServer", "RunStats", "make_server"]
+__all__ = ["Answerer", "BackendLoad", "BackgroundServer", "ChatServer", "RunStats",
+           "make_server"]
 
 
 def make_server(
     *,
-    backend: LocalBackend | Sequence[LocalBackend] | None = None,
+    backend: LocalBackend | BackendLoad | Sequence[LocalBackend | BackendLoad] | None = None,
     upstream: str | None = None,
     upstream_models: Sequence[str] = (),
     store: Store | None = None,
@@ -87,7 +89,9 @@ def make_server(
     connect, for the next bytes of its answer; past it, 504); `strict_model`
     (local): refuse, with a 404, a request naming a model other than the
     backend's, where by default any name is answered by it (and recorded as
-    `extra.request_model`).
+    `extra.request_model`). A `BackendLoad` in place of a backend is loaded
+    on a thread of its own while the server already answers (loading.py:
+    `LoadingAnswerer`, whose `wait` gives the load's error).
 
     `from_run` (`RUN@K`, fromrun.py): requests that match that run's recorded
     model calls up to step K are answered from the recording; the rest are
@@ -108,10 +112,8 @@ def make_server(
     redact_headers = tuple(redact_headers)
     answerer: Answerer
     if backend is not None and upstream is None:
-        from kvtrace.serve.local import LocalAnswerer  # imports replay: not for upstream mode
-
         backends = list(backend) if isinstance(backend, Sequence) else [backend]
-        locals_ = [LocalAnswerer(b, max_queue=max_queue, strict_model=strict_model)
+        locals_ = [_local_answerer(b, max_queue=max_queue, strict_model=strict_model)
                    for b in backends]
         answerer = locals_[0] if len(locals_) == 1 else ByAgent(locals_)
     elif upstream is not None and backend is None:
@@ -150,3 +152,17 @@ def make_server(
     recording = Recording(store, run=run, redact_headers=redact_headers)
     return ChatServer(answerer, recording, api_key=api_key, max_body_bytes=max_body_bytes,
                       agents=agents)
+
+
+def _local_answerer(backend: LocalBackend | BackendLoad, *, max_queue: int,
+                    strict_model: bool) -> Answerer:
+    """`LocalAnswerer` on `backend`, or on it once loaded (a `BackendLoad`: loading.py)."""
+    from kvtrace.serve.local import LocalAnswerer  # imports replay: not for upstream mode
+
+    if not isinstance(backend, BackendLoad):
+        return LocalAnswerer(backend, max_queue=max_queue, strict_model=strict_model)
+    if max_queue < 0:  # LocalAnswerer's own check, before the load rather than in it
+        raise UsageError(f"max_queue must be >= 0, not {max_queue}")
+    load = backend.load
+    return LoadingAnswerer(backend.model, lambda: LocalAnswerer(
+        load(), max_queue=max_queue, strict_model=strict_model), strict_model=strict_model)

@@ -291,3 +291,80 @@ def test_record_says_what_the_disk_budget_evicted(tmp_path, monkeypatch, capfd,
     faults = json.loads(out[out.index("{"):])["cache_faults"]
     assert faults["evicted_blocks"] >= 1 and faults["disk_budget"] == 1
     assert not list((tmp_path / "cache" / "kv").rglob("*.safetensors"))
+
+
+def test_recorded_calls_are_answered_while_the_model_is_still_loading(
+        recorded, serve_started, tiny_engine, tmp_path):
+    """The start overlaps the agent's (serve/loading.py): the recorded prefix needs no model,
+    so the agent runs through it while the load has not ended; its first live call waits."""
+    import threading
+    import time
+
+    import httpx
+
+    from kvtrace.engine import KVCache
+    from kvtrace.replay.local import LocalBackend
+    from kvtrace.serve import BackendLoad
+    from kvtrace.serve.fromrun import warm
+
+    store, base_notes = recorded
+    may_load = threading.Event()
+
+    def load() -> LocalBackend:
+        may_load.wait(timeout=600)
+        backend = LocalBackend(tiny_engine, KVCache(tiny_engine))
+        warm(store, "base@6", backend)
+        return backend
+
+    server = serve_started(backend=BackendLoad(tiny_engine.name, load), store=store,
+                           run="fork", from_run="base@6")
+    env = {**os.environ, "OPENAI_BASE_URL": server.url, "OPENAI_API_KEY": "sk-test"}
+    (tmp_path / "fork").mkdir()
+    agent = subprocess.Popen([sys.executable, str(AGENT), "--calls", "10", "--model",
+                              tiny_engine.name, "--folder", str(tmp_path / "fork")], env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        prefix = server.server.answerer.prefixes[None]
+        for _ in range(1200):  # the six recorded answers, with the model not loaded
+            if prefix.summary.num_served == 6 or agent.poll() is not None:
+                break
+            time.sleep(0.05)
+        assert prefix.summary.num_served == 6
+        assert agent.poll() is None  # its seventh call waits for the model
+        health = httpx.get(server.url.removesuffix("/v1") + "/health").json()
+        assert health["loading"] is True and health["model"] == tiny_engine.name
+    finally:
+        may_load.set()
+    assert agent.wait(timeout=600) == 0
+    fork = model_calls(store, "fork")
+    assert len(fork) == 10
+    first_live = ModelCall(fork[6]).usage
+    assert first_live.cached_tokens is not None
+    assert first_live.cached_tokens >= ModelCall(model_calls(store, "base")[5]).usage.prompt_tokens
+    assert (tmp_path / "fork" / "notes.txt").read_text().splitlines()[:6] == base_notes[:6]
+
+
+def test_a_model_that_fails_to_load_answers_503_and_records_nothing(sqlite_store,
+                                                                     serve_started):
+    import httpx
+
+    from kvtrace.errors import UnsupportedModelError
+    from kvtrace.serve import BackendLoad
+    from kvtrace.serve.loading import wait_loaded
+
+    def load() -> Any:
+        raise UnsupportedModelError("tiny-broken: layer 3 keeps a cache kvtrace cannot reuse")
+
+    server = serve_started(backend=BackendLoad("tiny-broken", load), store=sqlite_store,
+                           run="r")
+    with pytest.raises(UnsupportedModelError, match="layer 3"):
+        wait_loaded(server.server.answerer)
+    reply = httpx.post(server.url + "/chat/completions", json={
+        "model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert reply.status_code == 503
+    error = reply.json()["error"]
+    assert error["code"] == "model_not_loaded"
+    assert "tiny-broken did not load" in error["message"] and "layer 3" in error["message"]
+    health = httpx.get(server.url.removesuffix("/v1") + "/health").json()
+    assert health["loading"] is False and "layer 3" in health["error"]
+    assert [run.name for run in sqlite_store.runs()] == []  # nothing was recorded
