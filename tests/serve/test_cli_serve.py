@@ -333,3 +333,22 @@ def test_record_reports_a_command_killed_by_a_signal_as_128_plus_its_number(home
     code, _, _ = kv(capfd, "record", "--upstream", canned_upstream.url, "--",
                     sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
     assert code == 128 + signal.SIGKILL
+
+
+def test_record_exits_2_with_the_load_error_when_the_model_does_not_load(home, capfd):
+    """The model loads while the command already runs (serve/loading.py): a folder that is no
+    model it can load is found then; the command's live calls got a 503, record says why."""
+    broken = home / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text(json.dumps({"model_type": "no-such-architecture"}))
+    asks = ("import os, httpx; r = httpx.post(os.environ['OPENAI_BASE_URL'] + "
+            "'/chat/completions', timeout=120, json={'model': 'm', 'messages': "
+            "[{'role': 'user', 'content': 'hi'}]}); "
+            "print(r.status_code, r.json()['error']['code'])")
+    code, out, err = kv(capfd, "record", "--model", str(broken), "--run", "r", "--",
+                        sys.executable, "-c", asks)
+    assert code == 2
+    assert "503 model_not_loaded" in out  # what the command's call got
+    assert err.strip().splitlines()[-1].startswith(f"error: cannot load the model in {broken}")
+    with open_store() as store:
+        assert [run.name for run in store.runs()] == []
