@@ -9,7 +9,8 @@ unchanged agent), so it imports nothing heavier than httpx:
 
     python -m kvtrace.bench.fork_agent --calls 10 --max-tokens 96 --temperature 0.8
 
-`--tool-seconds S`: each tool call also takes S seconds, as real agents' do.
+`--tool-seconds S`: each tool call also takes S seconds, as real agents' do;
+`--times FILE`: each model call's seconds, written as a JSON list at the end.
 """
 
 from __future__ import annotations
@@ -44,22 +45,27 @@ def write_note(folder: Path, text: str) -> str:
 
 
 def run_agent(url: str, folder: Path, *, calls: int, model: str = "gpt-4o-mini",
-              max_tokens: int = 24, temperature: float = 0.0, tool_seconds: float = 0.0) -> int:
+              max_tokens: int = 24, temperature: float = 0.0, tool_seconds: float = 0.0,
+              call_seconds: list[float] | None = None) -> int:
     """The agent against `url` (a base URL with /v1); returns the completion tokens it was
     sent. Sampled when `temperature` > 0, sending no seed (the server chooses). Each tool
     call takes `tool_seconds` more, as a real agent's tools do (running tests, reading
-    files): the time a fork's recorded prefix spends outside the model."""
+    files): the time a fork's recorded prefix spends outside the model. Each model call's
+    seconds are appended to `call_seconds`."""
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": SYSTEM},
         {"role": "user", "content": "Write the first note about the sea."}]
     completion_tokens = 0
     with httpx.Client(base_url=url, timeout=3600) as client:
         for turn in range(calls):
+            started = time.perf_counter()
             reply = client.post("/chat/completions", json={
                 "model": model, "messages": messages, "tools": TOOLS,
                 "max_tokens": max_tokens, "temperature": temperature})
             reply.raise_for_status()
             answer = reply.json()
+            if call_seconds is not None:
+                call_seconds.append(time.perf_counter() - started)
             completion_tokens += answer.get("usage", {}).get("completion_tokens", 0)
             text = answer["choices"][0]["message"].get("content") or ""
             call_id = f"call_{turn}"
@@ -80,10 +86,14 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--model", default="gpt-4o-mini")
     parser.add_argument("--tool-seconds", type=float, default=0.0)
+    parser.add_argument("--times", type=Path, help="write each model call's seconds here (JSON)")
     args = parser.parse_args()
+    seconds: list[float] = []
     run_agent(os.environ["OPENAI_BASE_URL"], Path.cwd(), calls=args.calls, model=args.model,
               max_tokens=args.max_tokens, temperature=args.temperature,
-              tool_seconds=args.tool_seconds)
+              tool_seconds=args.tool_seconds, call_seconds=seconds)
+    if args.times is not None:
+        args.times.write_text(json.dumps(seconds))
 
 
 if __name__ == "__main__":

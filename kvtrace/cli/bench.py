@@ -216,9 +216,17 @@ def bench_fork(
         help="Instead: N agent processes (record --from base@K --n N) and N branches (branch "
         "--n N) decoded together, against the same N one after another: tokens per second.")
     ] = None,
-    max_tokens: Annotated[int, typer.Option(
+    max_tokens: Annotated[int | None, typer.Option(
         "--max-tokens", min=1, help="With --n: tokens per answer (the agents' max_tokens, the "
-        "branches' max_new_tokens).")] = 96,
+        "branches' max_new_tokens; default 96); with --processes, the agent's (default 24).")
+    ] = None,
+    processes: Annotated[bool, typer.Option(
+        "--processes", help="Instead: whole `kvtrace record` processes, start included: the "
+        "agent re-run against `record --from base@K`, and how much of what its first K calls "
+        "cost the fork saved.")] = False,
+    tool_seconds: Annotated[float, typer.Option(
+        "--tool-seconds", min=0, help="With --processes: seconds each of the agent's tool "
+        "calls takes (real agents run tests, read files).")] = 0.5,
     temperature: Annotated[float, typer.Option(
         "--temperature", help="With --n: sampling temperature (agent i, branch i: seed i-1).")
     ] = 0.8,
@@ -240,7 +248,7 @@ def bench_fork(
     dtype: Annotated[Precision, typer.Option(
         "--dtype", help="With --peer: the number format of the kvtrace serve timed (the "
         "workload is recorded in float32 either way), and of --peer vllm; auto: bfloat16 "
-        "where the CPU computes it natively, else float32.")
+        "where the CPU computes it natively, else float32; with --processes, the engine's.")
     ] = Precision.AUTO,
     peer_block_size: Annotated[int | None, typer.Option(
         "--peer-block-size", min=1, help="With --peer vllm: its KV block size in tokens "
@@ -252,7 +260,8 @@ def bench_fork(
 ) -> None:
     """An agent forked at step K (--from) against re-running it whole, on the local engine;
     with --n, K experiments at once against one after another; with --peer, a run and its
-    forks replayed through kvtrace and through another server."""
+    forks replayed through kvtrace and through another server; with --processes, whole
+    `kvtrace record` processes, start included."""
     if peer is not None:
         from kvtrace.bench.peer import run_peer_bench
 
@@ -273,6 +282,9 @@ def bench_fork(
         return
     if contend:
         raise typer.BadParameter("only with --peer", param_hint="--contend")
+    if processes and n is not None:
+        raise typer.BadParameter("--processes times one agent: not with --n",
+                                 param_hint="--processes")
     if k >= calls:
         raise typer.BadParameter(f"--k must be below --calls ({calls})", param_hint="--k")
     if case not in ("agents", "branch", "both"):
@@ -281,8 +293,16 @@ def bench_fork(
         from kvtrace.bench.experiments import CASES, run_experiments_bench
 
         _print_figures(run_experiments_bench(
-            model=model, n=n, calls=calls, k=k, max_tokens=max_tokens, temperature=temperature,
+            model=model, n=n, calls=calls, k=k, max_tokens=max_tokens or 96,
+            temperature=temperature,
             steps=steps, trials=trials, cases=CASES if case == "both" else (case,)), as_json)
+        return
+    if processes:
+        from kvtrace.bench.forkstart import run_fork_start_bench
+
+        _print_figures(run_fork_start_bench(
+            model=model, calls=calls, k=k, max_tokens=max_tokens or 24,
+            tool_seconds=tool_seconds, trials=trials, dtype=dtype.value), as_json)
         return
     from kvtrace.bench.fork import run_fork_bench
 
