@@ -53,7 +53,8 @@ def test_the_first_k_calls_come_from_the_recording_and_the_rest_go_live_warm(
     store, base_notes = recorded
     backend = LocalBackend(tiny_engine, KVCache(tiny_engine))
     warmed = warm(store, "base@6", backend)
-    assert warmed > 0
+    # A linear agent: its sixth call holds the five before it, so only that one is rebuilt.
+    assert warmed == ModelCall(model_calls(store, "base")[5]).usage.prompt_tokens
     server = serve_started(backend=backend, store=store, run="fork", from_run="base@6")
     notes = run_agent(server.url, tmp_path / "fork", model=tiny_engine.name)
     summary = server.server.answerer.summary
@@ -368,3 +369,28 @@ def test_a_model_that_fails_to_load_answers_503_and_records_nothing(sqlite_store
     health = httpx.get(server.url.removesuffix("/v1") + "/health").json()
     assert health["loading"] is False and "layer 3" in health["error"]
     assert [run.name for run in sqlite_store.runs()] == []  # nothing was recorded
+
+
+def test_warm_rebuilds_the_calls_no_later_call_continues(sqlite_store, tiny_engine):
+    """A linear conversation's earlier calls are prefixes of its last: only the last is
+    rebuilt (and a sub-agent's call, which the main thread does not continue, too)."""
+    from kvtrace.engine import KVCache
+    from kvtrace.replay.local import LocalBackend
+    from kvtrace.serve.fromrun import warm
+
+    run = sqlite_store.run("threads")
+    asked = [{"role": "system", "content": "You fix tests."},
+             {"role": "user", "content": "Fix the failing test."}]
+    first = {"role": "assistant", "content": "Looking at it."}
+    run.record_model_call(asked, first, model="m")
+    side = [{"role": "user", "content": "Sub-agent: list the test files."}]
+    run.record_model_call(side, "tests/test_app.py", model="m")
+    main_thread = [*asked, first, {"role": "user", "content": "Go on."}]
+    run.record_model_call(main_thread, "Done.", model="m")
+    backend = LocalBackend(tiny_engine, KVCache(tiny_engine))
+    warmed = warm(sqlite_store, "threads", backend)
+
+    def prompt_tokens(messages: list[dict[str, str]]) -> int:
+        return len(backend.tokenizer.chat_tokens(messages))
+
+    assert warmed == prompt_tokens(side) + prompt_tokens(main_thread)
