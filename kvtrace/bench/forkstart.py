@@ -18,7 +18,11 @@ Cases 2 and 3 alternate `trials` times; the fastest of each counts. The
 agent times its model calls, so `prefix_s` is what the fastest re-run spent
 in its first K calls (the first one waits for the load), `saved_s =
 full_s - from_s`, and `saved_share = saved_s / prefix_s`: how much of what
-the recorded prefix cost the fork saved (1: all of it).
+the recorded prefix cost the fork saved (1: all of it). The fork runs on the
+base's disk tier, which holds the base's later calls too, so an unchanged
+agent's live calls hit as well (as they would for a user forking a run
+recorded here) and `saved_share` can pass 1; the re-runs start from an empty
+KV cache each.
 """
 
 from __future__ import annotations

@@ -224,9 +224,9 @@ def bench_fork(
         "--processes", help="Instead: whole `kvtrace record` processes, start included: the "
         "agent re-run against `record --from base@K`, and how much of what its first K calls "
         "cost the fork saved.")] = False,
-    tool_seconds: Annotated[float, typer.Option(
+    tool_seconds: Annotated[float | None, typer.Option(
         "--tool-seconds", min=0, help="With --processes: seconds each of the agent's tool "
-        "calls takes (real agents run tests, read files).")] = 0.5,
+        "calls takes (real agents run tests, read files; default 0.5).")] = None,
     temperature: Annotated[float, typer.Option(
         "--temperature", help="With --n: sampling temperature (agent i, branch i: seed i-1).")
     ] = 0.8,
@@ -262,6 +262,11 @@ def bench_fork(
     with --n, K experiments at once against one after another; with --peer, a run and its
     forks replayed through kvtrace and through another server; with --processes, whole
     `kvtrace record` processes, start included."""
+    if tool_seconds is not None and not processes:
+        raise typer.BadParameter("only with --processes", param_hint="--tool-seconds")
+    if processes and peer is not None:
+        raise typer.BadParameter("--processes times kvtrace record alone: not with --peer",
+                                 param_hint="--processes")
     if peer is not None:
         from kvtrace.bench.peer import run_peer_bench
 
@@ -302,7 +307,8 @@ def bench_fork(
 
         _print_figures(run_fork_start_bench(
             model=model, calls=calls, k=k, max_tokens=max_tokens or 24,
-            tool_seconds=tool_seconds, trials=trials, dtype=dtype.value), as_json)
+            tool_seconds=0.5 if tool_seconds is None else tool_seconds, trials=trials,
+            dtype=dtype.value), as_json)
         return
     from kvtrace.bench.fork import run_fork_bench
 

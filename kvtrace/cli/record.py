@@ -106,7 +106,7 @@ def record_command(
 
     SIGTERM and SIGINT go on to COMMAND, which is waited for."""
     from kvtrace.serve import BackgroundServer
-    from kvtrace.serve.loading import wait_loaded
+    from kvtrace.serve.loading import raise_failed_load
     from kvtrace.serve.runner import check_program, client_env, run_command
     from kvtrace.workspace.snapshot import workspace_folder
     from kvtrace.workspace.verdicts import check_command
@@ -145,7 +145,7 @@ def record_command(
             say(f"kvtrace record: run '{server.default_run}', {running.url}", err=True)
             say_model_rule(server, "record")
             code = run_command(command, client_env(os.environ, running.url), cwd=cwd)
-        wait_loaded(server.answerer)  # a model that failed to load: its error, exit 2
+        raise_failed_load(server.answerer)  # its error, exit 2 (one nothing needed: no wait)
         verdict = outcome.grade(store, server.default_run, cwd)
     faults = cache_faults(server)
     if as_json:
@@ -235,7 +235,7 @@ def _record_agents(store: Store, server: ChatServer, spec: str, command: list[st
     the first agent's exit code that is not 0."""
     from kvtrace.serve import BackgroundServer
     from kvtrace.serve.experiment import ExperimentReport, run_agents
-    from kvtrace.serve.loading import wait_loaded
+    from kvtrace.serve.loading import raise_failed_load
 
     with BackgroundServer(server.app) as running:
         say(f"kvtrace record: {len(server.agents)} agents from {spec}, agent i at "
@@ -243,7 +243,7 @@ def _record_agents(store: Store, server: ChatServer, spec: str, command: list[st
             f"{server.agents[0].fork} ... {server.agents[-1].fork}", err=True)
         say_model_rule(server, "record")
         exits = run_agents(command, server.agents, running.url)
-    wait_loaded(server.answerer)
+    raise_failed_load(server.answerer)
     verdicts = {agent.index: outcome.grade(store, agent.fork, agent.workdir)
                 for agent in server.agents}
     report = ExperimentReport.of(store, spec, server, exits, verdicts)

@@ -86,7 +86,8 @@ def chat_server(store: Store, *, upstream: str | None, model: str | None, run: s
     models load in the background (`_load_backend`; with `from_run`, each warmed with the
     recorded prefix before its first live answer); with `num_agents`, for that many copies
     of the agent (agents.py), answered by `models` in turn when given (models.py). The
-    caller waits for the load with `wait_loaded` (its errors are the load's)."""
+    caller waits for the load with `wait_loaded` (serve), or asks for its error with
+    `raise_failed_load` once the command ended (record; serve/loading.py)."""
     from kvtrace.serve import BackendLoad, make_server
     from kvtrace.serve.app import check_api_key
     from kvtrace.serve.recording import new_run_name
@@ -162,8 +163,14 @@ def _load_backend(store: Store, name: str | None, *, dtype: Precision, from_run:
     from kvtrace.replay import open_local_backend
     from kvtrace.serve.fromrun import warm
 
-    backend = open_local_backend(name, cache_dir=default_cache_dir(), batching=True,
-                                 dtype=dtype.value)
+    try:
+        backend = open_local_backend(name, cache_dir=default_cache_dir(), batching=True,
+                                     dtype=dtype.value)
+    except Exception as exc:
+        if command == "record":  # said now: the agent's calls get a 503 until it ends
+            say(f"kvtrace record: the model did not load, so its calls are answered 503: "
+                f"{' '.join(str(exc).split())}", err=True)
+        raise
     try:
         layout = backend.engine.layout
         if not layout.is_plain:  # which cache each layer keeps, and where hits resume

@@ -23,6 +23,7 @@ caller to show (the CLI prints it): it happens once, and says so.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import os
@@ -101,7 +102,14 @@ def _gguf_source(
 
 
 def _file_digest(path: Path) -> str:
-    """SHA-256 of a file's content (~1 s per GB; converting a GGUF takes ~30 s)."""
+    """SHA-256 of a file's content (~1 s per GB; converting a GGUF takes ~30 s), read once per
+    process while the file stays as it was (`model_name` then the load both ask)."""
+    stat = path.stat()
+    return _digest_of(path.resolve(), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _digest_of(path: Path, size: int, mtime_ns: int) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as fh:
         while chunk := fh.read(1 << 20):

@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import tempfile
+import threading
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -72,6 +73,11 @@ STATE_PREFILL_SCHEME = "kvtrace-state-prefill-v1:block-aligned-chunks"
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
 AUTO_DTYPE = "auto"  # bfloat16 where the CPU computes it natively, else float32
+# One load at a time in a process: transformers' loading patches process-wide state while it
+# runs (torch's default dtype, nn.init's functions skipped for weights read from the
+# checkpoint), so two models loading at once on two threads (`serve --models A,B` loads each
+# on its own, serve/loading.py) can see each other's patches, e.g. weights left initialised.
+_LOADING = threading.Lock()
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,11 +121,13 @@ def load_engine(
     else CPU; `dtype` defaults to float32 ("auto": bfloat16 on a CPU that computes it
     natively, as the CLI's default). `on_convert(message)` is told
     before a GGUF file is converted (once, ~30 s for the default model).
+    Threads may call it at once: their loads take turns (`_LOADING`).
     """
     root = cache_root(cache_dir)
-    folder = model_folder(name_or_path, root, on_convert=on_convert)
-    resolved = _resolve_device(device)
-    return _load_folder(folder, root, resolved, resolve_dtype(dtype, resolved))
+    with _LOADING:
+        folder = model_folder(name_or_path, root, on_convert=on_convert)
+        resolved = _resolve_device(device)
+        return _load_folder(folder, root, resolved, resolve_dtype(dtype, resolved))
 
 
 def _resolve_device(device: str | torch.device | None) -> torch.device:

@@ -39,7 +39,7 @@ from kvtrace.errors import UsageError
 from kvtrace.serve.agents import Agent
 from kvtrace.serve.answerer import Answerer
 from kvtrace.serve.app import DEFAULT_MAX_BODY_BYTES, ChatServer, check_api_key
-from kvtrace.serve.loading import BackendLoad, LoadingAnswerer
+from kvtrace.serve.loading import BackendLoad, LoadingAnswerer, start_loading
 from kvtrace.serve.models import ByAgent, ModelNamed
 from kvtrace.serve.recording import Recording, RunStats
 from kvtrace.serve.runner import BackgroundServer
@@ -90,8 +90,8 @@ def make_server(
     (local): refuse, with a 404, a request naming a model other than the
     backend's, where by default any name is answered by it (and recorded as
     `extra.request_model`). A `BackendLoad` in place of a backend is loaded
-    on a thread of its own while the server already answers (loading.py:
-    `LoadingAnswerer`, whose `wait` gives the load's error).
+    on a thread of its own, started once every check here passed, while the
+    server already answers (loading.py: `wait_loaded` gives the load's error).
 
     `from_run` (`RUN@K`, fromrun.py): requests that match that run's recorded
     model calls up to step K are answered from the recording; the rest are
@@ -150,8 +150,10 @@ def make_server(
         raise UsageError("edit changes the step a from_run run is answered from: give from_run",
                          param="edit")
     recording = Recording(store, run=run, redact_headers=redact_headers)
-    return ChatServer(answerer, recording, api_key=api_key, max_body_bytes=max_body_bytes,
-                      agents=agents)
+    server = ChatServer(answerer, recording, api_key=api_key, max_body_bytes=max_body_bytes,
+                        agents=agents)
+    start_loading(answerer)  # every check passed: the models load meanwhile (loading.py)
+    return server
 
 
 def _local_answerer(backend: LocalBackend | BackendLoad, *, max_queue: int,
@@ -164,5 +166,13 @@ def _local_answerer(backend: LocalBackend | BackendLoad, *, max_queue: int,
     if max_queue < 0:  # LocalAnswerer's own check, before the load rather than in it
         raise UsageError(f"max_queue must be >= 0, not {max_queue}")
     load = backend.load
-    return LoadingAnswerer(backend.model, lambda: LocalAnswerer(
-        load(), max_queue=max_queue, strict_model=strict_model), strict_model=strict_model)
+
+    def build() -> Answerer:
+        loaded = load()
+        try:
+            return LocalAnswerer(loaded, max_queue=max_queue, strict_model=strict_model)
+        except BaseException:
+            loaded.close()
+            raise
+
+    return LoadingAnswerer(backend.model, build, strict_model=strict_model)

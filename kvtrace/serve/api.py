@@ -70,6 +70,12 @@ class ChatRequest(RequestFields):
         return [stop] if isinstance(stop, str) else list(stop)
 
 
+def model_list(model: str) -> dict[str, Any]:
+    """`GET /v1/models` in local mode: the one model that answers, as OpenAI lists models."""
+    return {"object": "list", "data": [{"id": model, "object": "model", "created": 0,
+                                        "owned_by": "kvtrace"}]}
+
+
 def parse_chat_request(data: bytes, *, is_local: bool) -> ChatRequest:
     """Check a chat-completions request body (see the module docstring)."""
     body = parse_json(data)

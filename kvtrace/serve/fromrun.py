@@ -6,7 +6,7 @@ that is the recording's next model call up to step K is answered from the
 recording at once, streamed when asked, nothing computed and nothing
 recorded; from the first request that is not, answers are live (the inner
 answerer: the local engine, whose KV of the replayed prefix `warm`
-computed before the agent started, or the upstream), recorded on the fork
+computed while it loaded, loading.py, or the upstream), recorded on the fork
 `RecordedPrefix.go_live` makes where the two parted (the server's default
 run is that fork). Requests are taken one at a time until the agent is
 live: an agent's calls depend on the answers before them.
@@ -27,6 +27,7 @@ from starlette.responses import Response
 
 from kvtrace.errors import UsageError
 from kvtrace.serve.agents import Agent, agent_of
+from kvtrace.serve.loading import until_loaded
 from kvtrace.serve.request import APIError
 from kvtrace.tracer.prefix import PrefixSummary, RecordedPrefix
 from kvtrace.tracer.served import served_response
@@ -112,6 +113,7 @@ class FromRecording:
                         return Response(recorded.content, status_code=recorded.status_code,
                                         headers={k: v for k, v in recorded.headers.items()
                                                  if k.lower() not in _NOT_SENT_ON})
+                    await until_loaded(self.inner)  # a 503, and no fork, if it failed
                     await asyncio.to_thread(prefix.go_live)
         return await self.inner.answer(request, body, sink)
 
@@ -121,20 +123,21 @@ def warm(store: Store, spec: str, backend: LocalBackend) -> int:
     so the KV a live call resumes from is cached before it comes; returns the prompt tokens
     replayed.
 
-    Why not every call: a later call whose messages begin with an earlier one's holds that
-    one's prompt, so rebuilding both computes the same KV twice over, piecemeal. On a short
+    Why not every call: a later call whose prompt's tokens begin with an earlier one's holds
+    that one's KV, so rebuilding both computes the same KV twice over, piecemeal. On a short
     agent's five calls that took 1.6-2.1 s against 0.55 s for the last alone
     (docs/benchmarks.md), and a fork's first live call waits for it when the agent gets there
-    first. A call on another thread of the run (a sub-agent's) is a leaf of its own, and
-    warmed.
+    first. Tokens, not messages, decide: a template that renders an earlier turn otherwise
+    once later ones follow (reasoning dropped) leaves that call a leaf of its own, as is a
+    sub-agent's call that the main thread does not continue.
     """
     from kvtrace.replay.driver import replay_steps, steps_to_replay
     from kvtrace.replay.recording import step_messages, step_tools
     from kvtrace.store import StepKind
 
-    calls = [(step, step_messages(step), step_tools(step))
+    tokenizer = backend.tokenizer
+    calls = [(step, tokenizer.chat_tokens(step_messages(step), tools=step_tools(step)))
              for step in steps_to_replay(store, spec) if step.kind == StepKind.MODEL_CALL]
-    leaves = [step for i, (step, messages, tools) in enumerate(calls)
-              if not any(later_tools == tools and later[:len(messages)] == messages
-                         for _, later, later_tools in calls[i + 1:])]
+    leaves = [step for i, (step, ids) in enumerate(calls)
+              if not any(later[:len(ids)] == ids for _, later in calls[i + 1:])]
     return replay_steps(spec, leaves, backend, mode="rebuild").total.prompt_tokens

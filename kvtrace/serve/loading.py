@@ -3,17 +3,20 @@
 Why: a fresh process spends seconds before the engine can answer (importing
 torch and transformers, reading the weights, the load's probes, and with
 `--from RUN@K` warming the KV of the recorded prefix; docs/benchmarks.md,
-"Where the start goes"). None of that is needed to answer what the
-recording answers: a fork's first K calls (fromrun.py), or to let the
-agent's program start, import its SDK and run its tools. So the server
-starts first and `LoadingAnswerer` loads the backend on a thread of its own;
-a request that needs the model waits for the load, and the start overlaps
-the agent's own.
+"The start, cut"). None of that is needed to answer what the recording
+answers: a fork's first K calls (fromrun.py), or to let the agent's program
+start, import its SDK and run its tools. So the server starts first and
+`LoadingAnswerer` loads the backend on a thread of its own (`start`, which
+`make_server` calls once its checks passed); a request that needs the model
+waits for the load, and the start overlaps the agent's own.
 
 What is known before the load is the model's name (engine/folders.py names
-the folder without importing torch), so the banner, `/v1/models` and
-`--strict-model` need not wait. A load that fails answers every later request
-with a 503 naming the failure, and `wait` raises it for the CLI's exit line.
+the folder without importing torch), so the banner, `GET /v1/models` and
+`--strict-model`'s schema need not wait. A load that fails answers every
+later request with a 503 naming the failure; `wait_loaded` (serve) and
+`raise_failed_load` (record) raise it for the CLI's exit line. A server
+stopped before its model loaded does not wait for the load: the loader frees
+what it loaded when it ends.
 """
 
 from __future__ import annotations
@@ -25,6 +28,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from starlette.responses import JSONResponse
+
+from kvtrace.errors import KvtraceError
+from kvtrace.serve.api import MODELS_PATH, model_list
 from kvtrace.serve.request import APIError
 
 if TYPE_CHECKING:
@@ -47,6 +54,10 @@ class BackendLoad:
     load: Callable[[], LocalBackend]
 
 
+class StoppedBeforeLoadError(KvtraceError):
+    """The server stopped while its model was loading: nothing needed it, nothing failed."""
+
+
 class LoadingAnswerer:
     """A `LocalAnswerer` built on a background thread; requests wait for it (module docstring)."""
 
@@ -54,27 +65,62 @@ class LoadingAnswerer:
                  strict_model: bool = False) -> None:
         self._model = model
         self._strict_model = strict_model
+        self._build = build
         self._built: Future[Answerer] = Future()
-        self._thread = threading.Thread(target=self._build, args=(build,),
-                                        name="kvtrace-load", daemon=True)
-        self._thread.start()
+        # Running from the start: a waiting request that is cancelled must not cancel the
+        # load the others wait for (asyncio.wrap_future passes a cancel on).
+        self._built.set_running_or_notify_cancel()
+        self._lock = threading.Lock()  # the load's end against `close`
+        self._is_closed = False
+        self._thread: threading.Thread | None = None
 
-    def _build(self, build: Callable[[], Answerer]) -> None:
+    def start(self) -> None:
+        """Start loading (once)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._load, name="kvtrace-load", daemon=True)
+            self._thread.start()
+
+    def _load(self) -> None:
         try:
-            self._built.set_result(build())
+            built = self._build()
         except BaseException as exc:  # handed to whoever waits (`wait`, `answer`)
             self._built.set_exception(exc)
+            return
+        with self._lock:
+            if not self._is_closed:
+                self._built.set_result(built)
+                return
+        asyncio.run(built.close())  # the server stopped meanwhile (`close`)
+        self._built.set_exception(StoppedBeforeLoadError(
+            f"the server stopped before the local model {self._model} loaded"))
 
     def wait(self) -> Answerer:
         """The loaded answerer, once the load ends; the load's own error when it failed."""
+        self.start()
         return self._built.result()
 
-    @property
-    def is_loaded(self) -> bool:
-        return self._built.done() and self._built.exception() is None
+    def failure(self) -> BaseException | None:
+        """The error the load ended with (None: it loaded, or it has not ended)."""
+        if not self._built.done():
+            return None
+        failed = self._built.exception()
+        return None if isinstance(failed, StoppedBeforeLoadError) else failed
 
-    def _loaded(self) -> Answerer | None:
-        return self._built.result() if self.is_loaded else None
+    async def loaded(self) -> Answerer:
+        """The loaded answerer, awaited; a failed load is a 503 naming why."""
+        self.start()
+        try:
+            return await asyncio.wrap_future(self._built)
+        except Exception as exc:
+            raise APIError(503, f"the local model {self._model} did not load: {exc} (kvtrace's "
+                           "own error line says so too: fix the model, then start again)",
+                           kind="server_error", code="model_not_loaded") from exc
+
+    def _ready(self) -> Answerer | None:
+        """The loaded answerer, without waiting (None: loading, or failed)."""
+        if self._built.done() and self._built.exception() is None:
+            return self._built.result()
+        return None
 
     @property
     def model(self) -> str:
@@ -86,43 +132,69 @@ class LoadingAnswerer:
 
     @property
     def description(self) -> str:
-        loaded = self._loaded()
-        return loaded.description if loaded is not None else f"local model {self._model}"
+        ready = self._ready()
+        return ready.description if ready is not None else f"local model {self._model}"
 
     def health(self) -> dict[str, Any]:
-        loaded = self._loaded()
-        if loaded is not None:
-            return loaded.health()
-        state: dict[str, Any] = {"mode": "local", "model": self._model, "loading": True}
-        if self._built.done():
-            state = {**state, "loading": False, "error": str(self._built.exception())}
-        return state
+        ready = self._ready()
+        if ready is not None:
+            return ready.health()
+        if not self._built.done():
+            return {"mode": "local", "model": self._model, "loading": True}
+        return {"status": "error", "mode": "local", "model": self._model, "loading": False,
+                "error": str(self._built.exception())}
 
     def take_cache_faults(self) -> DiskFaults | None:
-        loaded = self._loaded()
-        return loaded.take_cache_faults() if loaded is not None else None
+        ready = self._ready()
+        return ready.take_cache_faults() if ready is not None else None
 
     async def answer(self, request: Request, body: bytes, sink: Sink) -> Response:
-        try:
-            loaded = await asyncio.wrap_future(self._built)
-        except Exception as exc:
-            raise APIError(503, f"the local model {self._model} did not load: {exc}",
-                           kind="server_error", code="model_not_loaded") from exc
-        return await loaded.answer(request, body, sink)
+        if (request.method, request.url.path) == ("GET", MODELS_PATH) and self._ready() is None:
+            return JSONResponse(model_list(self._model))  # the name is known before the load
+        return await (await self.loaded()).answer(request, body, sink)
 
     async def close(self) -> None:
-        """Waits for a load under way (its engine thread is stopped with the answerer)."""
-        try:
-            loaded = await asyncio.wrap_future(self._built)
-        except Exception:  # nothing was built, nothing to free
-            return
-        await loaded.close()
+        """Frees the loaded answerer; a load under way is not waited for (`_load` frees it)."""
+        with self._lock:
+            if not self._built.done():
+                self._is_closed = True
+                return
+        ready = self._ready()
+        if ready is not None:
+            await ready.close()
+
+
+def _loading(answerer: Answerer) -> list[LoadingAnswerer]:
+    """The models `answerer` loads in the background, behind `FromRecording` and `ByAgent`."""
+    inner = getattr(answerer, "inner", answerer)  # FromRecording's
+    return [part for part in getattr(inner, "answerers", [inner])  # ByAgent's
+            if isinstance(part, LoadingAnswerer)]
+
+
+def start_loading(answerer: Answerer) -> None:
+    """Start every load `answerer` holds (make_server, once its checks passed)."""
+    for part in _loading(answerer):
+        part.start()
 
 
 def wait_loaded(answerer: Answerer) -> None:
-    """Wait for every model `answerer` loads in the background, behind `FromRecording` and
-    `ByAgent` too (none: returns at once); raises the first failed load's error."""
-    inner = getattr(answerer, "inner", answerer)  # FromRecording's
-    for part in getattr(inner, "answerers", [inner]):  # ByAgent's
-        if isinstance(part, LoadingAnswerer):
-            part.wait()
+    """Wait for every model `answerer` loads (none: returns at once); raises the first failed
+    load's error."""
+    for part in _loading(answerer):
+        part.wait()
+
+
+async def until_loaded(answerer: Answerer) -> None:
+    """`wait_loaded` for a request (FromRecording's first live one: before its fork is made);
+    a failed load is a 503."""
+    for part in _loading(answerer):
+        await part.loaded()
+
+
+def raise_failed_load(answerer: Answerer) -> None:
+    """Raise the error of a load that failed; a load still under way is not waited for (the
+    command that needed none has ended: record)."""
+    for part in _loading(answerer):
+        failed = part.failure()
+        if failed is not None:
+            raise failed

@@ -80,6 +80,7 @@ from kvtrace.serve.api import (
     MODELS_PATH,
     TOKENIZE_PATH,
     detokenize_request,
+    model_list,
     parse_chat_request,
     tokenize_request,
 )
@@ -198,8 +199,7 @@ class LocalAnswerer:
         """An answer in the API of the path, or the model list; any other path is a 404."""
         route = (request.method, request.url.path)
         if route == ("GET", MODELS_PATH):
-            return JSONResponse({"object": "list", "data": [{
-                "id": self.model, "object": "model", "created": 0, "owned_by": "kvtrace"}]})
+            return JSONResponse(model_list(self.model))
         loop = asyncio.get_running_loop()
         if route == ("POST", COUNT_TOKENS_PATH):  # the prompt's length: nothing generated
             _, prompt = await loop.run_in_executor(self._preparer, self.prepare, COUNTING, body)

@@ -13,7 +13,7 @@ def test_the_process_bench_times_a_rerun_and_a_fork_and_what_the_fork_saved(
     assert figures["model"] == tiny_model_folder.name
     assert len(figures["full_s_trials"]) == len(figures["from_s_trials"]) == 1
     assert figures["full_s"] > 0 and figures["from_s"] > 0
-    assert figures["ratio"] == round(figures["from_s"] / figures["full_s"], 3)
+    assert abs(figures["ratio"] - figures["from_s"] / figures["full_s"]) < 0.002
     # The re-run's first two calls were timed by the agent; the first waited for the load.
     assert 0 < figures["prefix_s"] < figures["full_s"]
     assert figures["first_call_s"] <= figures["prefix_s"]

@@ -206,6 +206,7 @@ def test_serve_in_bfloat16_says_so_and_answers(home, tiny_model_folder):
         assert "local model" in banner  # at once: the model loads while the server answers
         said = []
         while not (line := process.stderr.readline()).startswith("kvtrace serve: loaded:"):
+            assert line, "".join(said)  # the server ended before it said it loaded
             said.append(line)
         assert "bfloat16" in line
         # The one line saying it will be slow, when the CPU has no native bfloat16.

@@ -334,6 +334,8 @@ def test_recorded_calls_are_answered_while_the_model_is_still_loading(
         assert agent.poll() is None  # its seventh call waits for the model
         health = httpx.get(server.url.removesuffix("/v1") + "/health").json()
         assert health["loading"] is True and health["model"] == tiny_engine.name
+        listed = httpx.get(server.url + "/models").json()  # the name needs no model
+        assert [model["id"] for model in listed["data"]] == [tiny_engine.name]
     finally:
         may_load.set()
     assert agent.wait(timeout=600) == 0
@@ -394,3 +396,62 @@ def test_warm_rebuilds_the_calls_no_later_call_continues(sqlite_store, tiny_engi
         return len(backend.tokenizer.chat_tokens(messages))
 
     assert warmed == prompt_tokens(side) + prompt_tokens(main_thread)
+
+
+def test_a_fork_whose_model_fails_to_load_is_refused_at_its_first_live_call_and_not_made(
+        recorded, serve_started, tiny_engine, tmp_path):
+    import httpx
+
+    from kvtrace.errors import UnsupportedModelError
+    from kvtrace.serve import BackendLoad
+
+    store, _ = recorded
+
+    def load() -> Any:
+        raise UnsupportedModelError("tiny-broken: layer 3 keeps a cache kvtrace cannot reuse")
+
+    server = serve_started(backend=BackendLoad(tiny_engine.name, load), store=store,
+                           run="fork", from_run="base@6")
+    with pytest.raises(subprocess.CalledProcessError):  # its seventh call got a 503
+        run_agent(server.url, tmp_path / "fork", model=tiny_engine.name)
+    assert server.server.answerer.summary.num_served == 6
+    assert "fork" not in [run.name for run in store.runs()]  # no fork of a failed start
+    health = httpx.get(server.url.removesuffix("/v1") + "/health").json()
+    assert health["status"] == "error" and "layer 3" in health["error"]
+
+
+def test_a_server_stopped_while_its_model_loads_does_not_wait_and_the_load_is_freed(
+        tiny_engine):
+    import asyncio
+    import threading
+
+    from kvtrace.engine import KVCache
+    from kvtrace.replay.local import LocalBackend
+    from kvtrace.serve.loading import LoadingAnswerer, StoppedBeforeLoadError
+    from kvtrace.serve.local import LocalAnswerer
+
+    may_load = threading.Event()
+    built: list[LocalAnswerer] = []
+
+    def build() -> LocalAnswerer:
+        may_load.wait(timeout=600)
+        built.append(LocalAnswerer(LocalBackend(tiny_engine, KVCache(tiny_engine))))
+        return built[0]
+
+    loading = LoadingAnswerer(tiny_engine.name, build)
+    loading.start()
+
+    async def waiting_request_cancelled_then_closed() -> None:
+        waiting = asyncio.create_task(loading.loaded())
+        await asyncio.sleep(0.05)
+        waiting.cancel()  # a client that left: the load the others wait for goes on
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        await asyncio.wait_for(loading.close(), timeout=5)  # no wait for the load
+
+    asyncio.run(waiting_request_cancelled_then_closed())
+    may_load.set()
+    with pytest.raises(StoppedBeforeLoadError):
+        loading.wait()
+    assert loading.failure() is None  # stopped is not failed: record exits with its command's
+    assert built and built[0]._preparer._shutdown  # what it loaded was freed
