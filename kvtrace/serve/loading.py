@@ -14,9 +14,11 @@ What is known before the load is the model's name (engine/folders.py names
 the folder without importing torch), so the banner, `GET /v1/models` and
 `--strict-model`'s schema need not wait. A load that fails answers every
 later request with a 503 naming the failure; `wait_loaded` (serve) and
-`raise_failed_load` (record) raise it for the CLI's exit line. A server
-stopped before its model loaded does not wait for the load: the loader frees
-what it loaded when it ends.
+`raise_failed_load` (record) raise it for the CLI's exit line. A server that
+stops waits for a load under way (a loader left running would build its
+model beside whatever the process builds next; folders.py's `LOADING`),
+unless it was told not to (`abandon_loads`: `serve`'s Ctrl-C, in a process
+about to end); the loader then frees what it loaded when it ends.
 """
 
 from __future__ import annotations
@@ -153,11 +155,20 @@ class LoadingAnswerer:
             return JSONResponse(model_list(self._model))  # the name is known before the load
         return await (await self.loaded()).answer(request, body, sink)
 
-    async def close(self) -> None:
-        """Frees the loaded answerer; a load under way is not waited for (`_load` frees it)."""
+    def abandon(self) -> None:
+        """Let `close` return without waiting for a load under way (`_load` frees it)."""
         with self._lock:
-            if not self._built.done():
-                self._is_closed = True
+            self._is_closed = True
+
+    async def close(self) -> None:
+        """Frees the loaded answerer, once a load under way ends (unless abandoned)."""
+        with self._lock:
+            if self._is_closed and not self._built.done():
+                return
+        if self._thread is not None:
+            try:
+                await asyncio.wrap_future(self._built)
+            except Exception:  # the load's failure, said where it is asked for
                 return
         ready = self._ready()
         if ready is not None:
@@ -177,6 +188,12 @@ def start_loading(answerer: Answerer) -> None:
         part.start()
 
 
+def abandon_loads(answerer: Answerer) -> None:
+    """Stop without waiting for the loads under way (the process is about to end)."""
+    for part in _loading(answerer):
+        part.abandon()
+
+
 def wait_loaded(answerer: Answerer) -> None:
     """Wait for every model `answerer` loads (none: returns at once); raises the first failed
     load's error."""
@@ -192,8 +209,8 @@ async def until_loaded(answerer: Answerer) -> None:
 
 
 def raise_failed_load(answerer: Answerer) -> None:
-    """Raise the error of a load that failed; a load still under way is not waited for (the
-    command that needed none has ended: record)."""
+    """Raise the error of a load that failed (record, after the server stopped and so waited
+    for it: a load nothing needed still ends before the process does)."""
     for part in _loading(answerer):
         failed = part.failure()
         if failed is not None:

@@ -420,7 +420,7 @@ def test_a_fork_whose_model_fails_to_load_is_refused_at_its_first_live_call_and_
     assert health["status"] == "error" and "layer 3" in health["error"]
 
 
-def test_a_server_stopped_while_its_model_loads_does_not_wait_and_the_load_is_freed(
+def test_a_server_told_to_stop_while_its_model_loads_does_not_wait_and_the_load_is_freed(
         tiny_engine):
     import asyncio
     import threading
@@ -447,6 +447,7 @@ def test_a_server_stopped_while_its_model_loads_does_not_wait_and_the_load_is_fr
         waiting.cancel()  # a client that left: the load the others wait for goes on
         with pytest.raises(asyncio.CancelledError):
             await waiting
+        loading.abandon()  # serve's Ctrl-C: the process is about to end
         await asyncio.wait_for(loading.close(), timeout=5)  # no wait for the load
 
     asyncio.run(waiting_request_cancelled_then_closed())
@@ -455,3 +456,30 @@ def test_a_server_stopped_while_its_model_loads_does_not_wait_and_the_load_is_fr
         loading.wait()
     assert loading.failure() is None  # stopped is not failed: record exits with its command's
     assert built and built[0]._preparer._shutdown  # what it loaded was freed
+
+
+def test_a_server_that_stops_waits_for_a_load_under_way_and_frees_it(tiny_engine):
+    """No loader is left running beside what the process builds next (folders.py's
+    LOADING): `close` waits for it, then closes what it built."""
+    import asyncio
+    import threading
+
+    from kvtrace.engine import KVCache
+    from kvtrace.replay.local import LocalBackend
+    from kvtrace.serve.loading import LoadingAnswerer
+    from kvtrace.serve.local import LocalAnswerer
+
+    may_load = threading.Event()
+    built: list[LocalAnswerer] = []
+
+    def build() -> LocalAnswerer:
+        may_load.wait(timeout=600)
+        built.append(LocalAnswerer(LocalBackend(tiny_engine, KVCache(tiny_engine))))
+        return built[0]
+
+    loading = LoadingAnswerer(tiny_engine.name, build)
+    loading.start()
+    threading.Timer(0.3, may_load.set).start()
+    asyncio.run(asyncio.wait_for(loading.close(), timeout=60))
+    assert built and built[0]._preparer._shutdown
+    assert loading.wait() is built[0] and loading.failure() is None
