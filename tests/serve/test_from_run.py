@@ -420,14 +420,14 @@ def test_a_fork_whose_model_fails_to_load_is_refused_at_its_first_live_call_and_
     assert health["status"] == "error" and "layer 3" in health["error"]
 
 
-def test_a_server_told_to_stop_while_its_model_loads_does_not_wait_and_the_load_is_freed(
-        tiny_engine):
-    import asyncio
+def held_load(engine: Any) -> tuple[Any, Any, list[Any]]:
+    """A started `LoadingAnswerer` whose load (a real LocalAnswerer on `engine`) waits for the
+    returned event; the list receives what it built."""
     import threading
 
     from kvtrace.engine import KVCache
     from kvtrace.replay.local import LocalBackend
-    from kvtrace.serve.loading import LoadingAnswerer, StoppedBeforeLoadError
+    from kvtrace.serve.loading import LoadingAnswerer
     from kvtrace.serve.local import LocalAnswerer
 
     may_load = threading.Event()
@@ -435,11 +435,21 @@ def test_a_server_told_to_stop_while_its_model_loads_does_not_wait_and_the_load_
 
     def build() -> LocalAnswerer:
         may_load.wait(timeout=600)
-        built.append(LocalAnswerer(LocalBackend(tiny_engine, KVCache(tiny_engine))))
+        built.append(LocalAnswerer(LocalBackend(engine, KVCache(engine))))
         return built[0]
 
-    loading = LoadingAnswerer(tiny_engine.name, build)
+    loading = LoadingAnswerer(engine.name, build)
     loading.start()
+    return loading, may_load, built
+
+
+def test_a_server_told_to_stop_while_its_model_loads_does_not_wait_and_the_load_is_freed(
+        tiny_engine):
+    import asyncio
+
+    from kvtrace.serve.loading import StoppedBeforeLoadError
+
+    loading, may_load, built = held_load(tiny_engine)
 
     async def waiting_request_cancelled_then_closed() -> None:
         waiting = asyncio.create_task(loading.loaded())
@@ -464,21 +474,7 @@ def test_a_server_that_stops_waits_for_a_load_under_way_and_frees_it(tiny_engine
     import asyncio
     import threading
 
-    from kvtrace.engine import KVCache
-    from kvtrace.replay.local import LocalBackend
-    from kvtrace.serve.loading import LoadingAnswerer
-    from kvtrace.serve.local import LocalAnswerer
-
-    may_load = threading.Event()
-    built: list[LocalAnswerer] = []
-
-    def build() -> LocalAnswerer:
-        may_load.wait(timeout=600)
-        built.append(LocalAnswerer(LocalBackend(tiny_engine, KVCache(tiny_engine))))
-        return built[0]
-
-    loading = LoadingAnswerer(tiny_engine.name, build)
-    loading.start()
+    loading, may_load, built = held_load(tiny_engine)
     threading.Timer(0.3, may_load.set).start()
     asyncio.run(asyncio.wait_for(loading.close(), timeout=60))
     assert built and built[0]._preparer._shutdown
