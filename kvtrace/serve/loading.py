@@ -72,7 +72,7 @@ class LoadingAnswerer:
         # Running from the start: a waiting request that is cancelled must not cancel the
         # load the others wait for (asyncio.wrap_future passes a cancel on).
         self._built.set_running_or_notify_cancel()
-        self._lock = threading.Lock()  # the load's end against `close`
+        self._lock = threading.Lock()  # the load's end against `abandon`
         self._is_closed = False
         self._thread: threading.Thread | None = None
 
@@ -92,7 +92,7 @@ class LoadingAnswerer:
             if not self._is_closed:
                 self._built.set_result(built)
                 return
-        asyncio.run(built.close())  # the server stopped meanwhile (`close`)
+        asyncio.run(built.close())  # abandoned meanwhile: the process is ending (`abandon`)
         self._built.set_exception(StoppedBeforeLoadError(
             f"the server stopped before the local model {self._model} loaded"))
 
