@@ -11,8 +11,10 @@ start, import its SDK and run its tools. So the server starts first and
 waits for the load, and the start overlaps the agent's own.
 
 What is known before the load is the model's name (engine/folders.py names
-the folder without importing torch), so the banner, `GET /v1/models` and
-`--strict-model`'s schema need not wait. A load that fails answers every
+the folder without importing torch), so the banner and `--strict-model`'s
+schema need not wait. `GET /v1/models` does wait: a client that waits for it
+to answer (the benchmarks' `servers.py`, as for vLLM and llama.cpp) means
+"until the model can answer". A load that fails answers every
 later request with a 503 naming the failure; `wait_loaded` (serve) and
 `raise_failed_load` (record) raise it for the CLI's exit line. A server that
 stops waits for a load under way (a loader left running would build its
@@ -30,10 +32,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from starlette.responses import JSONResponse
-
 from kvtrace.errors import KvtraceError
-from kvtrace.serve.api import MODELS_PATH, model_list
 from kvtrace.serve.request import APIError
 
 if TYPE_CHECKING:
@@ -151,8 +150,6 @@ class LoadingAnswerer:
         return ready.take_cache_faults() if ready is not None else None
 
     async def answer(self, request: Request, body: bytes, sink: Sink) -> Response:
-        if (request.method, request.url.path) == ("GET", MODELS_PATH) and self._ready() is None:
-            return JSONResponse(model_list(self._model))  # the name is known before the load
         return await (await self.loaded()).answer(request, body, sink)
 
     def abandon(self) -> None:
