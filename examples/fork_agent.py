@@ -30,7 +30,8 @@ TOOLS = [{"type": "function", "function": {
 def write_note(folder: Path, text: str) -> str:
     """The agent's tool: a side effect kvtrace does not replay (docs/fork.md)."""
     with (folder / "notes.txt").open("a", encoding="utf-8") as notes:
-        notes.write(text.replace("\n", " ") + "\n")
+        # One line, whatever breaks the text: sampled text may hold \r, \x0b, \u2028 …
+        notes.write(" ".join(text.splitlines()) + "\n")
     return json.dumps({"wrote_chars": len(text)})
 
 

@@ -40,7 +40,8 @@ SYSTEM = "You keep short notes about the sea: tides, weather, boats, birds.\n" +
 def write_note(folder: Path, text: str) -> str:
     """The agent's tool: appends to notes.txt, says how much it wrote."""
     with (folder / "notes.txt").open("a", encoding="utf-8") as notes:
-        notes.write(text.replace("\n", " ") + "\n")
+        # One line, whatever breaks the text: sampled text may hold \r, \x0b, \u2028 …
+        notes.write(" ".join(text.splitlines()) + "\n")
     return json.dumps({"wrote_chars": len(text)})
 
 
