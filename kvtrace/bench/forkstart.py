@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-FINGERPRINTS = "fingerprints.json"  # engine/model.py's weight-hash memo
+from kvtrace.engine.memo import FINGERPRINTS_FILE, PROBES_FILE
 
 
 def run_fork_start_bench(*, model: str | None = None, calls: int = 8, k: int = 5,
@@ -82,10 +82,11 @@ def run_fork_start_bench(*, model: str | None = None, calls: int = 8, k: int = 5
         forked: list[float] = []
         summary: dict[str, Any] = {}
         for trial in range(trials):
-            fresh = root / f"cache-{trial}"  # an empty KV cache; the weight hashes known
+            fresh = root / f"cache-{trial}"  # an empty KV cache; what loads remember kept
             fresh.mkdir()
-            if (base_cache / FINGERPRINTS).is_file():
-                shutil.copy(base_cache / FINGERPRINTS, fresh / FINGERPRINTS)
+            for memo in (FINGERPRINTS_FILE, PROBES_FILE):  # as a user re-running here has
+                if (base_cache / memo).is_file():
+                    shutil.copy(base_cache / memo, fresh / memo)
             full.append(record(f"rerun-{trial}", fresh))
             seconds, _, said = record(f"from-{trial}", base_cache, "--from", f"base@{k}")
             forked.append(seconds)

@@ -265,6 +265,7 @@ def serve_command(
     every call into a run (see docs/serve.md)."""
     from kvtrace.serve import BackgroundServer
     from kvtrace.serve.loading import abandon_loads, wait_loaded
+    from kvtrace.serve.runner import stop_signals
 
     check_listening(host, port, api_key, env=API_KEY_ENV, what="server")
     with open_store(store_url(ctx)) as store:
@@ -275,18 +276,25 @@ def serve_command(
                              strict_model=strict_model, from_run=from_run, edit=edit,
                              dtype=dtype)
         running = BackgroundServer(server.app, host=host, port=port).start()
-        say(f"kvtrace serve: {running.url} ({server.answerer.description}), recording into run "
-            f"'{server.default_run}' of {store.display_url}; Ctrl-C stops", err=True)
-        say_model_rule(server, "serve")
-        try:
-            wait_loaded(server.answerer)  # the models load meanwhile (serve/loading.py)
-        except BaseException:  # it failed, or Ctrl-C: stop now, whatever still loads
-            abandon_loads(server.answerer)
-            running.stop()
-            raise
-        if server.answerer.model is not None:
-            say(f"kvtrace serve: loaded: {server.answerer.description}", err=True)
-        running.wait()
+        # A signal stops the server from here on, the load included (a background job's
+        # SIGINT is ignored until handled: runner.py's `stop_signals`).
+        with stop_signals() as stopping:
+            say(f"kvtrace serve: {running.url} ({server.answerer.description}), recording into "
+                f"run '{server.default_run}' of {store.display_url}; Ctrl-C stops", err=True)
+            say_model_rule(server, "serve")
+            try:
+                # the models load meanwhile (serve/loading.py)
+                is_loaded = wait_loaded(server.answerer, until=stopping)
+            except BaseException:  # it failed: stop now
+                abandon_loads(server.answerer)
+                running.stop()
+                raise
+            if not is_loaded:  # stopped during the load: whatever still loads is left
+                abandon_loads(server.answerer)
+            elif server.answerer.model is not None:
+                say(f"kvtrace serve: loaded: {server.answerer.description}", err=True)
+            running.wait_for_signal(stopping)
+        running.stop()
     faults = cache_faults(server)
     if as_json:
         print_json({**summary_json(server.stats), **from_summary(server),

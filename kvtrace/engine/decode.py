@@ -33,7 +33,6 @@ attention): it is never stored (generation.py re-prefills the output).
 from __future__ import annotations
 
 import copy
-import weakref
 from collections.abc import Sequence
 
 import torch
@@ -51,7 +50,6 @@ from kvtrace.errors import CacheError
 _PAD_TOKEN = 0
 _CANDIDATE_MULTIPLES = (4, 8)  # tried in turn; ROW_MULTIPLE when neither holds
 _PROBE_TOKENS = 24
-_multiples: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
 
 
 class Decoding:
@@ -150,18 +148,14 @@ def decode_rows(num_sequences: int, multiple: int = ROW_MULTIPLE) -> int:
 def row_multiple(engine: Engine) -> int:
     """The smallest padding multiple whose forwards give a row the bits of a 16-row one.
 
-    Probed once per model in this process (module docstring): one short
-    sequence decoded one step at every width of the candidate multiple up to
-    16, its whole logits compared bit for bit with the 16-row step's. Any
-    difference in any layer shows in the logits, and the widths a batch of
-    up to 16 may take are exactly the ones compared.
+    Probed once per model and machine (module docstring; the answer is kept
+    with the engine's other probes, memo.py): one short sequence decoded one
+    step at every width of the candidate multiple up to 16, its whole logits
+    compared bit for bit with the 16-row step's. Any difference in any layer
+    shows in the logits, and the widths a batch of up to 16 may take are
+    exactly the ones compared.
     """
-    model = engine.model
-    known = _multiples.get(model)
-    if known is None:
-        known = _probe_multiple(engine)
-        _multiples[model] = known
-    return known
+    return engine.probes.answer("decode_row_multiple", lambda: _probe_multiple(engine))
 
 
 def _probe_multiple(engine: Engine) -> int:

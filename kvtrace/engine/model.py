@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -48,6 +47,7 @@ from kvtrace.engine.layers import (
     measure_layout,
     plain_layout,
 )
+from kvtrace.engine.memo import FINGERPRINTS_FILE, Probes, read_memo, write_memo
 from kvtrace.engine.numerics import (
     MKL_SETTING,
     native_bfloat16,
@@ -98,6 +98,9 @@ class Engine(ChatTemplating):
     pinned_rows: int | None = None
     # What each layer keeps (layers.py): all full attention, or the block-state path.
     layout: ModelLayout = field(default_factory=lambda: ModelLayout(()))
+    # The numerics probes' answers, remembered in the cache folder by a loaded engine
+    # (memo.py); an engine built by hand keeps them in memory.
+    probes: Probes = field(default_factory=Probes.in_memory)
 
 
 def load_engine(
@@ -179,9 +182,13 @@ def _load_folder(folder: Path, cache_dir: Path, device: torch.device, dtype: tor
     model.to(device)  # type: ignore[arg-type]
     model.eval()
     model.requires_grad_(False)
-    invariant = rows_are_invariant(model) if is_plain else True
+    budget = engine_threads()
+    model_parts = _model_parts(folder, cache_dir, model, device, dtype)
+    probes = Probes.in_cache(cache_dir, model_parts, device, budget.most)
+    invariant = probes.answer("rows", lambda: rows_are_invariant(model)) if is_plain else True
     pinned_rows = None
-    if not invariant and dtype != torch.float32 and pinned_rows_hold(model):
+    if not invariant and dtype != torch.float32 and probes.answer(
+            "pinned_rows", lambda: pinned_rows_hold(model)):
         pin_rows(model)  # bfloat16 with AMX, for one (kvtrace/engine/rowblocks.py)
         pinned_rows = ROWS
     elif not invariant:
@@ -192,8 +199,8 @@ def _load_folder(folder: Path, cache_dir: Path, device: torch.device, dtype: tor
             "(kvtrace/engine/numerics.py)",
             stacklevel=3,
         )
-    budget = engine_threads()
-    if budget.adapts and not threads_are_invariant(model, budget.most):
+    if budget.adapts and not probes.answer(
+            "threads", lambda: threads_are_invariant(model, budget.most)):
         budget.hold("this model's products give other bits on other thread counts")
     if dtype == torch.bfloat16 and device.type == "cpu" and native_bfloat16() is False:
         warnings.warn(
@@ -212,7 +219,8 @@ def _load_folder(folder: Path, cache_dir: Path, device: torch.device, dtype: tor
                        or text_config.hidden_size // num_heads)
         kv_bytes_per_token = 2 * num_layers * num_kv_heads * head_dim * element_size
         layout = plain_layout(num_layers, kv_bytes_per_token)
-        if flash_rows_hold(num_heads, num_kv_heads, head_dim, dtype, device):
+        if probes.answer("flash_rows", lambda: flash_rows_hold(
+                num_heads, num_kv_heads, head_dim, dtype, device)):
             # torch's fused kernel keeps a row's bits here: canonical attention takes it
             # (attention.py's `_flash`), else the tiles.
             for holder in {id(config): config, id(text_config): text_config}.values():
@@ -224,8 +232,8 @@ def _load_folder(folder: Path, cache_dir: Path, device: torch.device, dtype: tor
         num_kv_heads = int(getattr(text_config, "num_key_value_heads", 0) or 0)
         head_dim = int(getattr(text_config, "head_dim", 0) or 0)
         kv_bytes_per_token = sum(layer.kv_bytes_per_token for layer in layout.layers)
-    fingerprint = _fingerprint(folder, cache_dir, model, tokenizer, device, dtype,
-                               attn or "model-default", pinned_rows, layout)
+    fingerprint = _fingerprint(model_parts, model, tokenizer, attn or "model-default",
+                               pinned_rows, layout)
     return Engine(
         name=folder.name,
         path=folder,
@@ -244,6 +252,7 @@ def _load_folder(folder: Path, cache_dir: Path, device: torch.device, dtype: tor
         max_context_tokens=context_length(config),
         pinned_rows=pinned_rows,
         layout=layout,
+        probes=probes,
     )
 
 
@@ -253,36 +262,21 @@ def _vocab_size(model: Any) -> int:
 
 
 def _fingerprint(
-    folder: Path,
-    cache_dir: Path,
+    model_parts: Mapping[str, Any],
     model: Any,
     tokenizer: Any,
-    device: torch.device,
-    dtype: torch.dtype,
     attn: str,
     pinned_rows: int | None,
     layout: ModelLayout,
 ) -> str:
-    import transformers
-
-    config = {
-        k: v
-        for k, v in model.config.to_dict().items()
-        if not k.startswith("_") and k not in ("transformers_version", "dtype", "torch_dtype")
-    }
     vocab = sorted(tokenizer.get_vocab().items())
     tokenizer_digest = hashlib.sha256(
         json.dumps([vocab, tokenizer.chat_template, tokenizer.all_special_tokens]).encode()
     ).hexdigest()
     parts: dict[str, Any] = {
+        **model_parts,
         "scheme": PREFILL_SCHEME if layout.is_plain else STATE_PREFILL_SCHEME,
-        "weights": _weights_digest(folder, cache_dir),
-        "config": config,
-        "dtype": str(dtype),
-        "device": device.type,
         "tokenizer": tokenizer_digest,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
         "attn": attn,
     }
     if not layout.is_plain:  # the model's own kernels compute it: name what chose them
@@ -294,6 +288,27 @@ def _fingerprint(
         parts["linear_rows"] = pinned_rows
     blob = json.dumps(parts, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()
+
+
+def _model_parts(folder: Path, cache_dir: Path, model: Any, device: torch.device,
+                 dtype: torch.dtype) -> dict[str, Any]:
+    """What names the model's numbers: its weights, config, dtype, device type and the
+    torch and transformers that compute it (the fingerprint's core; memo.py's probe key)."""
+    import transformers
+
+    config = {
+        k: v
+        for k, v in model.config.to_dict().items()
+        if not k.startswith("_") and k not in ("transformers_version", "dtype", "torch_dtype")
+    }
+    return {
+        "weights": _weights_digest(folder, cache_dir),
+        "config": config,
+        "dtype": str(dtype),
+        "device": device.type,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
 
 
 # Packages whose presence makes transformers run a window or state layer with other kernels
@@ -320,11 +335,8 @@ def _weights_digest(folder: Path, cache_dir: Path) -> str:
     files = sorted(p for p in folder.iterdir() if p.is_file() and p.name.endswith(_WEIGHT_SUFFIXES))
     if not files:
         raise ModelNotFoundError(f"{folder} holds no weight files (*.safetensors, *.bin)")
-    memo_path = cache_dir / "fingerprints.json"
-    try:
-        memo: dict[str, str] = json.loads(memo_path.read_text())
-    except (OSError, ValueError):
-        memo = {}
+    memo_path = cache_dir / FINGERPRINTS_FILE
+    memo = read_memo(memo_path)
     outer = hashlib.sha256()
     changed = False
     for path in files:
@@ -340,20 +352,5 @@ def _weights_digest(folder: Path, cache_dir: Path) -> str:
             changed = True
         outer.update(f"{path.name}:{digest}\n".encode())
     if changed:
-        _write_json_atomic(memo_path, memo)
+        write_memo(memo_path, memo)
     return outer.hexdigest()
-
-
-def _write_json_atomic(path: Path, data: Mapping[str, Any]) -> None:
-    """Best effort: the memo only saves time, so a read-only or full cache folder skips it."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    except OSError:
-        return
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(data, fh, sort_keys=True, indent=0)
-        os.replace(tmp, path)
-    except OSError:
-        Path(tmp).unlink(missing_ok=True)

@@ -100,6 +100,14 @@ class LoadingAnswerer:
         self.start()
         return self._built.result()
 
+    def has_ended(self, timeout: float) -> bool:
+        """Whether the load ended (loaded or failed) within `timeout` seconds."""
+        try:
+            self._built.exception(timeout=timeout)
+        except TimeoutError:
+            return False
+        return True
+
     def failure(self) -> BaseException | None:
         """The error the load ended with (None: it loaded, or it has not ended)."""
         if not self._built.done():
@@ -191,11 +199,15 @@ def abandon_loads(answerer: Answerer) -> None:
         part.abandon()
 
 
-def wait_loaded(answerer: Answerer) -> None:
+def wait_loaded(answerer: Answerer, until: threading.Event | None = None) -> bool:
     """Wait for every model `answerer` loads (none: returns at once); raises the first failed
-    load's error."""
+    load's error. False: `until` was set first (a signal to `serve`: stop, loaded or not)."""
     for part in _loading(answerer):
+        while until is not None and not part.has_ended(timeout=0.2):
+            if until.is_set():
+                return False
         part.wait()
+    return True
 
 
 async def until_loaded(answerer: Answerer) -> None:

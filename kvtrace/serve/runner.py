@@ -33,7 +33,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -83,28 +84,19 @@ class BackgroundServer:
         self.wait_for_signal()
         self.stop()
 
-    def wait_for_signal(self) -> None:
+    def wait_for_signal(self, stopping: threading.Event | None = None) -> None:
         """Block until SIGINT or SIGTERM (or the server's end), leaving the stop to the caller
         (`kvtrace ui` first ends its open event streams, which the server would wait for).
-
-        The handlers are set here rather than inherited: a shell starts a
-        background job with SIGINT ignored, and a server that is sent SIGINT
-        (or SIGTERM, as a service manager does) must still stop, and say what
-        it recorded.
-        """
-        stopping = threading.Event()
-        previous = {}
-        if threading.current_thread() is threading.main_thread():
-            previous = {signum: signal.signal(signum, lambda *_: stopping.set())
-                        for signum in (signal.SIGINT, signal.SIGTERM)}
+        `stopping`: the event of a `stop_signals` block the caller holds already."""
+        if stopping is None:
+            with stop_signals() as stopping:
+                self.wait_for_signal(stopping)
+            return
         try:
             while self._thread.is_alive() and not stopping.is_set():
                 self._thread.join(timeout=0.2)
         except KeyboardInterrupt:
             pass
-        finally:
-            for signum, handler in previous.items():
-                signal.signal(signum, handler)
 
     def stop(self) -> None:
         self._server.should_exit = True
@@ -116,6 +108,29 @@ class BackgroundServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+@contextmanager
+def stop_signals() -> Iterator[threading.Event]:
+    """For the block, SIGINT and SIGTERM set the event instead of what they did (on the main
+    thread; elsewhere signals cannot be handled and the event only serves as a flag).
+
+    The handlers are set here rather than inherited: a shell starts a
+    background job with SIGINT ignored, and a server that is sent SIGINT (or
+    SIGTERM, as a service manager does) must still stop, and say what it
+    recorded, from its first moment on (`serve` holds the block while its
+    model loads, too).
+    """
+    stopping = threading.Event()
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {signum: signal.signal(signum, lambda *_: stopping.set())
+                    for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield stopping
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def is_loopback(host: str) -> bool:

@@ -96,15 +96,18 @@ def test_a_pinned_bfloat16_model_reuses_bit_identically(tiny_folder, engine_root
                         stop_ids=[]).token_ids == tokens_cold
 
 
-def test_the_engine_pins_bfloat16_where_rows_are_not_invariant(tiny_folder, engine_root,
+def test_the_engine_pins_bfloat16_where_rows_are_not_invariant(tiny_folder, tmp_path,
                                                                 monkeypatch):
     """As where oneDNN picks kernels by row count (AMX): the check fails, bfloat16 is pinned
     with a fingerprint of its own, float32 (strict mode set too late) only warns, and so
     does bfloat16 where a pinned product does not hold either."""
     from kvtrace.engine import model as model_module
 
-    def load(dtype):
-        return load_engine(tiny_folder, cache_dir=engine_root / "cache", dtype=dtype)
+    loads = iter(range(10))
+
+    def load(dtype):  # each in a cache folder of its own: no probe answer remembered
+        cache_dir = tmp_path / f"cache-{next(loads)}"
+        return load_engine(tiny_folder, cache_dir=cache_dir, dtype=dtype)
 
     plain = load("bfloat16")
     monkeypatch.setattr(model_module, "rows_are_invariant", lambda model: False)

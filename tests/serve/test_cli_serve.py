@@ -225,6 +225,31 @@ def test_serve_in_bfloat16_says_so_and_answers(home, tiny_model_folder):
     assert process.returncode == 0
 
 
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_while_the_model_loads_stops_serve_even_as_a_background_job(
+        home, tiny_model_folder, signum):
+    """Started as a shell starts a background job (SIGINT ignored), `serve` still stops on a
+    signal that comes while its model loads (before, the signal was ignored until the load
+    ended), with the exit of a signal after the load."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kvtrace", "serve", "--port", "0", "--run", "early",
+         "--model", str(tiny_model_folder)],
+        stderr=subprocess.PIPE, text=True, env=dict(os.environ),
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        assert process.stderr is not None
+        url = process.stderr.readline().split()[2]
+        health = httpx.get(url.removesuffix("/v1") + "/health").json()
+        assert health["loading"] is True  # the signal comes during the load
+        process.send_signal(signum)
+        _, rest = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, rest  # stopped as after the load, not killed
+    assert not any(line.startswith("kvtrace serve: loaded:") for line in rest.splitlines())
+
+
 # -- authentication options (issue 23, item 7) -------------------------------------------------
 
 
