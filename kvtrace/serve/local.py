@@ -186,8 +186,11 @@ class LocalAnswerer:
         return self._backend.take_cache_faults()
 
     def health(self) -> dict[str, Any]:
+        probes = self._backend.engine.probes  # measured at this start, or kept (memo.py)
         return {"mode": "local", "model": self.model, "dtype": self.dtype, "queue": self.queue,
-                "batch": self.batch, "threads": self._backend.threads}
+                "batch": self.batch, "threads": self._backend.threads,
+                "probes": {"measured": list(probes.measured),
+                           "remembered": list(probes.remembered)}}
 
     async def close(self) -> None:
         self._preparer.shutdown(wait=True)
