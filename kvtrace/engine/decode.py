@@ -155,7 +155,8 @@ def row_multiple(engine: Engine) -> int:
     shows in the logits, and the widths a batch of up to 16 may take are
     exactly the ones compared.
     """
-    return engine.probes.answer("decode_row_multiple", lambda: _probe_multiple(engine))
+    return engine.probes.answer("decode_row_multiple", lambda: _probe_multiple(engine),
+                                (*_CANDIDATE_MULTIPLES, ROW_MULTIPLE))
 
 
 def _probe_multiple(engine: Engine) -> int:

@@ -12,15 +12,22 @@ The probes ask questions only the model's own products can answer on this
 machine: does a row keep its bits whatever the row count (numerics.py), the
 thread count (threads.py), the cut of attention into forwards
 (attention.py), or the width of a decode forward (decode.py's row
-multiple)? Measured on a 2-core EPYC with the default model in bfloat16,
-they cost about 1 s of each start (rows 0.09 s, threads 0.08 s, attention
-cuts 0.21 s, decode row multiple 0.65 s, the last on the first request's
-path). An answer depends only on the weights, the config, the dtype, the
-device and its kernels (torch's build, the CPU's instruction set or the GPU),
-the thread count and the environment's numerics settings (MKL's, oneDNN's),
-so `Probes` keeps it under a digest of exactly those and of `PROBES_VERSION`.
-Anything else differing is another key, which probes again. Deleting
-`probes.json` forgets every answer.
+multiple)? Measured on a 2-core AVX2 EPYC with the default model in
+float32, they cost about 1 s of each start (rows 0.09 s, threads 0.08 s,
+attention cuts 0.21 s, decode row multiple 0.65 s, the last on the first
+request's path). An answer depends on the weights, the config, the dtype,
+the device and its kernels (torch's build, the CPU's model and instruction
+set or the GPU), the thread count, torch's precision switches, the
+environment's numerics settings (MKL's, oneDNN's, cuBLAS's), kvtrace's
+engine code, and whether MKL's strict mode took effect in this process
+(not if torch computed before kvtrace set it): so `Probes` keeps it under a
+digest of exactly those. The row check (0.09 s), which is what shows the
+last, always runs, and its answer is part of the key. Anything else
+differing is another key, which probes again; where the CPU cannot be named
+(no /proc/cpuinfo), answers are kept in memory only. A stored answer that
+is not one the probe can give is measured again. Two processes writing the
+file at once may drop each other's new entry: the next load measures it
+again. Deleting `probes.json` forgets every answer.
 """
 
 from __future__ import annotations
@@ -43,10 +50,15 @@ PROBES_VERSION = 1
 PROBES_FILE = "probes.json"
 FINGERPRINTS_FILE = "fingerprints.json"
 # Environment variables whose values may change a product's bits (MKL's conditional
-# reproducibility, oneDNN's ISA and kernels, ATen's vector width).
-_NUMERICS_ENV_PREFIXES = ("MKL_", "ONEDNN_", "DNNL_", "ATEN_CPU_CAPABILITY")
+# reproducibility, oneDNN's ISA and kernels, ATen's vector width, cuBLAS's and TF32's).
+_NUMERICS_ENV_PREFIXES = ("MKL_", "ONEDNN_", "DNNL_", "ATEN_CPU_CAPABILITY", "CUBLAS_",
+                          "NVIDIA_TF32_OVERRIDE")
+# /proc/cpuinfo fields that differ between a CPU's cores or from moment to moment.
+_VOLATILE_CPU_FIELDS = {"processor", "cpu MHz", "bogomips", "BogoMIPS", "core id", "apicid",
+                        "initial apicid", "physical id", "siblings", "cpu cores"}
 
 Answer = TypeVar("Answer", bool, int)
+YES_NO = (True, False)  # what a yes-or-no probe may answer (`Probes.answer`'s `possible`)
 
 
 def read_memo(path: Path) -> dict[str, Any]:
@@ -78,8 +90,9 @@ class Probes:
     """One loaded model's probe answers: remembered under its key, else measured and kept.
 
     `measured` and `remembered` name the probes each way, in the order asked
-    (for `/health` and the tests). Threads may ask at once (the batcher's
-    first decode beside a load's checks): one lock.
+    (for `/health` and the tests). Threads may ask at once (two batchers'
+    first decodes): one lock, held while a probe runs, so a probe must not
+    ask for another's answer.
     """
 
     def __init__(self, path: Path | None = None, key: str | None = None) -> None:
@@ -99,30 +112,38 @@ class Probes:
     def in_cache(cls, cache_dir: Path, model_parts: Mapping[str, Any],
                  device: torch.device, threads: int) -> Probes:
         """Answers kept in `cache_dir/probes.json` under the digest of `model_parts` (what
-        names the weights and the numerics: model.py's `_model_parts`), this machine's
-        kernels for `device`, `threads` and the numerics environment."""
+        names the weights and the numerics, model.py's `_model_parts`, with the row check's
+        answer), this machine's kernels for `device`, `threads`, torch's precision switches,
+        the numerics environment and the engine's code (module docstring)."""
+        kernels = _kernels(device)
+        if kernels is None:
+            return cls.in_memory()
         parts = {
             "probes": PROBES_VERSION,
             "model": dict(model_parts),
-            "machine": _kernels(device),
+            "machine": kernels,
             "threads": threads,
+            "torch": _precision_switches(device),
             "env": {name: value for name, value in sorted(os.environ.items())
                     if name.startswith(_NUMERICS_ENV_PREFIXES)},
+            "code": _engine_code_digest(),
         }
         blob = json.dumps(parts, sort_keys=True, default=str).encode()
         return cls(cache_dir / PROBES_FILE, hashlib.sha256(blob).hexdigest())
 
-    def answer(self, name: str, probe: Callable[[], Answer]) -> Answer:
-        """The answer of probe `name`: remembered if known under this key, else `probe()`,
-        then remembered."""
+    def answer(self, name: str, probe: Callable[[], Answer],
+               possible: tuple[Answer, ...]) -> Answer:
+        """The answer of probe `name`, one of `possible`: remembered if known under this key,
+        else `probe()`, then remembered."""
         with self._lock:
             if name in self._answers:
                 return self._answers[name]
             stored = self._stored().get(name)
-            if isinstance(stored, bool | int):
+            # exactly one of `possible`, of its type: JSON's true is not 1, nor 4 true
+            if stored in possible and type(stored) in {type(p) for p in possible}:
                 self.remembered.append(name)
                 self._answers[name] = stored
-                return stored  # type: ignore[return-value]
+                return stored
             found = probe()
             self.measured.append(name)
             self._answers[name] = found
@@ -144,28 +165,65 @@ class Probes:
         write_memo(self.path, memo)
 
 
-def _kernels(device: torch.device) -> dict[str, Any]:
-    """What names the kernels a product runs on `device`: the GPU and its CUDA, or the
-    CPU (its model and instruction set as torch dispatches on them)."""
+def _kernels(device: torch.device) -> dict[str, Any] | None:
+    """What names the kernels a product runs on `device`: the GPU (its model, compute
+    capability and multiprocessors: a MIG slice has fewer) and its CUDA, or the CPU (its
+    model and features, and the instruction set torch dispatches on); None where the CPU
+    cannot be named."""
     import torch
 
     if device.type == "cuda":
-        return {"gpu": torch.cuda.get_device_name(device), "cuda": torch.version.cuda}
-    return {"cpu": _cpu_model(), "machine": platform.machine(),
+        props = torch.cuda.get_device_properties(device)
+        return {"gpu": props.name, "capability": [props.major, props.minor],
+                "multiprocessors": props.multi_processor_count, "cuda": torch.version.cuda}
+    cpu = _cpu_model()
+    if cpu is None:
+        return None
+    return {"cpu": cpu, "machine": platform.machine(),
             "capability": torch.backends.cpu.get_cpu_capability()}
 
 
-def _cpu_model() -> str:
-    """The CPU's model name and flags (Linux's /proc/cpuinfo), else what `platform` says."""
+def _cpu_model() -> str | None:
+    """A digest of the first CPU's /proc/cpuinfo block, less what differs between cores
+    or moments (x86's model name and flags; ARM's implementer, part and features); None
+    where there is no /proc/cpuinfo (not Linux)."""
     try:
         info = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return platform.processor()
-    fields: dict[str, str] = {}
+        return None
+    block = []
     for line in info.splitlines():
-        name, _, value = line.partition(":")
-        fields.setdefault(name.strip(), value.strip())
         if not line.strip():  # the first CPU's block is enough: they are alike
             break
-    flags = hashlib.sha256(fields.get("flags", "").encode()).hexdigest()[:16]
-    return f"{fields.get('model name', platform.processor())} flags:{flags}"
+        name, _, value = line.partition(":")
+        if name.strip() not in _VOLATILE_CPU_FIELDS:
+            block.append(f"{name.strip()}:{value.strip()}")
+    return hashlib.sha256("\n".join(block).encode()).hexdigest()
+
+
+def _precision_switches(device: torch.device) -> dict[str, Any]:
+    """torch's process-wide switches that let a product or attention trade bits for speed
+    (TF32, reduced-precision reductions, which fused attention kernels may run)."""
+    import torch
+
+    switches: dict[str, Any] = {"float32_matmul": torch.get_float32_matmul_precision(),
+                                "mkldnn": torch.backends.mkldnn.enabled}
+    if device.type == "cuda":
+        matmul = torch.backends.cuda.matmul
+        switches.update({
+            "tf32": matmul.allow_tf32, "cudnn_tf32": torch.backends.cudnn.allow_tf32,
+            "bf16_reduced": matmul.allow_bf16_reduced_precision_reduction,
+            "fp16_reduced": matmul.allow_fp16_reduced_precision_reduction,
+            "sdpa": [torch.backends.cuda.flash_sdp_enabled(),
+                     torch.backends.cuda.mem_efficient_sdp_enabled(),
+                     torch.backends.cuda.math_sdp_enabled()]})
+    return switches
+
+
+def _engine_code_digest() -> str:
+    """A digest of kvtrace's engine modules: the probes and what they check are there, so an
+    edit (a developer's checkout, another kvtrace) measures again."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()

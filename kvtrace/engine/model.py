@@ -47,7 +47,7 @@ from kvtrace.engine.layers import (
     measure_layout,
     plain_layout,
 )
-from kvtrace.engine.memo import FINGERPRINTS_FILE, Probes, read_memo, write_memo
+from kvtrace.engine.memo import FINGERPRINTS_FILE, YES_NO, Probes, read_memo, write_memo
 from kvtrace.engine.numerics import (
     MKL_SETTING,
     native_bfloat16,
@@ -183,12 +183,15 @@ def _load_folder(folder: Path, cache_dir: Path, device: torch.device, dtype: tor
     model.eval()
     model.requires_grad_(False)
     budget = engine_threads()
+    # Measured every load (~0.1 s): it is also what shows whether MKL's strict mode took
+    # effect in this process, so the other probes' answers are kept under it (memo.py).
+    invariant = rows_are_invariant(model) if is_plain else True
     model_parts = _model_parts(folder, cache_dir, model, device, dtype)
-    probes = Probes.in_cache(cache_dir, model_parts, device, budget.most)
-    invariant = probes.answer("rows", lambda: rows_are_invariant(model)) if is_plain else True
+    probes = Probes.in_cache(cache_dir, {**model_parts, "rows_invariant": invariant}, device,
+                             budget.most)
     pinned_rows = None
     if not invariant and dtype != torch.float32 and probes.answer(
-            "pinned_rows", lambda: pinned_rows_hold(model)):
+            "pinned_rows", lambda: pinned_rows_hold(model), YES_NO):
         pin_rows(model)  # bfloat16 with AMX, for one (kvtrace/engine/rowblocks.py)
         pinned_rows = ROWS
     elif not invariant:
@@ -200,7 +203,7 @@ def _load_folder(folder: Path, cache_dir: Path, device: torch.device, dtype: tor
             stacklevel=3,
         )
     if budget.adapts and not probes.answer(
-            "threads", lambda: threads_are_invariant(model, budget.most)):
+            "threads", lambda: threads_are_invariant(model, budget.most), YES_NO):
         budget.hold("this model's products give other bits on other thread counts")
     if dtype == torch.bfloat16 and device.type == "cpu" and native_bfloat16() is False:
         warnings.warn(
@@ -220,7 +223,7 @@ def _load_folder(folder: Path, cache_dir: Path, device: torch.device, dtype: tor
         kv_bytes_per_token = 2 * num_layers * num_kv_heads * head_dim * element_size
         layout = plain_layout(num_layers, kv_bytes_per_token)
         if probes.answer("flash_rows", lambda: flash_rows_hold(
-                num_heads, num_kv_heads, head_dim, dtype, device)):
+                num_heads, num_kv_heads, head_dim, dtype, device), YES_NO):
             # torch's fused kernel keeps a row's bits here: canonical attention takes it
             # (attention.py's `_flash`), else the tiles.
             for holder in {id(config): config, id(text_config): text_config}.values():
@@ -232,8 +235,10 @@ def _load_folder(folder: Path, cache_dir: Path, device: torch.device, dtype: tor
         num_kv_heads = int(getattr(text_config, "num_key_value_heads", 0) or 0)
         head_dim = int(getattr(text_config, "head_dim", 0) or 0)
         kv_bytes_per_token = sum(layer.kv_bytes_per_token for layer in layout.layers)
-    fingerprint = _fingerprint(model_parts, model, tokenizer, attn or "model-default",
-                               pinned_rows, layout)
+    # The config as it is now: a nested config (`text_config`) keeps the attention kernel's
+    # name set above, as it always has in the fingerprint.
+    fingerprint = _fingerprint({**model_parts, "config": _config_dict(model)}, model,
+                               tokenizer, attn or "model-default", pinned_rows, layout)
     return Engine(
         name=folder.name,
         path=folder,
@@ -296,18 +301,22 @@ def _model_parts(folder: Path, cache_dir: Path, model: Any, device: torch.device
     torch and transformers that compute it (the fingerprint's core; memo.py's probe key)."""
     import transformers
 
-    config = {
-        k: v
-        for k, v in model.config.to_dict().items()
-        if not k.startswith("_") and k not in ("transformers_version", "dtype", "torch_dtype")
-    }
     return {
         "weights": _weights_digest(folder, cache_dir),
-        "config": config,
+        "config": _config_dict(model),
         "dtype": str(dtype),
         "device": device.type,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
+    }
+
+
+def _config_dict(model: Any) -> dict[str, Any]:
+    """The model's config as the fingerprint names it (what is not kvtrace's or a version)."""
+    return {
+        k: v
+        for k, v in model.config.to_dict().items()
+        if not k.startswith("_") and k not in ("transformers_version", "dtype", "torch_dtype")
     }
 
 

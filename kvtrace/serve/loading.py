@@ -203,6 +203,7 @@ def wait_loaded(answerer: Answerer, until: threading.Event | None = None) -> boo
     """Wait for every model `answerer` loads (none: returns at once); raises the first failed
     load's error. False: `until` was set first (a signal to `serve`: stop, loaded or not)."""
     for part in _loading(answerer):
+        part.start()
         while until is not None and not part.has_ended(timeout=0.2):
             if until.is_set():
                 return False

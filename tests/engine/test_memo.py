@@ -11,19 +11,20 @@ import json
 import pytest
 import torch
 
-from kvtrace.engine import load_engine
+from kvtrace.engine import load_engine, memo
 from kvtrace.engine.decode import row_multiple
 from kvtrace.engine.memo import PROBES_FILE, Probes
 
-PROBED_AT_LOAD = ["rows", "threads", "flash_rows"]
+# Asked of a full-attention model on the CPU (`threads` only where the thread budget adapts;
+# the row check runs at every load and is part of the key instead)
+PROBED_AT_LOAD = ["threads", "flash_rows"]
 
 
 def test_a_second_load_remembers_what_the_first_measured(tiny_folder, tmp_path):
     first = load_engine(tiny_folder, cache_dir=tmp_path)
     multiple = row_multiple(first)  # probed at the first decode, then kept with the rest
-    # `threads` is asked only where the thread budget adapts (more than one thread)
     asked = [name for name in PROBED_AT_LOAD if name in first.probes.measured]
-    assert {"rows", "flash_rows"} <= set(asked)
+    assert "flash_rows" in asked and "rows" not in first.probes.measured
     assert first.probes.remembered == []
     stored = json.loads((tmp_path / PROBES_FILE).read_text())
     assert list(stored) == [first.probes.key]
@@ -39,47 +40,67 @@ def test_a_second_load_remembers_what_the_first_measured(tiny_folder, tmp_path):
 
 
 def test_the_remembered_answer_is_the_one_used(tiny_folder, tmp_path):
-    """Where the memo says a row's bits depend on the row count (what a machine whose GEMM
-    picks kernels by rows would find), the load believes it without probing: float32 then
-    warns that hits may differ from cold runs."""
+    """The memo's answer decides without probing: flipped by hand (what another machine's
+    attention kernel could find), the next load takes the other attention, with its own
+    fingerprint (other bits, other KV)."""
     measured = load_engine(tiny_folder, cache_dir=tmp_path)
     path = tmp_path / PROBES_FILE
     stored = json.loads(path.read_text())
-    assert stored[measured.probes.key]["rows"] is True  # measured here (test_numerics.py)
-    stored[measured.probes.key]["rows"] = False
+    flash = stored[measured.probes.key]["flash_rows"]
+    assert flash is ("flash" in measured.attn_implementation)
+    stored[measured.probes.key]["flash_rows"] = not flash
     path.write_text(json.dumps(stored))
-    with pytest.warns(UserWarning, match="other bits depending on how many rows"):
-        told = load_engine(tiny_folder, cache_dir=tmp_path)
-    assert "rows" in told.probes.remembered and "rows" not in told.probes.measured
+    told = load_engine(tiny_folder, cache_dir=tmp_path)
+    assert "flash_rows" in told.probes.remembered
+    assert ("flash" in told.attn_implementation) is (not flash)
+    assert told.fingerprint != measured.fingerprint
+
+
+@pytest.mark.parametrize("stored", [True, 0, 5, "4", None], ids=repr)
+def test_a_stored_answer_the_probe_cannot_give_is_measured_again(tiny_folder, tmp_path,
+                                                                 stored):
+    engine = load_engine(tiny_folder, cache_dir=tmp_path)
+    multiple = row_multiple(engine)
+    path = tmp_path / PROBES_FILE
+    memo = json.loads(path.read_text())
+    memo[engine.probes.key]["decode_row_multiple"] = stored
+    path.write_text(json.dumps(memo))
+    again = load_engine(tiny_folder, cache_dir=tmp_path)
+    assert row_multiple(again) == multiple and "decode_row_multiple" in again.probes.measured
+    assert json.loads(path.read_text())[again.probes.key]["decode_row_multiple"] == multiple
 
 
 def test_another_dtype_or_numerics_setting_probes_again(tiny_folder, tmp_path, monkeypatch):
     f32 = load_engine(tiny_folder, cache_dir=tmp_path)
     bf16 = load_engine(tiny_folder, cache_dir=tmp_path, dtype="bfloat16")
-    assert bf16.probes.key != f32.probes.key and "rows" in bf16.probes.measured
+    assert bf16.probes.key != f32.probes.key and "flash_rows" in bf16.probes.measured
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # other kernels, maybe other bits
     other = load_engine(tiny_folder, cache_dir=tmp_path)
     assert other.probes.key not in (f32.probes.key, bf16.probes.key)
-    assert other.probes.remembered == [] and "rows" in other.probes.measured
+    assert other.probes.remembered == [] and "flash_rows" in other.probes.measured
     assert len(json.loads((tmp_path / PROBES_FILE).read_text())) == 3
 
 
 def test_an_unreadable_memo_is_measured_again_and_rewritten(tiny_folder, tmp_path):
     (tmp_path / PROBES_FILE).write_text("{not json")
     engine = load_engine(tiny_folder, cache_dir=tmp_path)
-    assert engine.probes.remembered == [] and "rows" in engine.probes.measured
+    assert engine.probes.remembered == [] and "flash_rows" in engine.probes.measured
     assert engine.probes.key in json.loads((tmp_path / PROBES_FILE).read_text())
 
 
-def test_the_key_names_the_threads_and_the_device(tmp_path):
-    parts = {"weights": "w", "dtype": "torch.float32"}
+def test_the_key_names_the_model_the_threads_and_the_cpu(tmp_path, monkeypatch):
+    parts = {"weights": "w", "dtype": "torch.float32", "rows_invariant": True}
     cpu = torch.device("cpu")
-    keys = {Probes.in_cache(tmp_path, parts, cpu, 2).key,
-            Probes.in_cache(tmp_path, parts, cpu, 1).key,
-            Probes.in_cache(tmp_path, {**parts, "weights": "v"}, cpu, 2).key}
-    assert len(keys) == 3
-    assert Probes.in_cache(tmp_path, parts, cpu, 2).key == Probes.in_cache(
-        tmp_path, dict(parts), cpu, 2).key
+
+    def key(**changes) -> str | None:
+        return Probes.in_cache(tmp_path, {**parts, **changes}, cpu, changes.get("t", 2)).key
+
+    keys = {key(), key(t=1), key(weights="v"), key(rows_invariant=False)}
+    monkeypatch.setattr(memo, "_cpu_model", lambda: "another cpu")
+    keys.add(key())
+    assert len(keys) == 5 and None not in keys
+    monkeypatch.setattr(memo, "_cpu_model", lambda: None)  # not Linux: nothing kept
+    assert Probes.in_cache(tmp_path, parts, cpu, 2).path is None
 
 
 def test_an_engine_built_by_hand_keeps_its_answers_in_memory():
@@ -90,5 +111,6 @@ def test_an_engine_built_by_hand_keeps_its_answers_in_memory():
         runs.append(1)
         return 4 * len(runs)
 
-    assert probes.answer("x", probe) == 4 and probes.answer("x", probe) == 4 and runs == [1]
+    assert probes.answer("x", probe, (4, 8)) == 4 and runs == [1]
+    assert probes.answer("x", probe, (4, 8)) == 4 and runs == [1]
     assert probes.path is None and probes.measured == ["x"]

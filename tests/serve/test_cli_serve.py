@@ -217,7 +217,7 @@ def test_serve_in_bfloat16_says_so_and_answers(home, tiny_model_folder):
         assert health["threads"].startswith(("up to ", "1, fixed"))  # engine/threads.py
         # the load's probes: run at this start, or kept from an earlier one (engine/memo.py)
         probes = health["probes"]
-        assert "rows" in probes["measured"] + probes["remembered"]
+        assert "flash_rows" in probes["measured"] + probes["remembered"]
         reply = httpx.post(f"{url}/chat/completions", timeout=120, json={
             "model": "any", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
         assert reply.status_code == 200
