@@ -39,6 +39,7 @@ import platform
 import tempfile
 import threading
 from collections.abc import Callable, Mapping
+from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -101,6 +102,7 @@ class Probes:
         self.measured: list[str] = []
         self.remembered: list[str] = []
         self._answers: dict[str, Any] = {}
+        self._entry: dict[str, Any] | None = None  # this key's stored answers, read once
         self._lock = threading.Lock()
 
     @classmethod
@@ -151,10 +153,11 @@ class Probes:
             return found
 
     def _stored(self) -> dict[str, Any]:
-        if self.path is None or self.key is None:
-            return {}
-        entry = read_memo(self.path).get(self.key)
-        return entry if isinstance(entry, dict) else {}
+        if self._entry is None:
+            entry = (None if self.path is None or self.key is None
+                     else read_memo(self.path).get(self.key))
+            self._entry = entry if isinstance(entry, dict) else {}
+        return self._entry
 
     def _store(self, name: str, found: bool | int) -> None:
         if self.path is None or self.key is None:
@@ -183,6 +186,7 @@ def _kernels(device: torch.device) -> dict[str, Any] | None:
             "capability": torch.backends.cpu.get_cpu_capability()}
 
 
+@cache
 def _cpu_model() -> str | None:
     """A digest of the first CPU's /proc/cpuinfo block, less what differs between cores
     or moments (x86's model name and flags; ARM's implementer, part and features); None
@@ -220,6 +224,7 @@ def _precision_switches(device: torch.device) -> dict[str, Any]:
     return switches
 
 
+@cache
 def _engine_code_digest() -> str:
     """A digest of kvtrace's engine modules: the probes and what they check are there, so an
     edit (a developer's checkout, another kvtrace) measures again."""

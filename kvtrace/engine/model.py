@@ -235,8 +235,8 @@ def _load_folder(folder: Path, cache_dir: Path, device: torch.device, dtype: tor
         num_kv_heads = int(getattr(text_config, "num_key_value_heads", 0) or 0)
         head_dim = int(getattr(text_config, "head_dim", 0) or 0)
         kv_bytes_per_token = sum(layer.kv_bytes_per_token for layer in layout.layers)
-    # The config as it is now: a nested config (`text_config`) keeps the attention kernel's
-    # name set above, as it always has in the fingerprint.
+    # The config as it is now: a nested config (`text_config`) holds the attention kernel's
+    # name set above, which the fingerprint names.
     fingerprint = _fingerprint({**model_parts, "config": _config_dict(model)}, model,
                                tokenizer, attn or "model-default", pinned_rows, layout)
     return Engine(

@@ -232,8 +232,7 @@ def test_serve_in_bfloat16_says_so_and_answers(home, tiny_model_folder):
 def test_a_signal_while_the_model_loads_stops_serve_even_as_a_background_job(
         home, tiny_model_folder, signum):
     """Started as a shell starts a background job (SIGINT ignored), `serve` still stops on a
-    signal that comes while its model loads (before, the signal was ignored until the load
-    ended), with the exit of a signal after the load."""
+    signal that comes while its model loads, with the exit of a signal after the load."""
     process = subprocess.Popen(
         [sys.executable, "-m", "kvtrace", "serve", "--port", "0", "--run", "early",
          "--model", str(tiny_model_folder)],
