@@ -66,6 +66,7 @@ import torch
 import torch.nn.functional as F
 
 from kvtrace.engine.decode_attention import SequenceKV, decode_attention
+from kvtrace.engine.kvbuffer import GrowingLayer
 
 ATTN_IMPLEMENTATION = "kvtrace_canonical"
 # torch's fused CPU kernel (`flash`, see `_flash`) splits the keys into blocks of 512 from key
@@ -77,6 +78,7 @@ FLASH = "flash"
 # extension prefill ~6 % faster in bfloat16, docs/benchmarks.md); 256 pads too far.
 TILE = 128
 ROUTER_KWARG = "kvtrace_rows"  # a decode step's per-sequence K/V (decode.py's RowRouter)
+KV_KWARG = "kvtrace_kv"  # a prefill's cache (prefilling.py): `_flash` reads its buffers in place
 SCORE_BYTES = 32 * 1024**2
 QUERY_BLOCK_ROWS = 256  # the most query rows one block scores (module docstring)
 _QUERY_BLOCK_MULTIPLE = 16  # prefill's ROW_MULTIPLE: blocks are row counts a forward may have
@@ -111,7 +113,8 @@ def canonical_attention(
     if q_len == 1:
         return decode_attention(query, [SequenceKV(key, value, 0)], [[0]], scale), None
     if getattr(getattr(module, "config", None), KERNEL_ATTR, None) == FLASH:
-        return _flash(query, key, value, scale), None
+        in_place = _padded_in_place(kwargs.get(KV_KWARG), module, kv_len)
+        return _flash(query, key, value, scale, in_place), None
     batch, num_heads = query.shape[0], query.shape[1]
     groups = num_heads // num_kv_heads
     num_tiles = -(-kv_len // TILE)
@@ -137,8 +140,8 @@ def canonical_attention(
     return out, None
 
 
-def _flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-           scale: float) -> torch.Tensor:
+def _flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+           in_place: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The same causal attention through torch's fused kernel: `[b, q, heads, dim]`.
 
     Why it keeps a row's bits: the kernel gives each block of query rows to one thread, which
@@ -149,15 +152,37 @@ def _flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     rescale factor is exactly 1). So a row gets the same bits in any chunk, at any length
     (`flash_rows_hold` checks that on this machine before the engine uses it). It reads no
     score matrix back: ~30 % faster than the tiles at 512 rows, ~15 % at 112.
+
+    `in_place`: the same keys and values already padded, in the cache's own buffers (their
+    rows past `key`'s finite, `GrowingLayer.padded`): masked keys weigh exact zeros whatever
+    finite values they hold, so the bits are those of zero padding, without copying each
+    layer's whole KV (~10 % of an agent rebuild, docs/benchmarks.md).
     """
     num_kv_heads, kv_len = key.shape[1], key.shape[2]
     q_len = query.shape[2]
     padded = -(-kv_len // FLASH_BLOCK) * FLASH_BLOCK
-    keys, values = _zero_padded("keys", key, padded), _zero_padded("values", value, padded)
+    if in_place is not None and in_place[0].shape[2] == padded:
+        keys, values = in_place
+    else:
+        keys, values = _zero_padded("keys", key, padded), _zero_padded("values", value, padded)
     mask = _flash_mask(kv_len - q_len, q_len, padded, query.dtype, query.device)
     out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale,
                                          enable_gqa=num_kv_heads != query.shape[1])
     return out.transpose(1, 2)
+
+
+def _padded_in_place(kv: object, module: torch.nn.Module,
+                     kv_len: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """This layer's keys and values padded to whole flash blocks in `kv`'s own buffer, when
+    `kv` is a prefill's cache of `GrowingLayer`s holding exactly the `kv_len` rows attended."""
+    layers = getattr(kv, "layers", None)
+    layer_idx = getattr(module, "layer_idx", None)
+    if layers is None or layer_idx is None:
+        return None
+    layer = layers[layer_idx]
+    if not isinstance(layer, GrowingLayer) or layer.get_seq_length() != kv_len:
+        return None
+    return layer.padded(FLASH_BLOCK)
 
 
 def _zero_padded(name: str, rows: torch.Tensor, length: int) -> torch.Tensor:

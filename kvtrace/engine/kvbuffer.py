@@ -39,7 +39,9 @@ from kvtrace.errors import CacheError
 
 MIN_SPARE_ROWS = 256
 _SERIALS = itertools.count(1)
-ROW_ALIGN = 64
+# Capacities are whole blocks of torch's flash kernel's 512 keys (attention.py's FLASH_BLOCK),
+# so prefill attention reads a layer's keys padded to whole blocks in place (`padded`).
+ROW_ALIGN = 512
 
 
 class KVBuffer:
@@ -95,6 +97,24 @@ class GrowingLayer(DynamicLayer):
             buffer.keys[:, :, self._length : end].copy_(key_states)
             buffer.values[:, :, self._length : end].copy_(value_states)
         return self._set_length(end)
+
+    def padded(self, multiple: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Keys and values of the rows up to the next multiple of `multiple`, in place; None
+        when the buffer does not hold that many rows.
+
+        Why: prefill attention (attention.py's `_flash`) reads the keys zero-padded to whole
+        blocks, and copying each layer's whole KV into padded scratch took ~10 % of an agent
+        rebuild (docs/benchmarks.md). The rows past the length are finite, which is all the
+        kernel asks of keys it masks out: zeros from `_allocate`, or keys and values written
+        before a crop, an adoption or a detach (no writer leaves anything else there).
+        """
+        buffer = self._buffer
+        if buffer is None:
+            return None
+        rows = -(-self._length // multiple) * multiple
+        if rows > buffer.capacity:
+            return None
+        return buffer.keys[:, :, :rows], buffer.values[:, :, :rows]
 
     def crop(self, tokens_to_remove: int) -> None:
         """Forget the last `-tokens_to_remove` rows (their space is written next)."""
@@ -208,15 +228,16 @@ class GrowingLayer(DynamicLayer):
 
     @staticmethod
     def _allocate(rows: int, *, like: torch.Tensor) -> KVBuffer:
-        """A new buffer with room for `rows` and spare rows after."""
+        """A new buffer with room for `rows`, which the caller writes at once, and spare rows
+        after, zeros (`padded` reads them)."""
         spare = max(MIN_SPARE_ROWS, rows // 16)
         capacity = -(-(rows + spare) // ROW_ALIGN) * ROW_ALIGN
         shape = (like.shape[0], like.shape[1], capacity, like.shape[3])
-        buffer = KVBuffer(
-            torch.empty(shape, dtype=like.dtype, device=like.device),
-            torch.empty(shape, dtype=like.dtype, device=like.device),
-        )
-        return buffer
+        keys = torch.empty(shape, dtype=like.dtype, device=like.device)
+        values = torch.empty(shape, dtype=like.dtype, device=like.device)
+        keys[:, :, rows:] = 0
+        values[:, :, rows:] = 0
+        return KVBuffer(keys, values)
 
     def _own(self, buffer: KVBuffer) -> KVBuffer:
         buffer.owner = self._serial

@@ -52,6 +52,7 @@ from dataclasses import dataclass, replace
 import torch
 from transformers import DynamicCache
 
+from kvtrace.engine.attention import KV_KWARG
 from kvtrace.engine.cache import DEFAULT_BLOCK_SIZE, KVCache, PrefixHit, check_block_size
 from kvtrace.engine.kvbuffer import buffer_rows, growing_cache, growing_layers
 from kvtrace.engine.model import Engine
@@ -264,12 +265,14 @@ def _compute(
                         cache=kv,
                         use_cache=True,
                         logits_to_keep=keep,
+                        **{KV_KWARG: kv},
                     )
                     kept = out.logits[0, lo - first : real - first].float()
                     rows.append(reduce_logits(kept) if reduce_logits is not None else kept)
                 else:
                     engine.model.base_model(
-                        input_ids=chunk, position_ids=positions, cache=kv, use_cache=True
+                        input_ids=chunk, position_ids=positions, cache=kv, use_cache=True,
+                        **{KV_KWARG: kv},
                     )
                 if real < width:
                     kv.crop(real - width)  # type: ignore[attr-defined]

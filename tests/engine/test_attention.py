@@ -111,3 +111,55 @@ def test_an_engine_takes_the_fused_kernel_where_it_holds_and_names_it(tiny_engin
                                           engine.head_dim, engine.dtype, engine.device)
         assert engine.attn_implementation.endswith(f":flash-{FLASH_BLOCK}") == holds
         assert (getattr(config, attention.KERNEL_ATTR, None) == attention.FLASH) == holds
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_keys_read_in_place_from_a_layers_buffer_give_the_bits_of_zero_padding(dtype):
+    """`_flash` reads a `GrowingLayer`'s keys padded in place: the rows past the length (zeros
+    at first, then rows of a longer past cropped away) change no bit of any query row."""
+    from kvtrace.engine.kvbuffer import GrowingLayer
+
+    query, key, value = _inputs(1300, dtype, seed=3)
+    layer = GrowingLayer()
+    with torch.inference_mode():
+        layer.update(key, value)  # 1,300 rows written, then 400 cropped: stale rows stay
+        layer.crop(-400)
+        in_place = layer.padded(attention.FLASH_BLOCK)
+        assert in_place is not None and in_place[0].shape[2] == 1024
+        assert not torch.equal(in_place[0][:, :, 900:], torch.zeros_like(in_place[0][:, :, 900:]))
+        for lo, hi in ((0, 900), (880, 900), (512, 528)):
+            rows = query[:, :, lo:hi]
+            copied = attention._flash(rows, key[:, :, :hi], value[:, :, :hi], DIM**-0.5)
+            if hi == 900:
+                got = attention._flash(rows, layer.keys, layer.values, DIM**-0.5, in_place)
+                assert torch.equal(got, copied)
+        layer.crop(-700)  # 200 rows: the first block, its stale rows past them
+        small = layer.padded(attention.FLASH_BLOCK)
+        assert small is not None and small[0].shape[2] == 512
+        got = attention._flash(query[:, :, 150:200], layer.keys, layer.values, DIM**-0.5, small)
+        assert torch.equal(got, attention._flash(query[:, :, 150:200], key[:, :, :200],
+                                                 value[:, :, :200], DIM**-0.5))
+
+
+def test_a_prefill_reads_its_layers_keys_in_place(tiny_engine, tokens, monkeypatch):
+    """Where the engine takes the fused kernel, every layer of a prefill's forwards gets its
+    keys from the cache's own buffer (no copy), and the result is the one the copies give."""
+    from kvtrace.engine import KVCache, prefill
+
+    if getattr(tiny_engine.model.config, attention.KERNEL_ATTR, None) != attention.FLASH:
+        pytest.skip("the fused kernel does not hold here: the tiles are used")
+    ids = tokens(700)
+    reads: list[bool] = []
+    real = attention._padded_in_place
+
+    def counted(*args):
+        found = real(*args)
+        reads.append(found is not None)
+        return found
+
+    monkeypatch.setattr(attention, "_padded_in_place", counted)
+    in_place = prefill(tiny_engine, KVCache(tiny_engine), ids)
+    assert reads and all(reads)
+    monkeypatch.setattr(attention, "_padded_in_place", lambda *args: None)
+    copied = prefill(tiny_engine, KVCache(tiny_engine), ids)
+    assert torch.equal(in_place.logits, copied.logits)
