@@ -113,7 +113,7 @@ def canonical_attention(
     if q_len == 1:
         return decode_attention(query, [SequenceKV(key, value, 0)], [[0]], scale), None
     if getattr(getattr(module, "config", None), KERNEL_ATTR, None) == FLASH:
-        in_place = _padded_in_place(kwargs.get(KV_KWARG), module, kv_len)
+        in_place = _padded_in_place(kwargs.get(KV_KWARG), module, key, value)
         return _flash(query, key, value, scale, in_place), None
     batch, num_heads = query.shape[0], query.shape[1]
     groups = num_heads // num_kv_heads
@@ -154,9 +154,10 @@ def _flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: f
     score matrix back: ~30 % faster than the tiles at 512 rows, ~15 % at 112.
 
     `in_place`: the same keys and values already padded, in the cache's own buffers (their
-    rows past `key`'s finite, `GrowingLayer.padded`): masked keys weigh exact zeros whatever
-    finite values they hold, so the bits are those of zero padding, without copying each
-    layer's whole KV (~10 % of an agent rebuild, docs/benchmarks.md).
+    rows past `key`'s zeros or earlier keys and values, `GrowingLayer.padded`): a masked
+    key's score stays -inf whatever such a key holds, so it weighs an exact zero and the bits
+    are those of zero padding, without copying each layer's whole KV (~5 % of an agent
+    rebuild in float32, docs/benchmarks.md).
     """
     num_kv_heads, kv_len = key.shape[1], key.shape[2]
     q_len = query.shape[2]
@@ -171,18 +172,24 @@ def _flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: f
     return out.transpose(1, 2)
 
 
-def _padded_in_place(kv: object, module: torch.nn.Module,
-                     kv_len: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """This layer's keys and values padded to whole flash blocks in `kv`'s own buffer, when
-    `kv` is a prefill's cache of `GrowingLayer`s holding exactly the `kv_len` rows attended."""
+def _padded_in_place(kv: object, module: torch.nn.Module, key: torch.Tensor,
+                     value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`key` and `value` padded to whole flash blocks where they lie, when `kv` is a prefill's
+    cache of `GrowingLayer`s and they are exactly its layer's rows (the same memory and
+    layout, not only the same length: every layer of a forward has that)."""
     layers = getattr(kv, "layers", None)
     layer_idx = getattr(module, "layer_idx", None)
-    if layers is None or layer_idx is None:
+    if layers is None or layer_idx is None or not 0 <= layer_idx < len(layers):
         return None
     layer = layers[layer_idx]
-    if not isinstance(layer, GrowingLayer) or layer.get_seq_length() != kv_len:
+    if not isinstance(layer, GrowingLayer) or layer.get_seq_length() != key.shape[2]:
         return None
-    return layer.padded(FLASH_BLOCK)
+    padded = layer.padded(FLASH_BLOCK)
+    if padded is None or any(
+            whole.data_ptr() != part.data_ptr() or whole.stride() != part.stride()
+            for whole, part in zip(padded, (key, value), strict=True)):
+        return None
+    return padded
 
 
 def _zero_padded(name: str, rows: torch.Tensor, length: int) -> torch.Tensor:

@@ -39,9 +39,12 @@ from kvtrace.errors import CacheError
 
 MIN_SPARE_ROWS = 256
 _SERIALS = itertools.count(1)
-# Capacities are whole blocks of torch's flash kernel's 512 keys (attention.py's FLASH_BLOCK),
-# so prefill attention reads a layer's keys padded to whole blocks in place (`padded`).
-ROW_ALIGN = 512
+ROW_ALIGN = 64
+# A prefill's buffers past this many rows hold whole blocks of torch's flash kernel's 512 keys
+# (attention.py's FLASH_BLOCK), so its attention reads a layer's keys padded to whole blocks in
+# place (`padded`). Shorter ones keep 64-row capacities (their spare rows mostly cover the
+# padding anyway, and the copy is cheap there): blocks would cost a 300-row prompt 78 % more.
+FLASH_ALIGN, FLASH_ALIGN_FROM = 512, 1024
 
 
 class KVBuffer:
@@ -103,10 +106,11 @@ class GrowingLayer(DynamicLayer):
         when the buffer does not hold that many rows.
 
         Why: prefill attention (attention.py's `_flash`) reads the keys zero-padded to whole
-        blocks, and copying each layer's whole KV into padded scratch took ~10 % of an agent
-        rebuild (docs/benchmarks.md). The rows past the length are finite, which is all the
-        kernel asks of keys it masks out: zeros from `_allocate`, or keys and values written
-        before a crop, an adoption or a detach (no writer leaves anything else there).
+        blocks, and copying each layer's whole KV into padded scratch took ~8 % of an agent
+        rebuild (docs/benchmarks.md). The rows past the length are zeros from `_allocate`,
+        or keys and values the model wrote before a crop, an adoption or a detach (no
+        writer leaves anything else there): finite and of a real key's size, so a masked
+        score stays -inf and weighs an exact zero, which is all the kernel asks of them.
         """
         buffer = self._buffer
         if buffer is None:
@@ -206,13 +210,14 @@ class GrowingLayer(DynamicLayer):
             return
         self._check_intact()
         with torch.inference_mode():
-            self._detach(self._length, like=self._buffer.keys)
+            # A decoding sequence's own: decode steps append to it, no prefill reads it padded.
+            self._detach(self._length, like=self._buffer.keys, flash_blocks=False)
         self._set_length(self._length)
 
-    def _detach(self, rows: int, *, like: torch.Tensor) -> KVBuffer:
+    def _detach(self, rows: int, *, like: torch.Tensor, flash_blocks: bool = True) -> KVBuffer:
         """A buffer of this layer's own with room for `rows`, its current rows copied in."""
         old = self._buffer
-        buffer = self._own(self._allocate(rows, like=like))
+        buffer = self._own(self._allocate(rows, like=like, flash_blocks=flash_blocks))
         if old is not None and self._length:
             buffer.keys[:, :, : self._length].copy_(old.keys[:, :, : self._length])
             buffer.values[:, :, : self._length].copy_(old.values[:, :, : self._length])
@@ -227,11 +232,13 @@ class GrowingLayer(DynamicLayer):
         buffer.keys, buffer.values = bigger.keys, bigger.values
 
     @staticmethod
-    def _allocate(rows: int, *, like: torch.Tensor) -> KVBuffer:
+    def _allocate(rows: int, *, like: torch.Tensor, flash_blocks: bool = True) -> KVBuffer:
         """A new buffer with room for `rows`, which the caller writes at once, and spare rows
-        after, zeros (`padded` reads them)."""
+        after, zeros (`padded` reads them); in whole flash blocks past `FLASH_ALIGN_FROM`
+        rows unless `flash_blocks` is False."""
         spare = max(MIN_SPARE_ROWS, rows // 16)
-        capacity = -(-(rows + spare) // ROW_ALIGN) * ROW_ALIGN
+        align = FLASH_ALIGN if flash_blocks and rows + spare > FLASH_ALIGN_FROM else ROW_ALIGN
+        capacity = -(-(rows + spare) // align) * align
         shape = (like.shape[0], like.shape[1], capacity, like.shape[3])
         keys = torch.empty(shape, dtype=like.dtype, device=like.device)
         values = torch.empty(shape, dtype=like.dtype, device=like.device)

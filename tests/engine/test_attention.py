@@ -113,6 +113,7 @@ def test_an_engine_takes_the_fused_kernel_where_it_holds_and_names_it(tiny_engin
         assert (getattr(config, attention.KERNEL_ATTR, None) == attention.FLASH) == holds
 
 
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_keys_read_in_place_from_a_layers_buffer_give_the_bits_of_zero_padding(dtype):
     """`_flash` reads a `GrowingLayer`'s keys padded in place: the rows past the length (zeros
@@ -120,46 +121,57 @@ def test_keys_read_in_place_from_a_layers_buffer_give_the_bits_of_zero_padding(d
     from kvtrace.engine.kvbuffer import GrowingLayer
 
     query, key, value = _inputs(1300, dtype, seed=3)
+    scale = DIM**-0.5
     layer = GrowingLayer()
     with torch.inference_mode():
-        layer.update(key, value)  # 1,300 rows written, then 400 cropped: stale rows stay
-        layer.crop(-400)
-        in_place = layer.padded(attention.FLASH_BLOCK)
-        assert in_place is not None and in_place[0].shape[2] == 1024
-        assert not torch.equal(in_place[0][:, :, 900:], torch.zeros_like(in_place[0][:, :, 900:]))
-        for lo, hi in ((0, 900), (880, 900), (512, 528)):
-            rows = query[:, :, lo:hi]
-            copied = attention._flash(rows, key[:, :, :hi], value[:, :, :hi], DIM**-0.5)
-            if hi == 900:
-                got = attention._flash(rows, layer.keys, layer.values, DIM**-0.5, in_place)
-                assert torch.equal(got, copied)
-        layer.crop(-700)  # 200 rows: the first block, its stale rows past them
-        small = layer.padded(attention.FLASH_BLOCK)
-        assert small is not None and small[0].shape[2] == 512
-        got = attention._flash(query[:, :, 150:200], layer.keys, layer.values, DIM**-0.5, small)
-        assert torch.equal(got, attention._flash(query[:, :, 150:200], key[:, :, :200],
-                                                 value[:, :, :200], DIM**-0.5))
+        layer.update(key, value)
+        for length, lo in ((1300, 1250), (900, 880), (200, 150)):  # crops leave stale rows
+            layer.crop(length - layer.get_seq_length())
+            in_place = layer.padded(attention.FLASH_BLOCK)
+            assert in_place is not None
+            assert in_place[0].shape[2] == -(-length // attention.FLASH_BLOCK) * 512
+            assert in_place[0].data_ptr() == layer.keys.data_ptr()
+            if length < 1300:
+                stale = in_place[0][:, :, length:]
+                assert not torch.equal(stale, torch.zeros_like(stale))
+            rows = query[:, :, lo:length]
+            got = attention._flash(rows, layer.keys, layer.values, scale, in_place)
+            copied = attention._flash(rows, key[:, :, :length].contiguous(),
+                                      value[:, :, :length].contiguous(), scale)
+            assert torch.equal(got, copied)
 
 
 def test_a_prefill_reads_its_layers_keys_in_place(tiny_engine, tokens, monkeypatch):
-    """Where the engine takes the fused kernel, every layer of a prefill's forwards gets its
-    keys from the cache's own buffer (no copy), and the result is the one the copies give."""
+    """Where the engine takes the fused kernel, every attention call of a long prefill, cold
+    or extending a cached prefix, gets its keys from the cache's own buffer (no copy), and
+    the result is the one copies into scratch give."""
     from kvtrace.engine import KVCache, prefill
 
     if getattr(tiny_engine.model.config, attention.KERNEL_ATTR, None) != attention.FLASH:
         pytest.skip("the fused kernel does not hold here: the tiles are used")
-    ids = tokens(700)
-    reads: list[bool] = []
-    real = attention._padded_in_place
+    real_sdpa, real_flash = F.scaled_dot_product_attention, attention._flash
+    calls: list[tuple[int | None, int]] = []  # (the buffer's keys, the keys the kernel read)
 
-    def counted(*args):
-        found = real(*args)
-        reads.append(found is not None)
-        return found
+    def flash(query, key, value, scale, in_place=None):
+        calls.append((None if in_place is None else in_place[0].data_ptr(), -1))
+        return real_flash(query, key, value, scale, in_place)
 
-    monkeypatch.setattr(attention, "_padded_in_place", counted)
-    in_place = prefill(tiny_engine, KVCache(tiny_engine), ids)
-    assert reads and all(reads)
+    def sdpa(query, key, value, **kwargs):
+        calls[-1] = (calls[-1][0], key.data_ptr())
+        return real_sdpa(query, key, value, **kwargs)
+
+    def run():
+        cache = KVCache(tiny_engine)
+        ids = tokens(1500)  # long: whole flash blocks (kvbuffer.py); each call extends the last
+        return [prefill(tiny_engine, cache, ids[:n]) for n in (1200, 1300, 1500)]
+
+    monkeypatch.setattr(attention, "_flash", flash)
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", sdpa)
+    in_place = run()
+    assert calls and all(buffer is not None and read == buffer for buffer, read in calls)
     monkeypatch.setattr(attention, "_padded_in_place", lambda *args: None)
-    copied = prefill(tiny_engine, KVCache(tiny_engine), ids)
-    assert torch.equal(in_place.logits, copied.logits)
+    calls.clear()
+    copied = run()
+    assert calls and all(buffer is None for buffer, _ in calls)
+    for a, b in zip(in_place, copied, strict=True):
+        assert torch.equal(a.logits, b.logits)

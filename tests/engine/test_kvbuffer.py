@@ -147,3 +147,37 @@ def test_decoding_on_a_result_outside_inference_mode(tiny_engine, tokens):
     with torch.no_grad():  # not inference mode: the buffers were made in prefill's
         out = tiny_engine.model(input_ids=torch.tensor([[9]]), cache=result.kv, use_cache=True)
     assert out.logits.shape[1] == 1 and result.kv.layers[0].get_seq_length() == 61
+
+
+def test_rows_past_a_layers_length_are_zeros_or_its_own_rows(monkeypatch):
+    """Prefill attention reads a layer's buffer past its length (attention.py's `_flash`):
+    whatever memory the buffers are made of, those rows hold zeros, or rows written before a
+    crop, never what the allocator left there."""
+    real_empty = torch.empty
+
+    def garbage(*args, **kwargs):
+        return real_empty(*args, **kwargs).fill_(float("nan"))
+
+    monkeypatch.setattr(torch, "empty", garbage)
+
+    def past_length_is_finite(layer) -> bool:
+        buffer = layer.buffer
+        return bool(torch.isfinite(buffer.keys).all() and torch.isfinite(buffer.values).all())
+
+    layer = GrowingLayer()
+    rows = torch.randn(1, 2, 300, 4)
+    layer.update(rows, rows)
+    assert past_length_is_finite(layer)
+    spare = layer.buffer.keys[:, :, 300:]
+    assert torch.equal(spare, torch.zeros_like(spare))
+    for _ in range(3):  # past the capacity: the buffer grows
+        more = torch.randn(1, 2, 500, 4)
+        layer.update(more, more)
+        assert past_length_is_finite(layer)
+    assert layer.buffer.capacity % 512 == 0  # long: whole flash blocks
+    layer.crop(-100)
+    layer.detach()
+    assert past_length_is_finite(layer)
+    seeded = GrowingLayer()
+    seeded.seed([(rows, rows), (rows[:, :, :10], rows[:, :, :10])])
+    assert past_length_is_finite(seeded) and seeded.buffer.capacity % 64 == 0
