@@ -54,6 +54,7 @@ from kvtrace.engine.numerics import (
     rows_are_invariant,
     threads_are_invariant,
 )
+from kvtrace.engine.packed import can_pack, pack_linears, packed_rows_hold
 from kvtrace.engine.rowblocks import ROWS, pin_rows, pinned_rows_hold
 from kvtrace.engine.threads import engine_threads
 from kvtrace.engine.tokenizer import ChatTemplating, context_length, stop_token_ids
@@ -96,6 +97,8 @@ class Engine(ChatTemplating):
     # Rows per linear product in prefill's forwards, where the GEMM is not row-invariant
     # (rowblocks.py); None: products of any row count.
     pinned_rows: int | None = None
+    # How many linear layers hold oneDNN's packed weights (packed.py): F.linear's bits, faster.
+    packed_linears: int = 0
     # What each layer keeps (layers.py): all full attention, or the block-state path.
     layout: ModelLayout = field(default_factory=lambda: ModelLayout(()))
     # The numerics probes' answers, remembered in the cache folder by a loaded engine
@@ -239,6 +242,14 @@ def _load_folder(folder: Path, cache_dir: Path, device: torch.device, dtype: tor
     # name set above, which the fingerprint names.
     fingerprint = _fingerprint({**model_parts, "config": _config_dict(model)}, model,
                                tokenizer, attn or "model-default", pinned_rows, layout)
+    # Last: every probe above multiplied the dense weights. Packed products give their bits
+    # (packed.py), so the fingerprint does not name them; plain models only, whose layers
+    # call their linear modules rather than read a weight themselves.
+    packed_linears = 0
+    if is_plain and can_pack(dtype, device) and probes.answer(
+            "packed_rows", lambda: packed_rows_hold(
+                model, range(1, budget.most + 1) if budget.adapts else (budget.most,)), YES_NO):
+        packed_linears = pack_linears(model)
     return Engine(
         name=folder.name,
         path=folder,
@@ -256,6 +267,7 @@ def _load_folder(folder: Path, cache_dir: Path, device: torch.device, dtype: tor
         eos_token_ids=stop_token_ids(model.generation_config, tokenizer),
         max_context_tokens=context_length(config),
         pinned_rows=pinned_rows,
+        packed_linears=packed_linears,
         layout=layout,
         probes=probes,
     )

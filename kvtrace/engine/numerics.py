@@ -40,8 +40,8 @@ if TYPE_CHECKING:  # torch-free at import: `import kvtrace` loads this module fi
 MKL_SETTING = ("MKL_CBWR", "AUTO,STRICT")
 # Row counts (multiples of 16) checked against the same rows of a product of prefill's
 # largest forward (MAX_CHUNK_ROWS); 336 and 496 differed from 512 under AMX.
-_CHECKED_ROWS = (16, 48, 64, 128, 192, 208, 336, 496)
-_REFERENCE_ROWS = 512
+CHECKED_ROWS = (16, 48, 64, 128, 192, 208, 336, 496)
+REFERENCE_ROWS = 512
 
 
 def native_bfloat16() -> bool | None:
@@ -70,8 +70,8 @@ def request_reproducible_gemm() -> None:
 def rows_are_invariant(model: torch.nn.Module) -> bool:
     """Whether each linear shape of the model's first layer computes rows independently of m.
 
-    Random inputs, `_CHECKED_ROWS` against the first rows of a
-    `_REFERENCE_ROWS`-row product (past the 64-192-row band seen to differ),
+    Random inputs, `CHECKED_ROWS` against the first rows of a
+    `REFERENCE_ROWS`-row product (past the 64-192-row band seen to differ),
     per distinct weight shape: ~9 GFLOP, tens of milliseconds, for the
     default model; it grows with the layer width (seconds for a 7B model).
     """
@@ -84,11 +84,11 @@ def rows_are_invariant(model: torch.nn.Module) -> bool:
     generator = torch.Generator().manual_seed(0)
     layers = [m for m in first.modules() if isinstance(m, torch.nn.Linear)]
     with torch.inference_mode():
-        for linear in _distinct(layers, with_bias=False):
+        for linear in distinct_shapes(layers, with_bias=False):
             weight = linear.weight
-            rows = _random_rows(weight, _REFERENCE_ROWS, generator)
+            rows = random_rows(weight, REFERENCE_ROWS, generator)
             reference = F.linear(rows, weight)
-            for m in _CHECKED_ROWS:
+            for m in CHECKED_ROWS:
                 if not torch.equal(F.linear(rows[:m], weight), reference[:m]):
                     return False
     return True
@@ -109,9 +109,9 @@ def threads_are_invariant(model: torch.nn.Module, most: int) -> bool:
     before = torch.get_num_threads()
     try:
         with torch.inference_mode():
-            for linear in _distinct(layers, with_bias=True):
-                rows = _random_rows(linear.weight, _REFERENCE_ROWS, generator)
-                for m in (1, 16, 128, _REFERENCE_ROWS):
+            for linear in distinct_shapes(layers, with_bias=True):
+                rows = random_rows(linear.weight, REFERENCE_ROWS, generator)
+                for m in (1, 16, 128, REFERENCE_ROWS):
                     torch.set_num_threads(most)
                     reference = F.linear(rows[:m], linear.weight, linear.bias)
                     for threads in range(1, most):
@@ -133,11 +133,11 @@ def fixed_count_rows_hold(layers: Sequence[torch.nn.Linear], count: int,
     import torch.nn.functional as F
 
     generator = torch.Generator().manual_seed(0)
-    distinct = _distinct(layers, with_bias=True)
+    distinct = distinct_shapes(layers, with_bias=True)
     with torch.inference_mode():
         for layer in distinct:
             weight, bias = layer.weight, layer.bias
-            rows = _random_rows(weight, 2 * count, generator)
+            rows = random_rows(weight, 2 * count, generator)
             reference = F.linear(rows[:count], weight, bias)
             for offset in offsets:
                 moved = F.linear(torch.cat([rows[count:count + offset], rows[:count - offset]]),
@@ -147,7 +147,7 @@ def fixed_count_rows_hold(layers: Sequence[torch.nn.Linear], count: int,
     return bool(distinct)
 
 
-def _distinct(layers: Sequence[torch.nn.Linear], *, with_bias: bool) -> list[torch.nn.Linear]:
+def distinct_shapes(layers: Sequence[torch.nn.Linear], *, with_bias: bool) -> list[torch.nn.Linear]:
     """One layer per weight shape (and, `with_bias`, per whether it has a bias)."""
     shapes: dict[tuple[object, ...], torch.nn.Linear] = {}
     for layer in layers:
@@ -156,7 +156,7 @@ def _distinct(layers: Sequence[torch.nn.Linear], *, with_bias: bool) -> list[tor
     return list(shapes.values())
 
 
-def _random_rows(weight: torch.Tensor, count: int, generator: torch.Generator) -> torch.Tensor:
+def random_rows(weight: torch.Tensor, count: int, generator: torch.Generator) -> torch.Tensor:
     """`count` random rows for a product with `weight`, on its device and in its dtype."""
     import torch
 

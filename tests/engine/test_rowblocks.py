@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from kvtrace.engine import KVCache, generate, load_engine, prefill
+from kvtrace.engine import model as model_module
+from kvtrace.engine.packed import can_pack, pack_linears
 from kvtrace.engine.rowblocks import (
     ROWS,
     PinnedLinear,
@@ -35,7 +37,9 @@ def test_a_pinned_product_gives_a_row_the_same_bits_at_any_count_and_offset(dtyp
 def test_prefill_multiplies_in_pinned_products_and_decode_as_it_is(tiny_folder, engine_root,
                                                                   tokens, monkeypatch):
     """The row count of every linear product, seen by a spy on `F.linear`: 128 (or one row,
-    the output layer) in prefill's forwards, the plain count in decode steps."""
+    the output layer) in prefill's forwards, the plain count in decode steps. (Dense layers:
+    test_packed.py counts the packed ones.)"""
+    monkeypatch.setattr(model_module, "can_pack", lambda dtype, device: False)
     engine = load_engine(tiny_folder, cache_dir=engine_root / "cache", dtype="bfloat16")
     if engine.pinned_rows is None:
         pin_rows(engine.model)
@@ -76,12 +80,16 @@ def test_the_flag_is_per_thread_and_survives_an_exception():
 
 
 def test_a_pinned_bfloat16_model_reuses_bit_identically(tiny_folder, engine_root, tokens,
-                                                       kv_equal):
-    """Pinned on any machine (as where the GEMM picks kernels by row count), hits at odd
-    offsets give cold bits and generation matches."""
+                                                       kv_equal, monkeypatch):
+    """Pinned on any machine (as where the GEMM picks kernels by row count), then packed
+    where the engine packs (packed.py), hits at odd offsets give cold bits and generation
+    matches."""
+    monkeypatch.setattr(model_module, "can_pack", lambda dtype, device: False)
     engine = load_engine(tiny_folder, cache_dir=engine_root / "cache", dtype="bfloat16")
     if engine.pinned_rows is None:
         pin_rows(engine.model)
+    if can_pack(engine.dtype, engine.device):
+        assert pack_linears(engine.model) > 0
     prompt = tokens(400, seed=4)
     cold = prefill(engine, None, prompt)
     tokens_cold = generate(engine, None, prompt, max_new_tokens=6, stop_ids=[]).token_ids
