@@ -206,6 +206,7 @@ _BAD_VALUES = {  # (command, option): a command line with a bad value for it
     ("bench fork", "--dtype"): ["bench", "fork", "--peer", "http://127.0.0.1:9/v1",
                                "--dtype", "float16"],
     ("bench replay", "--dtype"): ["bench", "replay", "--dtype", "int8"],
+    ("bench decode", "--dtype"): ["bench", "decode", "--dtype", "int8"],
 }
 
 

@@ -18,7 +18,7 @@ and two bounds built on them:
   span) plus attention's 4 x layers x heads x head dim x position (QK^T and
   AV over the keys before it), over the GEMM rate;
 - `decode_bound_s(engine, bandwidth)`: one decode step reads every weight
-  once: the model's bytes over the bandwidth.
+  once (the input embeddings' one row): those bytes over the bandwidth.
 
 Nothing here is a target by itself: the engine issue asks for a prefill
 within 1.5x of its bound and a decode step within 1.5x of its own.
@@ -101,9 +101,15 @@ def prefill_bound_s(engine: Any, spans: Iterable[tuple[int, int]], flops_per_s: 
 
 
 def decode_bound_s(engine: Any, bytes_per_s: float) -> float:
-    """The fastest one decode step can be: every weight read once at `bytes_per_s`."""
-    total = sum(p.numel() * p.element_size() for p in engine.model.parameters())
-    return total / bytes_per_s
+    """The fastest one decode step can be: every weight read once at `bytes_per_s`, but the
+    input embeddings, of which a step reads a row (unless the output layer multiplies the
+    same weight: then once, as that layer's; engine/packed.py gives it a copy of its own)."""
+    model = engine.model
+    embeddings = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    read = [p for p in model.parameters()
+            if p is not embeddings or (head is not None and head.weight is p)]
+    return sum(p.numel() * p.element_size() for p in read) / bytes_per_s
 
 
 def machine_rates(dtype: Any) -> dict[str, float]:

@@ -180,6 +180,33 @@ def bench_cache(
     )
 
 
+@bench_app.command("decode")
+def bench_decode(
+    model: Model = None,
+    num_tokens: Annotated[int, typer.Option(
+        "--tokens", min=1, help="Prompt length before decoding.")] = 2048,
+    num_new: Annotated[int, typer.Option(
+        "--new", min=2, help="Tokens decoded per generation.")] = 64,
+    batch: Annotated[int, typer.Option(
+        "--batch", min=1, help="Sequences decoded together in the batched case.")] = 4,
+    trials: Annotated[int, typer.Option(
+        "--trials", min=1, help="Runs per case (the fastest counts).")] = 2,
+    dtype: Annotated[Precision, typer.Option(
+        "--dtype", help="The engine's number format; auto: bfloat16 where the CPU computes "
+        "it natively, else float32.")] = Precision.AUTO,
+    as_json: Json = False,
+) -> None:
+    """A decode step alone and batched, beside its bound (the weights read once)."""
+    from kvtrace.bench.decode import run_decode_bench
+    from kvtrace.paths import default_cache_dir
+
+    _print_figures(
+        run_decode_bench(cache_dir=default_cache_dir(), model=model, dtype=dtype.value,
+                         num_tokens=num_tokens, num_new=num_new, batch=batch, trials=trials),
+        as_json,
+    )
+
+
 @bench_app.command("serve")
 def bench_serve(
     model: Model = None,
