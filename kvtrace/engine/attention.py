@@ -60,6 +60,7 @@ import functools
 import itertools
 import math
 import threading
+import time
 from typing import Any
 
 import torch
@@ -82,6 +83,9 @@ KV_KWARG = "kvtrace_kv"  # a prefill's cache (prefilling.py): `_flash` reads its
 SCORE_BYTES = 32 * 1024**2
 QUERY_BLOCK_ROWS = 256  # the most query rows one block scores (module docstring)
 _QUERY_BLOCK_MULTIPLE = 16  # prefill's ROW_MULTIPLE: blocks are row counts a forward may have
+# `flash_is_faster`'s shape: an agent's next call extending a cached conversation (~100-160
+# new tokens over 2,000-5,000 in the fork and replay benchmarks); keys whole flash blocks.
+_SPEED_ROWS, _SPEED_KEYS, _SPEED_TRIALS = 128, 6 * FLASH_BLOCK, 3
 
 _registered = False
 
@@ -105,7 +109,6 @@ def canonical_attention(
     kvtrace never left-pads or batches sequences.
     """
     q_len, head_dim = query.shape[2], query.shape[3]
-    num_kv_heads, kv_len = key.shape[1], key.shape[2]
     scale = scaling if scaling is not None else head_dim**-0.5
     router = kwargs.get(ROUTER_KWARG)
     if router is not None:
@@ -115,6 +118,14 @@ def canonical_attention(
     if getattr(getattr(module, "config", None), KERNEL_ATTR, None) == FLASH:
         in_place = _padded_in_place(kwargs.get(KV_KWARG), module, key, value)
         return _flash(query, key, value, scale, in_place), None
+    return _tiles(query, key, value, scale), None
+
+
+def _tiles(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+           scale: float) -> torch.Tensor:
+    """The same causal attention in fixed tiles (module docstring): `[b, q, heads, dim]`."""
+    q_len, head_dim = query.shape[2], query.shape[3]
+    num_kv_heads, kv_len = key.shape[1], key.shape[2]
     batch, num_heads = query.shape[0], query.shape[1]
     groups = num_heads // num_kv_heads
     num_tiles = -(-kv_len // TILE)
@@ -137,7 +148,7 @@ def canonical_attention(
         total = _attend(rows, key_tiles[:, :, :keys], value_tiles[:, :, :keys],
                         start + lo, hi - lo, groups)
         out[:, lo:hi] = total.reshape(batch, num_heads, hi - lo, head_dim).transpose(1, 2)
-    return out, None
+    return out
 
 
 def _flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
@@ -242,6 +253,44 @@ def flash_rows_hold(num_heads: int, num_kv_heads: int, head_dim: int, dtype: tor
         return False
     finally:
         torch.set_num_threads(threads)
+
+
+def flash_is_faster(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                    device: torch.device) -> bool:
+    """Whether `_flash` computes a prefill's attention faster than the tiles on this machine,
+    for this shape and dtype: the fastest of a few calls of each on an extension's shape
+    (`_SPEED_ROWS` query rows after a cached prefix, `_SPEED_KEYS` keys in all).
+
+    Why a measurement: which is faster depends on the CPU and the dtype. On an AMD EPYC with
+    AVX-512 BF16 (2026-12-07, torch 2.13) the fused kernel ran bfloat16 no faster than
+    float32 (its small products and softmax passes do not use the BF16 dot products), and
+    the default model's agent rebuild took 1.4x the tiles' time with it; in float32 there,
+    and in bfloat16 on a Xeon with AMX, it was the faster (docs/benchmarks.md). ~60 ms for
+    the default model, once per machine (memo.py).
+    """
+    generator = torch.Generator().manual_seed(1)
+
+    def draw(heads: int, rows: int) -> torch.Tensor:
+        return torch.randn(1, heads, rows, head_dim, generator=generator).to(dtype=dtype,
+                                                                             device=device)
+
+    query = draw(num_heads, _SPEED_ROWS)
+    key, value = draw(num_kv_heads, _SPEED_KEYS), draw(num_kv_heads, _SPEED_KEYS)
+    scale = head_dim**-0.5
+    kernels = {  # each as a prefill calls it: flash reads whole blocks in place (a multiple)
+        "flash": lambda: _flash(query, key, value, scale, (key, value)),
+        "tiles": lambda: _tiles(query, key, value, scale),
+    }
+    best = dict.fromkeys(kernels, math.inf)
+    with torch.inference_mode():
+        for run in kernels.values():
+            run()  # the first call allocates its scratch
+        for _ in range(_SPEED_TRIALS):  # in turn, so a slow moment slows both
+            for name, run in kernels.items():
+                started = time.perf_counter()
+                run()
+                best[name] = min(best[name], time.perf_counter() - started)
+    return best["flash"] < best["tiles"]
 
 
 def _query_block(q_len: int, num_tiles: int, num_kv_heads: int, groups: int,

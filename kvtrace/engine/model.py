@@ -35,6 +35,7 @@ from kvtrace.engine.attention import (
     FLASH_BLOCK,
     KERNEL_ATTR,
     TILE,
+    flash_is_faster,
     flash_rows_hold,
     register_canonical_attention,
 )
@@ -226,9 +227,11 @@ def _load_folder(folder: Path, cache_dir: Path, device: torch.device, dtype: tor
         kv_bytes_per_token = 2 * num_layers * num_kv_heads * head_dim * element_size
         layout = plain_layout(num_layers, kv_bytes_per_token)
         if probes.answer("flash_rows", lambda: flash_rows_hold(
-                num_heads, num_kv_heads, head_dim, dtype, device), YES_NO):
-            # torch's fused kernel keeps a row's bits here: canonical attention takes it
-            # (attention.py's `_flash`), else the tiles.
+                num_heads, num_kv_heads, head_dim, dtype, device), YES_NO) and probes.answer(
+                "flash_faster", lambda: flash_is_faster(
+                    num_heads, num_kv_heads, head_dim, dtype, device), YES_NO):
+            # torch's fused kernel keeps a row's bits here, and is the faster: canonical
+            # attention takes it (attention.py's `_flash`), else the tiles.
             for holder in {id(config): config, id(text_config): text_config}.values():
                 setattr(holder, KERNEL_ATTR, FLASH)
             attn = f"{attn}:{FLASH}-{FLASH_BLOCK}"

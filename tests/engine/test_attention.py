@@ -102,15 +102,57 @@ def test_the_fused_kernel_keeps_a_rows_bits_where_its_probe_says_so(dtype):
     assert torch.equal(longer[:, 1000:], whole)
 
 
-def test_an_engine_takes_the_fused_kernel_where_it_holds_and_names_it(tiny_engine, bf16_engine):
+def test_an_engine_takes_the_fused_kernel_where_it_holds_and_is_faster_and_names_it(
+        tiny_engine, bf16_engine):
     from kvtrace.engine.attention import FLASH_BLOCK
+    from kvtrace.engine.memo import YES_NO
 
     for engine in (tiny_engine, bf16_engine):
         config = engine.model.config
         holds = attention.flash_rows_hold(config.num_attention_heads, engine.num_kv_heads,
                                           engine.head_dim, engine.dtype, engine.device)
-        assert engine.attn_implementation.endswith(f":flash-{FLASH_BLOCK}") == holds
-        assert (getattr(config, attention.KERNEL_ATTR, None) == attention.FLASH) == holds
+        # the load's own answer (measured once, so a noisy second timing cannot disagree)
+        faster = holds and engine.probes.answer(
+            "flash_faster", lambda: pytest.fail("the load never asked"), YES_NO)
+        assert engine.attn_implementation.endswith(f":flash-{FLASH_BLOCK}") == faster
+        assert (getattr(config, attention.KERNEL_ATTR, None) == attention.FLASH) == faster
+
+
+@pytest.mark.parametrize("faster", [True, False])
+def test_the_faster_kernel_is_taken_with_a_fingerprint_of_its_own(tiny_folder, tmp_path,
+                                                                  monkeypatch, faster):
+    """Where both keep a row's bits, the measured speed decides (on one machine the fused
+    kernel, on another the tiles), and the fingerprint follows: other bits, other KV."""
+    from kvtrace.engine import load_engine
+    from kvtrace.engine import model as model_module
+
+    monkeypatch.setattr(model_module, "flash_rows_hold", lambda *args: True)
+    monkeypatch.setattr(model_module, "flash_is_faster", lambda *args: faster)
+    engine = load_engine(tiny_folder, cache_dir=tmp_path / "a")
+    assert ("flash" in engine.attn_implementation) is faster
+    monkeypatch.setattr(model_module, "flash_is_faster", lambda *args: not faster)
+    other = load_engine(tiny_folder, cache_dir=tmp_path / "b")
+    assert ("flash" in other.attn_implementation) is (not faster)
+    assert other.fingerprint != engine.fingerprint
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_speed_probe_times_both_kernels_on_the_models_shape(dtype, monkeypatch):
+    """Both kernels run (a call each to warm up, then in turn), and the answer says which
+    took less: here made plain by slowing one of them down."""
+    import time
+
+    real_tiles = attention._tiles
+    calls = {"tiles": 0}
+
+    def slow_tiles(*args):
+        calls["tiles"] += 1
+        time.sleep(0.05)
+        return real_tiles(*args)
+
+    monkeypatch.setattr(attention, "_tiles", slow_tiles)
+    assert attention.flash_is_faster(HEADS, KV_HEADS, DIM, dtype, torch.device("cpu"))
+    assert calls["tiles"] == 1 + attention._SPEED_TRIALS
 
 
 
@@ -147,8 +189,12 @@ def test_a_prefill_reads_its_layers_keys_in_place(tiny_engine, tokens, monkeypat
     the result is the one copies into scratch give."""
     from kvtrace.engine import KVCache, prefill
 
-    if getattr(tiny_engine.model.config, attention.KERNEL_ATTR, None) != attention.FLASH:
+    config = tiny_engine.model.config
+    if not attention.flash_rows_hold(config.num_attention_heads, tiny_engine.num_kv_heads,
+                                     tiny_engine.head_dim, tiny_engine.dtype, tiny_engine.device):
         pytest.skip("the fused kernel does not hold here: the tiles are used")
+    # As where it is also the faster (the engine's choice may be the tiles: attention.py).
+    monkeypatch.setattr(config, attention.KERNEL_ATTR, attention.FLASH)
     real_sdpa, real_flash = F.scaled_dot_product_attention, attention._flash
     calls: list[tuple[int | None, int]] = []  # (the buffer's keys, the keys the kernel read)
 

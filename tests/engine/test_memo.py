@@ -15,9 +15,10 @@ from kvtrace.engine import load_engine, memo
 from kvtrace.engine.decode import row_multiple
 from kvtrace.engine.memo import PROBES_FILE, Probes
 
-# Asked of a full-attention model on the CPU (`threads` only where the thread budget adapts;
-# the row check runs at every load and is part of the key instead)
-PROBED_AT_LOAD = ["threads", "flash_rows"]
+# Asked of a full-attention model on the CPU, in this order (`threads` only where the thread
+# budget adapts, `flash_faster` where the fused kernel holds, `packed_rows` in bfloat16; the
+# row check runs at every load and is part of the key instead)
+PROBED_AT_LOAD = ["threads", "flash_rows", "flash_faster", "packed_rows"]
 
 
 def test_a_second_load_remembers_what_the_first_measured(tiny_folder, tmp_path):
@@ -40,15 +41,16 @@ def test_a_second_load_remembers_what_the_first_measured(tiny_folder, tmp_path):
 
 
 def test_the_remembered_answer_is_the_one_used(tiny_folder, tmp_path):
-    """The memo's answer decides without probing: flipped by hand (what another machine's
+    """The memo's answers decide without probing: flipped by hand (what another machine's
     attention kernel could find), the next load takes the other attention, with its own
     fingerprint (other bits, other KV)."""
     measured = load_engine(tiny_folder, cache_dir=tmp_path)
     path = tmp_path / PROBES_FILE
     stored = json.loads(path.read_text())
-    flash = stored[measured.probes.key]["flash_rows"]
+    answers = stored[measured.probes.key]
+    flash = answers["flash_rows"] and answers.get("flash_faster", False)  # asked if it holds
     assert flash is ("flash" in measured.attn_implementation)
-    stored[measured.probes.key]["flash_rows"] = not flash
+    answers["flash_rows"] = answers["flash_faster"] = not flash
     path.write_text(json.dumps(stored))
     told = load_engine(tiny_folder, cache_dir=tmp_path)
     assert "flash_rows" in told.probes.remembered
