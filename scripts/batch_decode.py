@@ -25,11 +25,11 @@ from __future__ import annotations
 import random
 import statistics
 import sys
-import threading
 import time
 
 import torch
 
+from kvtrace.bench.decode import decode_together
 from kvtrace.engine import GenerateOptions, KVCache, generate, load_engine, prefill
 from kvtrace.engine.batch import DecodeBatcher
 from kvtrace.paths import default_cache_dir
@@ -56,30 +56,11 @@ def sequential(engine, cache, prompts, new):
 
 def together(engine, cache, prompts, new):
     batcher = DecodeBatcher(engine, cache)
-    results: list = [None] * len(prompts)
-    gate, holding = threading.Event(), threading.Event()
-
-    def hold():
-        holding.set()
-        gate.wait()
-
-    def run(i):
-        results[i] = batcher.generate(prompts[i], GenerateOptions(max_new_tokens=new, stop_ids=()))
-
-    holder = threading.Thread(target=batcher.call, args=(hold,))
-    holder.start()
-    holding.wait()
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-    for thread in threads:
-        thread.start()
-    while batcher.num_waiting < len(prompts):
-        time.sleep(0.001)
-    started = time.perf_counter()
-    gate.set()
-    for thread in threads:
-        thread.join()
-    wall = time.perf_counter() - started
-    batcher.close()
+    options = GenerateOptions(max_new_tokens=new, stop_ids=())
+    try:
+        results, wall = decode_together(batcher, prompts, options)
+    finally:
+        batcher.close()
     assert batcher.max_step_rows == len(prompts)
     busy = sum(r.prefill_seconds + r.insert_seconds for r in results)
     return results, wall - busy, wall

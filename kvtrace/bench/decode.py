@@ -58,7 +58,7 @@ def run_decode_bench(*, cache_dir: str | os.PathLike[str], model: str | None = N
     for _ in range(trials):
         batcher = DecodeBatcher(engine, None, max_batch=batch)
         try:
-            outs, wall = _together(batcher, prompts, options)
+            outs, wall = decode_together(batcher, prompts, options)
         finally:
             batcher.close()
         busy = sum(out.prefill_seconds + out.insert_seconds for out in outs)
@@ -90,7 +90,8 @@ def run_decode_bench(*, cache_dir: str | os.PathLike[str], model: str | None = N
     }
 
 
-def _together(batcher: Any, prompts: list[list[int]], options: Any) -> tuple[list[Any], float]:
+def decode_together(batcher: Any, prompts: list[list[int]],
+                    options: Any) -> tuple[list[Any], float]:
     """Each prompt generated on a thread of its own through `batcher`, all of them let in at
     once (the engine thread held until every one waits, so they decode as one batch from
     the first step); (results, wall seconds from that release)."""
