@@ -287,10 +287,17 @@ def flash_is_faster(num_heads: int, num_kv_heads: int, head_dim: int, dtype: tor
             run()  # the first call allocates its scratch
         for _ in range(_SPEED_TRIALS):  # in turn, so a slow moment slows both
             for name, run in kernels.items():
+                _synchronize(device)
                 started = time.perf_counter()
                 run()
+                _synchronize(device)  # a GPU's kernels run after their launch returns
                 best[name] = min(best[name], time.perf_counter() - started)
     return best["flash"] < best["tiles"]
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _query_block(q_len: int, num_tiles: int, num_kv_heads: int, groups: int,
