@@ -36,7 +36,7 @@ def run_decode_bench(*, cache_dir: str | os.PathLike[str], model: str | None = N
 
     from kvtrace.bench.limits import decode_bound_s, machine_rates
     from kvtrace.engine import DecodeBatcher, GenerateOptions, generate, load_engine
-    from kvtrace.errors import UsageError
+    from kvtrace.errors import CacheError, UsageError
 
     if num_new < 2 or batch < 1 or trials < 1 or num_tokens < 1:
         raise UsageError("--new must be at least 2, --tokens, --batch and --trials at least 1")
@@ -65,7 +65,7 @@ def run_decode_bench(*, cache_dir: str | os.PathLike[str], model: str | None = N
         together.append((wall - busy) / steps)
         together_tokens.add(tuple(out.token_ids for out in outs))
     if len(alone_tokens) != 1 or len(together_tokens) != 1:
-        raise AssertionError("greedy decoding gave other tokens in another trial")
+        raise CacheError("greedy decoding gave other tokens in another trial")
     same_as_alone = next(iter(together_tokens))[0] == next(iter(alone_tokens))
     rates = machine_rates(engine.dtype)
     bound_ms = decode_bound_s(engine, rates["bandwidth_gb_s"] * 1e9) * 1e3

@@ -188,7 +188,8 @@ def bench_decode(
     num_new: Annotated[int, typer.Option(
         "--new", min=2, help="Tokens decoded per generation.")] = 64,
     batch: Annotated[int, typer.Option(
-        "--batch", min=1, help="Sequences decoded together in the batched case.")] = 4,
+        "--batch", min=1, max=16, help="Sequences decoded together in the batched case "
+        "(up to 16: one forward of the batcher's default).")] = 4,
     trials: Annotated[int, typer.Option(
         "--trials", min=1, help="Runs per case (the fastest counts).")] = 2,
     dtype: Annotated[Precision, typer.Option(

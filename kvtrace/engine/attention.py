@@ -31,11 +31,14 @@ keys contribute exact zeros, so a query row gets the same bits whether its
 chunk holds 1 or 64 real rows, and whether the kv length ends just after it
 or a tile later. The parity tests in tests/engine hold this line.
 
-Where torch's fused CPU kernel keeps a row's bits too (`flash_rows_hold`,
-probed at every load), prefill attention goes through it instead (`_flash`:
-keys zero-padded to whole blocks of `FLASH_BLOCK`, an additive causal mask),
-so no score matrix is written and read back; the engine's fingerprint names
-which of the two computed its KV. The tiles stay for where it does not.
+Where torch's fused CPU kernel keeps a row's bits too (`flash_rows_hold`) and
+is the faster of the two on this machine and dtype (`flash_is_faster`; both
+probed once per machine, memo.py), prefill attention goes through it instead
+(`_flash`: keys zero-padded to whole blocks of `FLASH_BLOCK`, an additive
+causal mask), so no score matrix is written and read back; the engine's
+fingerprint names which of the two computed its KV. The tiles stay for where
+it does not hold or is slower (bfloat16 on an AVX-512 BF16 EPYC, whose BF16
+dot products the tiles' score products use and the fused kernel does not).
 
 The tiles cost the FLOPs of plain attention plus temporaries of
 `kv_heads * tiles * rows * TILE` floats. They are bounded: a forward of more
@@ -85,7 +88,7 @@ QUERY_BLOCK_ROWS = 256  # the most query rows one block scores (module docstring
 _QUERY_BLOCK_MULTIPLE = 16  # prefill's ROW_MULTIPLE: blocks are row counts a forward may have
 # `flash_is_faster`'s shape: an agent's next call extending a cached conversation (~100-160
 # new tokens over 2,000-5,000 in the fork and replay benchmarks); keys whole flash blocks.
-_SPEED_ROWS, _SPEED_KEYS, _SPEED_TRIALS = 128, 6 * FLASH_BLOCK, 3
+_SPEED_ROWS, _SPEED_KEYS, _SPEED_TRIALS = 128, 6 * FLASH_BLOCK, 5
 
 _registered = False
 
@@ -162,7 +165,7 @@ def _flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: f
     masked (-inf: exact zeros in its sums), and a block wholly after it changes nothing (its
     rescale factor is exactly 1). So a row gets the same bits in any chunk, at any length
     (`flash_rows_hold` checks that on this machine before the engine uses it). It reads no
-    score matrix back: ~30 % faster than the tiles at 512 rows, ~15 % at 112.
+    score matrix back: in float32 ~30 % faster than the tiles at 512 rows, ~15 % at 112.
 
     `in_place`: the same keys and values already padded, in the cache's own buffers (their
     rows past `key`'s zeros or earlier keys and values, `GrowingLayer.padded`): a masked
@@ -259,14 +262,17 @@ def flash_is_faster(num_heads: int, num_kv_heads: int, head_dim: int, dtype: tor
                     device: torch.device) -> bool:
     """Whether `_flash` computes a prefill's attention faster than the tiles on this machine,
     for this shape and dtype: the fastest of a few calls of each on an extension's shape
-    (`_SPEED_ROWS` query rows after a cached prefix, `_SPEED_KEYS` keys in all).
+    (`_SPEED_ROWS` query rows after a cached prefix, `_SPEED_KEYS` keys in all), on the
+    threads torch computes on now (the engine's most).
 
     Why a measurement: which is faster depends on the CPU and the dtype. On an AMD EPYC with
     AVX-512 BF16 (2026-12-07, torch 2.13) the fused kernel ran bfloat16 no faster than
     float32 (its small products and softmax passes do not use the BF16 dot products), and
-    the default model's agent rebuild took 1.4x the tiles' time with it; in float32 there,
-    and in bfloat16 on a Xeon with AMX, it was the faster (docs/benchmarks.md). ~60 ms for
-    the default model, once per machine (memo.py).
+    the default model's agent rebuild took 1.4x the tiles' time with it (1.5x on this
+    shape); in float32 there it was the faster (0.95x on this shape, 0.8-0.95x on the
+    rebuild), as in bfloat16 on a Xeon with AMX (docs/benchmarks.md). Near parity either
+    answer costs little; the answer is kept (memo.py), so the kernel, which the fingerprint
+    names, does not flip between loads. ~0.1 s for the default model, once per machine.
     """
     generator = torch.Generator().manual_seed(1)
 

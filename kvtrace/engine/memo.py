@@ -12,7 +12,12 @@ The probes ask questions only the model's own products can answer on this
 machine: does a row keep its bits whatever the row count (numerics.py), the
 thread count (threads.py), the cut of attention into forwards
 (attention.py), or the width of a decode forward (decode.py's row
-multiple)? Measured on a 2-core AVX2 EPYC with the default model in
+multiple)? Do packed bfloat16 weights give `F.linear`'s bits (packed.py)?
+One is a timing, not a question of bits: which prefill attention kernel is
+the faster here (attention.py's `flash_is_faster`), whose answer decides the
+kernel and so the fingerprint; kept, it cannot flip from one load to the
+next, only when the probes are measured again (a new key: an upgrade, other
+settings, the file deleted). Measured on a 2-core AVX2 EPYC with the default model in
 float32, they cost about 1 s of each start (rows 0.09 s, threads 0.08 s,
 attention cuts 0.21 s, decode row multiple 0.65 s, the last on the first
 request's path). An answer depends on the weights, the config, the dtype,

@@ -250,8 +250,7 @@ def _load_folder(folder: Path, cache_dir: Path, device: torch.device, dtype: tor
     # call their linear modules rather than read a weight themselves.
     packed_linears = 0
     if is_plain and can_pack(dtype, device) and probes.answer(
-            "packed_rows", lambda: packed_rows_hold(
-                model, range(1, budget.most + 1) if budget.adapts else (budget.most,)), YES_NO):
+            "packed_rows", lambda: packed_rows_hold(model, budget.most), YES_NO):
         packed_linears = pack_linears(model)
     return Engine(
         name=folder.name,

@@ -108,7 +108,7 @@ def pinned_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 def pin_rows(model: torch.nn.Module) -> int:
     """Make every plain linear layer of `model` a `PinnedLinear`; return how many."""
-    layers = _plain_linears(model)
+    layers = plain_linears(model)
     for module in layers:
         module.__class__ = PinnedLinear
     return len(layers)
@@ -117,10 +117,10 @@ def pin_rows(model: torch.nn.Module) -> int:
 def pinned_rows_hold(model: torch.nn.Module) -> bool:
     """Whether a `ROWS`-row product gives a row the same bits wherever it sits among them,
     for each distinct linear layer shape `pin_rows` would pin (numerics.py's probe)."""
-    return fixed_count_rows_hold(_plain_linears(model), ROWS, _PROBE_OFFSETS)
+    return fixed_count_rows_hold(plain_linears(model), ROWS, _PROBE_OFFSETS)
 
 
-def _plain_linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
+def plain_linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
     """The model's `torch.nn.Linear` layers, not subclasses (whose forward may differ)."""
     return [m for m in model.modules()
             if isinstance(m, torch.nn.Linear) and type(m) in (torch.nn.Linear, PinnedLinear)]
