@@ -52,7 +52,7 @@ if TYPE_CHECKING:  # torch-free to import: the CLI and the benches name these fi
     import torch
 
 # Bump when a probe changes what it checks: older answers then stop matching.
-PROBES_VERSION = 1
+PROBES_VERSION = 2
 PROBES_FILE = "probes.json"
 FINGERPRINTS_FILE = "fingerprints.json"
 # Environment variables whose values may change a product's bits (MKL's conditional
