@@ -33,9 +33,9 @@ or a tile later. The parity tests in tests/engine hold this line.
 
 Where torch's fused CPU kernel keeps a row's bits too (`flash_rows_hold`) and
 is the faster of the two on this machine and dtype (`flash_is_faster`; both
-probed once per machine, memo.py), prefill attention goes through it instead
-(`_flash`: keys zero-padded to whole blocks of `FLASH_BLOCK`, an additive
-causal mask), so no score matrix is written and read back; the engine's
+probed once per machine in kernel_probes.py, kept by memo.py), prefill attention goes
+through it instead (`flash_attention`: keys zero-padded to whole blocks of `FLASH_BLOCK`,
+an additive causal mask), so no score matrix is written and read back; the engine's
 fingerprint names which of the two computed its KV. The tiles stay for where
 it does not hold or is slower (bfloat16 on an AVX-512 BF16 EPYC, whose BF16
 dot products the tiles' score products use and the fused kernel does not).
@@ -60,10 +60,8 @@ tokens still match bit for bit.
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 import threading
-import time
 from typing import Any
 
 import torch
@@ -73,8 +71,8 @@ from kvtrace.engine.decode_attention import SequenceKV, decode_attention
 from kvtrace.engine.kvbuffer import GrowingLayer
 
 ATTN_IMPLEMENTATION = "kvtrace_canonical"
-# torch's fused CPU kernel (`flash`, see `_flash`) splits the keys into blocks of 512 from key
-# 0 once there are that many; keys padded to a multiple of it make every block a full one.
+# torch's fused CPU kernel (`flash_attention`) splits the keys into blocks of 512 from key 0
+# once there are that many; keys padded to a multiple of it make every block a full one.
 FLASH_BLOCK = 512
 KERNEL_ATTR = "_kvtrace_attention"  # on the model's config: "flash" where `flash_rows_hold`
 FLASH = "flash"
@@ -82,17 +80,11 @@ FLASH = "flash"
 # extension prefill ~6 % faster in bfloat16, docs/benchmarks.md); 256 pads too far.
 TILE = 128
 ROUTER_KWARG = "kvtrace_rows"  # a decode step's per-sequence K/V (decode.py's RowRouter)
-KV_KWARG = "kvtrace_kv"  # a prefill's cache (prefilling.py): `_flash` reads its buffers in place
+# a prefill's cache (prefilling.py): `flash_attention` reads its buffers in place
+KV_KWARG = "kvtrace_kv"
 SCORE_BYTES = 32 * 1024**2
 QUERY_BLOCK_ROWS = 256  # the most query rows one block scores (module docstring)
 _QUERY_BLOCK_MULTIPLE = 16  # prefill's ROW_MULTIPLE: blocks are row counts a forward may have
-# `flash_is_faster`'s shape: an agent's next call extending a cached conversation (~100-160
-# new tokens over 2,000-5,000 in the fork and replay benchmarks); keys whole flash blocks.
-_SPEED_ROWS, _SPEED_KEYS, _SPEED_TRIALS = 128, 6 * FLASH_BLOCK, 5
-# The tiles replace the fused kernel only at this fraction of its time or less: near parity
-# a timing may fall either way from one measurement to the next, and the kernel decides the
-# bits (and the fingerprint), so two processes measuring apart must agree (`flash_is_faster`).
-TILES_CLEARLY_FASTER = 0.8
 
 _registered = False
 
@@ -124,11 +116,11 @@ def canonical_attention(
         return decode_attention(query, [SequenceKV(key, value, 0)], [[0]], scale), None
     if getattr(getattr(module, "config", None), KERNEL_ATTR, None) == FLASH:
         in_place = _padded_in_place(kwargs.get(KV_KWARG), module, key, value)
-        return _flash(query, key, value, scale, in_place), None
-    return _tiles(query, key, value, scale), None
+        return flash_attention(query, key, value, scale, in_place), None
+    return tiled_attention(query, key, value, scale), None
 
 
-def _tiles(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+def tiled_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
            scale: float) -> torch.Tensor:
     """The same causal attention in fixed tiles (module docstring): `[b, q, heads, dim]`."""
     q_len, head_dim = query.shape[2], query.shape[3]
@@ -158,7 +150,7 @@ def _tiles(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return out
 
 
-def _flash(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+def flash_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
            in_place: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The same causal attention through torch's fused kernel: `[b, q, heads, dim]`.
 
@@ -228,97 +220,6 @@ def _flash_mask(first_query: int, q_len: int, num_keys: int, dtype: torch.dtype,
     query_pos = torch.arange(first_query, first_query + q_len, device=device)
     after = torch.arange(num_keys, device=device)[None, :] > query_pos[:, None]
     return torch.zeros(after.shape, dtype=dtype, device=device).masked_fill_(after, float("-inf"))
-
-
-def flash_rows_hold(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                    device: torch.device) -> bool:
-    """Whether `_flash` gives every query row the same bits however its positions are cut
-    into forwards (on random queries, keys and values of this shape, 1,104 positions)."""
-    generator = torch.Generator().manual_seed(0)
-
-    def draw(heads: int) -> torch.Tensor:
-        return torch.randn(1, heads, 1104, head_dim, generator=generator).to(dtype=dtype,
-                                                                             device=device)
-
-    query, key, value = draw(num_heads), draw(num_kv_heads), draw(num_kv_heads)
-    scale = head_dim**-0.5
-
-    def attend(cuts: tuple[int, ...]) -> torch.Tensor:
-        return torch.cat([_flash(query[:, :, a:b], key[:, :, :b], value[:, :, :b], scale)
-                          for a, b in itertools.pairwise(cuts)], dim=1)
-
-    threads = torch.get_num_threads()
-    try:
-        with torch.inference_mode():
-            whole = attend((0, 512, 1024, 1104))
-            if not all(torch.equal(attend(cuts), whole) for cuts in (
-                    (0, 16, 528, 1040, 1104), (0, 112, 624, 1104), (0, 496, 1008, 1104))):
-                return False
-            torch.set_num_threads(1)  # the engine may compute on fewer (threads.py)
-            return torch.equal(attend((0, 112, 624, 1104)), whole)
-    except RuntimeError:  # a device or dtype the kernel does not take: the tiles
-        return False
-    finally:
-        torch.set_num_threads(threads)
-
-
-def flash_is_faster(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                    device: torch.device) -> bool:
-    """Whether `_flash` computes a prefill's attention faster than the tiles on this machine,
-    for this shape and dtype: the fastest of a few calls of each on an extension's shape
-    (`_SPEED_ROWS` query rows after a cached prefix, `_SPEED_KEYS` keys in all), on the
-    threads torch computes on now (the engine's most).
-
-    Why a measurement: which is faster depends on the CPU and the dtype. On an AMD EPYC with
-    AVX-512 BF16 (2026-12-07, torch 2.13) the fused kernel ran bfloat16 no faster than
-    float32 (its small products and softmax passes do not use the BF16 dot products), and
-    the default model's agent rebuild took 1.4x the tiles' time with it (1.5x on this
-    shape); in float32 there it was the faster (0.95x on this shape, 0.8-0.95x on the
-    rebuild), as in bfloat16 on a Xeon with AMX (docs/benchmarks.md).
-
-    The answer is kept (memo.py), so the kernel, which the fingerprint names, does not flip
-    between loads; but two processes that keep their answers apart (another cache folder, a
-    deleted memo) each measure, and a fresh process must find the KV a first one left on
-    disk. So the answer is "flash" unless the tiles are clearly the faster
-    (`prefers_flash`): near parity, where either costs little, a timing's noise cannot
-    turn it. ~0.1 s for the default model, once per machine.
-    """
-    generator = torch.Generator().manual_seed(1)
-
-    def draw(heads: int, rows: int) -> torch.Tensor:
-        return torch.randn(1, heads, rows, head_dim, generator=generator).to(dtype=dtype,
-                                                                             device=device)
-
-    query = draw(num_heads, _SPEED_ROWS)
-    key, value = draw(num_kv_heads, _SPEED_KEYS), draw(num_kv_heads, _SPEED_KEYS)
-    scale = head_dim**-0.5
-    kernels = {  # each as a prefill calls it: flash reads whole blocks in place (a multiple)
-        "flash": lambda: _flash(query, key, value, scale, (key, value)),
-        "tiles": lambda: _tiles(query, key, value, scale),
-    }
-    best = dict.fromkeys(kernels, math.inf)
-    with torch.inference_mode():
-        for run in kernels.values():
-            run()  # the first call allocates its scratch
-        for _ in range(_SPEED_TRIALS):  # in turn, so a slow moment slows both
-            for name, run in kernels.items():
-                _synchronize(device)
-                started = time.perf_counter()
-                run()
-                _synchronize(device)  # a GPU's kernels run after their launch returns
-                best[name] = min(best[name], time.perf_counter() - started)
-    return prefers_flash(best["flash"], best["tiles"])
-
-
-def prefers_flash(flash_s: float, tiles_s: float) -> bool:
-    """Whether the fused kernel's time against the tiles' keeps it: unless the tiles take
-    at most `TILES_CLEARLY_FASTER` of its time (`flash_is_faster`)."""
-    return tiles_s > TILES_CLEARLY_FASTER * flash_s
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _query_block(q_len: int, num_tiles: int, num_kv_heads: int, groups: int,

@@ -105,8 +105,8 @@ class GrowingLayer(DynamicLayer):
         """Keys and values of the rows up to the next multiple of `multiple`, in place; None
         when the buffer does not hold that many rows.
 
-        Why: prefill attention (attention.py's `_flash`) reads the keys zero-padded to whole
-        blocks, and copying each layer's whole KV into padded scratch took ~8 % of an agent
+        Why: prefill attention (attention.py's `flash_attention`) reads the keys zero-padded
+        to whole blocks, and copying each layer's whole KV into padded scratch took ~8 % of an agent
         rebuild (docs/benchmarks.md). The rows past the length are zeros from `_allocate`,
         or keys and values the model wrote before a crop, an adoption or a detach (no
         writer leaves anything else there): finite and of a real key's size, so a masked

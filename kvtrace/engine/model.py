@@ -35,11 +35,10 @@ from kvtrace.engine.attention import (
     FLASH_BLOCK,
     KERNEL_ATTR,
     TILE,
-    flash_is_faster,
-    flash_rows_hold,
     register_canonical_attention,
 )
 from kvtrace.engine.folders import LOADING, OnConvert, cache_root, model_folder
+from kvtrace.engine.kernel_probes import flash_is_faster, flash_rows_hold
 from kvtrace.engine.layers import (
     LayerKind,
     ModelLayout,
@@ -231,7 +230,7 @@ def _load_folder(folder: Path, cache_dir: Path, device: torch.device, dtype: tor
                 "flash_faster", lambda: flash_is_faster(
                     num_heads, num_kv_heads, head_dim, dtype, device), YES_NO):
             # torch's fused kernel keeps a row's bits here, and is the faster: canonical
-            # attention takes it (attention.py's `_flash`), else the tiles.
+            # attention takes it (attention.py's `flash_attention`), else the tiles.
             for holder in {id(config): config, id(text_config): text_config}.values():
                 setattr(holder, KERNEL_ATTR, FLASH)
             attn = f"{attn}:{FLASH}-{FLASH_BLOCK}"

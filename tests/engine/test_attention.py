@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvtrace.engine import attention
+from kvtrace.engine import attention, kernel_probes
 
 HEADS, KV_HEADS, DIM = 6, 2, 64
 
@@ -35,7 +35,7 @@ class _Layer(torch.nn.Module):
         self.config = SimpleNamespace(**{attention.KERNEL_ATTR: kernel})
 
 
-KERNELS = [None, attention.FLASH]  # the tiles, torch's fused kernel (`_flash`)
+KERNELS = [None, attention.FLASH]  # the tiles, torch's fused kernel (`flash_attention`)
 
 
 def _canonical(query, key, value, lo: int, hi: int, kernel: str | None = None) -> torch.Tensor:
@@ -88,10 +88,10 @@ def test_a_row_gets_the_same_bits_in_any_chunk(dtype, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_fused_kernel_keeps_a_rows_bits_where_its_probe_says_so(dtype):
     """Where `flash_rows_hold` says so on this machine, a row gets the same bits from
-    `_flash` in any chunk and at any length past it; the engine then takes it (and only
+    `flash_attention` in any chunk and at any length past it; the engine then takes it (and only
     then: its probe is what stands between a torch whose kernel splits otherwise and a
     cache hit with other bits)."""
-    if not attention.flash_rows_hold(HEADS, KV_HEADS, DIM, dtype, torch.device("cpu")):
+    if not kernel_probes.flash_rows_hold(HEADS, KV_HEADS, DIM, dtype, torch.device("cpu")):
         pytest.skip("torch's fused kernel gives other bits by chunk here: the tiles are used")
     query, key, value = _inputs(1300, dtype, seed=2)
     whole = _canonical(query, key, value, 1000, 1300, attention.FLASH)
@@ -109,7 +109,7 @@ def test_an_engine_takes_the_fused_kernel_where_it_holds_and_is_faster_and_names
 
     for engine in (tiny_engine, bf16_engine):
         config = engine.model.config
-        holds = attention.flash_rows_hold(config.num_attention_heads, engine.num_kv_heads,
+        holds = kernel_probes.flash_rows_hold(config.num_attention_heads, engine.num_kv_heads,
                                           engine.head_dim, engine.dtype, engine.device)
         # the load's own answer (measured once, so a noisy second timing cannot disagree)
         faster = holds and engine.probes.answer(
@@ -142,7 +142,7 @@ def test_the_speed_probe_times_both_kernels_on_the_models_shape(dtype, monkeypat
     took less: here made plain by slowing one of them down."""
     import time
 
-    real_tiles = attention._tiles
+    real_tiles = attention.tiled_attention
     calls = {"tiles": 0}
 
     def slow_tiles(*args):
@@ -150,9 +150,9 @@ def test_the_speed_probe_times_both_kernels_on_the_models_shape(dtype, monkeypat
         time.sleep(0.05)
         return real_tiles(*args)
 
-    monkeypatch.setattr(attention, "_tiles", slow_tiles)
-    assert attention.flash_is_faster(HEADS, KV_HEADS, DIM, dtype, torch.device("cpu"))
-    assert calls["tiles"] == 1 + attention._SPEED_TRIALS
+    monkeypatch.setattr(attention, "tiled_attention", slow_tiles)
+    assert kernel_probes.flash_is_faster(HEADS, KV_HEADS, DIM, dtype, torch.device("cpu"))
+    assert calls["tiles"] == 1 + kernel_probes._SPEED_TRIALS
 
 
 
@@ -160,18 +160,19 @@ def test_near_parity_the_speed_probe_keeps_the_fused_kernel_so_noise_cannot_turn
     """The kernel decides the bits: two processes measuring apart (another cache folder)
     must agree, or the second misses the KV the first left on disk. Only tiles clearly the
     faster replace the fused kernel."""
-    clear = attention.TILES_CLEARLY_FASTER
-    assert attention.prefers_flash(1.0, 1.0)
-    assert attention.prefers_flash(1.0, 1.1) and attention.prefers_flash(1.1, 1.0)
-    assert attention.prefers_flash(1.0, clear + 0.05)
-    assert not attention.prefers_flash(1.0, clear - 0.05)
-    assert not attention.prefers_flash(1.5, 1.0)  # the bfloat16 EPYC's shape (docs)
+    clear = kernel_probes.TILES_CLEARLY_FASTER
+    assert kernel_probes.prefers_flash(1.0, 1.0)
+    assert kernel_probes.prefers_flash(1.0, 1.1) and kernel_probes.prefers_flash(1.1, 1.0)
+    assert kernel_probes.prefers_flash(1.0, clear + 0.05)
+    assert not kernel_probes.prefers_flash(1.0, clear - 0.05)
+    assert not kernel_probes.prefers_flash(1.5, 1.0)  # the bfloat16 EPYC's shape (docs)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_keys_read_in_place_from_a_layers_buffer_give_the_bits_of_zero_padding(dtype):
-    """`_flash` reads a `GrowingLayer`'s keys padded in place: the rows past the length (zeros
-    at first, then rows of a longer past cropped away) change no bit of any query row."""
+    """`flash_attention` reads a `GrowingLayer`'s keys padded in place: the rows past the
+    length (zeros at first, then rows of a longer past cropped away) change no bit of any
+    query row."""
     from kvtrace.engine.kvbuffer import GrowingLayer
 
     query, key, value = _inputs(1300, dtype, seed=3)
@@ -189,8 +190,8 @@ def test_keys_read_in_place_from_a_layers_buffer_give_the_bits_of_zero_padding(d
                 stale = in_place[0][:, :, length:]
                 assert not torch.equal(stale, torch.zeros_like(stale))
             rows = query[:, :, lo:length]
-            got = attention._flash(rows, layer.keys, layer.values, scale, in_place)
-            copied = attention._flash(rows, key[:, :, :length].contiguous(),
+            got = attention.flash_attention(rows, layer.keys, layer.values, scale, in_place)
+            copied = attention.flash_attention(rows, key[:, :, :length].contiguous(),
                                       value[:, :, :length].contiguous(), scale)
             assert torch.equal(got, copied)
 
@@ -202,12 +203,12 @@ def test_a_prefill_reads_its_layers_keys_in_place(tiny_engine, tokens, monkeypat
     from kvtrace.engine import KVCache, prefill
 
     config = tiny_engine.model.config
-    if not attention.flash_rows_hold(config.num_attention_heads, tiny_engine.num_kv_heads,
+    if not kernel_probes.flash_rows_hold(config.num_attention_heads, tiny_engine.num_kv_heads,
                                      tiny_engine.head_dim, tiny_engine.dtype, tiny_engine.device):
         pytest.skip("the fused kernel does not hold here: the tiles are used")
     # As where it is also the faster (the engine's choice may be the tiles: attention.py).
     monkeypatch.setattr(config, attention.KERNEL_ATTR, attention.FLASH, raising=False)
-    real_sdpa, real_flash = F.scaled_dot_product_attention, attention._flash
+    real_sdpa, real_flash = F.scaled_dot_product_attention, attention.flash_attention
     calls: list[tuple[int | None, int]] = []  # (the buffer's keys, the keys the kernel read)
 
     def flash(query, key, value, scale, in_place=None):
@@ -223,7 +224,7 @@ def test_a_prefill_reads_its_layers_keys_in_place(tiny_engine, tokens, monkeypat
         ids = tokens(1500)  # long: whole flash blocks (kvbuffer.py); each call extends the last
         return [prefill(tiny_engine, cache, ids[:n]) for n in (1200, 1300, 1500)]
 
-    monkeypatch.setattr(attention, "_flash", flash)
+    monkeypatch.setattr(attention, "flash_attention", flash)
     monkeypatch.setattr(attention.F, "scaled_dot_product_attention", sdpa)
     in_place = run()
     assert calls and all(buffer is not None and read == buffer for buffer, read in calls)

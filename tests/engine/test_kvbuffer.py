@@ -150,7 +150,7 @@ def test_decoding_on_a_result_outside_inference_mode(tiny_engine, tokens):
 
 
 def test_rows_past_a_layers_length_are_zeros_or_its_own_rows(monkeypatch):
-    """Prefill attention reads a layer's buffer past its length (attention.py's `_flash`):
+    """Prefill attention reads a layer's buffer past its length (attention.py's `flash_attention`):
     whatever memory the buffers are made of, those rows hold zeros, or rows written before a
     crop, never what the allocator left there."""
     real_empty = torch.empty
