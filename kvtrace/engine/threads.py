@@ -24,8 +24,9 @@ Fidelity: a cache hit must give the bits a cold run gives, and the cold run
 may have run on another thread count. `load_engine` checks that the model's
 matrix products give the same bits on every count the budget may choose as
 on all (`threads_are_invariant`, next to the row check in numerics.py, for
-decode's 1 row and prefill's 16 to 512); where they do not, the budget stays
-fixed at the starting count. `KVTRACE_THREADS=N`
+decode's 1 row and prefill's 16 to 512); where they do not, and for every
+window or state model (whose own kernels run beside the products, unchecked),
+the budget stays fixed at the starting count. `KVTRACE_THREADS=N`
 fixes it at N (benchmarks that time one configuration; a user who knows
 better).
 """

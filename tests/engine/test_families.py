@@ -71,6 +71,28 @@ def family_engine(family_root, tokenizer_dir):
     return get
 
 
+def test_a_state_model_computes_on_a_fixed_thread_count(family_root, tokenizer_dir,
+                                                        monkeypatch):
+    """The thread probe checks the linear products only; a state or window model's own kernels
+    run beside them (a tiny Mamba once gave other prefill bits on one thread than on two,
+    docs/cache.md), so loading one stops the count from following the load, as a model whose
+    products vary does."""
+    from kvtrace.engine import model as model_module
+    from kvtrace.engine.threads import ThreadBudget
+
+    budget = ThreadBudget(most=2)  # the process's own budget, held, would stay held
+    if not budget.adapts:
+        budget.hold("the test is over")
+        pytest.skip("the thread count is fixed here already (KVTRACE_THREADS)")
+    monkeypatch.setattr(model_module, "engine_threads", lambda: budget)
+    folder = write_family("mamba", family_root / "mamba-threads", tokenizer_dir=tokenizer_dir,
+                          seed=3)
+    engine = load_engine(folder, cache_dir=family_root / "cache")
+    assert not engine.layout.is_plain
+    assert not budget.adapts and budget.threads == 2
+    assert "state model's own kernels" in budget.describe()
+
+
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_layer_kinds_come_from_the_config(family_engine, name):
     engine = family_engine(name)
