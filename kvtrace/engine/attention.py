@@ -32,12 +32,12 @@ chunk holds 1 or 64 real rows, and whether the kv length ends just after it
 or a tile later. The parity tests in tests/engine hold this line.
 
 Where torch's fused CPU kernel keeps a row's bits too (`flash_rows_hold`) and
-is the faster of the two on this machine and dtype (`flash_is_faster`; both
-probed once per machine in kernel_probes.py, kept by memo.py), prefill attention goes
+the tiles are not clearly the faster on this machine and dtype (`flash_is_faster`;
+both probed once per machine in kernel_probes.py, kept by memo.py), prefill attention goes
 through it instead (`flash_attention`: keys zero-padded to whole blocks of `FLASH_BLOCK`,
 an additive causal mask), so no score matrix is written and read back; the engine's
 fingerprint names which of the two computed its KV. The tiles stay for where
-it does not hold or is slower (bfloat16 on an AVX-512 BF16 EPYC, whose BF16
+it does not hold or is clearly slower (bfloat16 on an AVX-512 BF16 EPYC, whose BF16
 dot products the tiles' score products use and the fused kernel does not).
 
 The tiles cost the FLOPs of plain attention plus temporaries of
@@ -121,7 +121,7 @@ def canonical_attention(
 
 
 def tiled_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-           scale: float) -> torch.Tensor:
+                    scale: float) -> torch.Tensor:
     """The same causal attention in fixed tiles (module docstring): `[b, q, heads, dim]`."""
     q_len, head_dim = query.shape[2], query.shape[3]
     num_kv_heads, kv_len = key.shape[1], key.shape[2]
@@ -151,7 +151,8 @@ def tiled_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 
 def flash_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
-           in_place: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                    in_place: tuple[torch.Tensor, torch.Tensor] | None = None
+                    ) -> torch.Tensor:
     """The same causal attention through torch's fused kernel: `[b, q, heads, dim]`.
 
     Why it keeps a row's bits: the kernel gives each block of query rows to one thread, which

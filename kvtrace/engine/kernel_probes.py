@@ -6,8 +6,9 @@ engine's fingerprint names it (model.py). Both questions are asked once per mach
 kept (memo.py): `flash_rows_hold`, a question of bits (does the fused kernel give a row the
 same bits however its positions are cut into forwards, on every thread count), and
 `flash_is_faster`, a timing (which of the two is the faster here, for this shape and
-dtype), whose answer keeps the fused kernel near parity (`prefers_flash`) so that two
-measurements cannot disagree on the bits.
+dtype), whose answer keeps the fused kernel unless the tiles are clearly the faster
+(`prefers_flash`), so that two measurements near parity do not disagree on the bits (a
+ratio near the threshold itself still could: rarer, not ruled out).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import time
 import torch
 
 from kvtrace.engine import attention
-from kvtrace.engine.attention import FLASH_BLOCK, flash_attention
+from kvtrace.engine.attention import FLASH_BLOCK
 
 # `flash_is_faster`'s shape: an agent's next call extending a cached conversation (~100-160
 # new tokens over 2,000-5,000 in the fork and replay benchmarks); keys whole flash blocks.
@@ -44,7 +45,8 @@ def flash_rows_hold(num_heads: int, num_kv_heads: int, head_dim: int, dtype: tor
     scale = head_dim**-0.5
 
     def attend(cuts: tuple[int, ...]) -> torch.Tensor:
-        return torch.cat([flash_attention(query[:, :, a:b], key[:, :, :b], value[:, :, :b], scale)
+        return torch.cat([attention.flash_attention(query[:, :, a:b], key[:, :, :b],
+                                                    value[:, :, :b], scale)
                           for a, b in itertools.pairwise(cuts)], dim=1)
 
     threads = torch.get_num_threads()
@@ -80,8 +82,9 @@ def flash_is_faster(num_heads: int, num_kv_heads: int, head_dim: int, dtype: tor
     between loads; but two processes that keep their answers apart (another cache folder, a
     deleted memo) each measure, and a fresh process must find the KV a first one left on
     disk. So the answer is "flash" unless the tiles are clearly the faster
-    (`prefers_flash`): near parity, where either costs little, a timing's noise cannot
-    turn it. ~0.1 s for the default model, once per machine.
+    (`prefers_flash`): near parity, where either costs little, a timing's noise does not
+    turn it (a true ratio near the threshold still could). ~0.1 s for the default model,
+    once per machine.
     """
     generator = torch.Generator().manual_seed(1)
 

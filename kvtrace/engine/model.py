@@ -205,15 +205,15 @@ def _load_folder(folder: Path, cache_dir: Path, device: torch.device, dtype: tor
             "(kvtrace/engine/numerics.py)",
             stacklevel=3,
         )
-    if budget.adapts and not is_plain:
-        # The thread probe checks the linear products; a window or state layer's own kernels
-        # (transformers' code) run beside them, and a tiny Mamba once gave other prefill bits
-        # on one thread than on two (docs/cache.md): a hit must not depend on the load.
-        budget.hold("a window or state model's own kernels may give other bits on other "
-                    "thread counts")
-    elif budget.adapts and not probes.answer(
-            "threads", lambda: threads_are_invariant(model, budget.most), YES_NO):
-        budget.hold("this model's products give other bits on other thread counts")
+    # Whether a row's bits may depend on the thread count: the probe checks the linear
+    # products, and a window or state layer's own kernels (transformers' code) run beside
+    # them unchecked (a tiny Mamba once gave other prefill bits on one thread than on two,
+    # docs/cache.md). Then this process computes on one count whatever the load, and the
+    # fingerprint names it, so KV another count computed (another process's) never serves it.
+    thread_bits = not is_plain or not probes.answer(
+        "threads", lambda: threads_are_invariant(model, budget.most), YES_NO)
+    if thread_bits:
+        budget.hold("this model's bits may differ on other thread counts")
     if dtype == torch.bfloat16 and device.type == "cpu" and native_bfloat16() is False:
         warnings.warn(
             "this CPU has no native bfloat16 (AVX-512 BF16 or AMX): bfloat16 computes ~10x "
@@ -235,7 +235,8 @@ def _load_folder(folder: Path, cache_dir: Path, device: torch.device, dtype: tor
                 num_heads, num_kv_heads, head_dim, dtype, device), YES_NO) and probes.answer(
                 "flash_faster", lambda: flash_is_faster(
                     num_heads, num_kv_heads, head_dim, dtype, device), YES_NO):
-            # torch's fused kernel keeps a row's bits here, and is the faster: canonical
+            # torch's fused kernel keeps a row's bits here, and the tiles are not clearly the
+            # faster (kernel_probes.py): canonical
             # attention takes it (attention.py's `flash_attention`), else the tiles.
             for holder in {id(config): config, id(text_config): text_config}.values():
                 setattr(holder, KERNEL_ATTR, FLASH)
@@ -249,7 +250,8 @@ def _load_folder(folder: Path, cache_dir: Path, device: torch.device, dtype: tor
     # The config as it is now: a nested config (`text_config`) holds the attention kernel's
     # name set above, which the fingerprint names.
     fingerprint = _fingerprint({**model_parts, "config": _config_dict(model)}, model,
-                               tokenizer, attn or "model-default", pinned_rows, layout)
+                               tokenizer, attn or "model-default", pinned_rows, layout,
+                               threads=budget.most if thread_bits else None)
     # Last: every probe above multiplied the dense weights. Packed products give their bits
     # (packed.py), so the fingerprint does not name them; plain models only, whose layers
     # call their linear modules rather than read a weight themselves.
@@ -292,6 +294,8 @@ def _fingerprint(
     attn: str,
     pinned_rows: int | None,
     layout: ModelLayout,
+    *,
+    threads: int | None = None,
 ) -> str:
     vocab = sorted(tokenizer.get_vocab().items())
     tokenizer_digest = hashlib.sha256(
@@ -310,6 +314,8 @@ def _fingerprint(
         parts["steps_one_token"] = True
     if pinned_rows is not None:  # other bits than unpinned products (rowblocks.py)
         parts["linear_rows"] = pinned_rows
+    if threads is not None:  # bits that may depend on the thread count (load_engine)
+        parts["threads"] = threads
     blob = json.dumps(parts, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()
 

@@ -26,7 +26,8 @@ matrix products give the same bits on every count the budget may choose as
 on all (`threads_are_invariant`, next to the row check in numerics.py, for
 decode's 1 row and prefill's 16 to 512); where they do not, and for every
 window or state model (whose own kernels run beside the products, unchecked),
-the budget stays fixed at the starting count. `KVTRACE_THREADS=N`
+the budget stays fixed at the starting count, which the engine's fingerprint
+then names. `KVTRACE_THREADS=N`
 fixes it at N (benchmarks that time one configuration; a user who knows
 better).
 """

@@ -30,6 +30,7 @@ from kvtrace.engine import (
     prefill,
 )
 from kvtrace.engine.families import FAMILIES, write_family
+from kvtrace.engine.memo import YES_NO
 from kvtrace.errors import UnsupportedModelError, UsageError
 
 BLOCK = 16
@@ -71,26 +72,40 @@ def family_engine(family_root, tokenizer_dir):
     return get
 
 
-def test_a_state_model_computes_on_a_fixed_thread_count(family_root, tokenizer_dir,
-                                                        monkeypatch):
+def test_a_state_model_computes_on_a_fixed_thread_count_its_fingerprint_names(
+        family_root, tokenizer_dir, tiny_folder, tmp_path, monkeypatch):
     """The thread probe checks the linear products only; a state or window model's own kernels
     run beside them (a tiny Mamba once gave other prefill bits on one thread than on two,
-    docs/cache.md), so loading one stops the count from following the load, as a model whose
-    products vary does."""
+    docs/cache.md), so loading one stops the count from following the load, and its
+    fingerprint names the count (KV another count computed must not serve it). A plain model
+    whose products keep their bits on every count keeps following the load."""
     from kvtrace.engine import model as model_module
     from kvtrace.engine.threads import ThreadBudget
 
-    budget = ThreadBudget(most=2)  # the process's own budget, held, would stay held
-    if not budget.adapts:
-        budget.hold("the test is over")
-        pytest.skip("the thread count is fixed here already (KVTRACE_THREADS)")
-    monkeypatch.setattr(model_module, "engine_threads", lambda: budget)
-    folder = write_family("mamba", family_root / "mamba-threads", tokenizer_dir=tokenizer_dir,
-                          seed=3)
-    engine = load_engine(folder, cache_dir=family_root / "cache")
-    assert not engine.layout.is_plain
-    assert not budget.adapts and budget.threads == 2
-    assert "state model's own kernels" in budget.describe()
+    budgets: list[ThreadBudget] = []
+
+    def load(folder: Path, most: int) -> tuple[Engine, ThreadBudget]:
+        budget = ThreadBudget(most=most)  # the process's own budget, held, would stay held
+        budgets.append(budget)
+        monkeypatch.setattr(model_module, "engine_threads", lambda: budget)
+        return load_engine(folder, cache_dir=tmp_path / f"cache-{most}"), budget
+
+    try:
+        folder = write_family("mamba", family_root / "mamba-threads",
+                              tokenizer_dir=tokenizer_dir, seed=3)
+        mamba, budget = load(folder, 2)
+        if budget.why_fixed is not None and "KVTRACE_THREADS" in budget.why_fixed:
+            pytest.skip("the thread count is fixed here already (KVTRACE_THREADS)")
+        assert not mamba.layout.is_plain and not budget.adapts
+        assert "bits may differ on other thread counts" in budget.describe()
+        assert load(folder, 1)[0].fingerprint != mamba.fingerprint
+
+        plain, budget = load(tiny_folder, 2)
+        invariant = plain.probes.answer("threads", lambda: pytest.fail("never asked"), YES_NO)
+        assert budget.adapts is invariant
+    finally:
+        for budget in budgets:
+            budget.hold("the test is over")  # its sampler thread stops
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))

@@ -15,9 +15,9 @@ from kvtrace.engine import load_engine, memo
 from kvtrace.engine.decode import row_multiple
 from kvtrace.engine.memo import PROBES_FILE, Probes
 
-# Asked of a full-attention model on the CPU, in this order (`threads` only where the thread
-# budget adapts, `flash_faster` where the fused kernel holds, `packed_rows` in bfloat16; the
-# row check runs at every load and is part of the key instead)
+# Asked of a full-attention model on the CPU, in this order (`flash_faster` where the fused
+# kernel holds, `packed_rows` in bfloat16; the row check runs at every load and is part of
+# the key instead)
 PROBED_AT_LOAD = ["threads", "flash_rows", "flash_faster", "packed_rows"]
 
 
