@@ -27,7 +27,7 @@ from kvtrace.engine.attention import FLASH_BLOCK
 _SPEED_ROWS, _SPEED_KEYS, _SPEED_TRIALS = 128, 6 * FLASH_BLOCK, 5
 # The tiles replace the fused kernel only at this fraction of its time or less: near parity
 # a timing may fall either way from one measurement to the next, and the kernel decides the
-# bits (and the fingerprint), so two processes measuring apart must agree (`flash_is_faster`).
+# bits (and the fingerprint), so two processes measuring apart should agree (`flash_is_faster`).
 TILES_CLEARLY_FASTER = 0.8
 
 

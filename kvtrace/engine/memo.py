@@ -14,9 +14,8 @@ thread count (threads.py), the cut of attention into forwards
 (kernel_probes.py), or the width of a decode forward (decode.py's row
 multiple)? Do packed bfloat16 weights give `F.linear`'s bits (packed.py)?
 One is a timing, not a question of bits: whether the tiles are clearly the
-faster prefill attention kernel here (kernel_probes.py's `flash_is_faster`), whose
-answer decides the
-kernel and so the fingerprint; kept, it cannot flip from one load to the
+faster prefill attention kernel here (kernel_probes.py's `flash_is_faster`),
+whose answer decides the kernel and so the fingerprint; kept, it cannot flip from one load to the
 next, only when the probes are measured again (a new key: an upgrade, other
 settings, the file deleted). Measured on a 2-core AVX2 EPYC with the default model in
 float32, they cost about 1 s of each start (rows 0.09 s, threads 0.08 s,

@@ -207,7 +207,7 @@ def _load_folder(folder: Path, cache_dir: Path, device: torch.device, dtype: tor
         )
     # Whether a row's bits may depend on the thread count: the probe checks the linear
     # products, and a window or state layer's own kernels (transformers' code) run beside
-    # them unchecked (a tiny Mamba once gave other prefill bits on one thread than on two,
+    # them unchecked (a tiny Mamba can give other prefill bits on one thread than on two,
     # docs/cache.md). Then this process computes on one count whatever the load, and the
     # fingerprint names it, so KV another count computed (another process's) never serves it.
     thread_bits = not is_plain or not probes.answer(

@@ -161,7 +161,7 @@ def test_the_speed_probe_times_both_kernels_on_the_models_shape(dtype, slowed, m
 
 def test_near_parity_the_speed_probe_keeps_the_fused_kernel():
     """The kernel decides the bits: two processes measuring apart (another cache folder)
-    must agree, or the second misses the KV the first left on disk. Only tiles clearly the
+    should agree, or the second misses the KV the first left on disk. Only tiles clearly the
     faster replace the fused kernel."""
     clear = kernel_probes.TILES_CLEARLY_FASTER
     assert kernel_probes.prefers_flash(1.0, 1.0)

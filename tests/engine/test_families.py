@@ -75,7 +75,7 @@ def family_engine(family_root, tokenizer_dir):
 def test_a_state_model_computes_on_a_fixed_thread_count_its_fingerprint_names(
         family_root, tokenizer_dir, tiny_folder, tmp_path, monkeypatch):
     """The thread probe checks the linear products only; a state or window model's own kernels
-    run beside them (a tiny Mamba once gave other prefill bits on one thread than on two,
+    run beside them (a tiny Mamba can give other prefill bits on one thread than on two,
     docs/cache.md), so loading one stops the count from following the load, and its
     fingerprint names the count (KV another count computed must not serve it). A plain model
     whose products keep their bits on every count keeps following the load."""
